@@ -1,0 +1,34 @@
+# The two commands: `make test` and `make demo`. Each bootstraps what it needs:
+# a virtual environment, the patched llama-cpp-python wheel (built once, then taken
+# from ~/.cache/noderuntime), the project with its test dependencies, the demo model.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.bootstrapped
+
+.PHONY: test demo bootstrap lint clean
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) -m noderuntime demo
+
+bootstrap: $(STAMP)
+
+$(STAMP): pyproject.toml kernels_patch/build.py $(wildcard kernels_patch/patches/*.patch)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) kernels_patch/build.py --python $(PY) --install
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m noderuntime models pull
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,112 @@
+"""Shared plumbing of the benchmarks: arguments, machine description, JSON and tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parser(name: str, description: str) -> argparse.ArgumentParser:
+    """The flags every benchmark takes: ``--quick`` and ``--out PATH``."""
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description)
+    p.add_argument("--quick", action="store_true", help="a short run (used by tests and CI)")
+    p.add_argument("--out", type=Path, default=None, help=f"JSON output (default benchmarks/results/{name}.json)")
+    return p
+
+
+def out_path(name: str, args: argparse.Namespace) -> Path:
+    """Where the JSON goes: ``--out`` or the committed results directory."""
+    if args.out is not None:
+        path: Path = args.out
+        return path
+    return RESULTS / (f"{name}.quick.json" if args.quick else f"{name}.json")
+
+
+def machine() -> dict[str, Any]:
+    """The machine the figures were measured on."""
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_total = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem_total = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "memory_bytes": mem_total,
+        "kernel": platform.release(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+    }
+
+
+def git_commit() -> str:
+    """The project commit the benchmark ran on (with a ``-dirty`` mark)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write(path: Path, name: str, args: argparse.Namespace, recipe: dict[str, Any], figures: dict[str, Any],
+          **extra: Any) -> dict[str, Any]:
+    """Write the result document and return it."""
+    doc = {
+        "benchmark": name,
+        "command": f"python -m benchmarks.{name}" + (" --quick" if args.quick else ""),
+        "quick": bool(args.quick),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "project_commit": git_commit(),
+        "machine": machine(),
+        "recipe": recipe,
+        **extra,
+        "figures": figures,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return doc
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain aligned text table."""
+    cells = [[str(h) for h in headers]] + [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)

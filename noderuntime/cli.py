@@ -1,0 +1,252 @@
+"""The ``noderuntime`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from noderuntime import artifacts, models
+
+
+class CliError(Exception):
+    """A user-facing error: printed without a traceback, exit status 1."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _cuts(text: str) -> list[int]:
+    try:
+        cuts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cuts must be comma-separated integers, got {text!r}") from None
+    if len(cuts) < 2 or any(b <= a for a, b in itertools.pairwise(cuts)):
+        raise argparse.ArgumentTypeError(f"cuts must be at least two increasing integers, got {text!r}")
+    return cuts
+
+
+def _ranges(text: str) -> list[artifacts.LayerRange]:
+    try:
+        return artifacts.LayerRange.parse_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def resolve_model(spec: str) -> Path:
+    """A model given as a path, or as the name of a known model (pulled on first use)."""
+    if spec in models.KNOWN_MODELS:
+        return models.pull(spec)
+    path = Path(spec)
+    if not path.exists():
+        known = ", ".join(sorted(models.KNOWN_MODELS))
+        raise CliError(f"model {spec!r} is neither a file nor a known model ({known})")
+    return path
+
+
+def _cmd_shard_inspect(args: argparse.Namespace) -> int:
+    info = artifacts.inspect(resolve_model(args.file))
+    fields: dict[str, Any] = {
+        "path": str(info.path),
+        "fingerprint": info.fingerprint,
+        "file_fingerprint": info.file_fingerprint,
+        "architecture": info.architecture,
+        "name": info.name,
+        "layers": str(info.layer_range),
+        "n_layer": info.n_layer,
+        "n_embd": info.n_embd,
+        "n_vocab": info.n_vocab,
+        "quant": info.quant,
+        "tensors": info.n_tensors,
+        "tensor_bytes": info.tensor_bytes,
+        "file_bytes": info.file_bytes,
+        "shard_file": info.is_shard_file,
+    }
+    if args.json:
+        print(json.dumps(fields, indent=2))
+    else:
+        width = max(len(k) for k in fields)
+        for key, value in fields.items():
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _cmd_shard_split(args: argparse.Namespace) -> int:
+    written = artifacts.split(resolve_model(args.model), args.ranges, args.out, progress=not args.quiet)
+    for path in written:
+        info = artifacts.inspect(path, verify=False)
+        print(f"{path}  layers {info.layer_range}  {info.file_bytes / 1e6:.1f} MB")
+    return 0
+
+
+def _cmd_models_pull(args: argparse.Namespace) -> int:
+    print(models.pull(args.name, progress=not args.quiet))
+    return 0
+
+
+def _cmd_models_list(_args: argparse.Namespace) -> int:
+    for name, model in sorted(models.KNOWN_MODELS.items()):
+        path = models.path_of(name)
+        state = "pulled" if path.exists() else "not pulled"
+        print(f"{name:<16} {model.filename:<40} {model.size / 1e6:8.1f} MB  {model.license:<12} {state}")
+    return 0
+
+
+def _cmd_models_synth(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from noderuntime import synth
+
+    try:
+        shape = synth.LlamaShape(
+            n_layer=args.layers,
+            n_embd=args.embd,
+            n_ff=args.ff,
+            n_head=args.heads,
+            n_head_kv=args.kv_heads,
+            n_vocab=args.vocab,
+            context_length=args.context,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if args.arch != "llama":
+        raise CliError(f"only --arch llama is supported, not {args.arch!r}")
+    with tqdm(unit="B", unit_scale=True, desc=f"synth {Path(args.out).name}", disable=args.quiet) as bar:
+
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        path = synth.write_llama(args.out, shape, quant=args.quant, seed=args.seed, progress=progress)
+    info = artifacts.inspect(path)
+    print(f"{path}  {info.file_bytes / 1e9:.2f} GB  {info.n_layer} layers  fingerprint {info.fingerprint[:16]}")
+    return 0
+
+
+def _cmd_check_parity(args: argparse.Namespace) -> int:
+    from noderuntime.engine import Recipe
+    from noderuntime.parity import check_parity
+
+    model = resolve_model(args.model)
+    try:
+        recipe = Recipe(n_threads=args.threads, n_ctx_per_seq=512, n_seq_max=2, flash_attn=args.flash_attn)
+        report = check_parity(model, args.cuts, n_tokens=args.tokens, recipe=recipe)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        verdict = "PARITY" if report["parity"] else "MISMATCH"
+        print(
+            f"{verdict}: cuts {report['cuts']}, {report['tokens']} greedy tokens, "
+            f"max |Δlogits| {report['max_abs_diff_logits']:.3g}, max |Δhidden| {report['max_abs_diff_hidden']:.3g}, "
+            f"greedy tokens equal: {report['greedy_tokens_equal']}"
+        )
+    return 0 if report["parity"] else 1
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from noderuntime.demo import run_chain_demo
+
+    return run_chain_demo(resolve_model(args.model), args.cuts, prompt=args.prompt, max_tokens=args.max_tokens)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(prog="noderuntime", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    shard = sub.add_parser("shard", help="inspect and slice GGUF model files").add_subparsers(
+        dest="shard_command", required=True, metavar="SUBCOMMAND"
+    )
+    p = shard.add_parser("inspect", help="print a model file's fingerprint and shape")
+    p.add_argument("file", help="a GGUF file or a known model name")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_shard_inspect)
+    p = shard.add_parser("split", help="write one GGUF file per layer range")
+    p.add_argument("model", help="a GGUF file or a known model name")
+    p.add_argument("--ranges", type=_ranges, required=True, help="e.g. 0:10,10:20,20:30")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_shard_split)
+
+    model_cmds = sub.add_parser("models", help="fetch and make models").add_subparsers(
+        dest="models_command", required=True, metavar="SUBCOMMAND"
+    )
+    p = model_cmds.add_parser("pull", help="fetch a known model into the user cache")
+    p.add_argument("name", nargs="?", default=models.DEMO_MODEL, help=f"default {models.DEMO_MODEL}")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_cmd_models_pull)
+    p = model_cmds.add_parser("list", help="known models")
+    p.set_defaults(func=_cmd_models_list)
+    p = model_cmds.add_parser("synth", help="write a random-weight model of any size")
+    p.add_argument("--arch", default="llama")
+    p.add_argument("--layers", type=_positive_int, required=True)
+    p.add_argument("--embd", type=_positive_int, required=True)
+    p.add_argument("--ff", type=_positive_int, required=True)
+    p.add_argument("--heads", type=_positive_int, required=True)
+    p.add_argument("--kv-heads", type=_positive_int, required=True)
+    p.add_argument("--vocab", type=_positive_int, required=True)
+    p.add_argument("--context", type=_positive_int, default=4096)
+    p.add_argument("--quant", default="Q4_0", choices=["F32", "F16", "Q8_0", "Q4_0"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_cmd_models_synth)
+
+    check = sub.add_parser("check", help="correctness checks").add_subparsers(
+        dest="check_command", required=True, metavar="SUBCOMMAND"
+    )
+    p = check.add_parser("parity", help="shards in separate processes vs the whole model (Gate B)")
+    p.add_argument("--model", default=models.DEMO_MODEL, help="a GGUF file or a known model name")
+    p.add_argument("--cuts", type=_cuts, required=True, help="e.g. 0,10,20,30")
+    p.add_argument("--tokens", type=_positive_int, default=32, help="greedy decode steps")
+    p.add_argument("--threads", type=_positive_int, default=2)
+    p.add_argument("--flash-attn", choices=["on", "off"], default="off")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_cmd_check_parity)
+
+    p = sub.add_parser("demo", help="generate text with the demo model split over shard processes")
+    p.add_argument("--model", default=models.DEMO_MODEL)
+    p.add_argument("--cuts", type=_cuts, default=[0, 15, 30])
+    p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
+    p.add_argument("--max-tokens", type=_positive_int, default=48)
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``noderuntime`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not args.verbose:
+        logging.getLogger("noderuntime.llama_cpp").setLevel(logging.WARNING)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (CliError, artifacts.ArtifactError, models.ModelError, ValueError, RuntimeError) as exc:
+        print(f"noderuntime: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

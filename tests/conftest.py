@@ -1,0 +1,40 @@
+"""Shared fixtures: the demo model (pulled through the same code path users take) and
+tiny random-weight models written with the ``gguf`` package."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from noderuntime import models, synth
+
+TINY_SHAPE = synth.LlamaShape(n_layer=4, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_vocab=320, context_length=1024)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct Q4_1, pulled and verified once per machine."""
+    return models.pull(models.DEMO_MODEL, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer random Llama in Q8_0 (about 200 KB)."""
+    return synth.write_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", TINY_SHAPE, quant="Q8_0", seed=1)
+
+
+@pytest.fixture
+def cli_env() -> dict[str, str]:
+    """Environment for running ``python -m noderuntime`` in a subprocess."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    return env
+
+
+@pytest.fixture
+def python() -> str:
+    """The interpreter running the tests."""
+    return sys.executable

@@ -1,0 +1,138 @@
+"""Artifact fingerprints, shard files, and refusal of bad model files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from noderuntime import artifacts, synth
+from noderuntime.artifacts import ArtifactError, LayerRange
+
+from .conftest import TINY_SHAPE
+
+
+def test_fingerprint_is_stable_and_covers_weights(tiny_model: Path, tmp_path: Path) -> None:
+    info = artifacts.inspect(tiny_model)
+    assert info.fingerprint == artifacts.inspect(tiny_model).fingerprint
+    assert (info.n_layer, info.n_embd, info.n_vocab, info.architecture) == (4, 64, 320, "llama")
+    same_shape_other_weights = synth.write_llama(tmp_path / "other.gguf", TINY_SHAPE, quant="Q8_0", seed=2)
+    assert artifacts.inspect(same_shape_other_weights).fingerprint != info.fingerprint
+
+
+def test_split_keeps_absolute_blocks_and_parent_fingerprint(tiny_model: Path, tmp_path: Path) -> None:
+    ranges = LayerRange.parse_list("0:1,1:3,3:4")
+    paths = artifacts.split(tiny_model, ranges, tmp_path)
+    parent = artifacts.inspect(tiny_model)
+    for path, layers in zip(paths, ranges, strict=True):
+        info = artifacts.inspect(path)
+        assert info.layer_range == layers
+        assert info.fingerprint == parent.fingerprint
+        assert info.file_fingerprint != parent.fingerprint
+        assert info.is_shard_file
+    middle = artifacts.inspect(paths[1])
+    # blocks 1 and 2 only: 9 tensors each, no embedding, no output norm
+    assert middle.n_tensors == 18
+    assert middle.file_bytes < parent.file_bytes
+
+
+def _rewrite(path: Path, old: bytes, new: bytes) -> None:
+    data = path.read_bytes()
+    assert data.count(old) >= 1 and len(old) == len(new)
+    path.write_bytes(data.replace(old, new, 1))
+
+
+def test_edited_shard_metadata_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    (path,) = artifacts.split(tiny_model, [LayerRange(1, 3)], tmp_path)
+    _rewrite(path, b"synthetic-llama", b"synthetic-llamb")
+    with pytest.raises(ArtifactError, match="does not match the parent fingerprint"):
+        artifacts.inspect(path)
+
+
+def test_edited_shard_weights_are_refused(tiny_model: Path, tmp_path: Path) -> None:
+    (path,) = artifacts.split(tiny_model, [LayerRange(1, 3)], tmp_path)
+    reader_info = artifacts.inspect(path)
+    assert reader_info.n_tensors > 0
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF  # inside the last tensor's sampled tail
+    path.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="differs from the parent model"):
+        artifacts.inspect(path)
+
+
+def test_shard_of_another_model_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    other = synth.write_llama(tmp_path / "other.gguf", TINY_SHAPE, quant="Q8_0", seed=3)
+    (path,) = artifacts.split(other, [LayerRange(0, 2)], tmp_path / "split")
+    with pytest.raises(ArtifactError, match="belongs to artifact"):
+        artifacts.verify_parent(artifacts.inspect(path), artifacts.inspect(tiny_model).fingerprint)
+
+
+def test_truncated_file_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_model.read_bytes()[: tiny_model.stat().st_size // 2])
+    with pytest.raises(ArtifactError, match=r"truncated|not a readable GGUF"):
+        artifacts.inspect(cut)
+
+
+@pytest.mark.parametrize("damage", ["magic", "garbage", "empty", "header"])
+def test_corrupted_file_is_refused(tiny_model: Path, tmp_path: Path, damage: str) -> None:
+    bad = tmp_path / "bad.gguf"
+    data = bytearray(tiny_model.read_bytes())
+    if damage == "magic":
+        data[:4] = b"GGML"
+    elif damage == "garbage":
+        data = bytearray(b"\x17" * 4096)
+    elif damage == "empty":
+        data = bytearray()
+    else:  # a huge declared key count
+        data[16:24] = (2**40).to_bytes(8, "little")
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError):
+        artifacts.inspect(bad)
+
+
+def test_missing_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ArtifactError, match="not found"):
+        artifacts.inspect(tmp_path / "absent.gguf")
+
+
+@pytest.mark.parametrize("text", ["5:5", "7:3", "a:b", "1", "-1:2"])
+def test_bad_range_text_is_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        LayerRange.parse(text)
+
+
+def test_split_refuses_ranges_outside_the_model(tiny_model: Path, tmp_path: Path) -> None:
+    with pytest.raises(ArtifactError, match="outside the model"):
+        artifacts.split(tiny_model, [LayerRange(2, 9)], tmp_path)
+
+
+def test_shard_cli_inspect_and_split(tiny_model: Path, tmp_path: Path, python: str, cli_env: dict[str, str]) -> None:
+    out = subprocess.run(
+        [python, "-m", "noderuntime", "shard", "inspect", str(tiny_model), "--json"],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        check=True,
+    )
+    fingerprint = json.loads(out.stdout)["fingerprint"]
+    assert fingerprint == artifacts.inspect(tiny_model).fingerprint
+    out = subprocess.run(
+        [python, "-m", "noderuntime", "shard", "split", str(tiny_model), "--ranges", "0:2,2:4", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        check=True,
+    )
+    assert "layers 0:2" in out.stdout and "layers 2:4" in out.stdout
+    bad = subprocess.run(
+        [python, "-m", "noderuntime", "shard", "split", str(tiny_model), "--ranges", "0:2,3:3", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+    )
+    assert bad.returncode == 2 and "invalid layer range" in bad.stderr
+    shutil.rmtree(tmp_path)

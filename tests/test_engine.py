@@ -1,0 +1,202 @@
+"""The shard engine: loading ranges, refusing bad input, memory residency, sampling."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from noderuntime import artifacts, engine
+from noderuntime.artifacts import LayerRange
+from noderuntime.engine import EngineError, Recipe, Rows, SamplingParams, ShardEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = Recipe(n_threads=2, n_ctx_per_seq=256, n_seq_max=2, n_batch=64, n_ubatch=64)
+
+
+def _build_module():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("nr_build", ROOT / "kernels_patch" / "build.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_installed_kernels_carry_this_patch_series() -> None:
+    info = engine.build_info()
+    build = _build_module()
+    assert info["patch_hash"] == build.patch_hash()
+    assert info["llama_cpp_python"] == build.local_version()
+    assert info["llama_cpp_commit"] == build.LLAMA_CPP_COMMIT
+
+
+def test_stock_llama_cpp_python_is_refused_with_build_instructions(tmp_path: Path) -> None:
+    # A stand-in for a stock build: the same package layout, a real shared library
+    # (libc) that lacks the patch's symbols.
+    fake = tmp_path / "llama_cpp"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        textwrap.dedent("""
+        import ctypes, ctypes.util
+        __version__ = "0.3.36"
+        class llama_cpp:
+            _lib = ctypes.CDLL(ctypes.util.find_library("c"))
+    """)
+    )
+    probe = "import noderuntime.engine"
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode != 0
+    assert "PatchMissingError" in done.stderr
+    assert "stock build without layer-range execution" in done.stderr
+    assert "kernels_patch/build.py" in done.stderr
+
+
+def test_range_outside_the_model_is_refused(tiny_model: Path) -> None:
+    with pytest.raises(EngineError, match="outside the model"):
+        ShardEngine(tiny_model, SMALL, LayerRange(2, 6))
+
+
+def test_start_not_before_end_is_refused() -> None:
+    with pytest.raises(ValueError, match="start < end"):
+        LayerRange(3, 3)
+
+
+def test_shard_file_must_hold_the_requested_range(tiny_model: Path, tmp_path: Path) -> None:
+    (path,) = artifacts.split(tiny_model, [LayerRange(1, 3)], tmp_path)
+    with pytest.raises(EngineError, match="holds layers 1:3"):
+        ShardEngine(path, SMALL, LayerRange(1, 2))
+    with ShardEngine(path, SMALL) as shard:
+        assert shard.layers == LayerRange(1, 3)
+        assert not shard.is_head and not shard.is_tail
+
+
+def test_wrong_parent_fingerprint_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    (path,) = artifacts.split(tiny_model, [LayerRange(0, 2)], tmp_path)
+    with pytest.raises(EngineError, match="belongs to artifact"):
+        ShardEngine(path, SMALL, expected_fingerprint="0" * 64)
+
+
+def test_corrupted_model_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 64)
+    with pytest.raises(EngineError):
+        ShardEngine(bad, SMALL)
+
+
+def test_non_head_shard_refuses_token_ids(tiny_model: Path) -> None:
+    with ShardEngine(tiny_model, SMALL, LayerRange(2, 4)) as shard:
+        rows = Rows(
+            np.zeros(2, np.int32), np.arange(2, dtype=np.int32), np.ones(2, bool), tokens=np.array([5, 6], np.int32)
+        )
+        with pytest.raises(EngineError, match="takes hidden rows"):
+            shard.run(rows)
+        # and llama.cpp itself refuses a token batch (error -1), whatever the caller does
+        buffers = shard._buffers
+        buffers.batch.token = buffers.tokens.ctypes.data_as(type(buffers.batch.token))
+        buffers.batch.embd = None
+        buffers.batch.n_tokens = 1
+        assert engine.llama_cpp.llama_decode(shard.context, buffers.batch) == -1
+
+
+def test_sequences_are_removed_and_kv_cells_counted(tiny_model: Path) -> None:
+    with ShardEngine(tiny_model, SMALL) as whole:
+        rows = Rows(
+            np.array([0, 0, 0, 1], np.int32),
+            np.array([0, 1, 2, 0], np.int32),
+            np.array([0, 0, 1, 1], bool),
+            tokens=np.array([5, 6, 7, 8], np.int32),
+        )
+        result = whole.run(rows, want_logits=True)
+        assert result.logits is not None and result.logits.shape == (2, whole.n_vocab)
+        assert whole.kv_cells_used() == 4
+        assert whole.positions(0) == (0, 2)
+        whole.remove_sequence(0)
+        whole.remove_sequence(0)  # idempotent
+        assert whole.positions(0) is None
+        assert whole.kv_cells_used() == 1
+        whole.remove_sequence(1)
+        assert whole.kv_cells_used() == 0
+
+
+def test_sampler_chains(tiny_model: Path) -> None:
+    with ShardEngine(tiny_model, SMALL) as whole:
+        rows = Rows(
+            np.array([0, 1], np.int32), np.zeros(2, np.int32), np.ones(2, bool), tokens=np.array([5, 9], np.int32)
+        )
+        greedy = whole.new_sampler(SamplingParams())
+        result = whole.run(rows, samplers={0: greedy}, want_logits=True)
+        assert result.logits is not None
+        assert result.sampled[0] == int(np.argmax(result.logits[0]))
+        whole.remove_sequence(0)
+        whole.remove_sequence(1)
+        draws = []
+        for _ in range(2):
+            chain = whole.new_sampler(
+                SamplingParams(
+                    temperature=1.5,
+                    top_k=50,
+                    top_p=0.9,
+                    min_p=0.01,
+                    seed=1234,
+                    frequency_penalty=0.5,
+                    presence_penalty=0.3,
+                ),
+                history=[5, 6],
+            )
+            draws.append(whole.run(rows, samplers={1: chain}).sampled[1])
+            chain.close()
+            chain.close()
+            whole.remove_sequence(0)
+            whole.remove_sequence(1)
+        assert draws[0] == draws[1]  # same seed, same token
+        greedy.close()
+
+
+RESIDENCY_PROBE = textwrap.dedent("""
+    import json, sys, psutil
+    from noderuntime.engine import ShardEngine, Recipe, Rows
+    import numpy as np
+    recipe = Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=4, n_batch=64, n_ubatch=64)
+    before = psutil.Process().memory_info().rss
+    e = ShardEngine(sys.argv[1], recipe)
+    n = 8
+    rows = Rows(np.zeros(n, np.int32), np.arange(n, dtype=np.int32), np.ones(n, bool),
+                tokens=np.arange(5, 5 + n, dtype=np.int32) if e.is_head else None,
+                hidden=None if e.is_head else np.zeros((n, e.n_embd), np.float32))
+    e.run(rows)  # touch every weight page once
+    after = psutil.Process().memory_info().rss
+    m = e.memory()
+    print(json.dumps({"rss_growth": after - before, "weights": m.weights, "kv": m.kv, "compute": m.compute}))
+""")
+
+
+@pytest.mark.slow
+def test_middle_shard_resides_in_well_under_half_the_memory(smollm2: Path, tmp_path: Path) -> None:
+    (middle,) = artifacts.split(smollm2, [LayerRange(10, 20)], tmp_path)
+
+    def probe(path: Path) -> dict[str, int]:
+        out = subprocess.run(
+            [sys.executable, "-c", RESIDENCY_PROBE, str(path)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        )
+        result: dict[str, int] = json.loads(out.stdout.strip().splitlines()[-1])
+        return result
+
+    whole, shard = probe(smollm2), probe(middle)
+    assert shard["weights"] <= 0.45 * whole["weights"], (shard, whole)
+    assert shard["kv"] <= 0.45 * whole["kv"], (shard, whole)
+    assert shard["rss_growth"] <= 0.45 * whole["rss_growth"], (shard, whole)
