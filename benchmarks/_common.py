@@ -64,17 +64,24 @@ def git_commit() -> str:
     """The project commit the benchmark ran on (with a ``-dirty`` mark)."""
     root = Path(__file__).resolve().parents[1]
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
-def write(path: Path, name: str, args: argparse.Namespace, recipe: dict[str, Any], figures: dict[str, Any],
-          **extra: Any) -> dict[str, Any]:
+def write(
+    path: Path, name: str, args: argparse.Namespace, recipe: dict[str, Any], figures: dict[str, Any], **extra: Any
+) -> dict[str, Any]:
     """Write the result document and return it."""
     doc = {
         "benchmark": name,
@@ -94,7 +101,9 @@ def write(path: Path, name: str, args: argparse.Namespace, recipe: dict[str, Any
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A plain aligned text table."""
-    cells = [[str(h) for h in headers]] + [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in row] for row in rows]
+    cells = [[str(h) for h in headers]] + [
+        [f"{c:.4g}" if isinstance(c, float) else str(c) for c in row] for row in rows
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))

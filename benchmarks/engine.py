@@ -10,6 +10,7 @@ measured side by side on the same (shared, noisy) machine.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import resource
 import statistics
@@ -36,7 +37,7 @@ def _lane(conn: Any, model: str, cuts: list[int], prefill_tokens: int, decode_st
     from noderuntime.engine import Rows, ShardEngine
 
     recipe = _recipe()
-    engines = [ShardEngine(model, recipe, LayerRange(a, b)) for a, b in zip(cuts, cuts[1:], strict=False)]
+    engines = [ShardEngine(model, recipe, LayerRange(a, b)) for a, b in itertools.pairwise(cuts)]
     rng = np.random.default_rng(0)
     n_vocab = engines[-1].n_vocab
 
@@ -45,8 +46,13 @@ def _lane(conn: Any, model: str, cuts: list[int], prefill_tokens: int, decode_st
         result = None
         for engine in engines:
             result = engine.run(
-                Rows(rows.seq_ids, rows.positions, rows.outputs, tokens=rows.tokens if engine.is_head else None,
-                     hidden=hidden),
+                Rows(
+                    rows.seq_ids,
+                    rows.positions,
+                    rows.outputs,
+                    tokens=rows.tokens if engine.is_head else None,
+                    hidden=hidden,
+                ),
             )
             hidden = result.hidden
         return result
@@ -120,9 +126,21 @@ def main(argv: list[str] | None = None) -> int:
     }
     recipe = _recipe().describe(info.quant)
     path = _common.out_path(NAME, args)
-    _common.write(path, NAME, args, recipe, figures, model={"name": info.name, "fingerprint": info.fingerprint},
-                  settings={"prefill_tokens": prefill_tokens, "decode_steps": decode_steps, "repeats": repeats,
-                            "cuts": lanes, "raw": runs})
+    _common.write(
+        path,
+        NAME,
+        args,
+        recipe,
+        figures,
+        model={"name": info.name, "fingerprint": info.fingerprint},
+        settings={
+            "prefill_tokens": prefill_tokens,
+            "decode_steps": decode_steps,
+            "repeats": repeats,
+            "cuts": lanes,
+            "raw": runs,
+        },
+    )
     rows = []
     for key in figures["whole"]:
         whole, chain = figures["whole"][key], figures["chain_2"][key]

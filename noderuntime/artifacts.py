@@ -147,7 +147,7 @@ def _open(path: Path) -> GGUFReader:
         raise ArtifactError(f"model file not found: {path}")
     try:
         reader = GGUFReader(path)
-    except Exception as exc:  # the reader raises whatever numpy raises on bad bytes
+    except Exception as exc:  # noqa: BLE001 - the reader raises whatever numpy raises on bad bytes
         raise ArtifactError(f"{path} is not a readable GGUF file: {exc}") from None
     size = path.stat().st_size
     for tensor in reader.tensors:

@@ -1,0 +1,66 @@
+"""The seam protocol, sans-IO: bytes in, typed events out, and back.
+
+This package imports no trio, grpclib or llama_cpp. See ``seam.proto`` for the
+schema, :mod:`protocol.codec` for frames, :mod:`protocol.seam` for the per-session
+state machine and ``README.md`` for encodings and their measured error.
+"""
+
+from protocol.codec import FrameDecoder, FrameEncoder, Limits
+from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError, StatusCode
+from protocol.events import (
+    SCHEMA_MAJOR,
+    SCHEMA_MINOR,
+    Activations,
+    Cancel,
+    Credit,
+    Encoding,
+    Error,
+    Event,
+    Header,
+    Hop,
+    Identity,
+    NamedTensor,
+    OpenRoute,
+    Phase,
+    Release,
+    Sampling,
+    Span,
+    Tokens,
+    Usage,
+    UsageRecord,
+)
+from protocol.seam import Direction, SeamEndpoint, State, error_event
+
+__all__ = [
+    "SCHEMA_MAJOR",
+    "SCHEMA_MINOR",
+    "Activations",
+    "Cancel",
+    "Credit",
+    "Direction",
+    "Encoding",
+    "Error",
+    "Event",
+    "FrameDecoder",
+    "FrameEncoder",
+    "Header",
+    "Hop",
+    "Identity",
+    "Limits",
+    "LocalProtocolError",
+    "NamedTensor",
+    "OpenRoute",
+    "Phase",
+    "ProtocolError",
+    "Release",
+    "RemoteProtocolError",
+    "Sampling",
+    "SeamEndpoint",
+    "Span",
+    "State",
+    "StatusCode",
+    "Tokens",
+    "Usage",
+    "UsageRecord",
+    "error_event",
+]

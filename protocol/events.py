@@ -1,0 +1,200 @@
+"""Typed events of the seam protocol: what the codec turns frames into, and back.
+
+Small frozen attrs classes; protobuf objects never leave this package.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TypeAlias
+
+import attrs
+import numpy as np
+
+from protocol.errors import StatusCode
+
+SCHEMA_MAJOR = 1
+SCHEMA_MINOR = 0
+
+
+class Phase(enum.IntEnum):
+    """Where a frame is in its session's life."""
+
+    UNSPECIFIED = 0
+    PREFILL = 1
+    DECODE = 2
+    RELEASE = 3
+    CANCEL = 4
+
+
+class Encoding(enum.IntEnum):
+    """How tensor elements travel; they are float32 once decoded."""
+
+    F32 = 1
+    F16 = 2
+    BF16 = 3
+    Q8 = 4
+
+
+@attrs.frozen
+class Span:
+    """A half-open range ``[start, end)`` of layers or token positions."""
+
+    start: int = 0
+    end: int = 0
+
+    def __len__(self) -> int:
+        return max(0, self.end - self.start)
+
+
+@attrs.frozen
+class Identity:
+    """What names a session on one seam; the same on every frame of the session."""
+
+    request_id: str
+    session_id: bytes
+    epoch: int
+    artifact_fingerprint: bytes
+    recipe_fingerprint: bytes
+    shard: Span
+
+
+@attrs.frozen
+class Header:
+    """Identity plus what changes from frame to frame."""
+
+    identity: Identity
+    phase: Phase
+    step_id: int
+    positions: Span = Span()
+    cache_expectation: int = 0
+    schema_major: int = SCHEMA_MAJOR
+    schema_minor: int = SCHEMA_MINOR
+
+
+@attrs.frozen
+class Hop:
+    """One shard of a route plan."""
+
+    node_id: bytes
+    layers: Span
+    address: str = ""
+    relay: str = ""
+    tls_cert_sha256: bytes = b""
+
+
+@attrs.frozen
+class Sampling:
+    """Sampling parameters of a session (temperature 0: greedy)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 64
+
+
+@attrs.frozen
+class OpenRoute:
+    """Opens a route session on every hop; the head starts prefill on receipt."""
+
+    header: Header
+    hops: tuple[Hop, ...]
+    sampling: Sampling
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+    deadline_unix_ms: int = 0
+    ticket: bytes = b""
+
+
+@attrs.frozen(eq=False)
+class NamedTensor:
+    """A float32 tensor with a name (``hidden_states`` for the residual stream)."""
+
+    name: str
+    array: np.ndarray
+    encoding: Encoding = Encoding.F32
+
+
+@attrs.frozen(eq=False)
+class Activations:
+    """Tensors flowing downstream for the positions in the header."""
+
+    header: Header
+    tensors: tuple[NamedTensor, ...]
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The array of the tensor called ``name``; ``KeyError`` if absent."""
+        for tensor in self.tensors:
+            if tensor.name == name:
+                return tensor.array
+        raise KeyError(name)
+
+
+@attrs.frozen
+class Tokens:
+    """Tokens sampled by the tail, flowing upstream."""
+
+    header: Header
+    token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: str = ""
+
+
+@attrs.frozen
+class Release:
+    """The session ended normally: free its KV."""
+
+    header: Header
+    reason: str = ""
+
+
+@attrs.frozen
+class Cancel:
+    """The session was abandoned: free its KV, stop work."""
+
+    header: Header
+    reason: str = ""
+
+
+@attrs.frozen
+class Error:
+    """A hop failed the session."""
+
+    header: Header
+    code: StatusCode
+    message: str
+    node_id: bytes = b""
+
+
+@attrs.frozen
+class Credit:
+    """Flow control: the receiver allows this many more frames."""
+
+    header: Header
+    frames: int
+
+
+@attrs.frozen
+class UsageRecord:
+    """One shard's signed usage of one session."""
+
+    body: bytes
+    node_id: bytes
+    signature: bytes
+
+
+@attrs.frozen
+class Usage:
+    """Signed usage records travelling back up the route."""
+
+    header: Header
+    records: tuple[UsageRecord, ...]
+
+
+Event: TypeAlias = OpenRoute | Activations | Tokens | Release | Cancel | Error | Credit | Usage

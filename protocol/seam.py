@@ -1,0 +1,236 @@
+"""The per-session state machine of one end of a seam.
+
+A seam joins two consecutive hops of a route. Frames travel *downstream* (toward
+the tail: OpenRoute, Activations, Release, Cancel) and *upstream* (toward the head:
+Tokens, Credit, Usage, Error, Cancel). Each end of a seam keeps one
+:class:`SeamEndpoint` per session: it stamps outgoing headers (step ids, cache
+expectation) and checks incoming events against one transition table, the session's
+identity, step order and the KV length it holds. Violations by the peer raise
+:class:`~protocol.errors.RemoteProtocolError`; attempts of our own raise
+:class:`~protocol.errors.LocalProtocolError`. Both carry a status code for the
+``Error`` frame or gRPC status the peer is given.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError, StatusCode
+from protocol.events import (
+    SCHEMA_MAJOR,
+    Activations,
+    Cancel,
+    Credit,
+    Error,
+    Event,
+    Header,
+    Identity,
+    OpenRoute,
+    Phase,
+    Release,
+    Span,
+    Tokens,
+    Usage,
+)
+
+
+class Direction(enum.Enum):
+    """Which way a frame travels along the route."""
+
+    DOWNSTREAM = "downstream"  # toward the tail
+    UPSTREAM = "upstream"  # toward the head and the client
+
+
+class State(enum.Enum):
+    """State of one direction of a seam for one session."""
+
+    IDLE = "idle"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+_D, _U = Direction.DOWNSTREAM, Direction.UPSTREAM
+_IDLE, _OPEN, _CLOSED = State.IDLE, State.OPEN, State.CLOSED
+
+# The whole protocol of a seam, per direction: (state, event type) -> next state.
+# Anything not listed is a protocol error.
+TRANSITIONS: dict[Direction, dict[tuple[State, type], State]] = {
+    _D: {
+        (_IDLE, OpenRoute): _OPEN,
+        (_OPEN, Activations): _OPEN,
+        (_OPEN, Release): _CLOSED,
+        (_IDLE, Cancel): _CLOSED,
+        (_OPEN, Cancel): _CLOSED,
+        (_IDLE, Error): _CLOSED,
+        (_OPEN, Error): _CLOSED,
+    },
+    _U: {
+        (_IDLE, Credit): _OPEN,
+        (_OPEN, Credit): _OPEN,
+        (_IDLE, Tokens): _OPEN,
+        (_OPEN, Tokens): _OPEN,
+        (_IDLE, Usage): _CLOSED,
+        (_OPEN, Usage): _CLOSED,
+        (_IDLE, Error): _CLOSED,
+        (_OPEN, Error): _CLOSED,
+        (_IDLE, Cancel): _CLOSED,
+        (_OPEN, Cancel): _CLOSED,
+    },
+}
+
+
+def _next_state(direction: Direction, state: State, event: Event, error: type[ProtocolError]) -> State:
+    try:
+        return TRANSITIONS[direction][(state, type(event))]
+    except KeyError:
+        raise error(
+            f"{type(event).__name__} is not allowed {direction.value} in state {state.value}",
+            StatusCode.FAILED_PRECONDITION,
+        ) from None
+
+
+@attrs.define
+class _Track:
+    """One direction's progress."""
+
+    direction: Direction
+    state: State = State.IDLE
+    last_step: int = -1
+    kv_length: int = 0  # positions covered by accepted Activations (downstream only)
+
+
+class SeamEndpoint:
+    """One end of one seam, for one route session.
+
+    ``sends`` is the direction our frames travel: a hop's endpoint toward its next hop
+    sends downstream, its endpoint toward its previous hop sends upstream.
+    """
+
+    def __init__(self, identity: Identity, sends: Direction, *, peer_shard: Span | None = None) -> None:
+        """``identity`` is ours; ``peer_shard``, if known, is the range the peer's frames must name."""
+        self.identity = identity
+        self.peer_shard = peer_shard
+        receives = Direction.UPSTREAM if sends is Direction.DOWNSTREAM else Direction.DOWNSTREAM
+        self._out = _Track(sends)
+        self._in = _Track(receives)
+
+    @property
+    def outbound_state(self) -> State:
+        """State of the frames we send."""
+        return self._out.state
+
+    @property
+    def inbound_state(self) -> State:
+        """State of the frames we receive."""
+        return self._in.state
+
+    @property
+    def closed(self) -> bool:
+        """Both directions are closed: nothing more may pass for this session."""
+        return self._out.state is State.CLOSED and self._in.state is State.CLOSED
+
+    @property
+    def kv_length(self) -> int:
+        """KV positions the receiving end holds, by the Activations that crossed this seam."""
+        track = self._out if self._out.direction is Direction.DOWNSTREAM else self._in
+        return track.kv_length
+
+    # --- sending
+
+    def header(self, phase: Phase, positions: Span = Span()) -> Header:
+        """The header of our next frame: the next step id, and the KV length the peer should hold."""
+        return Header(
+            identity=self.identity,
+            phase=phase,
+            step_id=self._out.last_step + 1,
+            positions=positions,
+            cache_expectation=self._out.kv_length,
+        )
+
+    def send(self, event: Event) -> Event:
+        """Check an event we are about to send and advance; returns it unchanged."""
+        track = self._out
+        state = _next_state(track.direction, track.state, event, LocalProtocolError)
+        header = event.header
+        if header.identity != self.identity:
+            raise LocalProtocolError("event carries another session's identity")
+        if header.step_id != track.last_step + 1:
+            raise LocalProtocolError(f"step {header.step_id} sent after step {track.last_step}")
+        if isinstance(event, Activations):
+            self._check_positions(track, header, LocalProtocolError)
+            track.kv_length = header.positions.end
+        track.last_step = header.step_id
+        track.state = state
+        return event
+
+    # --- receiving
+
+    def receive(self, event: Event) -> Event | None:
+        """Check an event from the peer; ``None`` for an exact retry of the last step (ignore it)."""
+        track = self._in
+        header = event.header
+        if header.schema_major != SCHEMA_MAJOR:
+            raise RemoteProtocolError(
+                f"schema version {header.schema_major}.{header.schema_minor} is not supported (major {SCHEMA_MAJOR})",
+                StatusCode.UNIMPLEMENTED,
+            )
+        self._check_identity(header.identity)
+        if header.step_id == track.last_step and track.last_step >= 0:
+            return None  # the peer retried a step we already accepted
+        if header.step_id < track.last_step:
+            raise RemoteProtocolError(
+                f"step {header.step_id} after step {track.last_step}: steps must increase", StatusCode.OUT_OF_RANGE
+            )
+        if header.step_id > track.last_step + 1:
+            raise RemoteProtocolError(
+                f"step {header.step_id} after step {track.last_step}: steps {track.last_step + 1}.. are missing",
+                StatusCode.OUT_OF_RANGE,
+            )
+        state = _next_state(track.direction, track.state, event, RemoteProtocolError)
+        if isinstance(event, Activations):
+            self._check_positions(track, header, RemoteProtocolError)
+            track.kv_length = header.positions.end
+        track.last_step = header.step_id
+        track.state = state
+        return event
+
+    def _check_identity(self, theirs: Identity) -> None:
+        ours = self.identity
+        if theirs.session_id != ours.session_id:
+            raise RemoteProtocolError("frame of another session on this seam", StatusCode.INVALID_ARGUMENT)
+        if theirs.epoch != ours.epoch:
+            raise RemoteProtocolError(
+                f"frame of epoch {theirs.epoch}; this session is epoch {ours.epoch}", StatusCode.ABORTED
+            )
+        if theirs.artifact_fingerprint != ours.artifact_fingerprint:
+            raise RemoteProtocolError("frame names another model artifact", StatusCode.FAILED_PRECONDITION)
+        if theirs.recipe_fingerprint != ours.recipe_fingerprint:
+            raise RemoteProtocolError("frame names another recipe", StatusCode.FAILED_PRECONDITION)
+        if theirs.request_id != ours.request_id:
+            raise RemoteProtocolError("frame names another request", StatusCode.INVALID_ARGUMENT)
+        if self.peer_shard is not None and theirs.shard != self.peer_shard:
+            raise RemoteProtocolError(
+                f"frame from layers {theirs.shard.start}:{theirs.shard.end}; the peer of this seam runs "
+                f"{self.peer_shard.start}:{self.peer_shard.end}",
+                StatusCode.FAILED_PRECONDITION,
+            )
+
+    @staticmethod
+    def _check_positions(track: _Track, header: Header, error: type[ProtocolError]) -> None:
+        if header.cache_expectation != track.kv_length:
+            raise error(
+                f"cache expectation {header.cache_expectation}, but the receiver holds {track.kv_length} positions",
+                StatusCode.FAILED_PRECONDITION,
+            )
+        if header.positions.start != track.kv_length or header.positions.end <= header.positions.start:
+            raise error(
+                f"positions {header.positions.start}:{header.positions.end} do not continue from {track.kv_length}",
+                StatusCode.FAILED_PRECONDITION,
+            )
+
+
+def error_event(endpoint: SeamEndpoint, error: ProtocolError, node_id: bytes = b"") -> Error:
+    """The Error frame that tells the peer about ``error`` (Error is allowed in any open state)."""
+    return Error(endpoint.header(Phase.CANCEL), error.code, error.message, node_id)

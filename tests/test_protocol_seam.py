@@ -1,0 +1,173 @@
+"""The seam state machine: one transition table, identity, step order, cache expectation."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from protocol import (
+    Activations,
+    Cancel,
+    Credit,
+    Direction,
+    Error,
+    LocalProtocolError,
+    Phase,
+    Release,
+    RemoteProtocolError,
+    SeamEndpoint,
+    Span,
+    State,
+    StatusCode,
+    Tokens,
+    Usage,
+    error_event,
+)
+from protocol.seam import TRANSITIONS
+
+from . import protocol_helpers as h
+
+HEAD = h.identity(Span(0, 15))
+TAIL = h.identity(Span(15, 30))
+
+
+def pair() -> tuple[SeamEndpoint, SeamEndpoint]:
+    """The head's endpoint toward the tail, and the tail's toward the head."""
+    return (
+        SeamEndpoint(HEAD, Direction.DOWNSTREAM, peer_shard=TAIL.shard),
+        SeamEndpoint(TAIL, Direction.UPSTREAM, peer_shard=HEAD.shard),
+    )
+
+
+def test_a_whole_session_passes() -> None:
+    head, tail = pair()
+    open_route = attrs.evolve(h.open_route(HEAD), header=head.header(Phase.PREFILL))
+    assert tail.receive(head.send(open_route)) is open_route
+    step = Activations(head.header(Phase.PREFILL, Span(0, 5)), h.activations(rows=5).tensors)
+    assert tail.receive(head.send(step)) is step
+    assert tail.kv_length == head.kv_length == 5
+    for position in range(5, 8):
+        token = Tokens(tail.header(Phase.DECODE, Span(position, position + 1)), (42,))
+        assert head.receive(tail.send(token)) is token
+        step = Activations(head.header(Phase.DECODE, Span(position, position + 1)), h.activations().tensors)
+        assert tail.receive(head.send(step)) is step
+    release = Release(head.header(Phase.RELEASE), "stop")
+    tail.receive(head.send(release))
+    usage = Usage(tail.header(Phase.RELEASE), ())
+    head.receive(tail.send(usage))
+    assert head.closed and tail.closed
+
+
+def test_every_transition_outside_the_table_is_an_error() -> None:
+    events = {
+        "OpenRoute": lambda hd: attrs.evolve(h.open_route(HEAD), header=hd),
+        "Activations": lambda hd: Activations(attrs.evolve(hd, positions=Span(0, 1)), h.activations().tensors),
+        "Tokens": lambda hd: Tokens(hd, (1,)),
+        "Release": lambda hd: Release(hd),
+        "Cancel": lambda hd: Cancel(hd),
+        "Error": lambda hd: Error(hd, StatusCode.INTERNAL, "x"),
+        "Credit": lambda hd: Credit(hd, 1),
+        "Usage": lambda hd: Usage(hd, ()),
+    }
+    for direction, table in TRANSITIONS.items():
+        for state in State:
+            for name, make in events.items():
+                receiver = SeamEndpoint(
+                    HEAD, Direction.UPSTREAM if direction is Direction.DOWNSTREAM else Direction.DOWNSTREAM
+                )
+                receiver._in.state = state
+                receiver._in.last_step = 0 if state is not State.IDLE else -1
+                event = make(h.header(receiver._in.last_step + 1, ident=HEAD))
+                allowed = (state, type(event)) in table
+                if allowed:
+                    assert receiver.receive(event) is event, (direction, state, name)
+                    assert receiver.inbound_state is table[(state, type(event))]
+                else:
+                    with pytest.raises(RemoteProtocolError) as info:
+                        receiver.receive(event)
+                    assert info.value.code == StatusCode.FAILED_PRECONDITION, (direction, state, name)
+
+
+def test_duplicate_of_last_step_is_ignored_gap_and_regression_are_errors() -> None:
+    head, tail = pair()
+    open_route = attrs.evolve(h.open_route(HEAD), header=head.header(Phase.PREFILL))
+    tail.receive(head.send(open_route))
+    assert tail.receive(open_route) is None  # a retry
+    step1 = Activations(head.header(Phase.PREFILL, Span(0, 2)), h.activations(rows=2).tensors)
+    head.send(step1)
+    tail.receive(step1)
+    assert tail.receive(step1) is None
+    with pytest.raises(RemoteProtocolError, match="must increase") as info:
+        tail.receive(open_route)
+    assert info.value.code == StatusCode.OUT_OF_RANGE
+    gap = Activations(attrs.evolve(head.header(Phase.DECODE, Span(2, 3)), step_id=5), h.activations().tensors)
+    with pytest.raises(RemoteProtocolError, match="missing"):
+        tail.receive(gap)
+
+
+@pytest.mark.parametrize(
+    ("change", "code"),
+    [
+        ({"epoch": 2}, StatusCode.ABORTED),
+        ({"artifact_fingerprint": b"\x09" * 32}, StatusCode.FAILED_PRECONDITION),
+        ({"recipe_fingerprint": b"other"}, StatusCode.FAILED_PRECONDITION),
+        ({"session_id": b"\x01" * 16}, StatusCode.INVALID_ARGUMENT),
+        ({"shard": Span(0, 10)}, StatusCode.FAILED_PRECONDITION),
+    ],
+)
+def test_wrong_identity_is_refused(change: dict[str, object], code: StatusCode) -> None:
+    _, tail = pair()
+    liar = attrs.evolve(HEAD, **change)  # type: ignore[arg-type]
+    with pytest.raises(RemoteProtocolError) as info:
+        tail.receive(attrs.evolve(h.open_route(liar), header=h.header(0, Phase.PREFILL, ident=liar)))
+    assert info.value.code == code
+
+
+def test_unknown_schema_major_is_unimplemented() -> None:
+    _, tail = pair()
+    event = attrs.evolve(
+        h.open_route(HEAD), header=attrs.evolve(h.header(0, Phase.PREFILL, ident=HEAD), schema_major=2)
+    )
+    with pytest.raises(RemoteProtocolError) as info:
+        tail.receive(event)
+    assert info.value.code == StatusCode.UNIMPLEMENTED
+
+
+def test_newer_minor_version_is_accepted() -> None:
+    _, tail = pair()
+    event = attrs.evolve(
+        h.open_route(HEAD), header=attrs.evolve(h.header(0, Phase.PREFILL, ident=HEAD), schema_minor=7)
+    )
+    assert tail.receive(event) is event
+
+
+def test_cache_expectation_mismatch_is_refused() -> None:
+    head, tail = pair()
+    tail.receive(head.send(attrs.evolve(h.open_route(HEAD), header=head.header(Phase.PREFILL))))
+    skewed = Activations(
+        attrs.evolve(head.header(Phase.PREFILL, Span(0, 3)), cache_expectation=7), h.activations(rows=3).tensors
+    )
+    with pytest.raises(RemoteProtocolError, match="cache expectation 7") as info:
+        tail.receive(skewed)
+    assert info.value.code == StatusCode.FAILED_PRECONDITION
+    jumped = Activations(head.header(Phase.PREFILL, Span(4, 6)), h.activations(rows=2).tensors)
+    with pytest.raises(RemoteProtocolError, match="do not continue"):
+        tail.receive(jumped)
+
+
+def test_local_mistakes_are_local_errors() -> None:
+    head, _ = pair()
+    with pytest.raises(LocalProtocolError, match="not allowed"):
+        head.send(Activations(head.header(Phase.PREFILL, Span(0, 1)), h.activations().tensors))
+    head.send(attrs.evolve(h.open_route(HEAD), header=head.header(Phase.PREFILL)))
+    with pytest.raises(LocalProtocolError, match="step 7 sent after step 0"):
+        head.send(Release(attrs.evolve(head.header(Phase.RELEASE), step_id=7)))
+
+
+def test_error_event_closes_the_peer() -> None:
+    head, tail = pair()
+    tail.receive(head.send(attrs.evolve(h.open_route(HEAD), header=head.header(Phase.PREFILL))))
+    failure = RemoteProtocolError("bad", StatusCode.DATA_LOSS)
+    event = error_event(tail, failure, b"\x05" * 32)
+    assert head.receive(tail.send(event)) is event
+    assert event.code == StatusCode.DATA_LOSS and head.inbound_state is State.CLOSED
