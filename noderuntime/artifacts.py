@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
-from gguf.constants import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType
+from tqdm import tqdm
+
+from noderuntime import ggufio
 
 SHARD_START_KEY = "shard.layer_start"
 SHARD_END_KEY = "shard.layer_end"
@@ -142,58 +143,44 @@ class ArtifactInfo:
         return self.layer_range != LayerRange(0, self.n_layer)
 
 
-def _open(path: Path) -> GGUFReader:
+def _open(path: Path) -> ggufio.GGUFFile:
     if not path.is_file():
         raise ArtifactError(f"model file not found: {path}")
     try:
-        reader = GGUFReader(path)
-    except Exception as exc:  # noqa: BLE001 - the reader raises whatever numpy raises on bad bytes
-        raise ArtifactError(f"{path} is not a readable GGUF file: {exc}") from None
-    size = path.stat().st_size
-    for tensor in reader.tensors:
-        if tensor.data_offset + tensor.n_bytes > size or tensor.data.nbytes != tensor.n_bytes:
-            raise ArtifactError(f"{path} is truncated or corrupted: tensor {tensor.name} ends past the end of the file")
-    return reader
+        return ggufio.read(path)
+    except ggufio.GGUFError as exc:
+        raise ArtifactError(f"{path} is not a valid GGUF file: {exc}") from None
+    except OSError as exc:
+        raise ArtifactError(f"cannot read {path}: {exc}") from None
 
 
-def _field_bytes(field: Any) -> bytes:
-    return b"".join(part.tobytes() for part in field.parts)
-
-
-def _scalar(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None or not field.types:
+def _scalar(gguf: ggufio.GGUFFile, key: str, default: Any = None) -> Any:
+    field = gguf.fields.get(key)
+    if field is None or field.type == ggufio.ARRAY:
         return default
-    if field.types[0] == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-    if field.types[0] == GGUFValueType.ARRAY:
-        return default
-    return field.parts[field.data[0]][0].item()
+    return field.value()
 
 
-def _array_len(reader: GGUFReader, key: str) -> int:
-    field = reader.fields.get(key)
-    return len(field.data) if field is not None and field.types and field.types[0] == GGUFValueType.ARRAY else 0
+def _array_len(gguf: ggufio.GGUFFile, key: str) -> int:
+    field = gguf.fields.get(key)
+    return field.count if field is not None and field.type == ggufio.ARRAY else 0
 
 
-def _identity_fields(reader: GGUFReader) -> list[tuple[str, bytes]]:
-    return sorted(
-        (name, _field_bytes(field))
-        for name, field in reader.fields.items()
-        if not name.startswith(_NON_IDENTITY_PREFIXES)
-    )
+def _identity_fields(gguf: ggufio.GGUFFile) -> list[tuple[str, bytes]]:
+    return sorted((key, field.raw) for key, field in gguf.fields.items() if not key.startswith(_NON_IDENTITY_PREFIXES))
 
 
-def _tensor_index(reader: GGUFReader) -> list[TensorEntry]:
-    raw = reader.data
+def _tensor_index(gguf: ggufio.GGUFFile) -> list[TensorEntry]:
     entries = []
-    for tensor in reader.tensors:
-        begin, end = tensor.data_offset, tensor.data_offset + tensor.n_bytes
-        head = raw[begin : min(end, begin + _SAMPLE_BYTES)].tobytes()
-        tail = raw[max(begin, end - _SAMPLE_BYTES) : end].tobytes()
-        digest = hashlib.sha256(head + tail).hexdigest()[:16]
-        shape = tuple(int(d) for d in tensor.shape)
-        entries.append(TensorEntry(tensor.name, int(tensor.tensor_type), shape, int(tensor.n_bytes), digest))
+    with gguf.path.open("rb") as f:
+        fd = f.fileno()
+        for t in gguf.tensors:
+            end = t.offset + t.n_bytes
+            head = os.pread(fd, min(t.n_bytes, _SAMPLE_BYTES), t.offset)
+            tail_start = max(t.offset, end - _SAMPLE_BYTES)
+            tail = os.pread(fd, end - tail_start, tail_start)
+            digest = hashlib.sha256(head + tail).hexdigest()[:16]
+            entries.append(TensorEntry(t.name, t.ggml_type, t.shape, t.n_bytes, digest))
     return entries
 
 
@@ -222,19 +209,19 @@ def tensor_belongs(name: str, layers: LayerRange, n_layer: int, tied_output: boo
 def inspect(path: str | os.PathLike[str], *, verify: bool = True) -> ArtifactInfo:
     """Read a GGUF file's identity; for a shard file, ``verify`` checks it against its parent."""
     path = Path(path)
-    reader = _open(path)
-    arch = _scalar(reader, "general.architecture")
+    gguf = _open(path)
+    arch = _scalar(gguf, "general.architecture")
     if not isinstance(arch, str):
         raise ArtifactError(f"{path} has no general.architecture")
-    n_layer = _scalar(reader, f"{arch}.block_count")
-    n_embd = _scalar(reader, f"{arch}.embedding_length")
+    n_layer = _scalar(gguf, f"{arch}.block_count")
+    n_embd = _scalar(gguf, f"{arch}.embedding_length")
     if not isinstance(n_layer, int) or not isinstance(n_embd, int) or n_layer <= 0 or n_embd <= 0:
         raise ArtifactError(f"{path} lacks {arch}.block_count or {arch}.embedding_length")
-    fields = _identity_fields(reader)
-    index = _tensor_index(reader)
+    fields = _identity_fields(gguf)
+    index = _tensor_index(gguf)
     file_fingerprint = _fingerprint(fields, index)
-    start = _scalar(reader, SHARD_START_KEY)
-    end = _scalar(reader, SHARD_END_KEY)
+    start = _scalar(gguf, SHARD_START_KEY)
+    end = _scalar(gguf, SHARD_END_KEY)
     if start is None and end is None:
         layer_range, fingerprint = LayerRange(0, n_layer), file_fingerprint
     else:
@@ -243,54 +230,54 @@ def inspect(path: str | os.PathLike[str], *, verify: bool = True) -> ArtifactInf
             layer_range.check_within(n_layer)
         except ValueError as exc:
             raise ArtifactError(f"{path}: {exc}") from None
-        fingerprint = _scalar(reader, PARENT_FINGERPRINT_KEY, "")
+        fingerprint = _scalar(gguf, PARENT_FINGERPRINT_KEY, "")
         if verify:
-            _verify_slice(path, reader, fields, index, layer_range, n_layer)
-    file_type = _scalar(reader, "general.file_type", -1)
+            _verify_slice(path, gguf, fields, index, layer_range, n_layer)
+    file_type = _scalar(gguf, "general.file_type", -1)
     types = {entry.ggml_type for entry in index if _BLOCK_RE.match(entry.name) and len(entry.shape) >= 2}
     quant = "+".join(sorted(GGMLQuantizationType(t).name for t in types)) if types else "unknown"
-    n_head = _scalar(reader, f"{arch}.attention.head_count", 0)
+    n_head = _scalar(gguf, f"{arch}.attention.head_count", 0)
     return ArtifactInfo(
         path=path,
         fingerprint=str(fingerprint),
         file_fingerprint=file_fingerprint,
         architecture=arch,
-        name=str(_scalar(reader, "general.name", path.stem)),
+        name=str(_scalar(gguf, "general.name", path.stem)),
         n_layer=n_layer,
         n_embd=n_embd,
-        n_vocab=_array_len(reader, "tokenizer.ggml.tokens") or int(_scalar(reader, f"{arch}.vocab_size", 0)),
+        n_vocab=_array_len(gguf, "tokenizer.ggml.tokens") or int(_scalar(gguf, f"{arch}.vocab_size", 0)),
         n_head=int(n_head) if isinstance(n_head, int) else 0,
-        n_head_kv=int(_scalar(reader, f"{arch}.attention.head_count_kv", n_head) or 0),
-        context_length=int(_scalar(reader, f"{arch}.context_length", 0)),
+        n_head_kv=int(_scalar(gguf, f"{arch}.attention.head_count_kv", n_head) or 0),
+        context_length=int(_scalar(gguf, f"{arch}.context_length", 0)),
         file_type=int(file_type),
         quant=quant,
         n_tensors=len(index),
         tensor_bytes=sum(entry.n_bytes for entry in index),
         file_bytes=path.stat().st_size,
         layer_range=layer_range,
-        has_chat_template="tokenizer.chat_template" in reader.fields,
+        has_chat_template="tokenizer.chat_template" in gguf.fields,
     )
 
 
-def _parent_index(path: Path, reader: GGUFReader) -> list[TensorEntry]:
-    field = reader.fields.get(PARENT_INDEX_KEY)
-    if field is None or not field.types or field.types[-1] != GGUFValueType.STRING:
+def _parent_index(path: Path, gguf: ggufio.GGUFFile) -> list[TensorEntry]:
+    field = gguf.fields.get(PARENT_INDEX_KEY)
+    if field is None or field.type != ggufio.ARRAY or field.array_type != ggufio.STRING:
         raise ArtifactError(f"{path} is a shard file without its parent's tensor index ({PARENT_INDEX_KEY})")
-    return [TensorEntry.from_line(bytes(field.parts[i]).decode()) for i in field.data]
+    return [TensorEntry.from_line(line) for line in field.value()]
 
 
 def _verify_slice(
     path: Path,
-    reader: GGUFReader,
+    gguf: ggufio.GGUFFile,
     fields: list[tuple[str, bytes]],
     index: list[TensorEntry],
     layers: LayerRange,
     n_layer: int,
 ) -> None:
-    claimed = _scalar(reader, PARENT_FINGERPRINT_KEY)
+    claimed = _scalar(gguf, PARENT_FINGERPRINT_KEY)
     if not isinstance(claimed, str) or not claimed:
         raise ArtifactError(f"{path} is a shard file without a parent fingerprint ({PARENT_FINGERPRINT_KEY})")
-    parent = _parent_index(path, reader)
+    parent = _parent_index(path, gguf)
     if _fingerprint(fields, parent) != claimed:
         raise ArtifactError(
             f"{path}: metadata or parent index does not match the parent fingerprint {claimed[:16]}…; "
@@ -316,24 +303,6 @@ def verify_parent(info: ArtifactInfo, expected_fingerprint: str) -> None:
         )
 
 
-def _copy_field(writer: GGUFWriter, name: str, field: Any) -> None:
-    main = field.types[0]
-    if main == GGUFValueType.STRING:
-        writer.add_key_value(name, bytes(field.parts[field.data[0]]), main)
-    elif main == GGUFValueType.ARRAY:
-        sub = field.types[-1]
-        if len(field.types) > 2:
-            raise ArtifactError(f"nested array metadata ({name}) is not supported")
-        if sub == GGUFValueType.STRING:
-            values: Sequence[Any] = [bytes(field.parts[i]) for i in field.data]
-        else:
-            values = [field.parts[i][0].item() for i in field.data]
-        if values:
-            writer.add_key_value(name, values, main, sub)
-    else:
-        writer.add_key_value(name, field.parts[field.data[0]][0].item(), main)
-
-
 def split(
     model: str | os.PathLike[str],
     ranges: Sequence[LayerRange],
@@ -355,40 +324,36 @@ def split(
             layers.check_within(info.n_layer)
         except ValueError as exc:
             raise ArtifactError(str(exc)) from None
-    reader = _open(model)
-    parent = _tensor_index(reader)
+    gguf = _open(model)
+    parent = _tensor_index(gguf)
     tied = not any(entry.name == "output.weight" for entry in parent)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    kept = [f.raw for key, f in gguf.fields.items() if not key.startswith(_NON_IDENTITY_PREFIXES)]
     written = []
     for layers in ranges:
         target = out / f"{model.stem}.layers-{layers.start}-{layers.end}.gguf"
         tmp = target.with_suffix(".gguf.partial")
-        writer = GGUFWriter(tmp, arch=info.architecture, use_temp_file=False)
-        for name, field in reader.fields.items():
-            if name.startswith(_NON_IDENTITY_PREFIXES) or name == "general.architecture":
-                continue
-            if name == "general.alignment":
-                writer.add_custom_alignment(int(field.parts[field.data[0]][0]))
-            _copy_field(writer, name, field)
-        writer.add_uint32(SHARD_START_KEY, layers.start)
-        writer.add_uint32(SHARD_END_KEY, layers.end)
-        writer.add_string(PARENT_FINGERPRINT_KEY, info.fingerprint)
-        writer.add_array(PARENT_INDEX_KEY, [entry.line() for entry in parent])
-        for tensor in reader.tensors:
-            if not tensor_belongs(tensor.name, layers, info.n_layer, tied):
-                continue
-            raw = np.asarray(reader.data[tensor.data_offset : tensor.data_offset + tensor.n_bytes])
-            ggml_type = GGMLQuantizationType(int(tensor.tensor_type))
-            block, type_size = GGML_QUANT_SIZES[ggml_type]
-            shape = [int(d) for d in tensor.shape]  # ggml order
-            row_bytes = shape[0] // block * type_size
-            byte_shape = [*reversed(shape[1:]), row_bytes]
-            writer.add_tensor(tensor.name, raw.reshape(byte_shape), raw_dtype=ggml_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file(progress=progress)
-        writer.close()
+        extra = [
+            ggufio.uint32_field(SHARD_START_KEY, layers.start),
+            ggufio.uint32_field(SHARD_END_KEY, layers.end),
+            ggufio.string_field(PARENT_FINGERPRINT_KEY, info.fingerprint),
+            ggufio.string_array_field(PARENT_INDEX_KEY, [entry.line() for entry in parent]),
+        ]
+        tensors = [t for t in gguf.tensors if tensor_belongs(t.name, layers, info.n_layer, tied)]
+        with (
+            model.open("rb") as source,
+            tqdm(
+                total=sum(t.n_bytes for t in tensors),
+                unit="B",
+                unit_scale=True,
+                desc=f"layers {layers}",
+                disable=not progress,
+            ) as bar,
+        ):
+            ggufio.write(
+                tmp, kept + extra, [(t, source) for t in tensors], alignment=gguf.alignment, progress=bar.update
+            )
         os.replace(tmp, target)
         written.append(target)
     for path in written:

@@ -28,6 +28,21 @@ import numpy as np
 
 from noderuntime import artifacts
 from noderuntime.artifacts import ArtifactError, ArtifactInfo, LayerRange
+from noderuntime.steps import Rows, SamplingParams, StepResult
+
+__all__ = [
+    "EngineError",
+    "MemoryReport",
+    "PatchMissingError",
+    "Recipe",
+    "Rows",
+    "SamplerChain",
+    "SamplingParams",
+    "ShardEngine",
+    "StepResult",
+    "Vocab",
+    "build_info",
+]
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +165,13 @@ class Recipe:
         }
 
     def fingerprint(self, quant: str) -> str:
-        """Short stable hash of :meth:`describe`: peers compare it before sharing a route."""
-        blob = json.dumps(self.describe(quant), sort_keys=True).encode()
+        """Short stable hash of what every hop of a route must share; it travels in every frame.
+
+        Threads are left out: they are each owner's choice and reported in :meth:`describe`,
+        but they do not change a shard's interface (only, in corner cases, low-order bits).
+        """
+        shared = {k: v for k, v in self.describe(quant).items() if k != "threads"}
+        blob = json.dumps(shared, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -167,45 +187,6 @@ class MemoryReport:
     def total(self) -> int:
         """All three together."""
         return self.weights + self.kv + self.compute
-
-
-@attrs.frozen(eq=False)
-class Rows:
-    """One batch of rows to run. Arrays are parallel; exactly one of tokens / hidden is set."""
-
-    seq_ids: np.ndarray  # int32 [n]
-    positions: np.ndarray  # int32 [n]
-    outputs: np.ndarray  # bool [n]: rows whose logits the tail should produce
-    tokens: np.ndarray | None = None  # int32 [n], head shard
-    hidden: np.ndarray | None = None  # float32 [n, n_embd], other shards
-
-    def __len__(self) -> int:
-        return len(self.seq_ids)
-
-
-@attrs.frozen(eq=False)
-class StepResult:
-    """What one run produced."""
-
-    hidden: np.ndarray | None  # float32 [n, n_embd]: every row's residual (non-tail) or normed state
-    logits: np.ndarray | None  # float32 [n_outputs, n_vocab], in row order of the outputs
-    sampled: dict[int, int]  # row index -> sampled token, for rows given a sampler
-    seconds: float
-
-
-@attrs.frozen
-class SamplingParams:
-    """Sampling of one session; temperature 0 is greedy."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-    repeat_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    penalty_last_n: int = 64
 
 
 class SamplerChain:

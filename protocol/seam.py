@@ -139,6 +139,14 @@ class SeamEndpoint:
 
     # --- sending
 
+    def outbound_snapshot(self) -> tuple[State, int, int]:
+        """Our sending progress, to restore if a checked event could not be sent at all."""
+        return self._out.state, self._out.last_step, self._out.kv_length
+
+    def restore_outbound(self, snapshot: tuple[State, int, int]) -> None:
+        """Undo :meth:`send` for an event that never left (no frame of it was written)."""
+        self._out.state, self._out.last_step, self._out.kv_length = snapshot
+
     def header(self, phase: Phase, positions: Span = Span()) -> Header:
         """The header of our next frame: the next step id, and the KV length the peer should hold."""
         return Header(

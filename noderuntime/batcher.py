@@ -1,0 +1,304 @@
+"""The central batcher: the one task that owns a node's engine.
+
+Sessions hand it one step at a time (:meth:`Batcher.step`) and wait for the result.
+Each tick the batcher takes every ready step, asks the scheduler for a plan, runs the
+plan as one batch in a worker thread (one at a time: llama.cpp calls on a context
+must not overlap) and hands each session its rows. When nothing is ready it sleeps
+until the first step arrives, so an idle node adds no latency; steps that arrive
+during a run are taken at the next tick.
+
+Everything else that touches the engine — removing a finished session's KV, freeing
+its sampler chain — is queued with :meth:`Batcher.retire` and applied between runs;
+only then is the sequence slot handed back to the lease manager.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+import trio
+
+from noderuntime.leases import LeaseManager
+from noderuntime.scheduler import ReadyStep, schedule
+from noderuntime.steps import Rows, StepResult
+
+log = logging.getLogger(__name__)
+
+# Scheduler passes the batcher yields before planning a tick (microseconds each).
+GATHER_PASSES = 2
+
+
+class Engine(Protocol):
+    """What the batcher needs of an engine (the real one, or a fake in timing tests)."""
+
+    is_head: bool
+    is_tail: bool
+
+    def run(self, rows: Rows, *, samplers: Mapping[int, Any] | None = None, want_logits: bool = False) -> StepResult:
+        """Run one batch."""
+        ...
+
+    def remove_sequence(self, seq_id: int) -> None:
+        """Drop a sequence's KV."""
+        ...
+
+
+class Closable(Protocol):
+    """A per-session resource the engine uses during runs (a sampler chain)."""
+
+    def close(self) -> None:
+        """Free it."""
+        ...
+
+
+class StepFailed(RuntimeError):
+    """The engine failed the batch this step was in."""
+
+
+@attrs.define(eq=False)
+class StepRequest:
+    """One session's rows for the next tick."""
+
+    seq_id: int
+    start: int  # position of the first row; rows are consecutive
+    tokens: np.ndarray | None = None  # head: int32 [n]
+    hidden: np.ndarray | None = None  # others: float32 [n, n_embd]
+    sampler: Any = None  # tail: sample the last row with this chain
+    decode: bool = False
+
+    @property
+    def n_rows(self) -> int:
+        """Rows in the step."""
+        data = self.tokens if self.tokens is not None else self.hidden
+        assert data is not None
+        return len(data)
+
+
+@attrs.frozen(eq=False)
+class StepOutput:
+    """What a session gets back."""
+
+    hidden: np.ndarray | None
+    token: int | None
+    batch_rows: int  # how many rows the batch it ran in had
+    seconds: float  # engine time of that batch
+
+
+@attrs.define(eq=False)
+class _Work:
+    request: StepRequest
+    done: trio.Event = attrs.Factory(trio.Event)
+    output: StepOutput | None = None
+    error: BaseException | None = None
+
+
+@attrs.frozen
+class BatcherStatistics:
+    """A snapshot of the batcher's work."""
+
+    ticks: int
+    rows: int
+    decode_rows: int
+    prefill_rows: int
+    waiting: int
+    running: bool
+    last_batch_rows: int
+    last_tick_seconds: float
+    busy_seconds: float
+    failed_batches: int
+
+
+class Batcher:
+    """Owns an engine; see the module docstring."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        leases: LeaseManager,
+        *,
+        max_batch_tokens: int,
+        on_tick: Callable[[int, int, float], None] | None = None,
+        runner: Callable[[Callable[[], StepResult]], Awaitable[StepResult]] | None = None,
+    ) -> None:
+        """``on_tick(rows, decode_rows, seconds)`` is called after every batch (telemetry).
+
+        ``runner`` runs a batch: by default in a worker thread; timing tests pass one that
+        advances a fake clock instead.
+        """
+        self.engine = engine
+        self._runner = runner or _in_thread
+        self.leases = leases
+        self.max_batch_tokens = max_batch_tokens
+        self._on_tick = on_tick
+        self._waiting: list[_Work] = []
+        self._retiring: list[tuple[int, Closable | None]] = []
+        self._wake = trio.Event()
+        self._running = False
+        self._idle = trio.Event()
+        self._tick = 0
+        self._rows = self._decode_rows = 0
+        self._last_rows = 0
+        self._last_seconds = 0.0
+        self._busy = 0.0
+        self._failed = 0
+
+    # --- called by sessions
+
+    async def step(self, request: StepRequest) -> StepOutput:
+        """Run ``request`` in the next batch that has room for it; wait for its rows."""
+        if any(w.request.seq_id == request.seq_id for w in self._waiting):
+            raise RuntimeError(f"sequence {request.seq_id} already has a step waiting")
+        if not 0 < request.n_rows <= self.max_batch_tokens:
+            raise ValueError(f"a step has 1 to {self.max_batch_tokens} rows, not {request.n_rows}")
+        work = _Work(request)
+        self._waiting.append(work)
+        self._wake.set()
+        try:
+            await work.done.wait()
+        except BaseException:
+            # cancelled: a step not yet taken is withdrawn; one already running finishes
+            # in the engine and its rows are dropped
+            if work in self._waiting:
+                self._waiting.remove(work)
+            raise
+        if work.error is not None:
+            raise StepFailed(str(work.error)) from work.error
+        assert work.output is not None
+        return work.output
+
+    def retire(self, seq_id: int, resource: Closable | None = None) -> None:
+        """Remove a finished session's KV (and free ``resource``) as soon as no batch runs.
+
+        Synchronous; the slot returns to the lease manager only after the KV is gone.
+        """
+        self._waiting = [w for w in self._waiting if w.request.seq_id != seq_id]
+        self._retiring.append((seq_id, resource))
+        if not self._running:
+            self._apply_retirements()
+
+    async def between_runs(self, fn: Callable[[], Any]) -> Any:
+        """Call ``fn`` (which may touch the engine) on this thread while no batch runs."""
+        while self._running:
+            await self._idle.wait()
+        return fn()
+
+    def statistics(self) -> BatcherStatistics:
+        """An immutable snapshot."""
+        return BatcherStatistics(
+            ticks=self._tick,
+            rows=self._rows,
+            decode_rows=self._decode_rows,
+            prefill_rows=self._rows - self._decode_rows,
+            waiting=len(self._waiting),
+            running=self._running,
+            last_batch_rows=self._last_rows,
+            last_tick_seconds=self._last_seconds,
+            busy_seconds=self._busy,
+            failed_batches=self._failed,
+        )
+
+    # --- the batcher task
+
+    def _apply_retirements(self) -> None:
+        retiring, self._retiring = self._retiring, []
+        for seq_id, resource in retiring:
+            self.engine.remove_sequence(seq_id)
+            if resource is not None:
+                resource.close()
+            self.leases.free(seq_id)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The batcher loop; runs until cancelled."""
+        task_status.started()
+        while True:
+            self._apply_retirements()
+            if not self._waiting:
+                self._wake = trio.Event()
+                await self._wake.wait()
+            # Let every session that is already runnable hand in its step before we plan:
+            # sessions woken by the last batch resubmit within two scheduler passes, and
+            # without this they would drift into alternating batches of one.
+            for _ in range(GATHER_PASSES):
+                await trio.lowlevel.checkpoint()
+            self._apply_retirements()
+            if self._waiting:
+                await self._run_one_batch()
+
+    async def _run_one_batch(self) -> None:
+        by_seq = {w.request.seq_id: w for w in self._waiting}
+        ready = [ReadyStep(w.request.seq_id, w.request.n_rows, w.request.decode) for w in self._waiting]
+        plan = schedule(ready, self.max_batch_tokens, self._tick)
+        # Rows in increasing sequence order: with one KV stream per sequence, llama.cpp puts
+        # only consecutive increasing sequence ids into one ubatch (split_equal, sequential),
+        # so any other order would run the batch as several graphs.
+        works = sorted((by_seq[step.seq_id] for step in plan.steps), key=lambda w: w.request.seq_id)
+        taken = {id(w) for w in works}
+        self._waiting = [w for w in self._waiting if id(w) not in taken]
+        rows, samplers = self._assemble(works)
+        self._running = True
+        self._idle = trio.Event()
+        started = time.perf_counter()
+        try:
+            result = await self._runner(functools.partial(self.engine.run, rows, samplers=samplers or None))
+        except Exception as exc:  # noqa: BLE001 - an engine failure fails this batch's sessions, not the node
+            self._failed += 1
+            log.error("batch of %d rows failed: %s", len(rows), exc)
+            for work in works:
+                work.error = exc
+                work.done.set()
+            return
+        finally:
+            self._running = False
+            self._idle.set()
+            elapsed = time.perf_counter() - started
+            self._busy += elapsed
+        self._tick += 1
+        self._rows += len(rows)
+        self._decode_rows += plan.n_decode
+        self._last_rows = len(rows)
+        self._last_seconds = elapsed
+        if self._on_tick is not None:
+            self._on_tick(len(rows), plan.n_decode, elapsed)
+        offset = 0
+        for work in works:
+            n = work.request.n_rows
+            hidden = result.hidden[offset : offset + n] if result.hidden is not None else None
+            token = result.sampled.get(offset + n - 1) if work.request.sampler is not None else None
+            work.output = StepOutput(hidden, token, len(rows), result.seconds)
+            work.done.set()
+            offset += n
+
+    def _assemble(self, works: list[_Work]) -> tuple[Rows, dict[int, Any]]:
+        seq_ids, positions, outputs = [], [], []
+        samplers: dict[int, Any] = {}
+        offset = 0
+        for work in works:
+            request = work.request
+            n = request.n_rows
+            seq_ids.append(np.full(n, request.seq_id, np.int32))
+            positions.append(np.arange(request.start, request.start + n, dtype=np.int32))
+            out = np.zeros(n, bool)
+            if request.sampler is not None:
+                out[-1] = True
+                samplers[offset + n - 1] = request.sampler
+            outputs.append(out)
+            offset += n
+        tokens = hidden = None
+        if self.engine.is_head:
+            tokens = np.concatenate([w.request.tokens for w in works if w.request.tokens is not None])
+        else:
+            hidden = np.concatenate([w.request.hidden for w in works if w.request.hidden is not None])
+        return Rows(
+            np.concatenate(seq_ids), np.concatenate(positions), np.concatenate(outputs), tokens, hidden
+        ), samplers
+
+
+async def _in_thread(call: Callable[[], StepResult]) -> StepResult:
+    # one batch at a time, off the event loop: llama_decode blocks for milliseconds
+    return await trio.to_thread.run_sync(call)

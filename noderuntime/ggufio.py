@@ -1,0 +1,296 @@
+"""A small, strict GGUF reader and raw writer.
+
+The ``gguf`` package's reader builds a numpy view per metadata element, which takes
+seconds on a 49k-token vocabulary. This reader walks the header once with ``struct``,
+keeps each metadata field as its raw bytes (what fingerprints hash and what sliced
+files copy verbatim) and decodes values only on demand. Every declared length is
+checked against the file size before it is used.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import attrs
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+
+# GGUF value types
+UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = range(13)
+_SCALAR = {
+    UINT8: "<B",
+    INT8: "<b",
+    UINT16: "<H",
+    INT16: "<h",
+    UINT32: "<I",
+    INT32: "<i",
+    FLOAT32: "<f",
+    BOOL: "<?",
+    UINT64: "<Q",
+    INT64: "<q",
+    FLOAT64: "<d",
+}
+_SIZES = {t: struct.calcsize(f) for t, f in _SCALAR.items()}
+_MAX_DIMS = 8
+
+
+class GGUFError(ValueError):
+    """The file is not a well-formed GGUF file."""
+
+
+@attrs.frozen
+class Field:
+    """One metadata key/value, with the raw bytes it occupies in the file."""
+
+    key: str
+    type: int
+    raw: bytes  # from the key's length prefix to the end of the value
+    value_offset: int  # offset of the value inside ``raw``
+    array_type: int = -1
+    count: int = 1
+
+    def value(self) -> Any:
+        """The decoded value (lists for arrays, ``str`` for strings)."""
+        return _decode_value(self.raw, self.value_offset, self.type, self.array_type, self.count)
+
+
+@attrs.frozen
+class TensorInfo:
+    """One entry of the tensor index."""
+
+    name: str
+    shape: tuple[int, ...]  # ggml order, ne0 first
+    ggml_type: int
+    offset: int  # absolute offset of the data in the file
+    n_bytes: int
+
+
+@attrs.frozen
+class GGUFFile:
+    """The parsed header of a GGUF file."""
+
+    path: Path
+    version: int
+    fields: dict[str, Field]
+    tensors: list[TensorInfo]
+    alignment: int
+    data_offset: int
+    file_size: int
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A metadata value, or ``default``."""
+        field = self.fields.get(key)
+        return default if field is None else field.value()
+
+
+def _type_sizes() -> dict[int, tuple[int, int]]:
+    from gguf.constants import GGML_QUANT_SIZES
+
+    return {int(t): sizes for t, sizes in GGML_QUANT_SIZES.items()}
+
+
+_GGML_SIZES = _type_sizes()
+
+
+def tensor_nbytes(shape: Sequence[int], ggml_type: int) -> int:
+    """Bytes of a tensor of ``shape`` (ggml order) stored as ``ggml_type``."""
+    try:
+        block, type_size = _GGML_SIZES[ggml_type]
+    except KeyError:
+        raise GGUFError(f"unknown ggml type {ggml_type}") from None
+    if not shape or shape[0] % block:
+        raise GGUFError(f"row length {shape[0] if shape else 0} is not a multiple of the block size {block}")
+    n = 1
+    for d in shape:
+        n *= d
+    return n // block * type_size
+
+
+class _Cursor:
+    def __init__(self, buf: Any, limit: int) -> None:
+        self.buf = buf
+        self.pos = 0
+        self.limit = limit
+
+    def take(self, n: int) -> int:
+        start = self.pos
+        if n < 0 or start + n > self.limit:
+            raise GGUFError(f"truncated header: needs {n} bytes at offset {start}, file has {self.limit}")
+        self.pos = start + n
+        return start
+
+    def unpack(self, fmt: str) -> Any:
+        start = self.take(struct.calcsize(fmt))
+        return struct.unpack_from(fmt, self.buf, start)[0]
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        start = self.take(n)
+        try:
+            return bytes(self.buf[start : start + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise GGUFError(f"string at offset {start} is not UTF-8") from None
+
+    def skip_value(self, vtype: int, depth: int = 0) -> tuple[int, int]:
+        """Skip a value; returns (array element type, count) for arrays."""
+        if vtype in _SIZES:
+            self.take(_SIZES[vtype])
+            return -1, 1
+        if vtype == STRING:
+            self.take(self.unpack("<Q"))
+            return -1, 1
+        if vtype == ARRAY:
+            if depth > 0:
+                raise GGUFError("nested arrays are not supported")
+            element, count = self.unpack("<I"), self.unpack("<Q")
+            if element in _SIZES:
+                self.take(_SIZES[element] * count)
+            elif element == STRING:
+                if count > self.limit:
+                    raise GGUFError(f"array of {count} strings cannot fit in the file")
+                for _ in range(count):
+                    self.take(self.unpack("<Q"))
+            else:
+                raise GGUFError(f"array of unsupported element type {element}")
+            return element, count
+        raise GGUFError(f"unknown metadata value type {vtype}")
+
+
+def _decode_value(raw: bytes, offset: int, vtype: int, element: int, count: int) -> Any:
+    if vtype in _SCALAR:
+        return struct.unpack_from(_SCALAR[vtype], raw, offset)[0]
+    if vtype == STRING:
+        (n,) = struct.unpack_from("<Q", raw, offset)
+        return raw[offset + 8 : offset + 8 + n].decode("utf-8", errors="replace")
+    pos = offset + 12  # element type + count
+    if element in _SCALAR:
+        return list(struct.unpack_from(f"<{count}{_SCALAR[element][1]}", raw, pos))
+    values = []
+    for _ in range(count):
+        (n,) = struct.unpack_from("<Q", raw, pos)
+        values.append(raw[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"))
+        pos += 8 + n
+    return values
+
+
+def read(path: str | os.PathLike[str]) -> GGUFFile:
+    """Parse the header of a GGUF file; raises :class:`GGUFError` on anything malformed."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < 24:
+        raise GGUFError(f"{size} bytes is too small for a GGUF file")
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        cur = _Cursor(mm, size)
+        if bytes(mm[0:4]) != GGUF_MAGIC:
+            raise GGUFError("bad magic: not a GGUF file")
+        cur.take(4)
+        version = cur.unpack("<I")
+        if version not in (2, 3):
+            raise GGUFError(f"GGUF version {version} is not supported")
+        n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+        if n_tensors > size // 24 or n_kv > size // 12:
+            raise GGUFError(f"header declares {n_kv} keys and {n_tensors} tensors, more than the file can hold")
+        fields: dict[str, Field] = {}
+        for _ in range(n_kv):
+            start = cur.pos
+            key = cur.string()
+            vtype = cur.unpack("<I")
+            value_start = cur.pos
+            element, count = cur.skip_value(vtype)
+            if key in fields:
+                raise GGUFError(f"duplicate key {key!r}")
+            fields[key] = Field(key, vtype, bytes(mm[start : cur.pos]), value_start - start, element, count)
+        alignment = DEFAULT_ALIGNMENT
+        if "general.alignment" in fields:
+            alignment = int(fields["general.alignment"].value())
+            if alignment <= 0 or alignment & (alignment - 1):
+                raise GGUFError(f"alignment {alignment} is not a power of two")
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.unpack("<I")
+            if not 0 < n_dims <= _MAX_DIMS:
+                raise GGUFError(f"tensor {name!r} has {n_dims} dimensions")
+            shape = tuple(cur.unpack("<Q") for _ in range(n_dims))
+            ggml_type, offset = cur.unpack("<I"), cur.unpack("<Q")
+            infos.append((name, shape, ggml_type, offset))
+        data_offset = -(-cur.pos // alignment) * alignment
+    tensors = []
+    seen = set()
+    for name, shape, ggml_type, offset in infos:
+        if name in seen:
+            raise GGUFError(f"duplicate tensor {name!r}")
+        seen.add(name)
+        if any(d == 0 for d in shape):
+            raise GGUFError(f"tensor {name!r} has an empty dimension")
+        n_bytes = tensor_nbytes(shape, ggml_type)
+        absolute = data_offset + offset
+        if absolute + n_bytes > size:
+            raise GGUFError(f"tensor {name!r} ends past the end of the file: truncated or corrupted")
+        tensors.append(TensorInfo(name, shape, ggml_type, absolute, n_bytes))
+    return GGUFFile(path, version, fields, tensors, alignment, data_offset, size)
+
+
+def _pack_string(text: str | bytes) -> bytes:
+    data = text.encode("utf-8") if isinstance(text, str) else text
+    return struct.pack("<Q", len(data)) + data
+
+
+def string_field(key: str, value: str) -> bytes:
+    """Raw bytes of a string metadata field."""
+    return _pack_string(key) + struct.pack("<I", STRING) + _pack_string(value)
+
+
+def uint32_field(key: str, value: int) -> bytes:
+    """Raw bytes of a uint32 metadata field."""
+    return _pack_string(key) + struct.pack("<II", UINT32, value)
+
+
+def string_array_field(key: str, values: Iterable[str]) -> bytes:
+    """Raw bytes of an array-of-strings metadata field."""
+    items = [_pack_string(v) for v in values]
+    return _pack_string(key) + struct.pack("<IIQ", ARRAY, STRING, len(items)) + b"".join(items)
+
+
+def write(
+    path: str | os.PathLike[str],
+    raw_fields: Sequence[bytes],
+    tensors: Sequence[tuple[TensorInfo, BinaryIO]],
+    *,
+    alignment: int = DEFAULT_ALIGNMENT,
+    progress: Any = None,
+) -> None:
+    """Write a GGUF v3 file from raw metadata fields and tensors copied from open files.
+
+    ``progress``, if given, is called with the bytes written after each tensor.
+    """
+    index = bytearray()
+    offset = 0
+    for info, _ in tensors:
+        index += _pack_string(info.name) + struct.pack("<I", len(info.shape))
+        index += struct.pack(f"<{len(info.shape)}Q", *info.shape) + struct.pack("<IQ", info.ggml_type, offset)
+        offset += -(-info.n_bytes // alignment) * alignment
+    with open(path, "wb") as out:
+        out.write(GGUF_MAGIC + struct.pack("<IQQ", 3, len(tensors), len(raw_fields)))
+        for raw in raw_fields:
+            out.write(raw)
+        out.write(index)
+        out.write(b"\0" * (-out.tell() % alignment))
+        for info, source in tensors:
+            source.seek(info.offset)
+            left = info.n_bytes
+            while left:
+                chunk = source.read(min(left, 16 << 20))
+                if not chunk:
+                    raise GGUFError(f"source of tensor {info.name!r} ended early")
+                out.write(chunk)
+                left -= len(chunk)
+            out.write(b"\0" * (-info.n_bytes % alignment))
+            if progress is not None:
+                progress(info.n_bytes)

@@ -1,0 +1,345 @@
+"""A shard node: one engine, its batcher and leases, and the route sessions it serves.
+
+:meth:`Node.run` opens the node's nursery and starts the batcher; every incoming seam
+stream is handled by :meth:`Node.handle_stream` in that nursery: it reads the first
+frame (an ``OpenRoute``), checks that the route names this node with its range,
+artifact and recipe, admits the session (or refuses at once, ``RESOURCE_EXHAUSTED``
+when full) and serves it as a :class:`~noderuntime.sessions.RouteSession` to its end.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from noderuntime.batcher import Batcher, BatcherStatistics
+from noderuntime.leases import LeaseManager, LeaseStatistics
+from noderuntime.seamconn import SeamConnection
+from noderuntime.sessions import RouteSession, SessionKey, deadline_from_unix_ms
+from noderuntime.steps import SamplingParams
+from noderuntime.transport import FrameStream, TransportError
+from protocol import (
+    Direction,
+    Encoding,
+    Error,
+    Hop,
+    Identity,
+    Limits,
+    OpenRoute,
+    Phase,
+    ProtocolError,
+    RemoteProtocolError,
+    SeamEndpoint,
+    Span,
+    StatusCode,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Connector(Protocol):
+    """Opens the seam to the next hop of a route."""
+
+    async def connect(self, hop: Hop, open_route: OpenRoute) -> FrameStream:
+        """A frame stream to ``hop`` (direct, or through a relay)."""
+        ...
+
+
+class ShardEngineLike(Protocol):
+    """The engine surface a node uses (see :class:`noderuntime.engine.ShardEngine`)."""
+
+    is_head: bool
+    is_tail: bool
+    n_embd: int
+    n_vocab: int
+
+    def run(self, rows: Any, *, samplers: Any = None, want_logits: bool = False) -> Any:
+        """Run one batch."""
+        ...
+
+    def remove_sequence(self, seq_id: int) -> None:
+        """Drop a sequence's KV."""
+        ...
+
+    def new_sampler(self, params: SamplingParams, history: Any = ()) -> Any:
+        """A sampler chain for a session."""
+        ...
+
+    def kv_cells_used(self) -> int:
+        """KV cells held by all sequences."""
+        ...
+
+
+TicketCheck = Callable[[OpenRoute, int], Awaitable[None]]
+
+
+@attrs.frozen
+class NodeConfig:
+    """How a node serves sessions."""
+
+    layers: Span
+    n_layer: int
+    artifact_fingerprint: bytes
+    recipe_fingerprint: bytes
+    n_slots: int
+    ctx_per_seq: int
+    max_batch_tokens: int = 512
+    prefill_chunk: int = 256
+    idle_timeout: float = 60.0
+    max_session_seconds: float = 3600.0
+    encoding: Encoding = Encoding.F32
+    limits: Limits = Limits()
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 < self.prefill_chunk <= self.max_batch_tokens:
+            raise ValueError("prefill_chunk must lie in 1..max_batch_tokens")
+
+
+@attrs.frozen
+class NodeStatistics:
+    """A snapshot of a node."""
+
+    active_sessions: int
+    leases: LeaseStatistics
+    batcher: BatcherStatistics
+    sessions_opened: int
+    sessions_ended: dict[str, int]
+    admissions_refused: int
+
+
+class Node:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        engine: ShardEngineLike,
+        config: NodeConfig,
+        node_id: bytes,
+        connector: Connector | None = None,
+        *,
+        ticket_check: TicketCheck | None = None,
+        signer: Callable[[bytes], bytes] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.engine_n_embd = engine.n_embd
+        self.config = config
+        self.node_id = node_id
+        self.connector = connector
+        self.ticket_check = ticket_check
+        self._signer = signer
+        self.leases = LeaseManager(config.n_slots, config.ctx_per_seq)
+        self.batcher = Batcher(engine, self.leases, max_batch_tokens=config.max_batch_tokens)
+        self.sessions: dict[SessionKey, RouteSession] = {}
+        self._nursery: trio.Nursery | None = None
+        self._opened = 0
+        self._ended: collections.Counter[str] = collections.Counter()
+        self._refused = 0
+        self.ready = trio.Event()
+
+    # --- running
+
+    async def run(self, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled; sessions still running are ended and their KV released."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.batcher.run)
+            self._nursery = nursery
+            self.ready.set()
+            task_status.started(self)
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+                for session in list(self.sessions.values()):
+                    session.cancel("node_stopped", StatusCode.UNAVAILABLE, "the node is stopping")
+
+    def accept(self, stream: FrameStream) -> None:
+        """Serve an incoming seam stream in the node's nursery (synchronous)."""
+        if self._nursery is None:
+            raise RuntimeError("the node is not running")
+        self._nursery.start_soon(self.handle_stream, stream)
+
+    async def connect(self, hop: Hop, open_route: OpenRoute) -> FrameStream:
+        """A stream to the next hop, through this node's connector."""
+        if self.connector is None:
+            raise TransportError("this node has no connector to reach other nodes")
+        return await self.connector.connect(hop, open_route)
+
+    def sign(self, body: bytes) -> bytes:
+        """This node's signature over ``body`` (empty when the node has no key)."""
+        return self._signer(body) if self._signer is not None else b""
+
+    # --- one incoming stream
+
+    async def handle_stream(self, stream: FrameStream) -> None:
+        """Admit the session the stream opens, and serve it to its end."""
+        conn = SeamConnection(stream, limits=self.config.limits)
+        try:
+            with trio.fail_after(self.config.idle_timeout):
+                first = await conn.receive()
+        except (ProtocolError, TransportError, trio.TooSlowError) as exc:
+            log.info("dropped a seam before it opened a session: %s", exc)
+            await conn.aclose()
+            return
+        if not isinstance(first, OpenRoute):
+            await self._refuse(
+                conn,
+                first.header.identity,
+                RemoteProtocolError(
+                    f"the first frame of a seam must be OpenRoute, not {type(first).__name__}",
+                    StatusCode.FAILED_PRECONDITION,
+                ),
+            )
+            return
+        try:
+            index = self._check_route(first)
+            if self.ticket_check is not None:
+                await self.ticket_check(first, index)
+        except ProtocolError as exc:
+            await self._refuse(conn, first.header.identity, exc)
+            return
+        session = self._admit(first, index, conn)
+        if isinstance(session, ProtocolError):
+            await self._refuse(conn, first.header.identity, session)
+            return
+        self.sessions[session.key] = session
+        self._opened += 1
+        log.info("session %s opened: layers %s, seq %d", session.key, self.config.layers, session.lease.seq_id)
+        end = None
+        try:
+            end = await session.run()
+        finally:
+            self.sessions.pop(session.key, None)
+            reason = end.reason if end is not None else "node_stopped"
+            self._ended[reason] += 1
+            log.info("session %s ended: %s %s", session.key, reason, end.message if end else "")
+
+    def _check_route(self, open_route: OpenRoute) -> int:
+        config = self.config
+        hops = open_route.hops
+        ident = open_route.header.identity
+        if ident.artifact_fingerprint != config.artifact_fingerprint:
+            raise RemoteProtocolError("the route is for another model artifact", StatusCode.FAILED_PRECONDITION)
+        if ident.recipe_fingerprint != config.recipe_fingerprint:
+            raise RemoteProtocolError("the route expects another recipe", StatusCode.FAILED_PRECONDITION)
+        mine = [i for i, hop in enumerate(hops) if hop.node_id == self.node_id]
+        if len(mine) != 1:
+            raise RemoteProtocolError("the route plan does not name this node once", StatusCode.PERMISSION_DENIED)
+        index = mine[0]
+        if hops[index].layers != config.layers:
+            raise RemoteProtocolError(
+                f"the route gives this node layers {hops[index].layers.start}:{hops[index].layers.end}; it serves "
+                f"{config.layers.start}:{config.layers.end}",
+                StatusCode.FAILED_PRECONDITION,
+            )
+        if (
+            hops[0].layers.start != 0
+            or hops[-1].layers.end != config.n_layer
+            or any(a.layers.end != b.layers.start for a, b in itertools.pairwise(hops))
+        ):
+            raise RemoteProtocolError(
+                "the route plan is not a contiguous cover of the model", StatusCode.INVALID_ARGUMENT
+            )
+        expected_peer = hops[index - 1].layers if index > 0 else Span()
+        if ident.shard != expected_peer:
+            raise RemoteProtocolError(
+                "OpenRoute from a hop the plan does not put before this node", StatusCode.PERMISSION_DENIED
+            )
+        prompt = open_route.prompt_tokens
+        if not prompt:
+            raise RemoteProtocolError("empty prompt", StatusCode.INVALID_ARGUMENT)
+        if open_route.max_tokens <= 0:
+            raise RemoteProtocolError("max_tokens must be positive", StatusCode.INVALID_ARGUMENT)
+        if index == 0 and max(prompt) >= self.engine.n_vocab:
+            raise RemoteProtocolError(
+                f"prompt token id {max(prompt)} outside the vocabulary", StatusCode.INVALID_ARGUMENT
+            )
+        if len(prompt) + open_route.max_tokens > config.ctx_per_seq:
+            raise RemoteProtocolError(
+                f"prompt ({len(prompt)}) + max_tokens ({open_route.max_tokens}) exceeds the context of "
+                f"{config.ctx_per_seq} per session",
+                StatusCode.OUT_OF_RANGE,
+            )
+        if SessionKey(ident.session_id, ident.epoch) in self.sessions:
+            raise RemoteProtocolError("this session is already open here", StatusCode.ALREADY_EXISTS)
+        return index
+
+    def _admit(self, open_route: OpenRoute, index: int, conn: SeamConnection) -> RouteSession | ProtocolError:
+        deadline = deadline_from_unix_ms(open_route.deadline_unix_ms, self.config.max_session_seconds)
+        if deadline <= trio.current_time():
+            return RemoteProtocolError("the session's deadline has passed", StatusCode.DEADLINE_EXCEEDED)
+        lease = self.leases.acquire(len(open_route.prompt_tokens) + open_route.max_tokens)
+        if lease is None:
+            self._refused += 1
+            stats = self.leases.statistics()
+            return RemoteProtocolError(
+                f"node full: {stats.slots_leased + stats.slots_draining} of {stats.slots_total} sequence slots in use",
+                StatusCode.RESOURCE_EXHAUSTED,
+            )
+        ident = open_route.header.identity
+        mine = Identity(
+            ident.request_id,
+            ident.session_id,
+            ident.epoch,
+            ident.artifact_fingerprint,
+            ident.recipe_fingerprint,
+            self.config.layers,
+        )
+        endpoint = SeamEndpoint(mine, Direction.UPSTREAM, peer_shard=ident.shard)
+        endpoint.receive(open_route)
+        conn.endpoint = endpoint
+        sampler = None
+        if index == len(open_route.hops) - 1:
+            s = open_route.sampling
+            sampler = self.engine.new_sampler(
+                SamplingParams(
+                    s.temperature,
+                    s.top_k,
+                    s.top_p,
+                    s.min_p,
+                    s.seed,
+                    s.repeat_penalty,
+                    s.frequency_penalty,
+                    s.presence_penalty,
+                    s.penalty_last_n,
+                ),
+                history=open_route.prompt_tokens,
+            )
+        return RouteSession(self, open_route, index, conn, lease, sampler, deadline)
+
+    async def _refuse(self, conn: SeamConnection, theirs: Identity, error: ProtocolError) -> None:
+        log.info("refused a session: %s (%s)", error.message, error.code.name)
+        mine = Identity(
+            theirs.request_id,
+            theirs.session_id,
+            theirs.epoch,
+            theirs.artifact_fingerprint,
+            theirs.recipe_fingerprint,
+            self.config.layers,
+        )
+        endpoint = SeamEndpoint(mine, Direction.UPSTREAM)
+        await conn.notify(Error(endpoint.header(Phase.CANCEL), error.code, error.message, self.node_id))
+        await conn.aclose()
+
+    # --- observing
+
+    def statistics(self) -> NodeStatistics:
+        """An immutable snapshot."""
+        return NodeStatistics(
+            active_sessions=len(self.sessions),
+            leases=self.leases.statistics(),
+            batcher=self.batcher.statistics(),
+            sessions_opened=self._opened,
+            sessions_ended=dict(self._ended),
+            admissions_refused=self._refused,
+        )
+
+    async def kv_cells_used(self) -> int:
+        """KV cells in use, by llama.cpp's own count (read between batches)."""
+        cells: int = await self.batcher.between_runs(self.engine.kv_cells_used)
+        return cells

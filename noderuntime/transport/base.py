@@ -1,0 +1,45 @@
+"""The one interface every seam transport implements."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from protocol import StatusCode
+
+
+class TransportError(Exception):
+    """A frame stream failed; ``code`` is the status the session ends with."""
+
+    def __init__(self, message: str, code: StatusCode = StatusCode.UNAVAILABLE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class StreamClosed(TransportError):
+    """The peer closed the stream (or we did): no more frames will come."""
+
+
+class StreamBroken(TransportError):
+    """The stream was reset or the connection failed."""
+
+
+class FrameStream(Protocol):
+    """A bidirectional, ordered stream of opaque frames (one seam of one session).
+
+    ``send`` applies backpressure: it blocks while the peer is not reading.
+    ``receive`` raises :class:`StreamClosed` when the peer closed cleanly and
+    :class:`StreamBroken` on a reset. ``aclose`` is idempotent and does not wait
+    for the peer.
+    """
+
+    async def send(self, frame: bytes) -> None:
+        """Send one frame."""
+        ...
+
+    async def receive(self) -> bytes:
+        """The next frame."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close both directions."""
+        ...

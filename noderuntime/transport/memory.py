@@ -1,0 +1,41 @@
+"""In-memory frame streams: two ends joined by bounded trio channels (tests, in-process routes)."""
+
+from __future__ import annotations
+
+import trio
+
+from noderuntime.transport.base import StreamClosed
+
+
+class MemoryFrameStream:
+    """One end of an in-memory seam."""
+
+    def __init__(self, send: trio.MemorySendChannel[bytes], receive: trio.MemoryReceiveChannel[bytes]) -> None:
+        self._send = send
+        self._receive = receive
+
+    async def send(self, frame: bytes) -> None:
+        """Send one frame; blocks while the peer's buffer is full."""
+        try:
+            await self._send.send(frame)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise StreamClosed("the peer closed the seam") from None
+
+    async def receive(self) -> bytes:
+        """The next frame; :class:`StreamClosed` once the peer closed."""
+        try:
+            return await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError, trio.BrokenResourceError):
+            raise StreamClosed("the peer closed the seam") from None
+
+    async def aclose(self) -> None:
+        """Close both directions (idempotent, never blocks)."""
+        self._send.close()
+        self._receive.close()
+
+
+def memory_stream_pair(buffer: int = 4) -> tuple[MemoryFrameStream, MemoryFrameStream]:
+    """Two connected ends, each direction buffering at most ``buffer`` frames."""
+    a_send, b_receive = trio.open_memory_channel[bytes](buffer)
+    b_send, a_receive = trio.open_memory_channel[bytes](buffer)
+    return MemoryFrameStream(a_send, a_receive), MemoryFrameStream(b_send, b_receive)

@@ -1,0 +1,193 @@
+"""The batcher's timing logic, with a fake engine on trio's autojump clock."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from noderuntime.batcher import Batcher, StepFailed, StepRequest
+from noderuntime.leases import LeaseManager
+from noderuntime.steps import Rows, StepResult
+
+RUN_SECONDS = 0.010  # each batch takes 10 ms of (virtual) time
+
+
+class FakeEngine:
+    """Echoes positions as hidden rows; samples ``1000 + position``; records every batch."""
+
+    is_head = True
+    is_tail = True
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[int, int]]] = []  # (seq_id, rows) per step
+        self.removed: list[int] = []
+        self.fail_next = False
+
+    def run(self, rows: Rows, *, samplers: dict[int, Any] | None = None, want_logits: bool = False) -> StepResult:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("decode failed")
+        steps: list[tuple[int, int]] = []
+        for seq in rows.seq_ids.tolist():
+            if steps and steps[-1][0] == seq:
+                steps[-1] = (seq, steps[-1][1] + 1)
+            else:
+                steps.append((seq, 1))
+        self.batches.append(steps)
+        hidden = np.repeat(rows.positions.astype(np.float32)[:, None], 4, axis=1)
+        sampled = {row: 1000 + int(rows.positions[row]) for row in (samplers or {})}
+        return StepResult(hidden, None, sampled, RUN_SECONDS)
+
+    def remove_sequence(self, seq_id: int) -> None:
+        self.removed.append(seq_id)
+
+
+async def virtual_runner(call: Callable[[], StepResult]) -> StepResult:
+    await trio.sleep(RUN_SECONDS)
+    return call()
+
+
+def make(slots: int = 8, budget: int = 64) -> tuple[Batcher, FakeEngine, LeaseManager]:
+    engine = FakeEngine()
+    leases = LeaseManager(slots, 1000)
+    return Batcher(engine, leases, max_batch_tokens=budget, runner=virtual_runner), engine, leases
+
+
+def request(seq: int, start: int, n: int, *, sampler: object = None) -> StepRequest:
+    return StepRequest(seq, start, tokens=np.arange(n, dtype=np.int32), sampler=sampler, decode=n == 1)
+
+
+async def test_an_idle_batcher_adds_no_latency(autojump_clock: trio.testing.MockClock) -> None:
+    batcher, _, _ = make()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batcher.run)
+        await trio.sleep(5)  # idle for a while
+        started = trio.current_time()
+        out = await batcher.step(request(0, 7, 1, sampler=object()))
+        assert trio.current_time() - started == pytest.approx(RUN_SECONDS)
+        assert out.token == 1007 and out.batch_rows == 1
+        assert out.hidden is not None and out.hidden[0, 0] == 7
+        nursery.cancel_scope.cancel()
+
+
+async def test_steps_arriving_during_a_run_are_taken_at_the_next_tick(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    batcher, engine, _ = make()
+    results: dict[int, float] = {}
+
+    async def session(seq: int, delay: float) -> None:
+        await trio.sleep(delay)
+        await batcher.step(request(seq, 0, 1))
+        results[seq] = trio.current_time()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batcher.run)
+        t0 = trio.current_time()
+        async with trio.open_nursery() as sessions:
+            sessions.start_soon(session, 0, 0.0)
+            sessions.start_soon(session, 1, 0.003)  # during the first run
+            sessions.start_soon(session, 2, 0.004)  # also during it
+        nursery.cancel_scope.cancel()
+    assert engine.batches == [[(0, 1)], [(1, 1), (2, 1)]]
+    assert results[0] - t0 == pytest.approx(0.010)
+    assert results[1] - t0 == pytest.approx(0.020) and results[2] - t0 == pytest.approx(0.020)
+
+
+async def test_ready_steps_share_one_batch_decode_first_prefill_within_budget(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    batcher, engine, _ = make(budget=64)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batcher.run)
+        async with trio.open_nursery() as sessions:
+            sessions.start_soon(batcher.step, request(0, 0, 40))
+            sessions.start_soon(batcher.step, request(1, 0, 40))
+            sessions.start_soon(batcher.step, request(2, 5, 1))
+        nursery.cancel_scope.cancel()
+    # the decode row is planned first and one 40-row prefill fits beside it; the other waits.
+    # Rows run in sequence order (llama.cpp batches only consecutive sequence ids together).
+    first, second = engine.batches
+    prefill = next(seq for seq, n in first if n == 40)
+    assert sorted(first) == first and (2, 1) in first and len(first) == 2
+    assert second == [(1 - prefill, 40)]
+
+
+async def test_a_cancelled_waiting_step_is_withdrawn(autojump_clock: trio.testing.MockClock) -> None:
+    batcher, engine, _ = make(budget=8)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batcher.run)
+        async with trio.open_nursery() as sessions:
+            sessions.start_soon(batcher.step, request(0, 0, 8))
+            await trio.sleep(0.001)
+            with trio.move_on_after(0.005):  # still waiting behind seq 0's batch
+                await batcher.step(request(1, 0, 8))
+        await trio.sleep(0.1)
+        nursery.cancel_scope.cancel()
+    assert engine.batches == [[(0, 8)]]
+    assert batcher.statistics().waiting == 0
+
+
+async def test_retire_waits_for_the_running_batch_then_frees_the_slot(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    batcher, engine, leases = make()
+    lease = leases.acquire(10)
+    assert lease is not None
+    closed: list[bool] = []
+
+    class Sampler:
+        def close(self) -> None:
+            closed.append(True)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batcher.run)
+
+        async def cancelled_mid_run() -> None:
+            with trio.move_on_after(0.005):
+                await batcher.step(request(lease.seq_id, 0, 4))
+            lease.release()
+            batcher.retire(lease.seq_id, Sampler())
+            # the batch is still running: nothing removed yet, the slot still draining
+            assert engine.removed == [] and leases.statistics().slots_draining == 1
+
+        await cancelled_mid_run()
+        await trio.sleep(0.02)
+        assert engine.removed == [lease.seq_id] and closed == [True]
+        assert leases.statistics().slots_free == 8
+        # idle batcher: retire applies at once
+        other = leases.acquire(5)
+        assert other is not None and other.release()
+        batcher.retire(other.seq_id)
+        assert engine.removed[-1] == other.seq_id and leases.statistics().slots_free == 8
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_engine_failure_fails_that_batch_only(autojump_clock: trio.testing.MockClock) -> None:
+    batcher, engine, _ = make()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batcher.run)
+        engine.fail_next = True
+        with pytest.raises(StepFailed, match="decode failed"):
+            await batcher.step(request(0, 0, 3))
+        out = await batcher.step(request(0, 0, 3))
+        assert out.batch_rows == 3
+        assert batcher.statistics().failed_batches == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_one_step_per_sequence(autojump_clock: trio.testing.MockClock) -> None:
+    batcher, _, _ = make()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(batcher.step, request(0, 0, 1))
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(RuntimeError, match="already has a step waiting"):
+            await batcher.step(request(0, 1, 1))
+        with pytest.raises(ValueError, match="1 to 64 rows"):
+            await batcher.step(request(1, 0, 65))
+        nursery.cancel_scope.cancel()

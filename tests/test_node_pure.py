@@ -1,0 +1,58 @@
+"""Leases and the scheduler: plain synchronous logic, no event loop."""
+
+from __future__ import annotations
+
+from noderuntime.leases import LeaseManager, SlotState
+from noderuntime.scheduler import ReadyStep, schedule
+
+
+def test_leases_refuse_when_full_and_reuse_only_drained_slots() -> None:
+    leases = LeaseManager(n_slots=2, max_tokens_per_sequence=100)
+    a, b = leases.acquire(50), leases.acquire(60)
+    assert a is not None and b is not None and {a.seq_id, b.seq_id} == {0, 1}
+    assert leases.acquire(10) is None
+    assert a.release() and not a.release()  # idempotent
+    assert leases.state(a.seq_id) is SlotState.DRAINING
+    assert leases.acquire(10) is None  # the KV of a is not removed yet
+    leases.free(a.seq_id)
+    leases.free(a.seq_id)
+    c = leases.acquire(10)
+    assert c is not None and c.seq_id == a.seq_id
+    stats = leases.statistics()
+    assert (stats.slots_leased, stats.slots_draining, stats.kv_reserved_tokens, stats.refused) == (2, 0, 70, 2)
+
+
+def test_leases_respect_the_kv_budget_and_the_context_per_sequence() -> None:
+    leases = LeaseManager(n_slots=4, max_tokens_per_sequence=100, kv_budget_tokens=150)
+    assert leases.acquire(101) is None
+    assert leases.acquire(0) is None
+    first = leases.acquire(100)
+    assert first is not None
+    assert leases.acquire(60) is None
+    assert leases.acquire(50) is not None
+    assert leases.statistics().slots_free == 2
+
+
+def test_decode_steps_go_first_then_prefill_up_to_the_budget() -> None:
+    ready = [ReadyStep(0, 128, False), ReadyStep(1, 1, True), ReadyStep(2, 128, False), ReadyStep(3, 1, True)]
+    plan = schedule(ready, budget=200)
+    assert [s.seq_id for s in plan.steps] == [1, 3, 0]
+    assert plan.n_rows == 130 and plan.n_decode == 2
+
+
+def test_prefill_is_fair_across_ticks() -> None:
+    ready = [ReadyStep(i, 100, False) for i in range(4)]
+    firsts = [schedule(ready, budget=150, rotation=tick).steps[0].seq_id for tick in range(4)]
+    assert firsts == [0, 1, 2, 3]
+
+
+def test_a_step_larger_than_the_budget_runs_alone_rather_than_never() -> None:
+    plan = schedule([ReadyStep(0, 300, False)], budget=256)
+    assert [s.seq_id for s in plan.steps] == [0]
+    assert not schedule([], budget=10)
+
+
+def test_decode_rows_beyond_the_budget_wait() -> None:
+    ready = [ReadyStep(i, 1, True) for i in range(10)]
+    plan = schedule(ready, budget=4)
+    assert [s.seq_id for s in plan.steps] == [0, 1, 2, 3]
