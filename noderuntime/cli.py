@@ -163,6 +163,107 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_chain_demo(resolve_model(args.model), args.cuts, prompt=args.prompt, max_tokens=args.max_tokens)
 
 
+def _address(text: str, *, listen: bool = False) -> str:
+    from noderuntime.transport.grpc import parse_address
+
+    try:
+        parse_address(text, listen=listen)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _listen_address(text: str) -> str:
+    return _address(text, listen=True)
+
+
+def _layers(text: str) -> artifacts.LayerRange:
+    try:
+        return artifacts.LayerRange.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _public_key(text: str) -> bytes:
+    from noderuntime.identity import IdentityError, load_public_key
+
+    try:
+        return load_public_key(text)
+    except IdentityError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _relay_url(text: str) -> str:
+    if not text.startswith(("ws://", "wss://")):
+        raise argparse.ArgumentTypeError(f"a relay URL starts with ws:// or wss://, got {text!r}")
+    return text
+
+
+def _default_data_dir() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("noderuntime")) / "node"
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from noderuntime import noderun
+
+    if args.model is None:
+        raise CliError(
+            "`noderuntime up` without --model runs the whole local system; that needs the tracker "
+            "and gateway, not available in this build yet"
+        )
+    if args.listen is None and args.relay is None:
+        raise CliError("a node needs --listen HOST:PORT, --relay URL, or both")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise CliError("--tls-cert and --tls-key go together")
+    if not args.issuer_key:
+        raise CliError("give the route issuer's public key with --issuer-key (the tracker's)")
+    model = resolve_model(args.model)
+    tls_cert, tls_key = args.tls_cert, args.tls_key
+    if args.tls_self_signed:
+        from noderuntime.identity import self_signed
+
+        files = self_signed(Path(args.data_dir))
+        tls_cert, tls_key = files.cert, files.key
+    opts = noderun.NodeOptions(
+        model=model,
+        layers=args.layers,
+        listen=args.listen,
+        data_dir=Path(args.data_dir),
+        issuer_keys=tuple(args.issuer_key),
+        advertise=args.advertise,
+        relay=args.relay,
+        threads=args.threads,
+        slots=args.slots,
+        ctx_per_session=args.ctx,
+        batch=args.batch,
+        flash_attn=args.flash_attn,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        idle_timeout=args.idle_timeout,
+    )
+    return noderun.main_node(opts)
+
+
+def _cmd_relay(args: argparse.Namespace) -> int:
+    from noderuntime import noderun
+    from noderuntime.transport.grpc import parse_address
+
+    if not args.issuer_key:
+        raise CliError("give the route issuer's public key with --issuer-key (the tracker's)")
+    host, port = parse_address(args.listen, listen=True)
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise CliError("--tls-cert and --tls-key go together")
+        import ssl
+
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(args.tls_cert, args.tls_key)
+    return noderun.main_relay(host, port, tuple(args.issuer_key), tls)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="noderuntime", description=__doc__)
@@ -218,6 +319,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flash-attn", choices=["on", "off"], default="off")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_check_parity)
+
+    p = sub.add_parser("up", help="run a shard node (with --model), serving until Ctrl-C")
+    p.add_argument("--model", help="a GGUF file (whole model or a shard file) or a known model name")
+    p.add_argument("--layers", type=_layers, help="layer range A:B this node serves (default: all of the file)")
+    p.add_argument("--listen", type=_listen_address, help="HOST:PORT for direct gRPC seams (omit: relay only)")
+    p.add_argument("--advertise", type=_address, help="HOST:PORT peers should dial (default: the listen address)")
+    p.add_argument("--relay", type=_relay_url, help="ws://HOST:PORT of a relay to be reachable through")
+    p.add_argument("--data-dir", default=str(_default_data_dir()), help="where the node key lives")
+    p.add_argument(
+        "--issuer-key",
+        type=_public_key,
+        action="append",
+        default=[],
+        help="public key (hex or file) whose session tickets this node accepts; repeatable",
+    )
+    p.add_argument("--threads", type=_positive_int, default=2)
+    p.add_argument("--slots", type=_positive_int, default=8, help="concurrent sessions")
+    p.add_argument("--ctx", type=_positive_int, default=2048, help="context per session (multiple of 256)")
+    p.add_argument("--batch", type=_positive_int, default=512, help="tokens per batch")
+    p.add_argument("--flash-attn", choices=["on", "off"], default="off")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate for the gRPC listener")
+    p.add_argument("--tls-key", type=Path, help="PEM key for the gRPC listener")
+    p.add_argument("--tls-self-signed", action="store_true", help="make (once) and use a self-signed certificate")
+    p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds a session may make no progress")
+    p.set_defaults(func=_cmd_up)
+
+    p = sub.add_parser("relay", help="run a relay for nodes that cannot be dialled directly")
+    p.add_argument("--listen", type=_listen_address, required=True, help="HOST:PORT (port 0: any)")
+    p.add_argument(
+        "--issuer-key",
+        type=_public_key,
+        action="append",
+        default=[],
+        help="public key whose session tickets the relay accepts; repeatable",
+    )
+    p.add_argument("--tls-cert", type=Path)
+    p.add_argument("--tls-key", type=Path)
+    p.set_defaults(func=_cmd_relay)
 
     p = sub.add_parser("demo", help="generate text with the demo model split over shard processes")
     p.add_argument("--model", default=models.DEMO_MODEL)

@@ -1,0 +1,216 @@
+"""Running processes: a shard node (``noderuntime up --model ...``) and a relay (``noderuntime relay``).
+
+Each prints one JSON line starting with ``{"event": "ready"`` when it serves (with its
+node id, address and ports), runs until SIGINT or SIGTERM, then drains: sessions end
+with an error frame to their peers, KV is released, listeners close.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import ssl
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from noderuntime import artifacts, identity
+from noderuntime.artifacts import LayerRange
+from noderuntime.engine import Recipe, ShardEngine
+from noderuntime.network import NetworkConnector, ticket_check
+from noderuntime.node import Node, NodeConfig
+from noderuntime.tickets import TicketVerifier
+from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer, parse_address
+from noderuntime.transport.relay_client import RelayDialer, RelayListener
+from protocol import Limits, Span
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class NodeOptions:
+    """Everything ``noderuntime up`` needs to run one shard node."""
+
+    model: Path
+    layers: LayerRange | None
+    listen: str | None  # HOST:PORT of the gRPC listener; None for a relay-only node
+    data_dir: Path
+    issuer_keys: tuple[bytes, ...]
+    advertise: str | None = None
+    relay: str | None = None
+    threads: int = 2
+    slots: int = 8
+    ctx_per_session: int = 2048
+    batch: int = 512
+    flash_attn: str = "off"
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    idle_timeout: float = 60.0
+    expected_fingerprint: str | None = None
+
+
+def server_tls(cert: Path, key: Path) -> ssl.SSLContext:
+    """A TLS server context for HTTP/2."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    context.set_alpn_protocols(["h2"])
+    return context
+
+
+def announce(info: dict[str, Any]) -> None:
+    """The ready line on stdout."""
+    print(json.dumps({"event": "ready", **info}), flush=True)
+
+
+async def run_node(
+    opts: NodeOptions,
+    *,
+    task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
+    on_node: Callable[[Node], None] | None = None,
+) -> None:
+    """Serve one shard until cancelled."""
+    if opts.listen is None and opts.relay is None:
+        raise ValueError("a node needs --listen, --relay, or both")
+    me = identity.load_or_create(opts.data_dir)
+    info = artifacts.inspect(opts.model)
+    layers = opts.layers or info.layer_range
+    recipe = Recipe(
+        n_threads=opts.threads,
+        n_ctx_per_seq=opts.ctx_per_session,
+        n_seq_max=opts.slots,
+        n_batch=opts.batch,
+        n_ubatch=opts.batch,
+        flash_attn="on" if opts.flash_attn == "on" else "off",
+    )
+    engine = await trio.to_thread.run_sync(
+        lambda: ShardEngine(opts.model, recipe, layers, expected_fingerprint=opts.expected_fingerprint)
+    )
+    limits = Limits()
+    tls = server_tls(opts.tls_cert, opts.tls_key) if opts.tls_cert and opts.tls_key else None
+    pin = identity.TlsFiles(opts.tls_cert, opts.tls_key).cert_sha256 if opts.tls_cert and opts.tls_key else b""
+    runtime = AsyncioThread()
+    grpc_connector = GrpcConnector(runtime, max_frame_bytes=limits.max_frame_bytes)
+    server: GrpcServer | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            verifier = TicketVerifier(opts.issuer_keys)
+            config = NodeConfig(
+                layers=Span(layers.start, layers.end),
+                n_layer=info.n_layer,
+                artifact_fingerprint=bytes.fromhex(info.fingerprint),
+                recipe_fingerprint=bytes.fromhex(recipe.fingerprint(info.quant)),
+                n_slots=opts.slots,
+                ctx_per_seq=opts.ctx_per_session,
+                max_batch_tokens=opts.batch,
+                prefill_chunk=min(256, opts.batch),
+                idle_timeout=opts.idle_timeout,
+                limits=limits,
+            )
+            node = Node(
+                engine,
+                config,
+                me.node_id,
+                NetworkConnector(grpc_connector, RelayDialer(nursery)),
+                ticket_check=ticket_check(verifier, me.node_id),
+                signer=lambda body: me.sign(b"noderuntime-usage-v1", body),
+            )
+            await nursery.start(node.run)
+            address = ""
+            if opts.listen is not None:
+                host, port = parse_address(opts.listen, listen=True)
+                server = GrpcServer(runtime, node.accept, max_frame_bytes=limits.max_frame_bytes)
+                bound = await server.start(host, port, tls)
+                address = opts.advertise or f"{host}:{bound}"
+            listener = None
+            if opts.relay is not None:
+                listener = RelayListener(opts.relay, me, node.accept)
+                await nursery.start(listener.run)
+            if on_node is not None:
+                on_node(node)
+            task_status.started(
+                {
+                    "node_id": me.node_id.hex(),
+                    "layers": [layers.start, layers.end],
+                    "n_layer": info.n_layer,
+                    "address": address,
+                    "relay": opts.relay or "",
+                    "artifact": info.fingerprint,
+                    "recipe": recipe.fingerprint(info.quant),
+                    "tls_cert_sha256": pin.hex(),
+                    "pid": os.getpid(),
+                    "slots": opts.slots,
+                    "ctx_per_session": opts.ctx_per_session,
+                }
+            )
+            log.info(
+                "node %s serving layers %s of %s at %s%s",
+                me.node_id.hex()[:12],
+                layers,
+                info.name,
+                address or "(no direct address)",
+                f" and through {opts.relay}" if opts.relay else "",
+            )
+    finally:
+        with trio.CancelScope(shield=True):
+            if server is not None:
+                await server.close()
+            await grpc_connector.close()
+        runtime.close()
+        engine.close()
+
+
+async def run_until_signal(main: Callable[..., Awaitable[None]], *args: Any) -> None:
+    """Run ``main(*args, task_status=...)`` and announce readiness; SIGINT/SIGTERM drain it."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            info = await nursery.start(main, *args)
+            announce(info)
+
+            async def watch() -> None:
+                async for signum in signals:
+                    log.info("received %s: draining", signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(watch)
+
+
+async def run_relay(
+    host: str,
+    port: int,
+    issuer_keys: tuple[bytes, ...],
+    *,
+    tls: ssl.SSLContext | None = None,
+    task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve a relay until cancelled."""
+    from relay.server import Relay, serve
+
+    relay = Relay(TicketVerifier(issuer_keys))
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(functools.partial(serve, relay, host, port, tls=tls))
+        bound = server.port
+        scheme = "wss" if tls else "ws"
+        task_status.started({"url": f"{scheme}://{host}:{bound}", "port": bound, "pid": os.getpid()})
+        log.info("relay listening on %s://%s:%d", scheme, host, bound)
+
+
+def main_node(opts: NodeOptions) -> int:
+    """Run a node in this process until a signal; the exit status."""
+    trio.run(run_until_signal, run_node, opts)
+    return 0
+
+
+def main_relay(host: str, port: int, issuer_keys: tuple[bytes, ...], tls: ssl.SSLContext | None) -> int:
+    """Run a relay in this process until a signal; the exit status."""
+    trio.run(run_until_signal, lambda **kw: run_relay(host, port, issuer_keys, tls=tls, **kw))
+    return 0
+
+
+__all__ = ["NodeOptions", "main_node", "main_relay", "run_node", "run_relay"]

@@ -1,0 +1,525 @@
+"""Direct seams over gRPC: grpclib on an asyncio loop in one thread, bridged into trio.
+
+This is the only module that imports grpclib or asyncio. grpclib runs on asyncio
+only, so every process that speaks gRPC runs one asyncio loop in a dedicated thread
+(:class:`AsyncioThread`); grpclib's Server and Channel objects are created on that
+thread, because they capture the running loop. Frames cross between the loops
+through bounded pipes (``_Pipe``): a trio sender waits while the asyncio side has not
+taken its frames, and grpclib's HTTP/2 flow control makes the asyncio side wait for
+the peer, so backpressure reaches the session that produces the frames.
+
+One seam of one route session is one long-lived bidirectional stream of the method
+``/noderuntime.seam.v1.Seam/Open``. Messages are the protocol's frame bytes as they
+are (a pass-through codec), so the same frames travel here as over memory or a relay.
+Closing a stream ends our side and waits briefly for the peer to end its side;
+cancelling the trio side, or a peer that does not end, resets the HTTP/2 stream
+(RST_STREAM), which cancels the peer's handler within milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import ssl
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import grpclib.const
+import grpclib.exceptions
+import grpclib.server
+import trio
+from grpclib.client import Channel
+from grpclib.config import Configuration
+from grpclib.encoding.base import CodecBase
+from grpclib.server import Server
+
+from noderuntime.transport.base import FrameStream, StreamBroken, StreamClosed, TransportError
+from protocol import StatusCode
+
+log = logging.getLogger(__name__)
+
+SEAM_METHOD = "/noderuntime.seam.v1.Seam/Open"
+PIPE_CAPACITY = 8
+CLOSE_GRACE = 2.0  # seconds a closed stream waits for the peer to end its side before resetting
+_T = TypeVar("_T")
+
+
+def _config() -> Configuration:
+    # keepalive finds a dead peer (a hung host, a cut link) even on an idle seam
+    return Configuration(
+        _keepalive_time=10.0,
+        _keepalive_timeout=20.0,
+        _keepalive_permit_without_calls=True,
+        _http2_max_pings_without_data=0,
+    )
+
+
+class _FrameCodec(CodecBase):
+    """Messages are protocol frames: bytes in, the same bytes out."""
+
+    __content_subtype__ = "noderuntime-frames"
+
+    def encode(self, message: Any, message_type: Any) -> bytes:
+        return bytes(message)
+
+    def decode(self, data: bytes, message_type: Any) -> Any:
+        return data
+
+
+class AsyncioThread:
+    """An asyncio event loop running in a daemon thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="grpc-asyncio", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    async def call(self, factory: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
+        """Run ``factory()`` on the asyncio loop and wait for it from trio (cancellation crosses over)."""
+        future = asyncio.run_coroutine_threadsafe(factory(), self.loop)
+        done = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def wake(_: object) -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(done.set)
+
+        future.add_done_callback(wake)
+        try:
+            await done.wait()
+        except BaseException:
+            future.cancel()
+            raise
+        return future.result()
+
+    def close(self) -> None:
+        """Cancel what still runs on the loop, then stop it and its thread (idempotent)."""
+        if not self.loop.is_running():
+            return
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout=5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class _Pipe:
+    """A bounded single-producer, single-consumer queue between the trio and asyncio threads.
+
+    ``trio_to_aio`` says which side produces. The consumer may also be told the stream
+    ended (``finish``): with ``None`` for a clean end, or a :class:`TransportError`.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, token: trio.lowlevel.TrioToken, *, trio_to_aio: bool) -> None:
+        self._loop = loop
+        self._token = token
+        self._trio_to_aio = trio_to_aio
+        self._items: deque[bytes] = deque()
+        self._end: TransportError | None = None
+        self._ended = False
+        self._trio_event: trio.Event | None = None
+        self._aio_event: asyncio.Event | None = None  # created on the loop thread
+
+    # wake-ups always run on the waiter's own thread
+    def _wake_trio(self) -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(self._set_trio)
+
+    def _set_trio(self) -> None:
+        if self._trio_event is not None:
+            self._trio_event.set()
+
+    def _wake_aio(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            self._loop.call_soon_threadsafe(self._set_aio)
+
+    def _set_aio(self) -> None:
+        if self._aio_event is not None:
+            self._aio_event.set()
+
+    async def _trio_wait(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            event = trio.Event()
+            self._trio_event = event
+            if ready():
+                break
+            await event.wait()
+
+    async def _aio_wait(self, ready: Callable[[], bool]) -> None:
+        if self._aio_event is None:
+            self._aio_event = asyncio.Event()
+        while not ready():
+            self._aio_event.clear()
+            if ready():
+                break
+            await self._aio_event.wait()
+
+    def _room(self) -> bool:
+        return len(self._items) < PIPE_CAPACITY or self._ended
+
+    def _something(self) -> bool:
+        return bool(self._items) or self._ended
+
+    async def put(self, frame: bytes) -> None:
+        """Producer side: wait for room, then queue ``frame``."""
+        if self._trio_to_aio:
+            await self._trio_wait(self._room)
+        else:
+            await self._aio_wait(self._room)
+        if self._ended:
+            raise self._end or StreamClosed("the seam is closed")
+        self._items.append(frame)
+        (self._wake_aio if self._trio_to_aio else self._wake_trio)()
+
+    async def get(self) -> bytes | None:
+        """Consumer side: the next frame, ``None`` at a clean end; raises the end's error."""
+        if self._trio_to_aio:
+            await self._aio_wait(self._something)
+        else:
+            await self._trio_wait(self._something)
+        if self._items:
+            frame = self._items.popleft()
+            (self._wake_trio if self._trio_to_aio else self._wake_aio)()
+            return frame
+        if self._end is not None:
+            raise self._end
+        return None
+
+    def finish(self, error: TransportError | None = None) -> None:
+        """No more frames (thread-safe: wakes both sides)."""
+        if not self._ended:
+            # frames already queued are still delivered (the peer's last Cancel or Error among them)
+            self._ended = True
+            self._end = error
+        self._wake_trio()
+        self._wake_aio()
+
+
+class GrpcFrameStream:
+    """The trio end of one gRPC seam stream."""
+
+    def __init__(self, runtime: AsyncioThread, token: trio.lowlevel.TrioToken, peer: str) -> None:
+        self.peer = peer
+        self._runtime = runtime
+        self.outbound = _Pipe(runtime.loop, token, trio_to_aio=True)
+        self.inbound = _Pipe(runtime.loop, token, trio_to_aio=False)
+        self.task: asyncio.Task[None] | None = None  # the asyncio task that owns the HTTP/2 stream
+        self._closed = False
+
+    async def send(self, frame: bytes) -> None:
+        """Send one frame (waits while the peer is not reading)."""
+        if self._closed:
+            raise StreamClosed("the seam is closed")
+        if self.inbound._end is not None and not isinstance(self.inbound._end, StreamClosed):
+            raise self.inbound._end
+        await self.outbound.put(frame)
+
+    async def receive(self) -> bytes:
+        """The next frame from the peer."""
+        if self._closed:
+            raise StreamClosed("the seam is closed")
+        frame = await self.inbound.get()
+        if frame is None:
+            raise StreamClosed(f"{self.peer} ended the seam")
+        return frame
+
+    async def aclose(self) -> None:
+        """End our side; the stream is reset if the peer does not end its side soon."""
+        if self._closed:
+            return
+        self._closed = True
+        self.outbound.finish()
+        task = self.task
+        if task is not None:
+            loop = self._runtime.loop
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(lambda: loop.call_later(CLOSE_GRACE, task.cancel))
+
+    def reset(self) -> None:
+        """Reset the stream now (RST_STREAM); idempotent."""
+        self._closed = True
+        self.outbound.finish()
+        task = self.task
+        if task is not None:
+            with contextlib.suppress(RuntimeError):
+                self._runtime.loop.call_soon_threadsafe(task.cancel)
+
+
+async def _recv_bounded(stream: Any, limit: int) -> bytes | None:
+    # grpclib reads a whole message into memory before any codec sees it; a hostile
+    # peer could declare 4 GiB. Read the 5-byte prefix ourselves and refuse oversize
+    # frames before reading the body. (grpclib 0.4.9 internals, pinned.)
+    meta = await stream._stream.recv_data(5)
+    if not meta:
+        return None
+    compressed, length = struct.unpack(">?I", meta)
+    if compressed:
+        raise StreamBroken("compressed gRPC messages are not accepted", StatusCode.UNIMPLEMENTED)
+    if length > limit:
+        raise StreamBroken(
+            f"gRPC message of {length} bytes exceeds the {limit}-byte limit", StatusCode.RESOURCE_EXHAUSTED
+        )
+    data: bytes = await stream._stream.recv_data(length)
+    return data
+
+
+async def _pump(grpc_stream: Any, ours: GrpcFrameStream, limit: int, *, client: bool) -> None:
+    """Move frames both ways until our side ends (then end the HTTP/2 stream) or the peer does."""
+
+    async def read() -> None:
+        try:
+            if client:
+                await grpc_stream.recv_initial_metadata()
+            while True:
+                frame = await _recv_bounded(grpc_stream, limit)
+                if frame is None:
+                    break
+                await ours.inbound.put(frame)
+            if client:
+                await grpc_stream.recv_trailing_metadata()  # raises GRPCError for a non-OK status
+            ours.inbound.finish(None)
+        except TransportError as exc:
+            ours.inbound.finish(exc)
+            raise
+        except grpclib.exceptions.GRPCError as exc:
+            code = StatusCode.coerce(int(exc.status.value))
+            ours.inbound.finish(StreamBroken(f"{ours.peer} ended the seam: {exc.message or code.name}", code))
+        except (
+            grpclib.exceptions.StreamTerminatedError,
+            grpclib.exceptions.ProtocolError,
+            ConnectionError,
+            asyncio.IncompleteReadError,
+        ) as exc:
+            ours.inbound.finish(StreamBroken(f"the seam with {ours.peer} was reset: {exc}", StatusCode.CANCELLED))
+
+    async def write() -> None:
+        while True:
+            frame = await ours.outbound.get()
+            if frame is None:
+                break
+            await grpc_stream.send_message(frame)
+        if client:
+            await grpc_stream.end()
+
+    reader = asyncio.ensure_future(read())
+    try:
+        await write()
+        await reader  # the peer's end of the stream (or the grace timer's cancel)
+    finally:
+        reader.cancel()
+        broken = StreamBroken(f"the seam with {ours.peer} ended", StatusCode.CANCELLED)
+        ours.inbound.finish(broken)
+        ours.outbound.finish(broken)  # wakes a trio sender waiting for room
+
+
+class GrpcServer:
+    """Serves seam streams; each new stream is handed to ``on_stream`` on the trio thread."""
+
+    def __init__(
+        self, runtime: AsyncioThread, on_stream: Callable[[FrameStream], None], *, max_frame_bytes: int
+    ) -> None:
+        self._runtime = runtime
+        self._on_stream = on_stream
+        self._limit = max_frame_bytes
+        self._token = trio.lowlevel.current_trio_token()
+        self._server: Server | None = None
+        self.port = 0
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        return {SEAM_METHOD: grpclib.const.Handler(self._handle, grpclib.const.Cardinality.STREAM_STREAM, bytes, bytes)}
+
+    async def _handle(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
+        peer = stream.peer.addr() if stream.peer is not None else None
+        ours = GrpcFrameStream(self._runtime, self._token, f"{peer[0]}:{peer[1]}" if peer else "peer")
+        ours.task = asyncio.current_task()
+        try:
+            self._token.run_sync_soon(self._on_stream, ours)
+        except trio.RunFinishedError:
+            return
+        await stream.send_initial_metadata()
+        try:
+            await _pump(stream, ours, self._limit, client=False)
+        except TransportError as exc:
+            raise grpclib.exceptions.GRPCError(grpclib.const.Status(int(exc.code)), str(exc)) from None
+        except asyncio.CancelledError:
+            ours.inbound.finish(StreamBroken("the seam was reset", StatusCode.CANCELLED))
+            raise
+
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
+        """Listen; returns the bound port (pass 0 for any)."""
+
+        async def start() -> int:
+            self._server = Server([self], codec=_FrameCodec(), config=_config())
+            await self._server.start(host, port, ssl=tls, reuse_address=True)
+            listener: Any = self._server._server  # grpclib keeps the asyncio server private
+            sockets = listener.sockets if listener is not None else []
+            return int(sockets[0].getsockname()[1]) if sockets else port
+
+        self.port = await self._runtime.call(start)
+        return self.port
+
+    async def close(self) -> None:
+        """Stop listening and end open streams."""
+        server = self._server
+        if server is None:
+            return
+        self._server = None
+
+        async def stop() -> None:
+            server.close()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(server.wait_closed(), 2.0)
+
+        with trio.CancelScope(shield=True):
+            await self._runtime.call(stop)
+
+
+class GrpcConnector:
+    """Opens seam streams to peers; one HTTP/2 connection per peer address carries all sessions."""
+
+    def __init__(self, runtime: AsyncioThread, *, max_frame_bytes: int, connect_timeout: float = 5.0) -> None:
+        self._runtime = runtime
+        self._limit = max_frame_bytes
+        self._timeout = connect_timeout
+        self._channels: dict[tuple[str, int, bytes], Channel] = {}
+
+    def _channel(self, host: str, port: int, tls: ssl.SSLContext | None, pin: bytes) -> Channel:
+        key = (host, port, pin)
+        channel = self._channels.get(key)
+        if channel is None:
+            channel = Channel(host, port, ssl=tls, codec=_FrameCodec(), config=_config())
+            self._channels[key] = channel
+        return channel
+
+    async def open(
+        self, address: str, *, tls_cert_sha256: bytes = b"", stream_seconds: float | None = None
+    ) -> GrpcFrameStream:
+        """A new seam stream to ``host:port`` (TLS pinned to a certificate hash when given)."""
+        host, port = parse_address(address)
+        tls = await pinned_context(self._runtime, host, port, tls_cert_sha256) if tls_cert_sha256 else None
+        token = trio.lowlevel.current_trio_token()
+        ours = GrpcFrameStream(self._runtime, token, address)
+        opened: asyncio.Future[None] | None = None
+
+        async def run() -> None:
+            assert opened is not None
+            channel = self._channel(host, port, tls, tls_cert_sha256)
+            try:
+                async with channel.request(
+                    SEAM_METHOD, grpclib.const.Cardinality.STREAM_STREAM, bytes, bytes, timeout=stream_seconds
+                ) as stream:
+                    await asyncio.wait_for(stream.send_request(), self._timeout)
+                    if not opened.done():
+                        opened.set_result(None)
+                    await _pump(stream, ours, self._limit, client=True)
+            except BaseException as exc:
+                if not opened.done():
+                    opened.set_exception(exc)
+                if not isinstance(exc, asyncio.CancelledError):
+                    ours.inbound.finish(StreamBroken(f"the seam with {address} failed: {exc}", StatusCode.UNAVAILABLE))
+                raise
+
+        async def launch() -> None:
+            nonlocal opened
+            opened = asyncio.get_running_loop().create_future()
+            ours.task = asyncio.ensure_future(run())
+            ours.task.add_done_callback(_quiet)
+            await opened
+
+        try:
+            await self._runtime.call(launch)
+        except (
+            TimeoutError,
+            OSError,
+            grpclib.exceptions.GRPCError,
+            grpclib.exceptions.ProtocolError,
+            grpclib.exceptions.StreamTerminatedError,
+            ssl.SSLError,
+        ) as exc:
+            raise StreamBroken(f"cannot open a seam to {address}: {exc}", StatusCode.UNAVAILABLE) from None
+        except BaseException:
+            ours.reset()
+            raise
+        return ours
+
+    async def close(self) -> None:
+        """Close every connection."""
+        channels, self._channels = list(self._channels.values()), {}
+
+        async def close_all() -> None:
+            for channel in channels:
+                channel.close()
+
+        with trio.CancelScope(shield=True):
+            await self._runtime.call(close_all)
+
+
+def _quiet(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("seam stream ended: %r", task.exception())
+
+
+def parse_address(address: str, *, listen: bool = False) -> tuple[str, int]:
+    """``host:port`` (or ``[v6]:port``) into its parts; ``ValueError`` when malformed.
+
+    A listen address may use port 0 (any free port).
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not (0 if listen else 1) <= int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+async def pinned_context(runtime: AsyncioThread, host: str, port: int, cert_sha256: bytes) -> ssl.SSLContext:
+    """A TLS context that trusts exactly the certificate whose DER sha256 is ``cert_sha256``.
+
+    The certificate is fetched once with an unverified handshake and checked against
+    the pin; the returned context then requires that very certificate, so a
+    man-in-the-middle in either handshake is refused.
+    """
+
+    async def fetch() -> bytes:
+        probe = ssl.create_default_context()
+        probe.check_hostname = False
+        probe.verify_mode = ssl.CERT_NONE
+        probe.set_alpn_protocols(["h2"])
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=probe), 5.0)
+        try:
+            ssl_object = writer.get_extra_info("ssl_object")
+            der: bytes = ssl_object.getpeercert(binary_form=True)
+            return der
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+            del reader
+
+    try:
+        der = await runtime.call(fetch)
+    except (TimeoutError, OSError, ssl.SSLError) as exc:
+        raise StreamBroken(f"TLS handshake with {host}:{port} failed: {exc}", StatusCode.UNAVAILABLE) from None
+    if hashlib.sha256(der).digest() != cert_sha256:
+        raise StreamBroken(
+            f"{host}:{port} presented a certificate that is not the one the route names", StatusCode.UNAUTHENTICATED
+        )
+    context = ssl.create_default_context(cadata=ssl.DER_cert_to_PEM_cert(der))
+    context.check_hostname = False  # the pin names the certificate, not a host name
+    context.set_alpn_protocols(["h2"])
+    return context

@@ -1,0 +1,151 @@
+"""Both client sides of the relay: a node listening through it, and a peer dialling through it."""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from collections.abc import Callable
+
+import trio
+from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, connect_websocket_url
+
+from noderuntime.identity import Identity
+from noderuntime.transport.base import FrameStream, StreamBroken
+from noderuntime.transport.websocket import MAX_MESSAGE_BYTES, MESSAGE_QUEUE, RECEIVE_BUFFER_BYTES, WebSocketFrameStream
+from protocol import StatusCode
+from relay import messages as m
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT = 10.0
+
+
+async def _connect(nursery: trio.Nursery, url: str, tls: ssl.SSLContext | None) -> WebSocketConnection:
+    try:
+        return await connect_websocket_url(
+            nursery,
+            url,
+            tls,
+            message_queue_size=MESSAGE_QUEUE,
+            max_message_size=MAX_MESSAGE_BYTES,
+            receive_buffer_size=RECEIVE_BUFFER_BYTES,
+        )
+    except (OSError, HandshakeError, trio.TooSlowError) as exc:
+        raise StreamBroken(f"cannot reach the relay at {url}: {exc}", StatusCode.UNAVAILABLE) from None
+
+
+async def _expect_paired(ws: WebSocketConnection, url: str) -> None:
+    try:
+        with trio.fail_after(HANDSHAKE_TIMEOUT):
+            m.load(await ws.get_message(), "paired")
+    except ConnectionClosed as exc:
+        reason = exc.reason
+        code = reason.code if reason else None
+        status = {
+            m.CLOSE_FORBIDDEN: StatusCode.PERMISSION_DENIED,
+            m.CLOSE_NOT_CONNECTED: StatusCode.UNAVAILABLE,
+            m.CLOSE_BUSY: StatusCode.RESOURCE_EXHAUSTED,
+        }.get(code or 0, StatusCode.UNAVAILABLE)
+        raise StreamBroken(
+            f"the relay at {url} refused the seam: {reason.reason if reason else code}", status
+        ) from None
+    except (m.ControlError, trio.TooSlowError) as exc:
+        await ws.aclose(m.CLOSE_POLICY, "expected paired")
+        raise StreamBroken(f"the relay at {url} did not pair the seam: {exc}", StatusCode.UNAVAILABLE) from None
+
+
+class RelayDialer:
+    """Opens seams to nodes that are reachable only through a relay."""
+
+    def __init__(self, nursery: trio.Nursery, tls: ssl.SSLContext | None = None) -> None:
+        """``nursery`` hosts each connection's background reader; it must outlive the seams."""
+        self._nursery = nursery
+        self._tls = tls
+
+    async def dial(self, relay_url: str, target: bytes, *, session_id: bytes, epoch: int, ticket: bytes) -> FrameStream:
+        """A seam to ``target`` through ``relay_url`` (ws:// or wss://)."""
+        url = relay_url.rstrip("/") + "/dial"
+        ws = await _connect(self._nursery, url, self._tls)
+        try:
+            await ws.send_message(
+                m.dump("dial", target=target.hex(), session=session_id.hex(), epoch=epoch, ticket=ticket.hex())
+            )
+            await _expect_paired(ws, relay_url)
+        except ConnectionClosed:
+            raise StreamBroken(f"the relay at {relay_url} closed the dial", StatusCode.UNAVAILABLE) from None
+        except BaseException:
+            with trio.move_on_after(1.0) as scope:
+                scope.shield = True
+                await ws.aclose()
+            raise
+        return WebSocketFrameStream(ws, relay_url)
+
+
+class RelayListener:
+    """Keeps a node's authenticated control connection to a relay, and accepts the seams it pairs."""
+
+    def __init__(
+        self,
+        relay_url: str,
+        identity: Identity,
+        on_stream: Callable[[FrameStream], None],
+        *,
+        tls: ssl.SSLContext | None = None,
+        retry_seconds: float = 1.0,
+    ) -> None:
+        self.url = relay_url.rstrip("/")
+        self.identity = identity
+        self._on_stream = on_stream
+        self._tls = tls
+        self._retry = retry_seconds
+        self.connected = False
+        self.accepted = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the control connection, reconnecting with backoff; ``started`` after the first welcome."""
+        started = False
+        delay = self._retry
+        async with trio.open_nursery() as nursery:
+            while True:
+                try:
+                    ws = await _connect(nursery, self.url + "/control", self._tls)
+                    try:
+                        await self._hello(ws)
+                        self.connected = True
+                        delay = self._retry
+                        if not started:
+                            started = True
+                            task_status.started()
+                        log.info("listening through the relay %s", self.url)
+                        while True:
+                            incoming = m.load(await ws.get_message(), "incoming")
+                            pair = incoming.get("pair")
+                            if isinstance(pair, str) and pair.isalnum() and len(pair) <= 64:
+                                nursery.start_soon(self._accept, nursery, pair)
+                    finally:
+                        self.connected = False
+                        with trio.move_on_after(1.0) as scope:
+                            scope.shield = True
+                            await ws.aclose()
+                except (StreamBroken, ConnectionClosed, m.ControlError, trio.TooSlowError) as exc:
+                    log.warning("relay control connection to %s lost: %s; retrying in %.1f s", self.url, exc, delay)
+                await trio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+
+    async def _hello(self, ws: WebSocketConnection) -> None:
+        with trio.fail_after(HANDSHAKE_TIMEOUT):
+            challenge = m.load(await ws.get_message(), "challenge")
+            nonce = m.hex_field(challenge, "nonce", 32)
+            signature = self.identity.sign(m.CONTROL_DOMAIN, nonce)
+            await ws.send_message(m.dump("hello", node_id=self.identity.node_id.hex(), signature=signature.hex()))
+            m.load(await ws.get_message(), "welcome")
+
+    async def _accept(self, nursery: trio.Nursery, pair: str) -> None:
+        try:
+            ws = await _connect(nursery, f"{self.url}/accept/{pair}", self._tls)
+            await _expect_paired(ws, self.url)
+        except StreamBroken as exc:
+            log.warning("could not accept a relayed seam: %s", exc)
+            return
+        self.accepted += 1
+        self._on_stream(WebSocketFrameStream(ws, self.url))

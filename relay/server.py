@@ -1,0 +1,242 @@
+"""The relay: pairs a peer with a node that cannot be dialled directly, and forwards bytes.
+
+Nodes behind NAT keep an authenticated control connection (``/control``). A peer that
+needs a seam to such a node dials ``/dial`` with a session ticket naming that node;
+the relay checks the ticket, tells the node over its control connection to dial
+``/accept/<pair>``, pairs the two connections and forwards every binary message
+both ways as it is — it never decodes activations. Buffers are bounded (one queued
+message per connection), so a side that stops reading stalls the other side instead
+of growing memory. See :mod:`relay.messages` for the control vocabulary.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import ssl
+from typing import Any
+
+import attrs
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
+
+from noderuntime.identity import verify
+from noderuntime.tickets import TicketError, TicketVerifier
+from noderuntime.transport.websocket import MAX_MESSAGE_BYTES, MESSAGE_QUEUE, RECEIVE_BUFFER_BYTES
+from relay import messages as m
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define(eq=False)
+class _Pair:
+    dialer: WebSocketConnection
+    target: bytes
+    accepted: trio.Event = attrs.Factory(trio.Event)
+    acceptor: WebSocketConnection | None = None
+    done: trio.Event = attrs.Factory(trio.Event)
+
+
+@attrs.frozen
+class RelayStatistics:
+    """A snapshot of the relay."""
+
+    nodes_connected: int
+    pairs_pending: int
+    pairs_active: int
+    pairs_total: int
+    bytes_forwarded: int
+    refused: dict[str, int]
+
+
+class Relay:
+    """The relay's state and websocket handler."""
+
+    def __init__(
+        self,
+        verifier: TicketVerifier,
+        *,
+        max_pairs: int = 4096,
+        accept_timeout: float = 10.0,
+        handshake_timeout: float = 10.0,
+    ) -> None:
+        self.verifier = verifier
+        self.max_pairs = max_pairs
+        self.accept_timeout = accept_timeout
+        self.handshake_timeout = handshake_timeout
+        self.nodes: dict[bytes, WebSocketConnection] = {}
+        self._pending: dict[str, _Pair] = {}
+        self._active = 0
+        self._total = 0
+        self._forwarded = 0
+        self._refused: collections.Counter[str] = collections.Counter()
+
+    def statistics(self) -> RelayStatistics:
+        """An immutable snapshot."""
+        return RelayStatistics(
+            len(self.nodes), len(self._pending), self._active, self._total, self._forwarded, dict(self._refused)
+        )
+
+    async def handle(self, request: WebSocketRequest) -> None:
+        """Route a new connection by its path."""
+        path = request.path
+        if path == "/control":
+            await self._control(await request.accept())
+        elif path == "/dial":
+            await self._dial(await request.accept())
+        elif path.startswith("/accept/"):
+            await self._accept(await request.accept(), path.removeprefix("/accept/"))
+        else:
+            await request.reject(404, body=b"unknown relay path\n")
+
+    async def _refuse(self, ws: WebSocketConnection, code: int, reason: str, kind: str) -> None:
+        self._refused[kind] += 1
+        log.info("relay refused a connection: %s", reason)
+        with trio.move_on_after(1.0):
+            await ws.aclose(code, reason[:120])
+
+    async def _control(self, ws: WebSocketConnection) -> None:
+        nonce = os.urandom(32)
+        try:
+            with trio.fail_after(self.handshake_timeout):
+                await ws.send_message(m.dump("challenge", nonce=nonce.hex()))
+                hello = m.load(await ws.get_message(), "hello")
+            node_id = m.hex_field(hello, "node_id", 32)
+            signature = m.hex_field(hello, "signature", 64)
+        except (m.ControlError, trio.TooSlowError) as exc:
+            await self._refuse(ws, m.CLOSE_POLICY, f"bad control handshake: {exc}", "control_handshake")
+            return
+        except ConnectionClosed:
+            return
+        if not verify(node_id, m.CONTROL_DOMAIN, nonce, signature):
+            await self._refuse(ws, m.CLOSE_UNAUTHENTICATED, "control signature does not verify", "control_auth")
+            return
+        previous = self.nodes.get(node_id)
+        self.nodes[node_id] = ws
+        if previous is not None:
+            with trio.move_on_after(1.0):
+                await previous.aclose(m.CLOSE_NORMAL, "replaced by a newer control connection")
+        log.info("node %s connected to the relay", node_id.hex()[:12])
+        try:
+            await ws.send_message(m.dump("welcome"))
+            while True:  # nothing is expected from the node; reading notices its departure
+                await ws.get_message()
+        except ConnectionClosed:
+            pass
+        finally:
+            if self.nodes.get(node_id) is ws:
+                del self.nodes[node_id]
+                log.info("node %s left the relay", node_id.hex()[:12])
+
+    async def _dial(self, ws: WebSocketConnection) -> None:
+        try:
+            with trio.fail_after(self.handshake_timeout):
+                request = m.load(await ws.get_message(), "dial")
+            target = m.hex_field(request, "target", 32)
+            session = m.hex_field(request, "session", 16)
+            ticket = m.hex_field(request, "ticket")
+            epoch = request.get("epoch")
+            if not isinstance(epoch, int) or epoch < 0:
+                raise m.ControlError("epoch must be a non-negative integer")
+        except (m.ControlError, trio.TooSlowError) as exc:
+            await self._refuse(ws, m.CLOSE_POLICY, f"bad dial request: {exc}", "dial_malformed")
+            return
+        except ConnectionClosed:
+            return
+        try:
+            self.verifier.check(ticket, session_id=session, epoch=epoch, artifact=None, hops=None, node_id=target)
+        except TicketError as exc:
+            await self._refuse(ws, m.CLOSE_FORBIDDEN, f"ticket refused: {exc}", "ticket")
+            return
+        control = self.nodes.get(target)
+        if control is None:
+            await self._refuse(
+                ws, m.CLOSE_NOT_CONNECTED, "the target node is not connected to this relay", "not_connected"
+            )
+            return
+        if len(self._pending) + self._active >= self.max_pairs:
+            await self._refuse(ws, m.CLOSE_BUSY, "the relay is at its pair limit", "busy")
+            return
+        pair_id = os.urandom(16).hex()
+        pair = _Pair(ws, target)
+        self._pending[pair_id] = pair
+        try:
+            try:
+                await control.send_message(m.dump("incoming", pair=pair_id))
+                with trio.fail_after(self.accept_timeout):
+                    await pair.accepted.wait()
+            except (ConnectionClosed, trio.TooSlowError):
+                await self._refuse(ws, m.CLOSE_TIMEOUT, "the target node did not dial in", "accept_timeout")
+                return
+            finally:
+                self._pending.pop(pair_id, None)
+            assert pair.acceptor is not None
+            await self._forward(pair)
+        finally:
+            pair.done.set()
+
+    async def _accept(self, ws: WebSocketConnection, pair_id: str) -> None:
+        pair = self._pending.get(pair_id)
+        if pair is None or pair.acceptor is not None:
+            await self._refuse(ws, m.CLOSE_FORBIDDEN, "unknown or used pair", "unknown_pair")
+            return
+        pair.acceptor = ws
+        pair.accepted.set()
+        await pair.done.wait()  # the dialling side's task forwards; this connection lives until then
+
+    async def _forward(self, pair: _Pair) -> None:
+        assert pair.acceptor is not None
+        a, b = pair.dialer, pair.acceptor
+        self._active += 1
+        self._total += 1
+        try:
+            for ws in (a, b):
+                await ws.send_message(m.dump("paired"))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pipe, a, b, nursery.cancel_scope)
+                nursery.start_soon(self._pipe, b, a, nursery.cancel_scope)
+        except ConnectionClosed:
+            pass
+        finally:
+            self._active -= 1
+            with trio.move_on_after(1.0) as scope:
+                scope.shield = True
+                for ws in (a, b):
+                    await ws.aclose(m.CLOSE_PEER_GONE, "the other side of the seam left")
+
+    async def _pipe(self, src: WebSocketConnection, dst: WebSocketConnection, scope: trio.CancelScope) -> None:
+        try:
+            while True:
+                message = await src.get_message()
+                if not isinstance(message, bytes):
+                    break  # after pairing only binary seam frames pass
+                await dst.send_message(message)
+                self._forwarded += len(message)
+        except ConnectionClosed:
+            pass
+        finally:
+            scope.cancel()
+
+
+async def serve(
+    relay: Relay,
+    host: str,
+    port: int,
+    *,
+    tls: ssl.SSLContext | None = None,
+    task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until cancelled; reports the websocket server (with its bound port) when listening."""
+    await serve_websocket(
+        relay.handle,
+        host,
+        port,
+        tls,
+        message_queue_size=MESSAGE_QUEUE,
+        max_message_size=MAX_MESSAGE_BYTES,
+        receive_buffer_size=RECEIVE_BUFFER_BYTES,
+        connect_timeout=10,
+        disconnect_timeout=5,
+        task_status=task_status,
+    )
