@@ -242,6 +242,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         tls_cert=tls_cert,
         tls_key=tls_key,
         idle_timeout=args.idle_timeout,
+        http=args.http,
     )
     return noderun.main_node(opts)
 
@@ -261,7 +262,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
 
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         tls.load_cert_chain(args.tls_cert, args.tls_key)
-    return noderun.main_relay(host, port, tuple(args.issuer_key), tls)
+    return noderun.main_relay(host, port, tuple(args.issuer_key), tls, args.http)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -343,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", type=Path, help="PEM key for the gRPC listener")
     p.add_argument("--tls-self-signed", action="store_true", help="make (once) and use a self-signed certificate")
     p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds a session may make no progress")
+    p.add_argument("--http", type=_listen_address, default="127.0.0.1:0", help="HOST:PORT of /status (port 0: any)")
     p.set_defaults(func=_cmd_up)
 
     p = sub.add_parser("relay", help="run a relay for nodes that cannot be dialled directly")
@@ -356,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
+    p.add_argument("--http", type=_listen_address, default="127.0.0.1:0", help="HOST:PORT of /status (port 0: any)")
     p.set_defaults(func=_cmd_relay)
 
     p = sub.add_parser("demo", help="generate text with the demo model split over shard processes")

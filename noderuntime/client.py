@@ -16,6 +16,7 @@ import contextlib
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import attrs
 import trio
@@ -122,6 +123,50 @@ class Generation:
                     self.usage = event.records
                     return event.records
                 # tokens generated after our Release crossed the route are dropped
+
+
+@asynccontextmanager
+async def open_route_generation(
+    connector: Any,
+    hops: Sequence[Hop],
+    request: GenerationRequest,
+    *,
+    artifact: bytes,
+    recipe: bytes,
+    ticket: bytes = b"",
+    session_id: bytes | None = None,
+    epoch: int = 0,
+    limits: Limits = Limits(),
+) -> AsyncIterator[Generation]:
+    """Like :func:`open_generation`, dialling the head with ``connector`` (direct or through its relay)."""
+    session_id = session_id or os.urandom(16)
+    identity = Identity(request.request_id, session_id, epoch, artifact, recipe, Span())
+    probe = OpenRoute(
+        SeamEndpoint(identity, Direction.DOWNSTREAM).header(Phase.PREFILL),
+        tuple(hops),
+        request.sampling,
+        (),
+        1,
+        (),
+        0,
+        ticket,
+    )
+    try:
+        stream = await connector.connect(hops[0], probe)
+    except TransportError as exc:
+        raise RouteError(f"cannot reach the head: {exc}", exc.code) from None
+    async with open_generation(
+        stream,
+        hops,
+        request,
+        artifact=artifact,
+        recipe=recipe,
+        ticket=ticket,
+        session_id=session_id,
+        epoch=epoch,
+        limits=limits,
+    ) as generation:
+        yield generation
 
 
 @asynccontextmanager

@@ -30,8 +30,15 @@ class ProcessError(RuntimeError):
 class ManagedProcess:
     """One child process running ``python -m noderuntime ...``."""
 
-    def __init__(self, name: str, args: Sequence[str], *, env: dict[str, str] | None = None,
-                 prefix: Sequence[str] = (), cwd: Path | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        prefix: Sequence[str] = (),
+        cwd: Path | None = None,
+    ) -> None:
         """``prefix`` goes before the interpreter (e.g. ``ip netns exec HOST``)."""
         self.name = name
         self.argv = [*prefix, sys.executable, "-m", "noderuntime", *args]
@@ -46,9 +53,25 @@ class ManagedProcess:
 
     def start(self, timeout: float = 60.0) -> dict[str, Any]:
         """Start and wait for the ready line; returns its fields."""
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=self._env, cwd=self._cwd, start_new_session=True)
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the process without waiting (see :meth:`wait_ready`)."""
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self._env,
+            cwd=self._cwd,
+            start_new_session=True,
+        )
         threading.Thread(target=self._read, name=f"{self.name}-output", daemon=True).start()
+
+    def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Wait for the ready line; returns its fields."""
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while not self._ready.wait(0.05):
             if self.proc.poll() is not None:
@@ -108,7 +131,7 @@ class ManagedProcess:
             self.proc.wait(10)
 
 
-class _suppress:  # noqa: N801 - a tiny contextlib.suppress for ProcessLookupError only
+class _suppress:  # a tiny contextlib.suppress for ProcessLookupError only
     def __enter__(self) -> None:
         return None
 

@@ -23,6 +23,7 @@ import trio
 from noderuntime import artifacts, identity
 from noderuntime.artifacts import LayerRange
 from noderuntime.engine import Recipe, ShardEngine
+from noderuntime.httpserve import Routes, json_handler, serve_http
 from noderuntime.network import NetworkConnector, ticket_check
 from noderuntime.node import Node, NodeConfig
 from noderuntime.tickets import TicketVerifier
@@ -53,6 +54,7 @@ class NodeOptions:
     tls_key: Path | None = None
     idle_timeout: float = 60.0
     expected_fingerprint: str | None = None
+    http: str | None = "127.0.0.1:0"  # status (and metrics) endpoint
 
 
 def server_tls(cert: Path, key: Path) -> ssl.SSLContext:
@@ -127,10 +129,14 @@ async def run_node(
                 server = GrpcServer(runtime, node.accept, max_frame_bytes=limits.max_frame_bytes)
                 bound = await server.start(host, port, tls)
                 address = opts.advertise or f"{host}:{bound}"
-            listener = None
+            listener: RelayListener | None = None
             if opts.relay is not None:
                 listener = RelayListener(opts.relay, me, node.accept)
                 await nursery.start(listener.run)
+            http_url = ""
+            if opts.http is not None:
+                status = node_status(node, me.node_id, listener, node.connector)
+                http_url = await nursery.start(serve_http, Routes({"/status": json_handler(status)}), opts.http)
             if on_node is not None:
                 on_node(node)
             task_status.started(
@@ -146,6 +152,7 @@ async def run_node(
                     "pid": os.getpid(),
                     "slots": opts.slots,
                     "ctx_per_session": opts.ctx_per_session,
+                    "http": http_url,
                 }
             )
             log.info(
@@ -163,6 +170,35 @@ async def run_node(
             await grpc_connector.close()
         runtime.close()
         engine.close()
+
+
+def node_status(node: Node, node_id: bytes, listener: RelayListener | None, connector: Any) -> Any:
+    """The producer of a node's ``/status`` document."""
+
+    async def status() -> dict[str, Any]:
+        stats = node.statistics()
+        return {
+            "node_id": node_id.hex(),
+            "layers": [node.config.layers.start, node.config.layers.end],
+            "active_sessions": stats.active_sessions,
+            "slots_total": stats.leases.slots_total,
+            "slots_leased": stats.leases.slots_leased,
+            "slots_draining": stats.leases.slots_draining,
+            "slots_free": stats.leases.slots_free,
+            "kv_cells": await node.kv_cells_used(),
+            "sessions_opened": stats.sessions_opened,
+            "sessions_ended": stats.sessions_ended,
+            "admissions_refused": stats.admissions_refused,
+            "batcher": attrs.asdict(stats.batcher),
+            "relay_connected": listener.connected if listener is not None else None,
+            "seams": {
+                "direct": getattr(connector, "direct_attempts", 0),
+                "relay": getattr(connector, "relay_attempts", 0),
+                "fallbacks": getattr(connector, "fallbacks", 0),
+            },
+        }
+
+    return status
 
 
 async def run_until_signal(main: Callable[..., Awaitable[None]], *args: Any) -> None:
@@ -187,9 +223,10 @@ async def run_relay(
     issuer_keys: tuple[bytes, ...],
     *,
     tls: ssl.SSLContext | None = None,
+    http: str | None = "127.0.0.1:0",
     task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve a relay until cancelled."""
+    """Serve a relay until cancelled; ``http`` serves its ``/status``."""
     from relay.server import Relay, serve
 
     relay = Relay(TicketVerifier(issuer_keys))
@@ -197,7 +234,14 @@ async def run_relay(
         server = await nursery.start(functools.partial(serve, relay, host, port, tls=tls))
         bound = server.port
         scheme = "wss" if tls else "ws"
-        task_status.started({"url": f"{scheme}://{host}:{bound}", "port": bound, "pid": os.getpid()})
+        http_url = ""
+        if http is not None:
+
+            async def status() -> dict[str, Any]:
+                return attrs.asdict(relay.statistics())
+
+            http_url = await nursery.start(serve_http, Routes({"/status": json_handler(status)}), http)
+        task_status.started({"url": f"{scheme}://{host}:{bound}", "port": bound, "pid": os.getpid(), "http": http_url})
         log.info("relay listening on %s://%s:%d", scheme, host, bound)
 
 
@@ -207,9 +251,11 @@ def main_node(opts: NodeOptions) -> int:
     return 0
 
 
-def main_relay(host: str, port: int, issuer_keys: tuple[bytes, ...], tls: ssl.SSLContext | None) -> int:
+def main_relay(
+    host: str, port: int, issuer_keys: tuple[bytes, ...], tls: ssl.SSLContext | None, http: str | None
+) -> int:
     """Run a relay in this process until a signal; the exit status."""
-    trio.run(run_until_signal, lambda **kw: run_relay(host, port, issuer_keys, tls=tls, **kw))
+    trio.run(run_until_signal, lambda **kw: run_relay(host, port, issuer_keys, tls=tls, http=http, **kw))
     return 0
 
 

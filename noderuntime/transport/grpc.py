@@ -265,7 +265,14 @@ class GrpcFrameStream:
 async def _recv_bounded(stream: Any, limit: int) -> bytes | None:
     # grpclib reads a whole message into memory before any codec sees it; a hostile
     # peer could declare 4 GiB. Read the 5-byte prefix ourselves and refuse oversize
-    # frames before reading the body. (grpclib 0.4.9 internals, pinned.)
+    # frames before reading the body. (grpclib 0.4.9 internals, pinned.) A client stream's
+    # reads must run inside its wrapper: that is how grpclib wakes them when the
+    # connection is lost (the server wraps its whole handler already).
+    with getattr(stream, "_wrapper", None) or contextlib.nullcontext():
+        return await _recv_prefixed(stream, limit)
+
+
+async def _recv_prefixed(stream: Any, limit: int) -> bytes | None:
     meta = await stream._stream.recv_data(5)
     if not meta:
         return None
@@ -290,6 +297,8 @@ async def _pump(grpc_stream: Any, ours: GrpcFrameStream, limit: int, *, client: 
             while True:
                 frame = await _recv_bounded(grpc_stream, limit)
                 if frame is None:
+                    # the peer is done with the seam: our sends end too (a seam closes as a whole)
+                    ours.outbound.finish(StreamClosed(f"{ours.peer} ended the seam"))
                     break
                 await ours.inbound.put(frame)
             if client:
@@ -311,7 +320,10 @@ async def _pump(grpc_stream: Any, ours: GrpcFrameStream, limit: int, *, client: 
 
     async def write() -> None:
         while True:
-            frame = await ours.outbound.get()
+            try:
+                frame = await ours.outbound.get()
+            except StreamClosed:
+                frame = None
             if frame is None:
                 break
             await grpc_stream.send_message(frame)
@@ -319,11 +331,18 @@ async def _pump(grpc_stream: Any, ours: GrpcFrameStream, limit: int, *, client: 
             await grpc_stream.end()
 
     reader = asyncio.ensure_future(read())
+    writer = asyncio.ensure_future(write())
     try:
-        await write()
-        await reader  # the peer's end of the stream (or the grace timer's cancel)
+        done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            error = task.exception()
+            if error is not None:
+                raise error  # a refused frame or a failed send ends the whole stream
+        # one direction ended cleanly; the other follows (or the grace timer resets the stream)
+        await asyncio.gather(reader, writer)
     finally:
         reader.cancel()
+        writer.cancel()
         broken = StreamBroken(f"the seam with {ours.peer} ended", StatusCode.CANCELLED)
         ours.inbound.finish(broken)
         ours.outbound.finish(broken)  # wakes a trio sender waiting for room

@@ -1,0 +1,71 @@
+"""A small HTTP surface for nodes and relays (status JSON, later metrics), on hypercorn's trio worker."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+Handler = Callable[[], Awaitable[tuple[int, str, bytes]]]  # -> (status, content type, body)
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def json_handler(producer: Callable[[], Awaitable[Any]]) -> Handler:
+    """A GET handler answering ``producer()`` as JSON."""
+
+    async def handle() -> tuple[int, str, bytes]:
+        return 200, "application/json", json.dumps(await producer(), default=str).encode() + b"\n"
+
+    return handle
+
+
+class Routes:
+    """An ASGI app serving GET on a fixed set of paths."""
+
+    def __init__(self, routes: dict[str, Handler]) -> None:
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        handler = self.routes.get(scope["path"])
+        if scope["method"] != "GET" or handler is None:
+            status, ctype, body = 404, "text/plain", b"not found\n"
+        else:
+            status, ctype, body = await handler()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+async def serve_http(app: Any, listen: str, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve ``app`` on ``HOST:PORT`` until cancelled; reports the base URL once listening."""
+    config = Config()
+    config.bind = [listen]
+    config.accesslog = None
+    config.errorlog = None
+    config.graceful_timeout = 1.0
+    config.keep_alive_timeout = 30.0
+    async with trio.open_nursery() as nursery:
+        urls: list[str] = await nursery.start(functools.partial(serve, app, config, mode="asgi"))
+        task_status.started(urls[0].rstrip("/"))

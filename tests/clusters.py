@@ -1,0 +1,197 @@
+"""Multi-process test clusters: real `noderuntime up` / `relay` processes on loopback (or in netns)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from noderuntime.client import GenerationRequest, open_route_generation
+from noderuntime.cluster import ManagedProcess
+from noderuntime.identity import Identity
+from noderuntime.tickets import issue
+from protocol import Hop, Span
+
+
+@attrs.define
+class Cluster:
+    """A running route of node processes (and a relay)."""
+
+    issuer: Identity
+    nodes: list[ManagedProcess]
+    infos: list[dict[str, Any]]
+    relay: ManagedProcess | None
+    relay_info: dict[str, Any] | None
+    hops: tuple[Hop, ...]
+
+    @property
+    def artifact(self) -> bytes:
+        return bytes.fromhex(self.infos[0]["artifact"])
+
+    @property
+    def recipe(self) -> bytes:
+        return bytes.fromhex(self.infos[0]["recipe"])
+
+    def ticket(
+        self,
+        session_id: bytes,
+        epoch: int = 0,
+        *,
+        hops: Sequence[Hop] | None = None,
+        ttl: float = 600.0,
+        issuer: Identity | None = None,
+    ) -> bytes:
+        return issue(
+            issuer or self.issuer,
+            session_id=session_id,
+            epoch=epoch,
+            artifact=self.artifact,
+            hops=hops or self.hops,
+            ttl_seconds=ttl,
+        )
+
+    async def status(self, index: int) -> dict[str, Any]:
+        url = self.infos[index]["http"] + "/status"
+
+        def fetch() -> dict[str, Any]:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                data: dict[str, Any] = json.loads(response.read())
+                return data
+
+        return await trio.to_thread.run_sync(fetch)
+
+    async def wait_idle(self, within: float = 20.0, indices: Sequence[int] | None = None) -> list[dict[str, Any]]:
+        """Every (listed) node: no session, no slot, no KV cell."""
+        indices = list(range(len(self.nodes))) if indices is None else list(indices)
+        with trio.fail_after(within):
+            while True:
+                states = [await self.status(i) for i in indices]
+                if all(
+                    s["active_sessions"] == 0
+                    and s["slots_leased"] == 0
+                    and s["slots_draining"] == 0
+                    and s["kv_cells"] == 0
+                    for s in states
+                ):
+                    return states
+                await trio.sleep(0.1)
+
+    async def generate(
+        self,
+        connector: Any,
+        request: GenerationRequest,
+        *,
+        session_id: bytes | None = None,
+        ticket: bytes | None = None,
+    ) -> tuple[int, ...]:
+        session_id = session_id or os.urandom(16)
+        ticket = self.ticket(session_id) if ticket is None else ticket
+        async with open_route_generation(
+            connector,
+            self.hops,
+            request,
+            artifact=self.artifact,
+            recipe=self.recipe,
+            ticket=ticket,
+            session_id=session_id,
+        ) as gen:
+            while await gen.next() is not None:
+                pass
+        return tuple(gen.tokens)
+
+    def stop(self) -> None:
+        for process in [*self.nodes, *([self.relay] if self.relay else [])]:
+            process.stop()
+
+
+@contextmanager
+def running_cluster(
+    model: Path,
+    cuts: Sequence[int],
+    data_root: Path,
+    *,
+    relay_only: Sequence[int] = (),
+    with_relay: bool = False,
+    tls: Sequence[int] = (),
+    slots: int = 8,
+    ctx: int = 512,
+    extra: Sequence[str] = (),
+    prefix: Sequence[Sequence[str]] | None = None,
+    hosts: Sequence[str] | None = None,
+    relay_prefix: Sequence[str] = (),
+    relay_host: str = "127.0.0.1",
+    relay_url_for: Sequence[str] | None = None,
+) -> Iterator[Cluster]:
+    """Start a relay (when needed) and one node process per range; stop them all on exit.
+
+    ``prefix``/``hosts`` run node i under a command prefix (``ip netns exec H``) bound to
+    an address; ``relay_url_for`` gives each node the relay URL it can reach.
+    """
+    issuer = Identity.generate()
+    key = issuer.node_id.hex()
+    relay = relay_info = None
+    processes: list[ManagedProcess] = []
+    try:
+        if relay_only or with_relay:
+            relay = ManagedProcess(
+                "relay",
+                ["relay", "--listen", f"{relay_host}:0", "--issuer-key", key, "--http", f"{relay_host}:0"],
+                prefix=relay_prefix,
+            )
+            relay_info = relay.start()
+        ranges = list(itertools.pairwise(cuts))
+        for i, (a, b) in enumerate(ranges):
+            host = hosts[i] if hosts else "127.0.0.1"
+            args = [
+                "up",
+                "--model",
+                str(model),
+                "--layers",
+                f"{a}:{b}",
+                "--data-dir",
+                str(data_root / f"node{i}"),
+                "--issuer-key",
+                key,
+                "--slots",
+                str(slots),
+                "--ctx",
+                str(ctx),
+                "--http",
+                f"{host}:0",
+                *extra,
+            ]
+            if i not in relay_only:
+                args += ["--listen", f"{host}:0"]
+            if relay_info is not None:
+                args += ["--relay", relay_url_for[i] if relay_url_for else relay_info["url"]]
+            if i in tls:
+                args += ["--tls-self-signed"]
+            process = ManagedProcess(f"node{i}", args, prefix=prefix[i] if prefix else ())
+            process.launch()
+            processes.append(process)
+        infos = [p.wait_ready(90) for p in processes]
+        hops = tuple(
+            Hop(
+                bytes.fromhex(info["node_id"]),
+                Span(*info["layers"]),
+                info["address"],
+                info["relay"],
+                bytes.fromhex(info["tls_cert_sha256"]),
+            )
+            for info in infos
+        )
+        cluster = Cluster(issuer, processes, infos, relay, relay_info, hops)
+        yield cluster
+    finally:
+        for process in processes:
+            process.stop()
+        if relay is not None:
+            relay.stop()

@@ -1,0 +1,169 @@
+"""Routes of real `noderuntime up` processes over gRPC and the relay (on loopback)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+
+from noderuntime.client import GenerationRequest, RouteError, open_route_generation
+from noderuntime.dialer import open_dialer
+from noderuntime.identity import Identity
+from protocol import Hop, Span, StatusCode
+
+from .clusters import Cluster, running_cluster
+from .test_node_core import requests, solo_greedy
+
+pytestmark = pytest.mark.slow
+CUTS = [0, 10, 20, 30]
+
+
+async def _eight_sessions_match(cluster: Cluster, model: Path) -> None:
+    reqs = requests(8, seed=21)
+    expected = [await trio.to_thread.run_sync(solo_greedy, model, r) for r in reqs]
+    got: dict[int, tuple[int, ...]] = {}
+    async with open_dialer() as dialer:
+
+        async def one(i: int) -> None:
+            got[i] = await cluster.generate(dialer, reqs[i])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(reqs)):
+                nursery.start_soon(one, i)
+    assert [got[i] for i in range(len(reqs))] == expected
+    await cluster.wait_idle()
+
+
+async def test_three_processes_over_grpc_match_the_whole_model(smollm2: Path, tmp_path: Path) -> None:
+    with running_cluster(smollm2, CUTS, tmp_path) as cluster:
+        await _eight_sessions_match(cluster, smollm2)
+        seams = [(await cluster.status(i))["seams"] for i in range(3)]
+        assert seams[0]["direct"] >= 8 and seams[1]["direct"] >= 8 and seams[2]["direct"] == 0
+
+
+async def test_three_processes_over_the_relay_match_the_whole_model(smollm2: Path, tmp_path: Path) -> None:
+    with running_cluster(smollm2, CUTS, tmp_path, relay_only=[1, 2]) as cluster:
+        assert all(hop.address == "" for hop in cluster.hops[1:])
+        await _eight_sessions_match(cluster, smollm2)
+        seams = [(await cluster.status(i))["seams"] for i in range(3)]
+        assert seams[0]["relay"] >= 8 and seams[1]["relay"] >= 8
+
+
+async def test_tls_with_a_pinned_certificate_and_fallback_to_the_relay(smollm2: Path, tmp_path: Path) -> None:
+    with running_cluster(smollm2, [0, 15, 30], tmp_path, tls=[0, 1], with_relay=True) as cluster:
+        assert all(len(hop.tls_cert_sha256) == 32 for hop in cluster.hops)
+        request = requests(1, seed=3)[0]
+        expected = await trio.to_thread.run_sync(solo_greedy, smollm2, request)
+        async with open_dialer() as dialer:
+            assert await cluster.generate(dialer, request) == expected
+            # the second hop's advertised address is dead: the head falls back to its relay
+            broken = (cluster.hops[0], attrs.evolve(cluster.hops[1], address="127.0.0.1:9"))
+            session = os.urandom(16)
+            ticket = cluster.ticket(session, hops=broken)
+            async with open_route_generation(
+                dialer,
+                broken,
+                request,
+                artifact=cluster.artifact,
+                recipe=cluster.recipe,
+                ticket=ticket,
+                session_id=session,
+            ) as gen:
+                while await gen.next() is not None:
+                    pass
+            assert tuple(gen.tokens) == expected
+        assert (await cluster.status(0))["seams"]["fallbacks"] == 1
+        await cluster.wait_idle()
+
+
+async def test_shards_refuse_sessions_without_a_valid_ticket(smollm2: Path, tmp_path: Path) -> None:
+    with running_cluster(smollm2, [0, 15, 30], tmp_path) as cluster:
+        request = requests(1, seed=4)[0]
+        async with open_dialer() as dialer:
+
+            async def attempt(ticket: bytes, session: bytes, hops: tuple[Hop, ...] | None = None) -> StatusCode:
+                try:
+                    async with open_route_generation(
+                        dialer,
+                        hops or cluster.hops,
+                        request,
+                        artifact=cluster.artifact,
+                        recipe=cluster.recipe,
+                        ticket=ticket,
+                        session_id=session,
+                    ) as gen:
+                        while await gen.next() is not None:
+                            pass
+                except RouteError as exc:
+                    return exc.code
+                return StatusCode.OK
+
+            s = [os.urandom(16) for _ in range(7)]
+            assert await attempt(b"", s[0]) == StatusCode.UNAUTHENTICATED  # no ticket
+            stranger = Identity.generate()
+            assert await attempt(cluster.ticket(s[1], issuer=stranger), s[1]) == StatusCode.UNAUTHENTICATED  # forged
+            assert await attempt(cluster.ticket(s[2], ttl=-5), s[2]) == StatusCode.PERMISSION_DENIED  # expired
+            assert await attempt(cluster.ticket(s[0]), s[3]) == StatusCode.PERMISSION_DENIED  # another session
+            other_plan = (Hop(stranger.node_id, Span(0, 15)), cluster.hops[1])
+            assert await attempt(cluster.ticket(s[4], hops=other_plan), s[4]) == StatusCode.PERMISSION_DENIED
+            good = cluster.ticket(s[5])
+            assert await attempt(good, s[5]) == StatusCode.OK
+            assert await attempt(good, s[5]) == StatusCode.PERMISSION_DENIED  # replayed
+            tampered = bytearray(cluster.ticket(s[6]))
+            tampered[20] ^= 1
+            assert await attempt(bytes(tampered), s[6]) == StatusCode.UNAUTHENTICATED  # altered
+        await cluster.wait_idle()
+
+
+@pytest.mark.parametrize("relayed", [False, True], ids=["grpc", "relay"])
+async def test_cancellation_from_either_end_releases_kv_everywhere(
+    smollm2: Path, tmp_path: Path, relayed: bool
+) -> None:
+    with running_cluster(smollm2, CUTS, tmp_path, relay_only=[1, 2] if relayed else []) as cluster:
+        long = GenerationRequest(tuple(range(200, 260)), 400)
+        async with open_dialer() as dialer:
+            # the client end: leave in the middle of decoding (open_generation sends Cancel)
+            with pytest.raises(_Stop):
+                async with open_route_generation(
+                    dialer,
+                    cluster.hops,
+                    long,
+                    artifact=cluster.artifact,
+                    recipe=cluster.recipe,
+                    ticket=cluster.ticket(b"a" * 16),
+                    session_id=b"a" * 16,
+                ) as gen:
+                    for _ in range(10):
+                        assert await gen.next() is not None
+                    states = [await cluster.status(i) for i in range(3)]
+                    assert all(s["active_sessions"] == 1 and s["kv_cells"] > 0 for s in states)
+                    raise _Stop
+        await cluster.wait_idle()
+        # the far end: the tail dies in the middle of decoding
+        async with open_dialer() as dialer:
+            with pytest.raises(RouteError) as failure:
+                async with open_route_generation(
+                    dialer,
+                    cluster.hops,
+                    long,
+                    artifact=cluster.artifact,
+                    recipe=cluster.recipe,
+                    ticket=cluster.ticket(b"b" * 16),
+                    session_id=b"b" * 16,
+                ) as gen:
+                    for _ in range(10):
+                        await gen.next()
+                    cluster.nodes[2].signal(signal.SIGKILL)
+                    with trio.fail_after(15):
+                        while await gen.next() is not None:
+                            pass
+        assert failure.value.code == StatusCode.UNAVAILABLE
+        await cluster.wait_idle(indices=[0, 1])
+
+
+class _Stop(Exception):
+    """Leaves a generation early (the client going away)."""

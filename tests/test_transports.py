@@ -1,0 +1,237 @@
+"""One conformance suite for every seam transport: memory, gRPC and the relay."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+from noderuntime.identity import Identity, self_signed
+from noderuntime.noderun import server_tls
+from noderuntime.tickets import TicketVerifier, issue
+from noderuntime.transport import FrameStream, StreamBroken, TransportError, memory_stream_pair
+from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer
+from noderuntime.transport.relay_client import RelayDialer, RelayListener
+from protocol import Hop, Span, StatusCode
+from relay.server import Relay, serve
+
+KINDS = ["memory", "grpc", "relay"]
+
+
+@asynccontextmanager
+async def seam(kind: str) -> AsyncIterator[tuple[FrameStream, FrameStream]]:
+    """(client end, server end) of one fresh seam over ``kind``."""
+    if kind == "memory":
+        a, b = memory_stream_pair()
+        yield a, b
+        return
+    send, receive = trio.open_memory_channel[FrameStream](4)
+    if kind == "grpc":
+        runtime = AsyncioThread()
+        server = GrpcServer(runtime, send.send_nowait, max_frame_bytes=8 << 20)
+        port = await server.start("127.0.0.1", 0)
+        connector = GrpcConnector(runtime, max_frame_bytes=8 << 20)
+        try:
+            client = await connector.open(f"127.0.0.1:{port}")
+            yield client, await receive.receive()
+        finally:
+            await connector.close()
+            await server.close()
+            runtime.close()
+        return
+    issuer, node = Identity.generate(), Identity.generate()
+    relay = Relay(TicketVerifier([issuer.node_id]))
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve, relay, "127.0.0.1", 0)
+        url = f"ws://127.0.0.1:{server.port}"
+        await nursery.start(RelayListener(url, node, send.send_nowait).run)
+        session = os.urandom(16)
+        ticket = issue(issuer, session_id=session, epoch=0, artifact=b"a" * 32, hops=[Hop(node.node_id, Span(0, 1))])
+        client = await RelayDialer(nursery).dial(url, node.node_id, session_id=session, epoch=0, ticket=ticket)
+        yield client, await receive.receive()
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_frames_pass_byte_identical_both_ways_in_order(kind: str) -> None:
+    frames = [os.urandom(n) for n in (1, 100, 2442, 70_000, 1 << 20, (4 << 20) - 64, 3)]
+    async with seam(kind) as (client, server):
+        async with trio.open_nursery() as nursery:
+
+            async def send_all(end: FrameStream) -> None:
+                for frame in frames:
+                    await end.send(frame)
+
+            nursery.start_soon(send_all, client)
+            nursery.start_soon(send_all, server)
+            got_server = [await server.receive() for _ in frames]
+            got_client = [await client.receive() for _ in frames]
+        assert got_server == frames and got_client == frames
+        await client.aclose()
+        await server.aclose()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_closing_one_end_ends_the_other(kind: str) -> None:
+    async with seam(kind) as (client, server):
+        await client.send(b"last words")
+        await client.aclose()
+        with trio.fail_after(10):
+            assert await server.receive() == b"last words"
+            with pytest.raises(TransportError):
+                await server.receive()
+            with pytest.raises(TransportError):
+                for _ in range(50):  # a dead seam refuses sends (at once or after its buffer)
+                    await server.send(b"x" * 1000)
+                    await trio.sleep(0.01)
+        await server.aclose()
+        await server.aclose()  # idempotent
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_reader_that_stops_holds_back_the_sender(kind: str) -> None:
+    frame = os.urandom(256 << 10)
+    async with seam(kind) as (client, server):
+        sent = 0
+        with trio.move_on_after(2):
+            while True:
+                await client.send(frame)
+                sent += 1
+        # bounded buffers: far less than 2 s of loopback bandwidth got through
+        assert 0 < sent < 200, sent
+        received = 0
+        with trio.move_on_after(5):
+            while received < sent:
+                await server.receive()
+                received += 1
+        assert received == sent
+        await client.aclose()
+        await server.aclose()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_cancelling_a_waiting_reader_then_closing_frees_the_peer(kind: str) -> None:
+    async with seam(kind) as (client, server):
+        with trio.move_on_after(0.2):
+            await client.receive()
+        await client.aclose()
+        with trio.fail_after(10), pytest.raises(TransportError):
+            await server.receive()
+
+
+async def test_grpc_refuses_an_oversized_frame_before_buffering_it() -> None:
+    runtime = AsyncioThread()
+    send, receive = trio.open_memory_channel[FrameStream](4)
+    server = GrpcServer(runtime, send.send_nowait, max_frame_bytes=64 << 10)
+    port = await server.start("127.0.0.1", 0)
+    connector = GrpcConnector(runtime, max_frame_bytes=64 << 10)
+    try:
+        client = await connector.open(f"127.0.0.1:{port}")
+        remote = await receive.receive()
+        await client.send(b"x" * (1 << 20))
+        with trio.fail_after(10), pytest.raises(StreamBroken) as info:
+            await remote.receive()
+        assert info.value.code == StatusCode.RESOURCE_EXHAUSTED
+        with trio.fail_after(10), pytest.raises(TransportError):
+            await client.receive()
+    finally:
+        await connector.close()
+        await server.close()
+        runtime.close()
+
+
+async def test_grpc_tls_pins_the_certificate_the_route_names(tmp_path: object) -> None:
+    from pathlib import Path
+
+    files = self_signed(Path(str(tmp_path)) / "a")
+    other = self_signed(Path(str(tmp_path)) / "b")
+    runtime = AsyncioThread()
+    send, receive = trio.open_memory_channel[FrameStream](4)
+    server = GrpcServer(runtime, send.send_nowait, max_frame_bytes=1 << 20)
+    port = await server.start("127.0.0.1", 0, server_tls(files.cert, files.key))
+    connector = GrpcConnector(runtime, max_frame_bytes=1 << 20)
+    try:
+        client = await connector.open(f"127.0.0.1:{port}", tls_cert_sha256=files.cert_sha256)
+        await client.send(b"over tls")
+        assert await (await receive.receive()).receive() == b"over tls"
+        with pytest.raises(StreamBroken) as info:
+            await connector.open(f"127.0.0.1:{port}", tls_cert_sha256=other.cert_sha256)
+        assert info.value.code == StatusCode.UNAUTHENTICATED
+        await client.aclose()
+    finally:
+        await connector.close()
+        await server.close()
+        runtime.close()
+
+
+async def test_grpc_connect_failure_is_a_clear_unavailable() -> None:
+    runtime = AsyncioThread()
+    connector = GrpcConnector(runtime, max_frame_bytes=1 << 20)
+    try:
+        with pytest.raises(StreamBroken, match="cannot open a seam") as info:
+            await connector.open("127.0.0.1:1")
+        assert info.value.code == StatusCode.UNAVAILABLE
+    finally:
+        await connector.close()
+        runtime.close()
+
+
+async def test_relay_authenticates_controls_and_pairs_only_ticket_holders() -> None:
+    issuer, node, impostor = Identity.generate(), Identity.generate(), Identity.generate()
+    relay = Relay(TicketVerifier([issuer.node_id]), accept_timeout=2)
+    accepted: list[FrameStream] = []
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve, relay, "127.0.0.1", 0)
+        url = f"ws://127.0.0.1:{server.port}"
+        await nursery.start(RelayListener(url, node, accepted.append).run)
+        dialer = RelayDialer(nursery)
+        session = os.urandom(16)
+        hops = [Hop(node.node_id, Span(0, 1))]
+
+        async def dial(ticket: bytes, target: bytes = node.node_id, epoch: int = 0) -> StatusCode:
+            try:
+                stream = await dialer.dial(url, target, session_id=session, epoch=epoch, ticket=ticket)
+            except StreamBroken as exc:
+                return exc.code
+            await stream.aclose()
+            return StatusCode.OK
+
+        good = issue(issuer, session_id=session, epoch=0, artifact=b"a" * 32, hops=hops)
+        assert await dial(good) == StatusCode.OK
+        assert await dial(good) == StatusCode.PERMISSION_DENIED  # replayed
+        forged = issue(impostor, session_id=session, epoch=1, artifact=b"a" * 32, hops=hops)
+        assert await dial(forged, epoch=1) == StatusCode.PERMISSION_DENIED
+        expired = issue(issuer, session_id=session, epoch=2, artifact=b"a" * 32, hops=hops, ttl_seconds=-1)
+        assert await dial(expired, epoch=2) == StatusCode.PERMISSION_DENIED
+        elsewhere = issue(
+            issuer, session_id=session, epoch=3, artifact=b"a" * 32, hops=[Hop(impostor.node_id, Span(0, 1))]
+        )
+        assert await dial(elsewhere, epoch=3) == StatusCode.PERMISSION_DENIED  # misdirected
+        unknown = issue(
+            issuer, session_id=session, epoch=4, artifact=b"a" * 32, hops=[Hop(impostor.node_id, Span(0, 1))]
+        )
+        assert await dial(unknown, target=impostor.node_id, epoch=4) == StatusCode.UNAVAILABLE  # not connected
+        assert relay.statistics().refused.get("ticket", 0) == 4
+        # a control connection must prove its key
+        assert await _hello_with_wrong_signature(url, node.node_id) == 4401
+        nursery.cancel_scope.cancel()
+    assert len(accepted) == 1
+
+
+async def _hello_with_wrong_signature(url: str, claimed: bytes) -> int:
+    from trio_websocket import ConnectionClosed, open_websocket_url
+
+    from relay import messages
+
+    async with open_websocket_url(url + "/control") as ws:
+        messages.load(await ws.get_message(), "challenge")
+        await ws.send_message(messages.dump("hello", node_id=claimed.hex(), signature="00" * 64))
+        try:
+            await ws.get_message()
+        except ConnectionClosed as exc:
+            assert exc.reason is not None
+            return exc.reason.code
+    return 0
