@@ -28,6 +28,11 @@ async def open_dialer(limits: Limits = Limits()) -> AsyncIterator[NetworkConnect
         async with trio.open_nursery() as nursery:
             yield NetworkConnector(grpc, RelayDialer(nursery))
             nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # the nursery only hosts websocket readers: an error is the caller's own, unwrap it
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
     finally:
         with trio.CancelScope(shield=True):
             await grpc.close()

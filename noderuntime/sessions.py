@@ -346,6 +346,11 @@ class RouteSession:
                 return
             self._touch()
             if isinstance(event, Tokens):
+                if self.is_head and self._tokens_in is not None:
+                    # the next decode step first: it runs in the engine thread while the token
+                    # travels on to the client
+                    with contextlib.suppress(trio.BrokenResourceError):  # the driver stopped: nothing to feed
+                        await self._tokens_in.send(event)
                 await self._send_up(
                     Tokens(
                         self._up_header(Phase.DECODE, event.header.positions),
@@ -354,9 +359,6 @@ class RouteSession:
                         event.finish_reason,
                     )
                 )
-                if self.is_head and self._tokens_in is not None:
-                    with contextlib.suppress(trio.BrokenResourceError):  # the driver stopped: nothing to feed
-                        await self._tokens_in.send(event)
             elif isinstance(event, Usage):
                 await self._send_usage(list(event.records))
                 self._finish(SessionEnd("released"))

@@ -50,8 +50,8 @@ async def seam(kind: str) -> AsyncIterator[tuple[FrameStream, FrameStream]]:
         await nursery.start(RelayListener(url, node, send.send_nowait).run)
         session = os.urandom(16)
         ticket = issue(issuer, session_id=session, epoch=0, artifact=b"a" * 32, hops=[Hop(node.node_id, Span(0, 1))])
-        client = await RelayDialer(nursery).dial(url, node.node_id, session_id=session, epoch=0, ticket=ticket)
-        yield client, await receive.receive()
+        relayed = await RelayDialer(nursery).dial(url, node.node_id, session_id=session, epoch=0, ticket=ticket)
+        yield relayed, await receive.receive()
         nursery.cancel_scope.cancel()
 
 
