@@ -110,6 +110,7 @@ class BatcherStatistics:
     running: bool
     last_batch_rows: int
     last_tick_seconds: float
+    recent_tick_seconds: float
     busy_seconds: float
     failed_batches: int
 
@@ -145,6 +146,7 @@ class Batcher:
         self._rows = self._decode_rows = 0
         self._last_rows = 0
         self._last_seconds = 0.0
+        self._recent = 0.0
         self._busy = 0.0
         self._failed = 0
 
@@ -199,6 +201,7 @@ class Batcher:
             running=self._running,
             last_batch_rows=self._last_rows,
             last_tick_seconds=self._last_seconds,
+            recent_tick_seconds=self._recent,
             busy_seconds=self._busy,
             failed_batches=self._failed,
         )
@@ -263,6 +266,8 @@ class Batcher:
         self._decode_rows += plan.n_decode
         self._last_rows = len(rows)
         self._last_seconds = elapsed
+        # a smoothed step time, for the tracker's route costs
+        self._recent = elapsed if self._tick == 1 else 0.8 * self._recent + 0.2 * elapsed
         if self._on_tick is not None:
             self._on_tick(len(rows), plan.n_decode, elapsed)
         offset = 0

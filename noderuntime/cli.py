@@ -158,9 +158,9 @@ def _cmd_check_parity(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from noderuntime.demo import run_chain_demo
+    from noderuntime.demo import run
 
-    return run_chain_demo(resolve_model(args.model), args.cuts, prompt=args.prompt, max_tokens=args.max_tokens)
+    return run(args.prompt, args.max_tokens)
 
 
 def _address(text: str, *, listen: bool = False) -> str:
@@ -209,16 +209,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from noderuntime import noderun
 
     if args.model is None:
-        raise CliError(
-            "`noderuntime up` without --model runs the whole local system; that needs the tracker "
-            "and gateway, not available in this build yet"
-        )
+        from noderuntime import localsystem
+
+        return localsystem.main(args.listen or "127.0.0.1:8080", models.DEMO_MODEL)
     if args.listen is None and args.relay is None:
         raise CliError("a node needs --listen HOST:PORT, --relay URL, or both")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise CliError("--tls-cert and --tls-key go together")
-    if not args.issuer_key:
-        raise CliError("give the route issuer's public key with --issuer-key (the tracker's)")
+    if not args.issuer_key and not args.tracker:
+        raise CliError("give the route issuer's public key with --issuer-key, or a --tracker to take it from")
     model = resolve_model(args.model)
     tls_cert, tls_key = args.tls_cert, args.tls_key
     if args.tls_self_signed:
@@ -243,6 +242,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         tls_key=tls_key,
         idle_timeout=args.idle_timeout,
         http=args.http,
+        tracker=args.tracker,
     )
     return noderun.main_node(opts)
 
@@ -263,6 +263,58 @@ def _cmd_relay(args: argparse.Namespace) -> int:
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         tls.load_cert_chain(args.tls_cert, args.tls_key)
     return noderun.main_relay(host, port, tuple(args.issuer_key), tls, args.http)
+
+
+def _url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {text!r}")
+    return text.rstrip("/")
+
+
+def _cmd_tracker(args: argparse.Namespace) -> int:
+    from noderuntime import noderun
+
+    data_dir = Path(args.data_dir)
+    import trio
+
+    trio.run(
+        noderun.run_until_signal,
+        lambda **kw: noderun.run_tracker(
+            args.listen, data_dir, api_key=args.api_key, expire_after=args.expire_after, **kw
+        ),
+    )
+    return 0
+
+
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    import trio
+
+    from noderuntime import noderun
+
+    served = []
+    for spec in args.model:
+        model_id, _, where = spec.partition("=")
+        path = resolve_model(where or model_id)
+        if not where and model_id not in models.KNOWN_MODELS:
+            model_id = path.stem
+        served.append((model_id, path))
+    opts = noderun.GatewayOptions(
+        tracker=args.tracker,
+        listen=args.listen,
+        models=tuple(served),
+        api_keys=tuple(args.api_key),
+        tracker_key=args.tracker_key,
+        request_timeout=args.request_timeout,
+        ctx=args.ctx,
+    )
+    trio.run(noderun.run_until_signal, lambda **kw: noderun.run_gateway(opts, **kw))
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from noderuntime.status import show
+
+    return show(args.tracker, as_json=args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -324,7 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="run a shard node (with --model), serving until Ctrl-C")
     p.add_argument("--model", help="a GGUF file (whole model or a shard file) or a known model name")
     p.add_argument("--layers", type=_layers, help="layer range A:B this node serves (default: all of the file)")
-    p.add_argument("--listen", type=_listen_address, help="HOST:PORT for direct gRPC seams (omit: relay only)")
+    p.add_argument(
+        "--listen",
+        type=_listen_address,
+        help="HOST:PORT for direct gRPC seams (omit: relay only); without --model, the gateway's address",
+    )
     p.add_argument("--advertise", type=_address, help="HOST:PORT peers should dial (default: the listen address)")
     p.add_argument("--relay", type=_relay_url, help="ws://HOST:PORT of a relay to be reachable through")
     p.add_argument("--data-dir", default=str(_default_data_dir()), help="where the node key lives")
@@ -345,7 +401,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-self-signed", action="store_true", help="make (once) and use a self-signed certificate")
     p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds a session may make no progress")
     p.add_argument("--http", type=_listen_address, default="127.0.0.1:0", help="HOST:PORT of /status (port 0: any)")
+    p.add_argument("--tracker", type=_url, help="register with this tracker (and trust its session tickets)")
     p.set_defaults(func=_cmd_up)
+
+    p = sub.add_parser("tracker", help="run a tracker: node registry, route selection, session tickets")
+    p.add_argument("--listen", type=_listen_address, required=True, help="HOST:PORT (port 0: any)")
+    p.add_argument("--data-dir", default=str(_default_data_dir().with_name("tracker")), help="where its key lives")
+    p.add_argument("--api-key", help="require this bearer key for route requests (the gateway's)")
+    p.add_argument(
+        "--expire-after", type=float, default=10.0, help="seconds without heartbeat before a node is dropped"
+    )
+    p.set_defaults(func=_cmd_tracker)
+
+    p = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
+    p.add_argument("--tracker", type=_url, required=True)
+    p.add_argument("--listen", type=_listen_address, required=True, help="HOST:PORT (port 0: any)")
+    p.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        help="a model to serve: a known name, a GGUF path, or NAME=PATH; repeatable",
+    )
+    p.add_argument("--api-key", action="append", default=[], help="accepted client bearer key; repeatable")
+    p.add_argument("--tracker-key", help="bearer key for the tracker's route requests")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take")
+    p.add_argument("--ctx", type=_positive_int, help="context per session the nodes offer (default: the model's)")
+    p.set_defaults(func=_cmd_gateway)
+
+    p = sub.add_parser("status", help="nodes, ranges, load and routes known to a tracker")
+    p.add_argument("--tracker", type=_url, required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_status)
 
     p = sub.add_parser("relay", help="run a relay for nodes that cannot be dialled directly")
     p.add_argument("--listen", type=_listen_address, required=True, help="HOST:PORT (port 0: any)")
@@ -361,11 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http", type=_listen_address, default="127.0.0.1:0", help="HOST:PORT of /status (port 0: any)")
     p.set_defaults(func=_cmd_relay)
 
-    p = sub.add_parser("demo", help="generate text with the demo model split over shard processes")
-    p.add_argument("--model", default=models.DEMO_MODEL)
-    p.add_argument("--cuts", type=_cuts, default=[0, 15, 30])
+    p = sub.add_parser("demo", help="the whole local system, asked one question through the OpenAI client")
     p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
-    p.add_argument("--max-tokens", type=_positive_int, default=48)
+    p.add_argument("--max-tokens", type=_positive_int, default=64)
     p.set_defaults(func=_cmd_demo)
     return parser
 
@@ -379,7 +463,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if not args.verbose:
-        logging.getLogger("noderuntime.llama_cpp").setLevel(logging.WARNING)
+        for chatty in ("noderuntime.llama_cpp", "httpx", "httpx2", "hpack", "hypercorn"):
+            logging.getLogger(chatty).setLevel(logging.WARNING)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

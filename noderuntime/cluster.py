@@ -9,6 +9,9 @@ output (for error messages) in a bounded buffer.
 from __future__ import annotations
 
 import collections
+import contextlib
+import ctypes
+import ctypes.util
 import json
 import os
 import signal
@@ -66,6 +69,7 @@ class ManagedProcess:
             env=self._env,
             cwd=self._cwd,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         threading.Thread(target=self._read, name=f"{self.name}-output", daemon=True).start()
 
@@ -129,6 +133,13 @@ class ManagedProcess:
             with _suppress():
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+def _die_with_parent() -> None:
+    # children must not outlive a parent that was killed without running its cleanup
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class _suppress:  # a tiny contextlib.suppress for ProcessLookupError only

@@ -1,75 +1,67 @@
-"""The demo: the demo model split over shard processes, generating text."""
+"""``make demo``: the whole system on this machine, used through the official OpenAI client.
+
+Starts the local system (tracker, relay, two shard nodes of the demo model, gateway),
+streams one chat completion with the ``openai`` package, prints the text as it comes,
+the speed, and which node served which layers, then stops everything.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
-from pathlib import Path
+from typing import Any
 
-import numpy as np
+from openai import OpenAI
 
-from noderuntime.chat import ChatTemplate
-from noderuntime.engine import Recipe, Vocab
-from noderuntime.parity import ranges_from_cuts
-from noderuntime.procchain import ProcessChain
+from noderuntime import localsystem, models
 
 
-def run_chain_demo(model: Path, cuts: Sequence[int], *, prompt: str, max_tokens: int) -> int:
-    """Chat-complete ``prompt`` greedily through one process per shard; print text and timings."""
-    vocab = Vocab(model)
-    ranges = ranges_from_cuts(cuts)
-    text = prompt
-    if vocab.chat_template:
-        template = ChatTemplate(vocab.chat_template, bos_token=vocab.piece(vocab.bos, special=True).decode())
-        text = template.render([{"role": "user", "content": prompt}])
-    tokens = np.array(vocab.tokenize(text, add_special=vocab.add_bos), dtype=np.int32)
-    recipe = Recipe(n_threads=2, n_ctx_per_seq=1024, n_seq_max=1)
-    print(f"model {model.name}: {len(ranges)} shard processes {', '.join(str(r) for r in ranges)}")
-    print(f"prompt: {prompt}\n")
-    started = time.perf_counter()
-    with ProcessChain(model, ranges, recipe) as chain:
-        load_s = time.perf_counter() - started
-        n = len(tokens)
-        outputs = np.zeros(n, dtype=bool)
-        outputs[-1] = True
-        t0 = time.perf_counter()
-        result = chain.step(np.zeros(n, np.int32), np.arange(n, dtype=np.int32), outputs, tokens)
-        ttft = time.perf_counter() - t0
-        prefill_seconds = list(chain.seconds)
-        generated: list[int] = []
-        pending = b""
-        assert result.logits is not None
-        token = int(np.argmax(result.logits[-1]))
-        t_decode = time.perf_counter()
-        while not vocab.is_eog(token) and len(generated) < max_tokens:
-            generated.append(token)
-            pending += vocab.piece(token)
-            try:
-                sys.stdout.write(pending.decode("utf-8"))
-                pending = b""
-            except UnicodeDecodeError:
-                pass  # a multi-byte character split across tokens: wait for the rest
-            sys.stdout.flush()
-            if len(generated) == max_tokens:
-                break
-            result = chain.step(
-                np.zeros(1, np.int32), np.array([n], np.int32), np.ones(1, bool), np.array([token], np.int32)
+def run(prompt: str, max_tokens: int, model_name: str = models.DEMO_MODEL) -> int:
+    """Run the demo; the exit status."""
+    print("starting tracker, relay, two shard nodes and the gateway...", flush=True)
+    system = localsystem.start(model_name=model_name, listen="127.0.0.1:0")
+    try:
+        client = OpenAI(base_url=system.gateway_url + "/v1", api_key="not-needed")
+        print(f"\nuser: {prompt}\nassistant: ", end="", flush=True)
+        started = time.perf_counter()
+        first = None
+        pieces = 0
+        route: list[dict[str, Any]] = []
+        stream = client.chat.completions.create(
+            model=system.model_id,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        completion_tokens = 0
+        for chunk in stream:
+            if chunk.usage is not None:
+                completion_tokens = chunk.usage.completion_tokens
+            extra = chunk.model_extra or {}
+            if extra.get("route"):
+                route = extra["route"]
+            for choice in chunk.choices:
+                if choice.delta and choice.delta.content:
+                    if first is None:
+                        first = time.perf_counter()
+                    pieces += 1
+                    sys.stdout.write(choice.delta.content)
+                    sys.stdout.flush()
+        ended = time.perf_counter()
+        print("\n")
+        if first is not None and completion_tokens > 1:
+            rate = (completion_tokens - 1) / max(1e-9, ended - first)
+            print(
+                f"{completion_tokens} tokens; first token after {(first - started) * 1e3:.0f} ms; "
+                f"{rate:.1f} tokens/s after that"
             )
-            n += 1
-            assert result.logits is not None
-            token = int(np.argmax(result.logits[0]))
-        decode_s = time.perf_counter() - t_decode
-        seconds = list(chain.seconds)
-    print("\n")
-    steps = max(1, len(generated) - 1)
-    print(
-        f"{len(tokens)} prompt tokens, {len(generated)} generated; load {load_s:.1f} s, "
-        f"time to first token {ttft * 1e3:.0f} ms, decode {steps / decode_s if decode_s else 0:.1f} tok/s"
-    )
-    print(f"{'shard':>8} {'layers':>8} {'prefill ms':>11} {'decode ms/token':>16}")
-    for i, layers in enumerate(ranges):
-        decode_ms = (seconds[i] - prefill_seconds[i]) / steps * 1e3
-        print(f"{i:>8} {layers!s:>8} {prefill_seconds[i] * 1e3:>11.1f} {decode_ms:>16.2f}")
-    vocab.close()
+        for hop in route:
+            print(
+                f"  layers {hop['layers'][0]:>2}:{hop['layers'][1]:<2} served by node {hop['node_id']} ({hop['via']})"
+            )
+    finally:
+        print("\nstopping the local system", flush=True)
+        system.stop()
     return 0

@@ -27,6 +27,7 @@ from noderuntime.httpserve import Routes, json_handler, serve_http
 from noderuntime.network import NetworkConnector, ticket_check
 from noderuntime.node import Node, NodeConfig
 from noderuntime.tickets import TicketVerifier
+from noderuntime.tracker.client import TrackerError, TrackerLink, fetch_info
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer, parse_address
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from protocol import Limits, Span
@@ -54,6 +55,7 @@ class NodeOptions:
     tls_key: Path | None = None
     idle_timeout: float = 60.0
     expected_fingerprint: str | None = None
+    tracker: str | None = None  # register with this tracker and take its issuer key
     http: str | None = "127.0.0.1:0"  # status (and metrics) endpoint
 
 
@@ -80,6 +82,9 @@ async def run_node(
     if opts.listen is None and opts.relay is None:
         raise ValueError("a node needs --listen, --relay, or both")
     me = identity.load_or_create(opts.data_dir)
+    issuer_keys = opts.issuer_keys
+    if opts.tracker and not issuer_keys:
+        issuer_keys = (await _tracker_issuer_key(opts.tracker),)
     info = artifacts.inspect(opts.model)
     layers = opts.layers or info.layer_range
     recipe = Recipe(
@@ -101,7 +106,7 @@ async def run_node(
     server: GrpcServer | None = None
     try:
         async with trio.open_nursery() as nursery:
-            verifier = TicketVerifier(opts.issuer_keys)
+            verifier = TicketVerifier(issuer_keys)
             config = NodeConfig(
                 layers=Span(layers.start, layers.end),
                 n_layer=info.n_layer,
@@ -137,6 +142,22 @@ async def run_node(
             if opts.http is not None:
                 status = node_status(node, me.node_id, listener, node.connector)
                 http_url = await nursery.start(serve_http, Routes({"/status": json_handler(status)}), opts.http)
+            if opts.tracker is not None:
+                registration = {
+                    "node_id": me.node_id.hex(),
+                    "artifact": info.fingerprint,
+                    "model_name": info.name,
+                    "n_layer": info.n_layer,
+                    "layers": [layers.start, layers.end],
+                    "recipe": recipe.fingerprint(info.quant),
+                    "address": address,
+                    "relay": opts.relay or "",
+                    "tls_cert_sha256": pin.hex(),
+                    "slots": opts.slots,
+                    "ctx_per_session": opts.ctx_per_session,
+                }
+                link = TrackerLink(opts.tracker, me, registration, node_load(node))
+                await nursery.start(link.run)
             if on_node is not None:
                 on_node(node)
             task_status.started(
@@ -170,6 +191,36 @@ async def run_node(
             await grpc_connector.close()
         runtime.close()
         engine.close()
+
+
+async def _tracker_issuer_key(url: str) -> bytes:
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        while True:
+            try:
+                info = await fetch_info(client, url)
+                key = bytes.fromhex(info["issuer_key"])
+                log.info("trusting session tickets from the tracker's key %s", key.hex())
+                return key
+            except (TrackerError, KeyError, ValueError) as exc:
+                log.warning("waiting for the tracker at %s: %s", url, exc)
+                await trio.sleep(1.0)
+
+
+def node_load(node: Node) -> Callable[[], dict[str, Any]]:
+    """What a node reports in its heartbeats."""
+
+    def load() -> dict[str, Any]:
+        stats = node.statistics()
+        return {
+            "active_sessions": stats.active_sessions,
+            "free_slots": stats.leases.slots_free,
+            "queue_depth": stats.batcher.waiting,
+            "step_ms": round(stats.batcher.recent_tick_seconds * 1e3, 3),
+        }
+
+    return load
 
 
 def node_status(node: Node, node_id: bytes, listener: RelayListener | None, connector: Any) -> Any:
@@ -260,3 +311,73 @@ def main_relay(
 
 
 __all__ = ["NodeOptions", "main_node", "main_relay", "run_node", "run_relay"]
+
+
+async def run_tracker(
+    listen: str,
+    data_dir: Path,
+    *,
+    api_key: str | None = None,
+    expire_after: float = 10.0,
+    task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve a tracker until cancelled."""
+    from noderuntime.tracker.app import Tracker
+
+    tracker_identity = identity.load_or_create(data_dir)
+    tracker = Tracker(tracker_identity, expire_after=expire_after, api_key=api_key)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tracker.expire_loop)
+        url = await nursery.start(serve_http, tracker.app, listen)
+        task_status.started({"url": url, "issuer_key": tracker_identity.node_id.hex(), "pid": os.getpid()})
+        log.info("tracker at %s, issuer key %s", url, tracker_identity.node_id.hex())
+
+
+@attrs.frozen
+class GatewayOptions:
+    """What ``noderuntime gateway`` needs."""
+
+    tracker: str
+    listen: str
+    models: tuple[tuple[str, Path], ...]  # (model id, GGUF file holding its vocabulary)
+    api_keys: tuple[str, ...] = ()
+    tracker_key: str | None = None
+    request_timeout: float = 600.0
+    ctx: int | None = None
+
+
+async def run_gateway(
+    opts: GatewayOptions, *, task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve the OpenAI-compatible gateway until cancelled."""
+    import time
+
+    from noderuntime.chat import ChatTemplate
+    from noderuntime.dialer import open_dialer
+    from noderuntime.engine import Vocab
+    from noderuntime.gateway.app import Gateway, ServedModel
+
+    served = []
+    for model_id, path in opts.models:
+        info = artifacts.inspect(path)
+        vocab = await trio.to_thread.run_sync(Vocab, path)
+        template = None
+        if vocab.chat_template:
+            bos = vocab.piece(vocab.bos, special=True).decode("utf-8", "replace") if vocab.bos >= 0 else ""
+            eos = vocab.piece(vocab.eos, special=True).decode("utf-8", "replace") if vocab.eos >= 0 else ""
+            template = ChatTemplate(vocab.chat_template, bos_token=bos, eos_token=eos)
+        served.append(
+            ServedModel(model_id, info.fingerprint, vocab, template, int(time.time()), opts.ctx or info.context_length)
+        )
+    async with open_dialer() as dialer, trio.open_nursery() as nursery:
+        gateway = Gateway(
+            served,
+            opts.tracker,
+            dialer,
+            api_keys=opts.api_keys,
+            tracker_key=opts.tracker_key,
+            request_timeout=opts.request_timeout,
+        )
+        url = await nursery.start(serve_http, gateway.app, opts.listen)
+        task_status.started({"url": url, "models": [m.model_id for m in served], "pid": os.getpid()})
+        log.info("gateway at %s serving %s", url, ", ".join(m.model_id for m in served))

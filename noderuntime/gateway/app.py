@@ -1,0 +1,487 @@
+"""The OpenAI-compatible gateway: HTTP/SSE in front of the routes the tracker picks.
+
+For each request: render the model's chat template, tokenize, ask the tracker for a
+route and a ticket, open the route session on its head (direct or through its relay),
+turn the tokens that come back into text (holding back possible stop strings), and
+answer in OpenAI's format. A route that refuses the session or fails before its first
+token is left for another one. A client that disconnects mid-stream cancels the
+session on every shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import attrs
+import httpx
+import trio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from noderuntime.chat import ChatTemplate, TemplateError
+from noderuntime.client import GenerationRequest, RouteError, open_route_generation
+from noderuntime.engine import Vocab
+from noderuntime.gateway.schema import ChatCompletionRequest, CompletionRequest, SamplingFields
+from noderuntime.gateway.textstream import TextStream
+from noderuntime.tracker.client import RouteGrant, TrackerError, request_route
+from protocol import Sampling, StatusCode, Tokens
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3
+DEFAULT_MAX_TOKENS = 256
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.code = code
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        """``{"error": {...}}``."""
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+@attrs.define
+class ServedModel:
+    """A model this gateway serves: its tokenizer and template, and its artifact."""
+
+    model_id: str
+    artifact: str
+    vocab: Vocab
+    template: ChatTemplate | None
+    created: int
+    n_ctx: int
+
+    def stop_tokens(self) -> tuple[int, ...]:
+        """Tokens that always end a generation (end of text, end of turn)."""
+        return tuple(sorted(self.vocab.eog_tokens))
+
+
+@attrs.define
+class Generated:
+    """What a finished (or stopped) generation produced."""
+
+    text: str
+    completion_tokens: int
+    finish_reason: str
+    route: list[dict[str, Any]]
+
+
+class Gateway:
+    """Serves OpenAI requests for its models over the network of nodes."""
+
+    def __init__(
+        self,
+        models: Sequence[ServedModel],
+        tracker_url: str,
+        connector: Any,
+        *,
+        api_keys: Sequence[str] = (),
+        tracker_key: str | None = None,
+        request_timeout: float = 600.0,
+    ) -> None:
+        self.models = {m.model_id: m for m in models}
+        self.tracker_url = tracker_url
+        self.connector = connector
+        self.api_keys = set(api_keys)
+        self.tracker_key = tracker_key
+        self.request_timeout = request_timeout
+        self.http = httpx.AsyncClient()
+        self.app = self._build()
+        self.counters: dict[str, int] = {"requests": 0, "completed": 0, "errors": 0, "cancelled": 0, "retries": 0}
+
+    # --- helpers
+
+    def _check_key(self, request: Request) -> None:
+        if not self.api_keys:
+            return
+        auth = request.headers.get("authorization", "")
+        if not auth.startswith("Bearer ") or auth.removeprefix("Bearer ") not in self.api_keys:
+            raise ApiError(
+                401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error", "invalid_api_key"
+            )
+
+    def _model(self, name: str) -> ServedModel:
+        model = self.models.get(name)
+        if model is None:
+            raise ApiError(
+                404,
+                f"the model {name!r} does not exist; see GET /v1/models",
+                "invalid_request_error",
+                "model_not_found",
+                "model",
+            )
+        return model
+
+    def _prepare(
+        self, model: ServedModel, body: SamplingFields, prompt: list[int], max_tokens: int | None
+    ) -> GenerationRequest:
+        if not prompt:
+            raise ApiError(400, "the prompt is empty after tokenization", param="messages")
+        room = model.n_ctx - len(prompt)
+        if room <= 0:
+            raise ApiError(
+                400,
+                f"the prompt has {len(prompt)} tokens; the context is {model.n_ctx}",
+                code="context_length_exceeded",
+            )
+        wanted = max_tokens if max_tokens is not None else min(DEFAULT_MAX_TOKENS, room)
+        if wanted > room:
+            raise ApiError(
+                400,
+                f"prompt ({len(prompt)}) + max_tokens ({wanted}) exceeds the context of {model.n_ctx}",
+                code="context_length_exceeded",
+                param="max_tokens",
+            )
+        _, stop_ids = body.stop_lists()
+        if any(not 0 <= t < model.vocab.n_vocab for t in stop_ids):
+            raise ApiError(400, "stop token ids must lie inside the vocabulary", param="stop")
+        temperature = 1.0 if body.temperature is None else body.temperature
+        seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(8), "little")
+        sampling = Sampling(
+            temperature=temperature,
+            top_k=body.top_k or 0,
+            top_p=body.top_p or 1.0,
+            min_p=body.min_p or 0.0,
+            seed=seed & 0xFFFFFFFFFFFFFFFF,
+            repeat_penalty=body.repeat_penalty or 1.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+        )
+        deadline = int((time.time() + self.request_timeout) * 1000)
+        return GenerationRequest(
+            tuple(prompt),
+            wanted,
+            sampling,
+            tuple(sorted(set(model.stop_tokens()) | set(stop_ids))),
+            deadline,
+            f"req-{uuid.uuid4().hex[:16]}",
+        )
+
+    async def _grant(self, model: ServedModel, tokens: int, exclude: list[bytes]) -> RouteGrant:
+        try:
+            return await request_route(
+                self.http, self.tracker_url, model.artifact, tokens, exclude=exclude, api_key=self.tracker_key
+            )
+        except TrackerError as exc:
+            if exc.status == 429:
+                raise ApiError(429, f"every route is busy: {exc}", "rate_limit_error", "routes_full") from None
+            if exc.status == 503:
+                raise ApiError(
+                    503, f"no route can serve this model now: {exc}", "service_unavailable", "no_route"
+                ) from None
+            raise ApiError(503, f"the tracker is unavailable: {exc}", "service_unavailable", "tracker") from None
+
+    @contextlib.asynccontextmanager
+    async def _route_session(
+        self, model: ServedModel, request: GenerationRequest
+    ) -> AsyncIterator[tuple[Any, Tokens, RouteGrant]]:
+        """A route session that produced its first tokens; retries other routes before that."""
+        exclude: list[bytes] = []
+        last: ApiError | None = None
+        for attempt in range(MAX_ATTEMPTS):
+            grant = await self._grant(model, len(request.prompt_tokens) + request.max_tokens, exclude)
+            async with contextlib.AsyncExitStack() as stack:
+                try:
+                    gen = await stack.enter_async_context(
+                        open_route_generation(
+                            self.connector,
+                            grant.hops,
+                            request,
+                            artifact=bytes.fromhex(model.artifact),
+                            recipe=grant.recipe,
+                            ticket=grant.ticket,
+                            session_id=grant.session_id,
+                            epoch=grant.epoch,
+                        )
+                    )
+                    first = await gen.next()
+                except RouteError as exc:
+                    last = _route_error(exc)
+                    if exc.code in (StatusCode.INVALID_ARGUMENT, StatusCode.OUT_OF_RANGE, StatusCode.DEADLINE_EXCEEDED):
+                        raise last from None
+                    exclude += _to_exclude(grant, exc)
+                    self.counters["retries"] += 1
+                    log.info("route attempt %d failed before the first token (%s); trying another", attempt + 1, exc)
+                    continue
+                assert first is not None
+                yield gen, first, grant
+                return
+        assert last is not None
+        raise last
+
+    async def _generate(
+        self, model: ServedModel, request: GenerationRequest, stop: Sequence[str]
+    ) -> AsyncIterator[tuple[str, Generated | None]]:
+        """(text delta, None) while generating, then ("", Generated) once finished."""
+        text = TextStream(stop)
+        produced = 0
+        async with self._route_session(model, request) as (gen, first, grant):
+            route = _describe(grant)
+            event: Tokens | None = first
+            while event is not None:
+                for token in event.token_ids:
+                    produced += 1
+                    if token in request.stop_token_ids and event.finished:
+                        continue  # the end-of-turn token itself is not text
+                    delta = text.push(model.vocab.piece(token))
+                    if delta:
+                        yield delta, None
+                    if text.stopped:
+                        break
+                if text.stopped or event.finished:
+                    break
+                event = await gen.next()
+            reason = "stop" if text.stopped or gen.finish_reason == "stop" else "length"
+        tail = text.finish()
+        if tail:
+            yield tail, None
+        yield "", Generated(text.text, produced, reason, route)
+
+    # --- the app
+
+    def _build(self) -> FastAPI:
+        app = FastAPI(
+            title="noderuntime gateway",
+            version="1",
+            description="OpenAI-compatible chat and text completions over a network of shard nodes.",
+        )
+
+        @app.exception_handler(ApiError)
+        async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
+            return _error_response(exc)
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+            first = exc.errors()[0] if exc.errors() else {}
+            where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+            message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", exc))
+            return _error_response(ApiError(400, message, param=where or None))
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+            kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+            return _error_response(ApiError(exc.status_code, str(exc.detail), kind))
+
+        @app.get("/v1/models")
+        async def list_models(request: Request) -> dict[str, Any]:
+            self._check_key(request)
+            return {
+                "object": "list",
+                "data": [
+                    {"id": m.model_id, "object": "model", "created": m.created, "owned_by": "noderuntime"}
+                    for m in self.models.values()
+                ],
+            }
+
+        @app.post("/v1/chat/completions", response_model=None)
+        async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+            self._check_key(request)
+            model = self._model(body.model)
+            if model.template is None:
+                raise ApiError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
+            try:
+                prompt_text = model.template.render([{"role": m.role, "content": m.text()} for m in body.messages])
+            except TemplateError as exc:
+                raise ApiError(400, str(exc), param="messages") from None
+            prompt = model.vocab.tokenize(prompt_text, add_special=model.vocab.add_bos, parse_special=True)
+            generation = self._prepare(model, body, prompt, body.max_completion_tokens or body.max_tokens)
+            return await self._answer(model, body, generation, chat=True)
+
+        @app.post("/v1/completions", response_model=None)
+        async def complete(body: CompletionRequest, request: Request) -> Any:
+            self._check_key(request)
+            model = self._model(body.model)
+            prompt = model.vocab.tokenize(body.prompt_text(), add_special=model.vocab.add_bos, parse_special=False)
+            generation = self._prepare(model, body, prompt, body.max_tokens)
+            return await self._answer(model, body, generation, chat=False)
+
+        return app
+
+    async def _answer(
+        self, model: ServedModel, body: SamplingFields, generation: GenerationRequest, *, chat: bool
+    ) -> Any:
+        self.counters["requests"] += 1
+        stop_strings, _ = body.stop_lists()
+        created = int(time.time())
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        kind = "chat.completion" if chat else "text_completion"
+        prompt_tokens = len(generation.prompt_tokens)
+        if not body.stream:
+            result: Generated | None = None
+            try:
+                async for _, done in self._generate(model, generation, stop_strings):
+                    result = done or result
+            except ApiError:
+                self.counters["errors"] += 1
+                raise
+            assert result is not None
+            self.counters["completed"] += 1
+            choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": result.text}
+            else:
+                choice["text"] = result.text
+            return {
+                "id": ident,
+                "object": kind,
+                "created": created,
+                "model": model.model_id,
+                "choices": [choice],
+                "usage": _usage(prompt_tokens, result.completion_tokens),
+                "route": result.route,
+            }
+        # streaming: find the route and its first tokens before answering 200, so that
+        # "no route" and "all full" are still proper HTTP errors
+        stream = self._generate(model, generation, stop_strings)
+        try:
+            first = await stream.__anext__()
+        except ApiError:
+            self.counters["errors"] += 1
+            await _aclose(stream)
+            raise
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            self._sse(stream, first, ident, kind, created, model, prompt_tokens, chat, include_usage),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache"},
+        )
+
+    async def _sse(
+        self,
+        stream: AsyncIterator[tuple[str, Generated | None]],
+        first: tuple[str, Generated | None],
+        ident: str,
+        kind: str,
+        created: int,
+        model: ServedModel,
+        prompt_tokens: int,
+        chat: bool,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: dict[str, Any] | str, finish: str | None = None, **extra: Any) -> bytes:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+            if chat:
+                choice["delta"] = delta
+            else:
+                choice["text"] = delta
+            doc = {
+                "id": ident,
+                "object": chunk_kind,
+                "created": created,
+                "model": model.model_id,
+                "choices": [choice],
+                **extra,
+            }
+            return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+        finished = False
+        try:
+            if chat:
+                yield chunk({"role": "assistant", "content": ""})
+            item: tuple[str, Generated | None] | None = first
+            while item is not None:
+                delta, done = item
+                if done is not None:
+                    yield chunk({} if chat else "", done.finish_reason, route=done.route)
+                    if include_usage:
+                        usage = {
+                            "id": ident,
+                            "object": chunk_kind,
+                            "created": created,
+                            "model": model.model_id,
+                            "choices": [],
+                            "usage": _usage(prompt_tokens, done.completion_tokens),
+                        }
+                        yield b"data: " + json.dumps(usage).encode() + b"\n\n"
+                    finished = True
+                    break
+                if delta:
+                    yield chunk({"content": delta} if chat else delta)
+                try:
+                    item = await stream.__anext__()
+                except StopAsyncIteration:
+                    item = None
+            yield b"data: [DONE]\n\n"
+            self.counters["completed"] += 1
+        except ApiError as exc:
+            # headers are gone: report in the stream, as OpenAI does
+            self.counters["errors"] += 1
+            yield b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not finished:
+                self.counters["cancelled"] += 1
+            with trio.CancelScope(shield=True):
+                await _aclose(stream)
+
+
+async def _aclose(stream: AsyncIterator[Any]) -> None:
+    closer = getattr(stream, "aclose", None)
+    if closer is not None:
+        await closer()  # runs the generator's cleanup: Release or Cancel of the route session
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _describe(grant: RouteGrant) -> list[dict[str, Any]]:
+    return [
+        {
+            "node_id": h.node_id.hex()[:16],
+            "layers": [h.layers.start, h.layers.end],
+            "via": "direct" if h.address else "relay",
+        }
+        for h in grant.hops
+    ]
+
+
+def _route_error(exc: RouteError) -> ApiError:
+    if exc.code == StatusCode.RESOURCE_EXHAUSTED:
+        return ApiError(429, f"every route is busy: {exc}", "rate_limit_error", "routes_full")
+    if exc.code == StatusCode.DEADLINE_EXCEEDED:
+        return ApiError(504, f"the request timed out: {exc}", "timeout", "deadline_exceeded")
+    if exc.code in (StatusCode.INVALID_ARGUMENT, StatusCode.OUT_OF_RANGE):
+        return ApiError(400, str(exc))
+    return ApiError(503, f"the route failed: {exc}", "service_unavailable", "route_failed")
+
+
+def _to_exclude(grant: RouteGrant, exc: RouteError) -> list[bytes]:
+    """Which nodes the next attempt should avoid, from who reported what."""
+    ids = [h.node_id for h in grant.hops]
+    if exc.node_id in ids:
+        at = ids.index(exc.node_id)
+        if exc.code == StatusCode.RESOURCE_EXHAUSTED:
+            return [exc.node_id]
+        # the reporter's next hop failed (or the reporter itself did)
+        return ids[at : at + 2]
+    return ids[:1]

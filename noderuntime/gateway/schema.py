@@ -1,0 +1,127 @@
+"""OpenAI-compatible request bodies (the subset this gateway serves), as pydantic models.
+
+They generate the gateway's OpenAPI document. Fields OpenAI has and this gateway does
+not implement are refused with a 400 when set to anything but their default, rather
+than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_STOP = 16
+
+
+class TextPart(BaseModel):
+    """A text part of a message's content."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str = Field(max_length=1 << 20)
+
+
+class ChatMessage(BaseModel):
+    """One message of a conversation."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(default=None)
+    name: str | None = Field(default=None, max_length=256)
+
+    def text(self) -> str:
+        """The content as plain text."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``."""
+
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Parameters shared by chat and text completions."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int | None = Field(default=None, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str | int] | None = Field(default=None)
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    top_k: int | None = Field(default=None, ge=0, le=1 << 20, description="extension: keep the k most likely tokens")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="extension: drop tokens below p x the top")
+    repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0, description="extension")
+    user: str | None = Field(default=None, max_length=256)
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> SamplingFields:
+        extra = self.model_extra or {}
+        for key in (
+            "logprobs",
+            "top_logprobs",
+            "logit_bias",
+            "tools",
+            "tool_choice",
+            "functions",
+            "function_call",
+            "response_format",
+            "echo",
+            "best_of",
+            "suffix",
+            "audio",
+            "modalities",
+            "prediction",
+        ):
+            value = extra.get(key)
+            if value not in (None, False, {}, []):
+                raise ValueError(f"{key} is not supported by this gateway")
+        stop = self.stop
+        if isinstance(stop, list) and len(stop) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        if isinstance(stop, list) and any(isinstance(s, str) and not s for s in stop):
+            raise ValueError("stop strings must not be empty")
+        return self
+
+    def stop_lists(self) -> tuple[list[str], list[int]]:
+        """(stop strings, stop token ids); ``stop`` may mix both (token ids are an extension)."""
+        if self.stop is None:
+            return [], []
+        items: list[Any] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        strings = [s for s in items if isinstance(s, str) and s]
+        ids = [i for i in items if isinstance(i, int) and not isinstance(i, bool)]
+        return strings, ids
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] = Field(max_length=1 << 22)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            raise ValueError("exactly one prompt per request")
+        return self
+
+    def prompt_text(self) -> str:
+        """The prompt as one string."""
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]

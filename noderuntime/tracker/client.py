@@ -1,0 +1,160 @@
+"""Talking to a tracker: a node's registration and heartbeats, a gateway's route requests."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from noderuntime.identity import Identity
+from noderuntime.signing import sign
+from protocol import Hop, Span
+
+log = logging.getLogger(__name__)
+
+
+class TrackerError(Exception):
+    """The tracker refused or could not be reached; ``status`` is its HTTP status (0: unreachable)."""
+
+    def __init__(self, message: str, status: int = 0, *, full: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.full = full
+
+
+async def fetch_info(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
+    """The tracker's ``/v1/info``."""
+    try:
+        response = await client.get(url.rstrip("/") + "/v1/info", timeout=10)
+        response.raise_for_status()
+        info: dict[str, Any] = response.json()
+        return info
+    except (httpx.HTTPError, ValueError) as exc:
+        raise TrackerError(f"cannot read {url}/v1/info: {exc}") from None
+
+
+class TrackerLink:
+    """Keeps a node registered: register, heartbeat, re-register whenever the tracker forgot it."""
+
+    def __init__(
+        self,
+        url: str,
+        identity: Identity,
+        registration: dict[str, Any],
+        load: Callable[[], dict[str, Any]],
+        *,
+        retry_seconds: float = 1.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.identity = identity
+        self.registration = registration
+        self._load = load
+        self._retry = retry_seconds
+        self.registered = False
+        self.heartbeats = 0
+        self.registrations = 0
+
+    async def _post(self, client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> httpx.Response:
+        data = json.dumps(body).encode()
+        headers = {
+            "content-type": "application/json",
+            **sign(self.identity, "POST", path, data, int(time.time() * 1000)),
+        }
+        return await client.post(self.url + path, content=data, headers=headers, timeout=10)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run until cancelled; ``started`` once first registered. Tracker outages are waited out."""
+        started = False
+        interval = 2.0
+        async with httpx.AsyncClient() as client:
+            while True:
+                try:
+                    if not self.registered:
+                        response = await self._post(client, "/v1/nodes/register", self.registration)
+                        if response.status_code != 200:
+                            raise TrackerError(f"registration refused: {response.text[:200]}", response.status_code)
+                        interval = float(response.json().get("heartbeat_seconds", 2.0))
+                        self.registered = True
+                        self.registrations += 1
+                        log.info("registered with the tracker %s", self.url)
+                        if not started:
+                            started = True
+                            task_status.started()
+                    else:
+                        response = await self._post(
+                            client, "/v1/nodes/heartbeat", {"node_id": self.identity.node_id.hex(), **self._load()}
+                        )
+                        if response.status_code == 404:
+                            log.info("the tracker forgot this node (restarted?): registering again")
+                            self.registered = False
+                            continue
+                        if response.status_code != 200:
+                            raise TrackerError(f"heartbeat refused: {response.text[:200]}", response.status_code)
+                        self.heartbeats += 1
+                except (httpx.HTTPError, TrackerError) as exc:
+                    if self.registered:
+                        log.warning("tracker %s unreachable (%s); retrying", self.url, exc)
+                    self.registered = self.registered and not isinstance(exc, TrackerError)
+                    await trio.sleep(self._retry)
+                    continue
+                await trio.sleep(interval)
+
+
+@attrs.frozen
+class RouteGrant:
+    """A route and the ticket for one session on it."""
+
+    hops: tuple[Hop, ...]
+    session_id: bytes
+    epoch: int
+    ticket: bytes
+    recipe: bytes
+
+
+async def request_route(
+    client: httpx.AsyncClient,
+    url: str,
+    artifact: str,
+    tokens: int,
+    *,
+    exclude: list[bytes] | None = None,
+    api_key: str | None = None,
+) -> RouteGrant:
+    """Ask the tracker for a route; :class:`TrackerError` with 503 (none) or 429 (all full)."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {"artifact": artifact, "tokens": tokens, "exclude": [n.hex() for n in exclude or []]}
+    try:
+        response = await client.post(url.rstrip("/") + "/v1/routes", json=body, headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        raise TrackerError(f"the tracker {url} is unreachable: {exc}") from None
+    if response.status_code != 200:
+        try:
+            detail = response.json()
+        except ValueError:
+            detail = {"error": response.text[:200]}
+        message = detail.get("error") or detail.get("detail") or response.text[:200]
+        raise TrackerError(str(message), response.status_code, full=bool(detail.get("full")))
+    data = response.json()
+    hops = tuple(
+        Hop(
+            bytes.fromhex(h["node_id"]),
+            Span(*h["layers"]),
+            h["address"],
+            h["relay"],
+            bytes.fromhex(h["tls_cert_sha256"]),
+        )
+        for h in data["hops"]
+    )
+    return RouteGrant(
+        hops,
+        bytes.fromhex(data["session_id"]),
+        int(data["epoch"]),
+        bytes.fromhex(data["ticket"]),
+        bytes.fromhex(data["recipe"]),
+    )

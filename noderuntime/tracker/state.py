@@ -1,0 +1,222 @@
+"""The tracker's soft state and route selection: plain synchronous code, no I/O.
+
+Nodes register (and re-register after a tracker restart) and send heartbeats with
+their load; a node that misses heartbeats for ``expire_after`` seconds is dropped.
+A route is a chain of nodes of one artifact and recipe whose layer ranges cover
+``[0, n_layer)`` contiguously. Its cost is the sum, per hop, of the node's estimated
+step time under its current load, plus a latency per seam; among routes within a
+few percent of the cheapest one is picked at random, so independent requests spread
+over equivalent routes instead of piling onto one.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+DIRECT_SEAM_MS = 1.0
+RELAY_SEAM_MS = 2.5
+DEFAULT_STEP_MS = 10.0
+NEAR_EQUAL = 0.10  # routes within 10 % of the cheapest are equally good
+MAX_ROUTES = 2000  # enumeration cap: a tracker of a few hundred nodes stays well under it
+
+
+@attrs.frozen
+class NodeRecord:
+    """What a node told the tracker about itself (registration) and its load (heartbeats)."""
+
+    node_id: bytes
+    artifact: str
+    n_layer: int
+    layers: tuple[int, int]
+    recipe: str
+    address: str  # "" for a relay-only node
+    relay: str
+    tls_cert_sha256: bytes
+    slots: int
+    ctx_per_session: int
+    model_name: str = ""
+    # load, from heartbeats
+    active_sessions: int = 0
+    free_slots: int = 0
+    queue_depth: int = 0
+    step_ms: float = 0.0  # recent engine time per batch
+    last_seen: float = 0.0
+    # measured capability and probe result (issue: capability admission)
+    measured_step_ms: float = 0.0
+    probe_passed: bool | None = None
+    capability: dict[str, object] = attrs.field(factory=dict)
+
+    @property
+    def reachability(self) -> str:
+        """``direct``, ``direct+relay`` or ``relay-only``."""
+        if self.address and self.relay:
+            return "direct+relay"
+        return "direct" if self.address else "relay-only"
+
+    def estimated_step_ms(self) -> float:
+        """Step time now: the measured (or observed) step time, stretched by how busy the node is."""
+        base = self.measured_step_ms or self.step_ms or DEFAULT_STEP_MS
+        busy = self.active_sessions / max(1, self.slots)
+        return base * (1.0 + busy) + 0.1 * self.queue_depth * base
+
+    def seam_ms(self) -> float:
+        """Latency of the seam into this node."""
+        return DIRECT_SEAM_MS if self.address else RELAY_SEAM_MS
+
+
+@attrs.frozen
+class RouteChoice:
+    """A chosen route and its estimated cost."""
+
+    nodes: tuple[NodeRecord, ...]
+    cost_ms: float
+
+
+class NoRoute(Exception):
+    """No route can serve the request; ``full`` says whether routes exist but are at capacity."""
+
+    def __init__(self, message: str, *, full: bool) -> None:
+        super().__init__(message)
+        self.full = full
+
+
+class TrackerState:
+    """Registered nodes and their load."""
+
+    def __init__(self, *, expire_after: float = 10.0, rng: random.Random | None = None) -> None:
+        self.expire_after = expire_after
+        self.nodes: dict[bytes, NodeRecord] = {}
+        self._rng = rng or random.Random()
+
+    def register(self, record: NodeRecord, now: float) -> None:
+        """Add or replace a node (what the tracker measured about it survives a re-registration)."""
+        previous = self.nodes.get(record.node_id)
+        record = attrs.evolve(record, last_seen=now, free_slots=record.slots)
+        if previous is not None:
+            record = attrs.evolve(
+                record,
+                measured_step_ms=previous.measured_step_ms,
+                probe_passed=previous.probe_passed,
+                capability=previous.capability,
+            )
+        self.nodes[record.node_id] = record
+
+    def heartbeat(
+        self, node_id: bytes, now: float, *, active_sessions: int, free_slots: int, queue_depth: int, step_ms: float
+    ) -> bool:
+        """Update a node's load; False if the node is unknown (it must register again)."""
+        record = self.nodes.get(node_id)
+        if record is None:
+            return False
+        self.nodes[node_id] = attrs.evolve(
+            record,
+            active_sessions=active_sessions,
+            free_slots=free_slots,
+            queue_depth=queue_depth,
+            step_ms=step_ms,
+            last_seen=now,
+        )
+        return True
+
+    def update(self, node_id: bytes, **changes: object) -> None:
+        """Set fields of a registered node (capability, probe result)."""
+        record = self.nodes.get(node_id)
+        if record is not None:
+            self.nodes[node_id] = attrs.evolve(record, **changes)  # type: ignore[arg-type]
+
+    def expire(self, now: float) -> list[bytes]:
+        """Drop nodes silent for too long; returns their ids."""
+        gone = [nid for nid, r in self.nodes.items() if now - r.last_seen > self.expire_after]
+        for nid in gone:
+            del self.nodes[nid]
+        return gone
+
+    def note_session(self, node_ids: Iterable[bytes]) -> None:
+        """Count a routed session against its nodes until their next heartbeat says otherwise."""
+        for nid in node_ids:
+            record = self.nodes.get(nid)
+            if record is not None:
+                self.nodes[nid] = attrs.evolve(
+                    record, active_sessions=record.active_sessions + 1, free_slots=max(0, record.free_slots - 1)
+                )
+
+    def artifacts(self) -> dict[str, dict[str, object]]:
+        """Known artifacts: name, layers, nodes, and whether some route covers them."""
+        out: dict[str, dict[str, object]] = {}
+        for artifact in {r.artifact for r in self.nodes.values()}:
+            nodes = self.nodes_of(artifact)
+            routable = bool(all_routes(self._eligible(artifact, 1, exclude=()), nodes[0].n_layer))
+            out[artifact] = {
+                "name": nodes[0].model_name,
+                "n_layer": nodes[0].n_layer,
+                "nodes": len(nodes),
+                "routable": routable,
+            }
+        return out
+
+    def nodes_of(self, artifact: str) -> list[NodeRecord]:
+        """Registered nodes of one artifact."""
+        return [r for r in self.nodes.values() if r.artifact == artifact]
+
+    def _eligible(self, artifact: str, tokens: int, exclude: Iterable[bytes]) -> list[NodeRecord]:
+        excluded = set(exclude)
+        return [
+            r
+            for r in self.nodes.values()
+            if r.artifact == artifact
+            and r.node_id not in excluded
+            and r.ctx_per_session >= tokens
+            and r.probe_passed is not False
+        ]
+
+    def choose(self, artifact: str, tokens: int, *, exclude: Iterable[bytes] = ()) -> RouteChoice:
+        """Pick a route for a session of ``tokens`` positions; raises :class:`NoRoute`."""
+        candidates = self._eligible(artifact, tokens, exclude)
+        if not candidates:
+            raise NoRoute(f"no node serves artifact {artifact[:16]}… for {tokens} tokens", full=False)
+        n_layer = candidates[0].n_layer
+        routes = all_routes(candidates, n_layer)
+        if not routes:
+            raise NoRoute(f"the nodes of artifact {artifact[:16]}… do not cover its {n_layer} layers", full=False)
+        free = [r for r in routes if all(node.free_slots > 0 for node in r)]
+        if not free:
+            raise NoRoute("every route is at capacity", full=True)
+        costed = sorted(((route_cost(r), r) for r in free), key=lambda pair: pair[0])
+        best = costed[0][0]
+        near = [pair for pair in costed if pair[0] <= best * (1.0 + NEAR_EQUAL)]
+        cost, route = self._rng.choice(near)
+        return RouteChoice(tuple(route), cost)
+
+
+def route_cost(route: Sequence[NodeRecord]) -> float:
+    """Estimated milliseconds per decode step along ``route``."""
+    return sum(node.estimated_step_ms() + node.seam_ms() for node in route)
+
+
+def all_routes(nodes: Sequence[NodeRecord], n_layer: int) -> list[list[NodeRecord]]:
+    """Every chain of nodes (one recipe) covering ``[0, n_layer)`` contiguously (capped)."""
+    by_start: dict[int, list[NodeRecord]] = {}
+    for node in nodes:
+        by_start.setdefault(node.layers[0], []).append(node)
+    routes: list[list[NodeRecord]] = []
+
+    def extend(path: list[NodeRecord], at: int) -> None:
+        if len(routes) >= MAX_ROUTES:
+            return
+        if at == n_layer:
+            routes.append(list(path))
+            return
+        for node in by_start.get(at, []):
+            if path and node.recipe != path[0].recipe:
+                continue  # every hop of a route runs the same recipe
+            if node.layers[1] <= at:
+                continue
+            path.append(node)
+            extend(path, node.layers[1])
+            path.pop()
+
+    extend([], 0)
+    return routes
