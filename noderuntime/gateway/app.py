@@ -289,6 +289,10 @@ class Gateway:
             kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
             return _error_response(ApiError(exc.status_code, str(exc.detail), kind))
 
+        @app.get("/status", include_in_schema=False)
+        async def status() -> dict[str, Any]:
+            return {"counters": dict(self.counters), "models": list(self.models)}
+
         @app.get("/v1/models")
         async def list_models(request: Request) -> dict[str, Any]:
             self._check_key(request)

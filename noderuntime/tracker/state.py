@@ -135,13 +135,16 @@ class TrackerState:
         return gone
 
     def note_session(self, node_ids: Iterable[bytes]) -> None:
-        """Count a routed session against its nodes until their next heartbeat says otherwise."""
+        """Count a routed session in its nodes' load until their next heartbeat reports the truth.
+
+        Only the cost sees it: eligibility follows the free slots nodes report, because
+        most sessions end between two heartbeats, and a node that is really full refuses
+        at once (the gateway then asks for another route).
+        """
         for nid in node_ids:
             record = self.nodes.get(nid)
             if record is not None:
-                self.nodes[nid] = attrs.evolve(
-                    record, active_sessions=record.active_sessions + 1, free_slots=max(0, record.free_slots - 1)
-                )
+                self.nodes[nid] = attrs.evolve(record, active_sessions=record.active_sessions + 1)
 
     def artifacts(self) -> dict[str, dict[str, object]]:
         """Known artifacts: name, layers, nodes, and whether some route covers them."""

@@ -1,0 +1,289 @@
+"""The whole system through the official OpenAI client: tracker, relay, two nodes, gateway."""
+
+from __future__ import annotations
+
+import collections
+import json
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from noderuntime import localsystem
+from noderuntime.cluster import ManagedProcess
+
+pytestmark = pytest.mark.slow
+GREEDY = {"temperature": 0, "max_tokens": 24}
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def system(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[localsystem.LocalSystem]:
+    running = localsystem.start(
+        listen="127.0.0.1:0", data_root=tmp_path_factory.mktemp("system"), slots=16, ctx=1024, quiet=True
+    )
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+def client(system: localsystem.LocalSystem) -> OpenAI:
+    return OpenAI(base_url=system.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _get(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        data: dict[str, Any] = json.loads(response.read())
+        return data
+
+
+def _wait_nodes_idle(system: localsystem.LocalSystem, within: float = 20.0) -> None:
+    urls = [p.info["http"] for p in system.processes if p.name.startswith("node")]
+    deadline = time.monotonic() + within
+    while True:
+        states = [_get(u + "/status") for u in urls]
+        if all(s["active_sessions"] == 0 and s["slots_leased"] == 0 and s["kv_cells"] == 0 for s in states):
+            return
+        assert time.monotonic() < deadline, states
+        time.sleep(0.1)
+
+
+def test_models_are_listed(client: OpenAI, system: localsystem.LocalSystem) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [system.model_id]
+
+
+def test_chat_stream_and_non_stream_agree(client: OpenAI, system: localsystem.LocalSystem) -> None:
+    whole = client.chat.completions.create(model=system.model_id, messages=MESSAGES, **GREEDY)
+    text = whole.choices[0].message.content
+    assert text and whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage is not None and whole.usage.completion_tokens <= 24 and whole.usage.prompt_tokens > 5
+    streamed = client.chat.completions.create(
+        model=system.model_id, messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
+    pieces, finish, usage = [], None, None
+    for chunk in streamed:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == text
+    assert finish == whole.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_text_completions(client: OpenAI, system: localsystem.LocalSystem) -> None:
+    done = client.completions.create(
+        model=system.model_id, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert done.choices[0].text and done.choices[0].finish_reason == "length"
+    assert done.usage is not None and done.usage.completion_tokens == 8
+
+
+def test_stop_strings_and_max_tokens(client: OpenAI, system: localsystem.LocalSystem) -> None:
+    full = client.completions.create(model=system.model_id, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0)
+    text = full.choices[0].text
+    assert full.choices[0].finish_reason == "length"
+    word = text.strip().split()[2]  # stop at the third item the model writes
+    cut = client.completions.create(
+        model=system.model_id, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[word]
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(word)]
+    short = client.completions.create(model=system.model_id, prompt="1, 2, 3, 4,", max_tokens=3, temperature=0)
+    assert short.usage is not None and short.usage.completion_tokens == 3
+
+
+def test_same_seed_same_text(client: OpenAI, system: localsystem.LocalSystem) -> None:
+    def sample(seed: int) -> str:
+        done = client.chat.completions.create(
+            model=system.model_id, messages=MESSAGES, temperature=0.9, max_tokens=20, seed=seed, top_p=0.95
+        )
+        return done.choices[0].message.content or ""
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3, 4)}) > 1
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"messages": MESSAGES, "temperature": 3}, 400, "temperature"),
+        ({"messages": []}, 400, "messages"),
+        ({"messages": MESSAGES, "n": 2}, 400, "n"),
+        ({"messages": MESSAGES, "logprobs": True}, 400, None),
+        ({"messages": MESSAGES, "max_tokens": 100000}, 400, "max_tokens"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+        ({"model": "no-such-model", "messages": MESSAGES}, 404, "model"),
+    ],
+)
+def test_bad_requests_get_openai_errors(
+    system: localsystem.LocalSystem, body: dict[str, Any], status: int, param: str | None
+) -> None:
+    request = {"model": system.model_id, **body}
+    response = httpx.post(system.gateway_url + "/v1/chat/completions", json=request, timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_bad_json_and_the_official_client_errors(client: OpenAI, system: localsystem.LocalSystem) -> None:
+    raw = httpx.post(
+        system.gateway_url + "/v1/chat/completions",
+        content=b"{not json",
+        timeout=10,
+        headers={"content-type": "application/json"},
+    )
+    assert raw.status_code == 400 and "error" in raw.json()
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=system.model_id, messages=MESSAGES, top_p=0)
+
+
+def test_many_concurrent_clients(client: OpenAI, system: localsystem.LocalSystem) -> None:
+    def one(i: int) -> str:
+        done = client.chat.completions.create(
+            model=system.model_id,
+            temperature=0,
+            max_tokens=12,
+            messages=[{"role": "user", "content": f"Count to {i}."}],
+        )
+        return done.choices[0].message.content or ""
+
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(one, range(12)))
+    assert all(answers)
+    assert answers[3] == one(3)  # batched or alone, the same greedy text
+    _wait_nodes_idle(system)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_every_node(system: localsystem.LocalSystem) -> None:
+    request = {"model": system.model_id, "messages": MESSAGES, "max_tokens": 600, "temperature": 0, "stream": True}
+    with httpx.stream("POST", system.gateway_url + "/v1/chat/completions", json=request, timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(12):
+            next(lines)
+        busy = [_get(p.info["http"] + "/status") for p in system.processes if p.name.startswith("node")]
+        assert all(s["active_sessions"] == 1 for s in busy)
+    # the connection is closed here, in the middle of the generation
+    _wait_nodes_idle(system, within=10)
+
+
+def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_path: Path) -> None:
+    processes: list[ManagedProcess] = []
+
+    def launch(name: str, args: list[str]) -> dict[str, Any]:
+        process = ManagedProcess(name, args)
+        processes.append(process)
+        return process.start(90)
+
+    try:
+        tracker = launch(
+            "tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t"), "--expire-after", "3"]
+        )
+        for name, layers in (("a", "0:15"), ("b", "15:30"), ("c", "0:15"), ("d", "15:30")):
+            launch(
+                name,
+                [
+                    "up",
+                    "--model",
+                    str(smollm2),
+                    "--layers",
+                    layers,
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--tracker",
+                    tracker["url"],
+                    "--data-dir",
+                    str(tmp_path / name),
+                    "--slots",
+                    "4",
+                    "--ctx",
+                    "512",
+                ],
+            )
+        gateway = launch(
+            "gateway",
+            [
+                "gateway",
+                "--tracker",
+                tracker["url"],
+                "--listen",
+                "127.0.0.1:0",
+                "--model",
+                f"smollm2-135m={smollm2}",
+                "--ctx",
+                "512",
+            ],
+        )
+        url = gateway["url"]
+
+        def ask() -> httpx.Response:
+            return httpx.post(
+                url + "/v1/chat/completions",
+                timeout=60,
+                json={"model": "smollm2-135m", "messages": MESSAGES, "max_tokens": 4, "temperature": 0},
+            )
+
+        assert ask().status_code == 200
+        by_name = {p.name: p for p in processes}
+        by_name["b"].signal(signal.SIGKILL)
+        # before the tracker notices, routes through b fail before their first token: the gateway retries
+        results = [ask().status_code for _ in range(10)]
+        assert results == [200] * 10
+        assert _get(url + "/status")["counters"]["retries"] >= 1
+        time.sleep(4)  # b's heartbeats lapse
+        assert all(ask().status_code == 200 for _ in range(4))
+        by_name["d"].signal(signal.SIGKILL)
+        time.sleep(4)
+        gone = ask()
+        assert gone.status_code == 503
+        assert gone.json()["error"]["code"] == "no_route"
+    finally:
+        for process in reversed(processes):
+            process.stop()
+
+
+def test_generated_requests_never_get_a_server_error(system: localsystem.LocalSystem) -> None:
+    """Schemathesis cases from the gateway's own OpenAPI document: no 5xx, whatever they send."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    schema = schemathesis.openapi.from_url(system.gateway_url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/models", "/v1/chat/completions", "/v1/completions"}
+    statuses: list[int] = []
+    for operation in operations:
+
+        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(case=operation.as_strategy(), real_model=st.booleans())
+        def run(case: Any, real_model: bool) -> None:
+            if real_model and isinstance(case.body, dict):
+                # half the cases name the served model, so they reach tokenizing, routing and generating
+                case.body["model"] = system.model_id
+                for key in ("max_tokens", "max_completion_tokens"):
+                    if isinstance(case.body.get(key), int):
+                        case.body[key] = 1 + case.body[key] % 16
+            response = case.call(base_url=system.gateway_url, timeout=120)
+            statuses.append(response.status_code)
+            assert response.status_code < 500, (case.body, response.text[:500])
+
+        run()
+    assert len(statuses) >= 60
+    seen = collections.Counter(statuses)
+    assert seen[200] > 0 and seen[400] > 0 and seen[404] > 0, seen  # every kind of path was reached
+    _wait_nodes_idle(system)

@@ -1,0 +1,215 @@
+"""The tracker: route selection (pure), and its API's authentication (in process, over HTTP)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import random
+import time
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from noderuntime.httpserve import serve_http
+from noderuntime.identity import Identity
+from noderuntime.signing import sign
+from noderuntime.tickets import TicketVerifier
+from noderuntime.tracker.app import Tracker
+from noderuntime.tracker.client import TrackerError, TrackerLink, request_route
+from noderuntime.tracker.state import NodeRecord, NoRoute, TrackerState, all_routes
+
+ARTIFACT = "ab" * 32
+
+
+def node(
+    name: str,
+    layers: tuple[int, int],
+    *,
+    slots: int = 4,
+    free: int | None = None,
+    step: float = 10.0,
+    relay: bool = False,
+    recipe: str = "r" * 16,
+) -> NodeRecord:
+    return NodeRecord(
+        node_id=name.encode().ljust(32, b"."),
+        artifact=ARTIFACT,
+        n_layer=30,
+        layers=layers,
+        recipe=recipe,
+        address="" if relay else f"{name}:1",
+        relay="ws://relay" if relay else "",
+        tls_cert_sha256=b"",
+        slots=slots,
+        ctx_per_session=2048,
+        free_slots=slots if free is None else free,
+        step_ms=step,
+    )
+
+
+def state_with(*records: NodeRecord, seed: int = 0) -> TrackerState:
+    state = TrackerState(rng=random.Random(seed))
+    for record in records:
+        state.register(record, 0.0)
+        if record.free_slots != record.slots:
+            state.heartbeat(
+                record.node_id,
+                0.0,
+                active_sessions=record.slots - record.free_slots,
+                free_slots=record.free_slots,
+                queue_depth=0,
+                step_ms=record.step_ms,
+            )
+    return state
+
+
+def test_routes_are_contiguous_covers_of_one_recipe() -> None:
+    records = [
+        node("a", (0, 10)),
+        node("b", (10, 30)),
+        node("c", (0, 20)),
+        node("d", (20, 30)),
+        node("e", (10, 20)),
+        node("x", (10, 30), recipe="other" * 3 + "o"),
+    ]
+    routes = {tuple(r.node_id[:1].decode() for r in route) for route in all_routes(records, 30)}
+    assert routes == {("a", "b"), ("c", "d"), ("a", "e", "d")}
+
+
+def test_full_nodes_are_avoided_and_all_full_is_told_apart_from_no_route() -> None:
+    state = state_with(node("a", (0, 15), free=0), node("b", (15, 30)), node("c", (0, 15)))
+    for _ in range(10):
+        assert [n.node_id[:1] for n in state.choose(ARTIFACT, 100).nodes] == [b"c", b"b"]
+        state.heartbeat(b"c".ljust(32, b"."), 0.0, active_sessions=0, free_slots=4, queue_depth=0, step_ms=10.0)
+    full = state_with(node("a", (0, 15), free=0), node("b", (15, 30)))
+    with pytest.raises(NoRoute) as info:
+        full.choose(ARTIFACT, 100)
+    assert info.value.full
+    with pytest.raises(NoRoute) as gap:
+        state_with(node("a", (0, 10)), node("b", (15, 30))).choose(ARTIFACT, 100)
+    assert not gap.value.full
+    with pytest.raises(NoRoute):
+        state.choose(ARTIFACT, 100_000)  # no node holds that much context
+
+
+def test_equivalent_routes_share_the_load_and_disjoint_routes_serve_at_once() -> None:
+    state = state_with(node("a", (0, 15)), node("b", (15, 30)), node("c", (0, 15)), node("d", (15, 30)), seed=3)
+    heads: collections.Counter[bytes] = collections.Counter()
+    for _ in range(8):
+        choice = state.choose(ARTIFACT, 100)
+        state.note_session(n.node_id for n in choice.nodes)
+        heads[choice.nodes[0].node_id[:1]] += 1
+    # the sessions routed so far weigh on the cost: 8 sessions spread over both heads
+    assert heads[b"a"] >= 3 and heads[b"c"] >= 3
+
+
+def test_costs_prefer_fast_unloaded_direct_nodes() -> None:
+    fast = state_with(node("a", (0, 30), step=5), node("b", (0, 30), step=50))
+    assert {fast.choose(ARTIFACT, 10).nodes[0].node_id[:1] for _ in range(20)} == {b"a"}
+    relayed = state_with(node("a", (0, 30), relay=True), node("b", (0, 30)))
+    assert relayed.choose(ARTIFACT, 10).nodes[0].node_id[:1] == b"b"
+
+
+def test_silent_nodes_expire_and_come_back_by_registering() -> None:
+    state = state_with(node("a", (0, 30)))
+    state.heartbeat(b"a".ljust(32, b"."), 5.0, active_sessions=0, free_slots=4, queue_depth=0, step_ms=9)
+    assert state.expire(14.0) == []
+    assert state.expire(16.0) == [b"a".ljust(32, b".")]
+    assert not state.heartbeat(b"a".ljust(32, b"."), 16.5, active_sessions=0, free_slots=4, queue_depth=0, step_ms=9)
+
+
+def _registration(me: Identity, **changes: Any) -> dict[str, Any]:
+    body = {
+        "node_id": me.node_id.hex(),
+        "artifact": ARTIFACT,
+        "model_name": "m",
+        "n_layer": 30,
+        "layers": [0, 30],
+        "recipe": "0123456789abcdef",
+        "address": "127.0.0.1:1",
+        "relay": "",
+        "tls_cert_sha256": "",
+        "slots": 2,
+        "ctx_per_session": 512,
+    }
+    body.update(changes)
+    return body
+
+
+async def test_api_authenticates_nodes_and_issues_verifiable_tickets() -> None:
+    tracker = Tracker(Identity.generate(), expire_after=2.0, api_key="gw-secret")
+    me, other = Identity.generate(), Identity.generate()
+    async with trio.open_nursery() as nursery, httpx.AsyncClient() as client:
+        url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
+
+        async def post(path: str, body: dict[str, Any], signer: Identity, ts: int | None = None) -> httpx.Response:
+            data = json.dumps(body).encode()
+            headers = sign(signer, "POST", path, data, ts or int(time.time() * 1000))
+            return await client.post(url + path, content=data, headers={**headers, "content-type": "application/json"})
+
+        assert (await post("/v1/nodes/register", _registration(me), me)).status_code == 200
+        # a node cannot register under another node's id, nor with a bad signature
+        assert (await post("/v1/nodes/register", _registration(me), other)).status_code == 403
+        unsigned = await client.post(url + "/v1/nodes/register", json=_registration(me))
+        assert unsigned.status_code == 401
+        # a replayed request is refused
+        stamp = int(time.time() * 1000) + 5
+        beat = {"node_id": me.node_id.hex(), "active_sessions": 0, "free_slots": 2, "queue_depth": 0, "step_ms": 3.0}
+        assert (await post("/v1/nodes/heartbeat", beat, me, stamp)).status_code == 200
+        assert (await post("/v1/nodes/heartbeat", beat, me, stamp)).status_code == 401
+        assert (await post("/v1/nodes/register", _registration(me, layers=[5, 40]), me, stamp + 1)).status_code == 400
+
+        with pytest.raises(TrackerError) as unauthorized:
+            await request_route(client, url, ARTIFACT, 100)
+        assert unauthorized.value.status == 401
+        grant = await request_route(client, url, ARTIFACT, 100, api_key="gw-secret")
+        assert [h.node_id for h in grant.hops] == [me.node_id]
+        ticket = TicketVerifier([tracker.identity.node_id]).check(
+            grant.ticket,
+            session_id=grant.session_id,
+            epoch=grant.epoch,
+            artifact=bytes.fromhex(ARTIFACT),
+            hops=grant.hops,
+            node_id=me.node_id,
+            index=0,
+        )
+        assert ticket.issuer == tracker.identity.node_id
+        with pytest.raises(TrackerError) as none:
+            await request_route(client, url, "cd" * 32, 100, api_key="gw-secret")
+        assert none.value.status == 503
+        nursery.cancel_scope.cancel()
+
+
+async def test_nodes_register_again_after_a_tracker_restart() -> None:
+    me = Identity.generate()
+    first = Tracker(Identity.generate(), expire_after=2.0)
+    async with trio.open_nursery() as nursery:
+        scope = trio.CancelScope()
+
+        async def serve(tracker: Tracker, port: int, task_status: trio.TaskStatus[str]) -> None:
+            with scope:
+                await serve_http(tracker.app, f"127.0.0.1:{port}", task_status=task_status)
+
+        url = await nursery.start(serve, first, 0)
+        port = int(url.rsplit(":", 1)[1])
+        link = TrackerLink(
+            url,
+            me,
+            _registration(me),
+            lambda: {"active_sessions": 0, "free_slots": 2, "queue_depth": 0, "step_ms": 1.0},
+            retry_seconds=0.2,
+        )
+        await nursery.start(link.run)
+        assert me.node_id in first.state.nodes
+        scope.cancel()  # the tracker goes away...
+        await trio.sleep(0.5)
+        second = Tracker(Identity.generate(), expire_after=2.0)
+        scope = trio.CancelScope()
+        await nursery.start(serve, second, port)  # ...and comes back empty
+        with trio.fail_after(15):
+            while me.node_id not in second.state.nodes:
+                await trio.sleep(0.1)
+        assert link.registrations == 2
+        nursery.cancel_scope.cancel()
