@@ -129,7 +129,7 @@ async def _pinned_lanes(model: Path, new_tokens: int, repeats: int) -> dict[str,
     prefix = [["taskset", "-c", "0"], ["taskset", "-c", "1"]]
     with (
         tempfile.TemporaryDirectory() as tmp,
-        running_cluster(model, [0, 15, 30], Path(tmp), slots=4, extra=["--threads", "1"], prefix=prefix) as direct,
+        running_cluster(model, [0, 15, 30], Path(tmp), slots=4, threads=1, prefix=prefix) as direct,
     ):
         async with open_dialer() as dialer:
             await _route_rate(direct, dialer, 8)
@@ -149,8 +149,8 @@ async def _lanes(model: Path, new_tokens: int, repeats: int) -> dict[str, list[f
     rates: dict[str, Any] = {"whole": [], "grpc": [], "relay": []}
     with (
         tempfile.TemporaryDirectory() as tmp,
-        running_cluster(model, [0, 15, 30], Path(tmp) / "grpc", slots=4) as direct,
-        running_cluster(model, [0, 15, 30], Path(tmp) / "relay", relay_only=[1], slots=4) as relayed,
+        running_cluster(model, [0, 15, 30], Path(tmp) / "grpc", slots=4, threads=2) as direct,
+        running_cluster(model, [0, 15, 30], Path(tmp) / "relay", relay_only=[1], slots=4, threads=2) as relayed,
     ):
         async with open_dialer() as dialer:
             await _route_rate(direct, dialer, 8)  # warm-up: connections, page cache

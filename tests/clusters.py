@@ -129,6 +129,7 @@ def running_cluster(
     relay_prefix: Sequence[str] = (),
     relay_host: str = "127.0.0.1",
     relay_url_for: Sequence[str] | None = None,
+    threads: int | None = None,
 ) -> Iterator[Cluster]:
     """Start a relay (when needed) and one node process per range; stop them all on exit.
 
@@ -150,6 +151,8 @@ def running_cluster(
         ranges = list(itertools.pairwise(cuts))
         for i, (a, b) in enumerate(ranges):
             host = hosts[i] if hosts else "127.0.0.1"
+            # co-located nodes share the cores (oversubscribed OpenMP teams stall each other)
+            share = threads or max(1, (os.cpu_count() or 2) // len(ranges))
             args = [
                 "up",
                 "--model",
@@ -166,6 +169,8 @@ def running_cluster(
                 str(ctx),
                 "--http",
                 f"{host}:0",
+                "--threads",
+                str(share),
                 *extra,
             ]
             if i not in relay_only:
