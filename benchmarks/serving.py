@@ -76,9 +76,11 @@ def _start_llama_cpp_server(model: Path, port: int) -> subprocess.Popen[bytes]:
 
 
 async def _client(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    # a unique first line: llama-cpp-python's server reuses the KV of a repeated prompt prefix
+    content = f"Request {uuid.uuid4().hex[:8]}.\n{prompt}"
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": prompt}],
+        "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
@@ -171,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             "levels": levels,
             "requests_per_client": requests_each,
             "max_tokens": max_tokens,
-            "noderuntime": "local system: 2 shard processes (0:15 direct, 15:30 via relay), slots 8",
+            "noderuntime": "local system: 2 shard processes (0:15 direct, 15:30 via relay), slots 8, "
+            f"{node_threads} thread(s) each (co-located nodes split the cores)",
             "llama_cpp_server": "python -m llama_cpp.server, whole model, n_threads 2, n_ctx 1024",
             "llama_cpp_python": _version(),
         },
