@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = 24 if args.quick else 48
     figures: dict[str, Any] = {"noderuntime": {}, "llama_cpp_server": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        system = localsystem.start(listen="127.0.0.1:0", data_root=Path(tmp), slots=8, ctx=1024, quiet=True)
+        system = localsystem.start(listen="127.0.0.1:0", data_root=Path(tmp), slots=16, ctx=1024, quiet=True)
         node_threads = max(1, (os.cpu_count() or 2) // 2)
         theirs = _start_llama_cpp_server(model, 18123)
         try:
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             "levels": levels,
             "requests_per_client": requests_each,
             "max_tokens": max_tokens,
-            "noderuntime": "local system: 2 shard processes (0:15 direct, 15:30 via relay), slots 8, "
+            "noderuntime": "local system: 2 shard processes (0:15 direct, 15:30 via relay), slots 16, "
             f"{node_threads} thread(s) each (co-located nodes split the cores)",
             "llama_cpp_server": "python -m llama_cpp.server, whole model, n_threads 2, n_ctx 1024",
             "llama_cpp_python": _version(),

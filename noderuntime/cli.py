@@ -306,6 +306,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         tracker_key=args.tracker_key,
         request_timeout=args.request_timeout,
         ctx=args.ctx,
+        queue_timeout=args.queue_timeout,
     )
     trio.run(noderun.run_until_signal, lambda **kw: noderun.run_gateway(opts, **kw))
     return 0
@@ -426,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tracker-key", help="bearer key for the tracker's route requests")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take")
     p.add_argument("--ctx", type=_positive_int, help="context per session the nodes offer (default: the model's)")
+    p.add_argument(
+        "--queue-timeout", type=float, default=10.0, help="seconds a request waits for a free route before 429"
+    )
     p.set_defaults(func=_cmd_gateway)
 
     p = sub.add_parser("status", help="nodes, ranges, load and routes known to a tracker")

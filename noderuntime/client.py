@@ -79,6 +79,7 @@ class Generation:
         self.finished = False
         self.finish_reason = ""
         self.usage: tuple[UsageRecord, ...] | None = None
+        self.failed = False  # the route ended the session with an error: nothing to release
 
     @property
     def endpoint(self) -> SeamEndpoint:
@@ -103,13 +104,17 @@ class Generation:
         try:
             event = await self.conn.receive()
         except RemoteProtocolError as exc:
+            self.failed = True
             await self.conn.fail(exc)
             raise RouteError(f"the head broke the protocol: {exc.message}", exc.code) from None
         except TransportError as exc:
+            self.failed = True
             raise RouteError(f"the route closed: {exc}", StatusCode.UNAVAILABLE) from None
         if isinstance(event, Error):
+            self.failed = True
             raise RouteError(event.message, event.code, event.node_id)
         if isinstance(event, Cancel):
+            self.failed = True
             raise RouteError(event.reason or "cancelled by the route", StatusCode.CANCELLED)
         return event
 
@@ -206,9 +211,10 @@ async def open_generation(
         except BaseException:
             await conn.notify(Cancel(endpoint.header(Phase.CANCEL), "the client went away"))
             raise
-        # the tokens were delivered; a lost usage record does not fail the request
-        with contextlib.suppress(RouteError, ProtocolError, TransportError, trio.TooSlowError):
-            await generation.release()
+        if not generation.failed:
+            # the tokens were delivered; a lost usage record does not fail the request
+            with contextlib.suppress(RouteError, ProtocolError, TransportError, trio.TooSlowError):
+                await generation.release()
     except TransportError as exc:
         raise RouteError(f"the route closed: {exc}", StatusCode.UNAVAILABLE) from None
     finally:

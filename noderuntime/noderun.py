@@ -344,6 +344,7 @@ class GatewayOptions:
     tracker_key: str | None = None
     request_timeout: float = 600.0
     ctx: int | None = None
+    queue_timeout: float = 10.0
 
 
 async def run_gateway(
@@ -377,6 +378,7 @@ async def run_gateway(
             api_keys=opts.api_keys,
             tracker_key=opts.tracker_key,
             request_timeout=opts.request_timeout,
+            queue_timeout=opts.queue_timeout,
         )
         url = await nursery.start(serve_http, gateway.app, opts.listen)
         task_status.started({"url": url, "models": [m.model_id for m in served], "pid": os.getpid()})

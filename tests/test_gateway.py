@@ -287,3 +287,74 @@ def test_generated_requests_never_get_a_server_error(system: localsystem.LocalSy
     seen = collections.Counter(statuses)
     assert seen[200] > 0 and seen[400] > 0 and seen[404] > 0, seen  # every kind of path was reached
     _wait_nodes_idle(system)
+
+
+def test_a_full_route_waits_briefly_then_answers_429(smollm2: Path, tmp_path: Path) -> None:
+    processes: list[ManagedProcess] = []
+    try:
+        tracker = ManagedProcess("tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t")])
+        processes.append(tracker)
+        tracker_url = tracker.start()["url"]
+        node = ManagedProcess(
+            "node",
+            [
+                "up",
+                "--model",
+                str(smollm2),
+                "--listen",
+                "127.0.0.1:0",
+                "--tracker",
+                tracker_url,
+                "--data-dir",
+                str(tmp_path / "n"),
+                "--slots",
+                "1",
+                "--ctx",
+                "1024",
+            ],
+        )
+        processes.append(node)
+        node.start()
+        gateway = ManagedProcess(
+            "gateway",
+            [
+                "gateway",
+                "--tracker",
+                tracker_url,
+                "--listen",
+                "127.0.0.1:0",
+                "--model",
+                f"smollm2-135m={smollm2}",
+                "--ctx",
+                "1024",
+                "--queue-timeout",
+                "1",
+            ],
+        )
+        processes.append(gateway)
+        url = gateway.start()["url"]
+        # counting goes on for the whole max_tokens: the slot stays taken
+        busy = {"model": "smollm2-135m", "prompt": "1, 2, 3, 4,", "max_tokens": 900, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=busy, timeout=60) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()  # held: a dropped iterator closes the connection
+            next(lines)
+            refused = httpx.post(
+                url + "/v1/chat/completions",
+                timeout=60,
+                json={"model": "smollm2-135m", "messages": MESSAGES, "max_tokens": 4},
+            )
+            assert refused.status_code == 429
+            assert refused.json()["error"]["code"] == "routes_full"
+        time.sleep(3)  # the slot drains and a heartbeat reports it free
+        assert (
+            httpx.post(
+                url + "/v1/chat/completions",
+                timeout=60,
+                json={"model": "smollm2-135m", "messages": MESSAGES, "max_tokens": 4},
+            ).status_code
+            == 200
+        )
+    finally:
+        for process in reversed(processes):
+            process.stop()

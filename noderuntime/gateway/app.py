@@ -105,6 +105,7 @@ class Gateway:
         api_keys: Sequence[str] = (),
         tracker_key: str | None = None,
         request_timeout: float = 600.0,
+        queue_timeout: float = 10.0,
     ) -> None:
         self.models = {m.model_id: m for m in models}
         self.tracker_url = tracker_url
@@ -112,6 +113,7 @@ class Gateway:
         self.api_keys = set(api_keys)
         self.tracker_key = tracker_key
         self.request_timeout = request_timeout
+        self.queue_timeout = queue_timeout
         self.http = httpx.AsyncClient()
         self.app = self._build()
         self.counters: dict[str, int] = {"requests": 0, "completed": 0, "errors": 0, "cancelled": 0, "retries": 0}
@@ -202,11 +204,26 @@ class Gateway:
     async def _route_session(
         self, model: ServedModel, request: GenerationRequest
     ) -> AsyncIterator[tuple[Any, Tokens, RouteGrant]]:
-        """A route session that produced its first tokens; retries other routes before that."""
+        """A route session that produced its first tokens.
+
+        A route that fails before its first token is left for another one (up to
+        ``MAX_ATTEMPTS``). When every route is full, the request waits up to
+        ``queue_timeout`` for a slot: the tracker's view of free slots is a heartbeat old,
+        and sessions end all the time.
+        """
         exclude: list[bytes] = []
-        last: ApiError | None = None
-        for attempt in range(MAX_ATTEMPTS):
-            grant = await self._grant(model, len(request.prompt_tokens) + request.max_tokens, exclude)
+        failures = 0
+        queue_until = trio.current_time() + self.queue_timeout
+        backoff = 0.05
+        while True:
+            try:
+                grant = await self._grant(model, len(request.prompt_tokens) + request.max_tokens, exclude)
+            except ApiError as exc:
+                if exc.status == 429 and trio.current_time() + backoff < queue_until:
+                    await trio.sleep(backoff)
+                    backoff = min(backoff * 2, 0.5)
+                    continue
+                raise
             async with contextlib.AsyncExitStack() as stack:
                 try:
                     gen = await stack.enter_async_context(
@@ -223,18 +240,24 @@ class Gateway:
                     )
                     first = await gen.next()
                 except RouteError as exc:
-                    last = _route_error(exc)
+                    error = _route_error(exc)
                     if exc.code in (StatusCode.INVALID_ARGUMENT, StatusCode.OUT_OF_RANGE, StatusCode.DEADLINE_EXCEEDED):
-                        raise last from None
-                    exclude += _to_exclude(grant, exc)
+                        raise error from None
                     self.counters["retries"] += 1
-                    log.info("route attempt %d failed before the first token (%s); trying another", attempt + 1, exc)
+                    if exc.code == StatusCode.RESOURCE_EXHAUSTED and trio.current_time() + backoff < queue_until:
+                        log.info("a node on the route is full; waiting for a slot")
+                        await trio.sleep(backoff)
+                        backoff = min(backoff * 2, 0.5)
+                        continue
+                    failures += 1
+                    if failures >= MAX_ATTEMPTS:
+                        raise error from None
+                    exclude += _to_exclude(grant, exc)
+                    log.info("route attempt failed before the first token (%s); trying another", exc)
                     continue
                 assert first is not None
                 yield gen, first, grant
                 return
-        assert last is not None
-        raise last
 
     async def _generate(
         self, model: ServedModel, request: GenerationRequest, stop: Sequence[str]
