@@ -190,6 +190,23 @@ class Batcher:
             await self._idle.wait()
         return fn()
 
+    async def exclusive(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` (which may run the engine) in a worker thread, in place of a batch.
+
+        For work that is not a session's step (a known-answer probe): it waits for the
+        running batch, and the next batch waits for it.
+        """
+        while self._running:
+            await self._idle.wait()
+        self._running = True
+        self._idle = trio.Event()
+        try:
+            return await trio.to_thread.run_sync(fn)
+        finally:
+            self._running = False
+            self._idle.set()
+            self._apply_retirements()
+
     def statistics(self) -> BatcherStatistics:
         """An immutable snapshot."""
         return BatcherStatistics(
@@ -209,6 +226,8 @@ class Batcher:
     # --- the batcher task
 
     def _apply_retirements(self) -> None:
+        if self._running:
+            return  # the engine is busy in a worker thread; applied once it is done
         retiring, self._retiring = self._retiring, []
         for seq_id, resource in retiring:
             self.engine.remove_sequence(seq_id)
@@ -229,6 +248,8 @@ class Batcher:
             # without this they would drift into alternating batches of one.
             for _ in range(GATHER_PASSES):
                 await trio.lowlevel.checkpoint()
+            while self._running:  # an exclusive call holds the engine
+                await self._idle.wait()
             self._apply_retirements()
             if self._waiting:
                 await self._run_one_batch()

@@ -280,7 +280,15 @@ def _cmd_tracker(args: argparse.Namespace) -> int:
     trio.run(
         noderun.run_until_signal,
         lambda **kw: noderun.run_tracker(
-            args.listen, data_dir, api_key=args.api_key, expire_after=args.expire_after, **kw
+            args.listen,
+            data_dir,
+            api_key=args.api_key,
+            expire_after=args.expire_after,
+            probe_references=tuple(args.probe_references),
+            require_probe=args.require_probe,
+            probe_interval=args.probe_interval,
+            probe_tolerance=args.probe_tolerance,
+            **kw,
         ),
     )
     return 0
@@ -307,9 +315,61 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         ctx=args.ctx,
         queue_timeout=args.queue_timeout,
+        ledger=Path(args.ledger),
     )
     trio.run(noderun.run_until_signal, lambda **kw: noderun.run_gateway(opts, **kw))
     return 0
+
+
+def _cmd_usage(args: argparse.Namespace) -> int:
+    from noderuntime.ledger import show
+
+    return show(args.ledger, as_json=args.json)
+
+
+def _cmd_probe_reference(args: argparse.Namespace) -> int:
+    from noderuntime import admission
+
+    entries = admission.make_references(
+        resolve_model(args.model),
+        [(r.start, r.end) for r in args.ranges],
+        seeds=args.seeds,
+        recipe_options={
+            "n_threads": args.threads,
+            "n_batch": args.batch,
+            "n_ubatch": args.batch,
+            "flash_attn": args.flash_attn,
+        },
+    )
+    args.out.write_text(json.dumps({"references": entries}, indent=1) + "\n")
+    print(f"{len(entries)} reference answers for {len(args.ranges)} range(s) written to {args.out}")
+    return 0
+
+
+def _cmd_probe_check(args: argparse.Namespace) -> int:
+    import random
+    import urllib.request
+
+    from noderuntime import admission
+
+    references = admission.ProbeReferences.load(args.references)
+    with urllib.request.urlopen(args.node + "/status", timeout=10) as response:
+        status = json.loads(response.read())
+    key = (status["artifact"], (int(status["layers"][0]), int(status["layers"][1])), status["recipe"])
+    seeds = references.seeds(key)
+    if not seeds:
+        raise CliError(f"no reference for artifact {key[0][:16]}…, layers {key[1]}, recipe {key[2]}")
+    seed = random.SystemRandom().choice(seeds)
+    with urllib.request.urlopen(f"{args.node}/probe?seed={seed}", timeout=120) as response:
+        answer = admission.ProbeAnswer.from_json(json.loads(response.read()))
+    reference = references.get(key, seed)
+    assert reference is not None
+    verdict = admission.compare(reference, answer, args.tolerance)
+    print(
+        f"node {status['node_id'][:16]} layers {key[1][0]}:{key[1][1]}: "
+        f"{'PASSED' if verdict.passed else 'FAILED'} ({verdict.describe()})"
+    )
+    return 0 if verdict.passed else 2
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -412,6 +472,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--expire-after", type=float, default=10.0, help="seconds without heartbeat before a node is dropped"
     )
+    p.add_argument(
+        "--probe-references",
+        type=Path,
+        action="append",
+        default=[],
+        help="reference answers (from `noderuntime probe reference`); shards they cover must pass; repeatable",
+    )
+    p.add_argument("--require-probe", action="store_true", help="admit no shard the references do not cover")
+    p.add_argument("--probe-interval", type=float, default=600.0, help="seconds between probes of a node")
+    p.add_argument(
+        "--probe-tolerance", type=float, default=1e-3, help="relative error a probe answer may have when not exact"
+    )
     p.set_defaults(func=_cmd_tracker)
 
     p = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
@@ -430,7 +502,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--queue-timeout", type=float, default=10.0, help="seconds a request waits for a free route before 429"
     )
+    p.add_argument(
+        "--ledger",
+        default=str(_default_data_dir().with_name("gateway") / "ledger.sqlite"),
+        help="the SQLite usage ledger (one entry per request, with every shard's signed record)",
+    )
     p.set_defaults(func=_cmd_gateway)
+
+    p = sub.add_parser("usage", help="per-node and per-model totals from a gateway's usage ledger")
+    p.add_argument("--ledger", default=str(_default_data_dir().with_name("gateway") / "ledger.sqlite"))
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_usage)
 
     p = sub.add_parser("status", help="nodes, ranges, load and routes known to a tracker")
     p.add_argument("--tracker", type=_url, required=True)
@@ -450,6 +532,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", type=Path)
     p.add_argument("--http", type=_listen_address, default="127.0.0.1:0", help="HOST:PORT of /status (port 0: any)")
     p.set_defaults(func=_cmd_relay)
+
+    probe_cmds = sub.add_parser("probe", help="known-answer probes of shards").add_subparsers(
+        dest="probe_command", required=True, metavar="SUBCOMMAND"
+    )
+    p = probe_cmds.add_parser("reference", help="write reference answers from a trusted copy of a model")
+    p.add_argument("--model", required=True, help="a GGUF file or a known model name")
+    p.add_argument("--ranges", type=_ranges, required=True, help="layer ranges to cover, e.g. 0:15,15:30")
+    p.add_argument("--seeds", type=_positive_int, default=16, help="reference inputs per range")
+    p.add_argument("--batch", type=_positive_int, default=512, help="as the nodes run it (it is in the recipe)")
+    p.add_argument("--flash-attn", choices=["on", "off"], default="off", help="as the nodes run it")
+    p.add_argument("--threads", type=_positive_int, default=2)
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=_cmd_probe_reference)
+    p = probe_cmds.add_parser("check", help="probe a running node (its /status URL) against references")
+    p.add_argument("--node", type=_url, required=True, help="the node's HTTP address (what `up` prints as http)")
+    p.add_argument("--references", type=Path, action="append", required=True)
+    p.add_argument("--tolerance", type=float, default=1e-3)
+    p.set_defaults(func=_cmd_probe_check)
 
     p = sub.add_parser("demo", help="the whole local system, asked one question through the OpenAI client")
     p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")

@@ -2,7 +2,8 @@
 
 Starts the local system (tracker, relay, two shard nodes of the demo model, gateway),
 streams one chat completion with the ``openai`` package, prints the text as it comes,
-the speed, and which node served which layers, then stops everything.
+the speed, which node served which layers, the nodes' measured capability and probe
+results, and the signed usage in the ledger, then stops everything.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from openai import OpenAI
 
-from noderuntime import localsystem, models
+from noderuntime import ledger, localsystem, models, status
 
 
 def run(prompt: str, max_tokens: int, model_name: str = models.DEMO_MODEL) -> int:
@@ -61,6 +62,10 @@ def run(prompt: str, max_tokens: int, model_name: str = models.DEMO_MODEL) -> in
             print(
                 f"  layers {hop['layers'][0]:>2}:{hop['layers'][1]:<2} served by node {hop['node_id']} ({hop['via']})"
             )
+        print("\nthe nodes, as the tracker sees them (measured at start, probed before routing):")
+        status.show(system.tracker_url)
+        print(f"\nusage ledger ({system.ledger}):")
+        ledger.show(str(system.ledger))
     finally:
         print("\nstopping the local system", flush=True)
         system.stop()

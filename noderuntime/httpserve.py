@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 Handler = Callable[[], Awaitable[tuple[int, str, bytes]]]  # -> (status, content type, body)
+QueryHandler = Callable[[dict[str, str]], Awaitable[tuple[int, str, bytes]]]  # the same, given the query
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -29,8 +31,9 @@ def json_handler(producer: Callable[[], Awaitable[Any]]) -> Handler:
 class Routes:
     """An ASGI app serving GET on a fixed set of paths."""
 
-    def __init__(self, routes: dict[str, Handler]) -> None:
+    def __init__(self, routes: dict[str, Handler], queries: dict[str, QueryHandler] | None = None) -> None:
         self.routes = routes
+        self.queries = queries or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -43,11 +46,17 @@ class Routes:
                     return
         if scope["type"] != "http":
             return
-        handler = self.routes.get(scope["path"])
-        if scope["method"] != "GET" or handler is None:
+        path = scope["path"]
+        if scope["method"] != "GET" or (path not in self.routes and path not in self.queries):
             status, ctype, body = 404, "text/plain", b"not found\n"
+        elif path in self.routes:
+            status, ctype, body = await self.routes[path]()
         else:
-            status, ctype, body = await handler()
+            try:
+                query = dict(urllib.parse.parse_qsl(scope.get("query_string", b"").decode(), strict_parsing=False))
+            except UnicodeDecodeError:
+                query = {}
+            status, ctype, body = await self.queries[path](query)
         await send(
             {
                 "type": "http.response.start",

@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import platformdirs
 
-from noderuntime import artifacts, models
+from noderuntime import admission, artifacts, models
 from noderuntime.cluster import ManagedProcess
 
 
@@ -33,6 +33,7 @@ class LocalSystem:
     gateway_url: str
     tracker_url: str
     model_id: str
+    ledger: Path
 
     def stop(self) -> None:
         """Stop every process, gateway first."""
@@ -83,7 +84,26 @@ def start(
         return ready
 
     try:
-        tracker = launch("tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(root / "tracker")])
+        # the tracker probes every shard against answers computed here, from the same file
+        references = root / "tracker" / "probe-references.json"
+        references.parent.mkdir(parents=True, exist_ok=True)
+        entries = admission.make_references(
+            path, itertools.pairwise(cuts), seeds=8, recipe_options={"n_threads": threads}
+        )
+        references.write_text(json.dumps({"references": entries}) + "\n")
+        tracker = launch(
+            "tracker",
+            [
+                "tracker",
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+                str(root / "tracker"),
+                "--probe-references",
+                str(references),
+                "--require-probe",
+            ],
+        )
         relay = launch("relay", ["relay", "--listen", "127.0.0.1:0", "--issuer-key", tracker["issuer_key"]])
         for i, (a, b) in enumerate(itertools.pairwise(cuts)):
             reach = ["--relay", relay["url"]] if i == len(cuts) - 2 and len(cuts) > 2 else ["--listen", "127.0.0.1:0"]
@@ -111,13 +131,25 @@ def start(
         _wait_routable(tracker["url"], info.fingerprint)
         gateway = launch(
             "gateway",
-            ["gateway", "--tracker", tracker["url"], "--listen", listen, "--model", model_name, "--ctx", str(ctx)],
+            [
+                "gateway",
+                "--tracker",
+                tracker["url"],
+                "--listen",
+                listen,
+                "--model",
+                model_name,
+                "--ctx",
+                str(ctx),
+                "--ledger",
+                str(root / "gateway" / "ledger.sqlite"),
+            ],
         )
     except BaseException:
         for process in reversed(processes):
             process.stop()
         raise
-    return LocalSystem(processes, gateway["url"], tracker["url"], model_name)
+    return LocalSystem(processes, gateway["url"], tracker["url"], model_name, root / "gateway" / "ledger.sqlite")
 
 
 def main(listen: str, model_name: str) -> int:

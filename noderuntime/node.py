@@ -10,6 +10,7 @@ when full) and serves it as a :class:`~noderuntime.sessions.RouteSession` to its
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
@@ -18,11 +19,14 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from noderuntime import admission
+from noderuntime.admission import ProbeAnswer
 from noderuntime.batcher import Batcher, BatcherStatistics
 from noderuntime.leases import LeaseManager, LeaseStatistics
 from noderuntime.seamconn import SeamConnection
 from noderuntime.sessions import RouteSession, SessionKey, deadline_from_unix_ms
 from noderuntime.steps import SamplingParams
+from noderuntime.telemetry import NodeMetrics, SessionLog, exposition
 from noderuntime.transport import FrameStream, TransportError
 from protocol import (
     Direction,
@@ -134,13 +138,18 @@ class Node:
         self.ticket_check = ticket_check
         self._signer = signer
         self.leases = LeaseManager(config.n_slots, config.ctx_per_seq)
-        self.batcher = Batcher(engine, self.leases, max_batch_tokens=config.max_batch_tokens)
+        self.metrics = NodeMetrics()
+        self.batcher = Batcher(
+            engine, self.leases, max_batch_tokens=config.max_batch_tokens, on_tick=self.metrics.on_tick
+        )
         self.sessions: dict[SessionKey, RouteSession] = {}
         self._nursery: trio.Nursery | None = None
         self._opened = 0
         self._ended: collections.Counter[str] = collections.Counter()
         self._refused = 0
         self.ready = trio.Event()
+        self._probe_lock = trio.Lock()
+        self.capability: dict[str, Any] | None = None  # measured at start (noderun), shown in /status
 
     # --- running
 
@@ -170,6 +179,31 @@ class Node:
             raise TransportError("this node has no connector to reach other nodes")
         return await self.connector.connect(hop, open_route)
 
+    async def probe(self, seed: int, *, patience: float = 30.0) -> ProbeAnswer:
+        """Answer a known-answer probe on a free sequence slot (waiting up to ``patience`` s for one).
+
+        :class:`~noderuntime.admission.AdmissionError` if no slot came free or the seed is bad.
+        """
+        async with self._probe_lock:
+            lease = self.leases.acquire(admission.PROBE_ROWS)
+            for _ in range(int(patience / 0.2)):  # slots free as sessions end; polling is cheap here
+                if lease is not None:
+                    break
+                await trio.sleep(0.2)
+                lease = self.leases.acquire(admission.PROBE_ROWS)
+            if lease is None:
+                raise admission.AdmissionError("no sequence slot came free for the probe")
+            try:
+                engine: Any = self.engine
+                answer: ProbeAnswer = await self.batcher.exclusive(
+                    functools.partial(admission.probe, engine, seed, lease.seq_id)
+                )
+            finally:
+                lease.release()
+                self.batcher.retire(lease.seq_id)
+            self.metrics.probes.inc()
+            return answer
+
     def sign(self, body: bytes) -> bytes:
         """This node's signature over ``body`` (empty when the node has no key)."""
         return self._signer(body) if self._signer is not None else b""
@@ -178,7 +212,7 @@ class Node:
 
     async def handle_stream(self, stream: FrameStream) -> None:
         """Admit the session the stream opens, and serve it to its end."""
-        conn = SeamConnection(stream, limits=self.config.limits)
+        conn = SeamConnection(stream, limits=self.config.limits, on_frame=self.count_frame)
         try:
             with trio.fail_after(self.config.idle_timeout):
                 first = await conn.receive()
@@ -209,7 +243,8 @@ class Node:
             return
         self.sessions[session.key] = session
         self._opened += 1
-        log.info("session %s opened: layers %s, seq %d", session.key, self.config.layers, session.lease.seq_id)
+        self.metrics.sessions_opened.inc()
+        session.log.info("opened: layers %s, sequence %d", self.config.layers, session.lease.seq_id)
         end = None
         try:
             end = await session.run()
@@ -217,7 +252,10 @@ class Node:
             self.sessions.pop(session.key, None)
             reason = end.reason if end is not None else "node_stopped"
             self._ended[reason] += 1
-            log.info("session %s ended: %s %s", session.key, reason, end.message if end else "")
+            self.metrics.sessions_ended.labels(reason).inc()
+            if end is not None and end.code not in (StatusCode.OK, StatusCode.CANCELLED):
+                self.metrics.errors.labels(reason).inc()
+            session.log.info("ended: %s %s", reason, end.message if end else "")
 
     def _check_route(self, open_route: OpenRoute) -> int:
         config = self.config
@@ -313,7 +351,10 @@ class Node:
         return RouteSession(self, open_route, index, conn, lease, sampler, deadline)
 
     async def _refuse(self, conn: SeamConnection, theirs: Identity, error: ProtocolError) -> None:
-        log.info("refused a session: %s (%s)", error.message, error.code.name)
+        self.metrics.admissions_refused.labels(error.code.name).inc()
+        SessionLog(log, f"{theirs.session_id.hex()[:12]}/{theirs.epoch}", theirs.request_id).info(
+            "refused: %s (%s)", error.message, error.code.name
+        )
         mine = Identity(
             theirs.request_id,
             theirs.session_id,
@@ -338,6 +379,20 @@ class Node:
             sessions_ended=dict(self._ended),
             admissions_refused=self._refused,
         )
+
+    def count_frame(self, transport: str, direction: str, size: int) -> None:
+        """Per-frame seam accounting (every seam of every session on this node)."""
+        self.metrics.seam_bytes.labels(transport, direction).inc(size)
+        self.metrics.seam_frames.labels(transport, direction).inc()
+
+    async def metrics_exposition(self) -> tuple[int, str, bytes]:
+        """The ``/metrics`` response, with the gauges read now."""
+        stats = self.statistics()
+        self.metrics.queue_depth.set(stats.batcher.waiting)
+        self.metrics.slots_total.set(stats.leases.slots_total)
+        self.metrics.slots_in_use.set(stats.leases.slots_leased + stats.leases.slots_draining)
+        self.metrics.kv_cells.set(await self.kv_cells_used())
+        return exposition(self.metrics.registry)
 
     async def kv_cells_used(self) -> int:
         """KV cells in use, by llama.cpp's own count (read between batches)."""

@@ -20,10 +20,11 @@ from typing import Any
 import attrs
 import trio
 
-from noderuntime import artifacts, identity
+from noderuntime import admission, artifacts, identity
 from noderuntime.artifacts import LayerRange
 from noderuntime.engine import Recipe, ShardEngine
 from noderuntime.httpserve import Routes, json_handler, serve_http
+from noderuntime.ledger import Ledger
 from noderuntime.network import NetworkConnector, ticket_check
 from noderuntime.node import Node, NodeConfig
 from noderuntime.tickets import TicketVerifier
@@ -98,6 +99,18 @@ async def run_node(
     engine = await trio.to_thread.run_sync(
         lambda: ShardEngine(opts.model, recipe, layers, expected_fingerprint=opts.expected_fingerprint)
     )
+    try:
+        # timed before the node admits anything: the shard has the cores to itself
+        capability = await trio.to_thread.run_sync(admission.measure, engine)
+    except BaseException:
+        engine.close()
+        raise
+    log.info(
+        "measured layers %s: prefill %.2f ms/token, decode %s",
+        layers,
+        capability.prefill_ms_per_token,
+        ", ".join(f"{t:.2f} ms at batch {b}" for b, t in capability.decode_ms),
+    )
     limits = Limits()
     tls = server_tls(opts.tls_cert, opts.tls_key) if opts.tls_cert and opts.tls_key else None
     pin = identity.TlsFiles(opts.tls_cert, opts.tls_key).cert_sha256 if opts.tls_cert and opts.tls_key else b""
@@ -127,6 +140,7 @@ async def run_node(
                 ticket_check=ticket_check(verifier, me.node_id),
                 signer=lambda body: me.sign(b"noderuntime-usage-v1", body),
             )
+            node.capability = capability.to_json()
             await nursery.start(node.run)
             address = ""
             if opts.listen is not None:
@@ -141,7 +155,11 @@ async def run_node(
             http_url = ""
             if opts.http is not None:
                 status = node_status(node, me.node_id, listener, node.connector)
-                http_url = await nursery.start(serve_http, Routes({"/status": json_handler(status)}), opts.http)
+                routes = Routes(
+                    {"/status": json_handler(status), "/metrics": node.metrics_exposition},
+                    {"/probe": probe_handler(node)},
+                )
+                http_url = await nursery.start(serve_http, routes, opts.http)
             if opts.tracker is not None:
                 registration = {
                     "node_id": me.node_id.hex(),
@@ -155,8 +173,19 @@ async def run_node(
                     "tls_cert_sha256": pin.hex(),
                     "slots": opts.slots,
                     "ctx_per_session": opts.ctx_per_session,
+                    "capability": admission.capability_record(
+                        me,
+                        artifact=info.fingerprint,
+                        layers=(layers.start, layers.end),
+                        recipe=recipe.fingerprint(info.quant),
+                        capability=capability,
+                    ),
                 }
-                link = TrackerLink(opts.tracker, me, registration, node_load(node))
+
+                async def answer_probe(seed: int) -> dict[str, Any]:
+                    return (await node.probe(seed)).to_json()
+
+                link = TrackerLink(opts.tracker, me, registration, node_load(node), on_probe=answer_probe)
                 await nursery.start(link.run)
             if on_node is not None:
                 on_node(node)
@@ -174,6 +203,7 @@ async def run_node(
                     "slots": opts.slots,
                     "ctx_per_session": opts.ctx_per_session,
                     "http": http_url,
+                    "capability": capability.to_json(),
                 }
             )
             log.info(
@@ -223,6 +253,20 @@ def node_load(node: Node) -> Callable[[], dict[str, Any]]:
     return load
 
 
+def probe_handler(node: Node) -> Any:
+    """``GET /probe?seed=N``: any peer may check this shard against a reference it holds."""
+
+    async def handle(query: dict[str, str]) -> tuple[int, str, bytes]:
+        try:
+            seed = int(query.get("seed", ""))
+            answer = await node.probe(seed, patience=5.0)
+        except ValueError as exc:  # AdmissionError too
+            return 400, "application/json", json.dumps({"error": str(exc) or "seed must be an integer"}).encode()
+        return 200, "application/json", json.dumps(answer.to_json()).encode()
+
+    return handle
+
+
 def node_status(node: Node, node_id: bytes, listener: RelayListener | None, connector: Any) -> Any:
     """The producer of a node's ``/status`` document."""
 
@@ -231,6 +275,9 @@ def node_status(node: Node, node_id: bytes, listener: RelayListener | None, conn
         return {
             "node_id": node_id.hex(),
             "layers": [node.config.layers.start, node.config.layers.end],
+            "capability": node.capability,
+            "artifact": node.config.artifact_fingerprint.hex(),
+            "recipe": node.config.recipe_fingerprint.hex(),
             "active_sessions": stats.active_sessions,
             "slots_total": stats.leases.slots_total,
             "slots_leased": stats.leases.slots_leased,
@@ -291,7 +338,8 @@ async def run_relay(
             async def status() -> dict[str, Any]:
                 return attrs.asdict(relay.statistics())
 
-            http_url = await nursery.start(serve_http, Routes({"/status": json_handler(status)}), http)
+            routes = Routes({"/status": json_handler(status), "/metrics": relay.metrics_exposition})
+            http_url = await nursery.start(serve_http, routes, http)
         task_status.started({"url": f"{scheme}://{host}:{bound}", "port": bound, "pid": os.getpid(), "http": http_url})
         log.info("relay listening on %s://%s:%d", scheme, host, bound)
 
@@ -319,13 +367,28 @@ async def run_tracker(
     *,
     api_key: str | None = None,
     expire_after: float = 10.0,
+    probe_references: tuple[Path, ...] = (),
+    require_probe: bool = False,
+    probe_interval: float = 600.0,
+    probe_tolerance: float = admission.DEFAULT_TOLERANCE,
     task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve a tracker until cancelled."""
     from noderuntime.tracker.app import Tracker
 
     tracker_identity = identity.load_or_create(data_dir)
-    tracker = Tracker(tracker_identity, expire_after=expire_after, api_key=api_key)
+    references = admission.ProbeReferences.load(probe_references)
+    tracker = Tracker(
+        tracker_identity,
+        expire_after=expire_after,
+        api_key=api_key,
+        references=references,
+        require_probe=require_probe,
+        probe_interval=probe_interval,
+        probe_tolerance=probe_tolerance,
+    )
+    if probe_references:
+        log.info("probe references: %d answers from %d file(s)", len(references), len(probe_references))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(tracker.expire_loop)
         url = await nursery.start(serve_http, tracker.app, listen)
@@ -345,6 +408,7 @@ class GatewayOptions:
     request_timeout: float = 600.0
     ctx: int | None = None
     queue_timeout: float = 10.0
+    ledger: Path | None = None
 
 
 async def run_gateway(
@@ -379,6 +443,7 @@ async def run_gateway(
             tracker_key=opts.tracker_key,
             request_timeout=opts.request_timeout,
             queue_timeout=opts.queue_timeout,
+            ledger=Ledger(opts.ledger) if opts.ledger else None,
         )
         url = await nursery.start(serve_http, gateway.app, opts.listen)
         task_status.started({"url": url, "models": [m.model_id for m in served], "pid": os.getpid()})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import trio
 
@@ -31,8 +32,17 @@ class SeamConnection:
     identity from the OpenRoute it receives).
     """
 
-    def __init__(self, stream: FrameStream, endpoint: SeamEndpoint | None = None, limits: Limits = Limits()) -> None:
+    def __init__(
+        self,
+        stream: FrameStream,
+        endpoint: SeamEndpoint | None = None,
+        limits: Limits = Limits(),
+        on_frame: Callable[[str, str, int], None] | None = None,
+    ) -> None:
+        """``on_frame(transport, direction, bytes)`` is called for every frame (telemetry)."""
         self.stream = stream
+        self.transport = getattr(stream, "kind", "unknown")
+        self._on_frame = on_frame
         self.endpoint = endpoint
         self._encoder = FrameEncoder(limits)
         self._decoder = FrameDecoder(limits)
@@ -58,6 +68,8 @@ class SeamConnection:
                 sent += 1
                 self.bytes_sent += len(frame)
                 self.frames_sent += 1
+                if self._on_frame is not None:
+                    self._on_frame(self.transport, "out", len(frame))
         except BaseException:
             # nothing left: the event never happened; part of it left: the seam is unusable
             if sent == 0 and snapshot is not None and self.endpoint is not None:
@@ -72,6 +84,8 @@ class SeamConnection:
             frame = await self.stream.receive()
             self.bytes_received += len(frame)
             self.frames_received += 1
+            if self._on_frame is not None:
+                self._on_frame(self.transport, "in", len(frame))
             event = self._decoder.receive(frame)
             if event is None:
                 continue  # a chunk of a larger step

@@ -33,6 +33,7 @@ import trio
 from noderuntime.batcher import StepFailed, StepRequest
 from noderuntime.leases import Lease
 from noderuntime.seamconn import SeamConnection
+from noderuntime.telemetry import SessionLog
 from noderuntime.transport import TransportError
 from protocol import (
     Activations,
@@ -130,6 +131,8 @@ class RouteSession:
         self.lease = lease
         self.sampler = sampler
         self.usage = SessionUsage()
+        self.log = SessionLog(log, str(self.key), theirs.request_id)
+        self._decode_sent_at: float | None = None
         self.scope = trio.CancelScope(deadline=deadline)
         self.end: SessionEnd | None = None
         self.generated = 0
@@ -253,7 +256,7 @@ class RouteSession:
             )
             return False
         endpoint = SeamEndpoint(self.identity, Direction.DOWNSTREAM, peer_shard=self.next_hop.layers)
-        self.downstream = SeamConnection(stream, endpoint, self.node.config.limits)
+        self.downstream = SeamConnection(stream, endpoint, self.node.config.limits, on_frame=self.node.count_frame)
         forward = attrs.evolve(self.open_route, header=endpoint.header(Phase.PREFILL))
         try:
             await self.downstream.send(forward)
@@ -346,6 +349,11 @@ class RouteSession:
                 return
             self._touch()
             if isinstance(event, Tokens):
+                if self._decode_sent_at is not None:
+                    self.node.metrics.seam_round_trip.labels(self.downstream.transport).observe(
+                        time.perf_counter() - self._decode_sent_at
+                    )
+                    self._decode_sent_at = None
                 if self.is_head and self._tokens_in is not None:
                     # the next decode step first: it runs in the engine thread while the token
                     # travels on to the client
@@ -501,6 +509,8 @@ class RouteSession:
             tensor = NamedTensor("hidden_states", output.hidden, self.node.config.encoding)
             if not await self._send_down(Activations(header, (tensor,))):
                 return _FAILED
+            if decode:
+                self._decode_sent_at = time.perf_counter()
         return output.token
 
     async def _emit_token(self, token: int, position: int) -> bool:

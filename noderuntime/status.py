@@ -7,6 +7,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from noderuntime.admission import Capability
 from noderuntime.tracker.state import NodeRecord, all_routes, route_cost
 
 
@@ -34,9 +35,33 @@ def _record(node: dict[str, Any]) -> NodeRecord:
         free_slots=node["free_slots"],
         queue_depth=node["queue_depth"],
         step_ms=node["step_ms"],
-        measured_step_ms=node.get("measured_step_ms", 0.0),
+        measured=Capability.from_json(node["capability"]) if node.get("capability") else None,
+        probe_required=bool(node.get("probe_required")),
         probe_passed=node.get("probe_passed"),
     )
+
+
+def _decode(node: dict[str, Any]) -> str:
+    capability = node.get("capability")
+    if not capability:
+        return "-"
+    return "/".join(f"{float(t):.1f}" for _, t in sorted(capability["decode_ms"].items(), key=lambda i: int(i[0])))
+
+
+def _prefill(node: dict[str, Any]) -> str:
+    capability = node.get("capability")
+    if not capability:
+        return "-"
+    return f"{1e3 / float(capability['prefill_ms_per_token']):.0f}"
+
+
+def _probe(node: dict[str, Any]) -> str:
+    passed = node.get("probe_passed")
+    if passed is True:
+        return "ok"
+    if passed is False:
+        return "FAIL"
+    return "pending" if node.get("probe_required") else "-"
 
 
 def routes(nodes: list[dict[str, Any]]) -> list[tuple[str, list[NodeRecord], float]]:
@@ -44,7 +69,7 @@ def routes(nodes: list[dict[str, Any]]) -> list[tuple[str, list[NodeRecord], flo
     records = [_record(n) for n in nodes]
     out = []
     for artifact in sorted({r.artifact for r in records}):
-        mine = [r for r in records if r.artifact == artifact and r.probe_passed is not False]
+        mine = [r for r in records if r.artifact == artifact and r.admitted]
         if mine:
             for route in all_routes(mine, mine[0].n_layer):
                 out.append((artifact, route, route_cost(route)))
@@ -78,16 +103,17 @@ def show(tracker: str, *, as_json: bool = False) -> int:
         )
         return 0
     header = (
-        f"{'node':<16} {'model':<24} {'layers':>8} {'reach':<12} {'load':>7} {'step ms':>8} {'probe':>6} {'seen':>6}"
+        f"{'node':<12} {'model':<20} {'layers':>8} {'recipe':<8} {'reach':<12} {'load':>7} {'cap':>4} "
+        f"{'decode ms b1/b8':>16} {'prefill t/s':>11} {'now ms':>7} {'probe':>7} {'seen':>6}"
     )
     print(header)
     print("-" * len(header))
     for n in nodes:
-        probe = {True: "ok", False: "FAIL", None: "-"}[n.get("probe_passed")]
         print(
-            f"{n['node_id'][:16]:<16} {n['model_name'][:24]:<24} {n['layers'][0]:>3}:{n['layers'][1]:<4} "
-            f"{n['reachability']:<12} {n['active_sessions']:>3}/{n['slots']:<3} {n['estimated_step_ms']:>8.1f} "
-            f"{probe:>6} {n['seconds_since_heartbeat']:>5.1f}s"
+            f"{n['node_id'][:12]:<12} {n['model_name'][:20]:<20} {n['layers'][0]:>3}:{n['layers'][1]:<4} "
+            f"{n['recipe'][:8]:<8} {n['reachability']:<12} {n['active_sessions']:>3}/{n['slots']:<3} "
+            f"{n.get('capacity', n['slots']):>4} {_decode(n):>16} {_prefill(n):>11} {n['estimated_step_ms']:>7.1f} "
+            f"{_probe(n):>7} {n['seconds_since_heartbeat']:>5.1f}s"
         )
     print(f"\n{len(found)} complete route(s)")
     for artifact, route, cost in found[:20]:

@@ -22,6 +22,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
 
 from noderuntime.identity import verify
+from noderuntime.telemetry import RelayMetrics, exposition
 from noderuntime.tickets import TicketError, TicketVerifier
 from noderuntime.transport.websocket import MAX_MESSAGE_BYTES, MESSAGE_QUEUE, RECEIVE_BUFFER_BYTES
 from relay import messages as m
@@ -71,6 +72,7 @@ class Relay:
         self._total = 0
         self._forwarded = 0
         self._refused: collections.Counter[str] = collections.Counter()
+        self.metrics = RelayMetrics()
 
     def statistics(self) -> RelayStatistics:
         """An immutable snapshot."""
@@ -90,8 +92,15 @@ class Relay:
         else:
             await request.reject(404, body=b"unknown relay path\n")
 
+    async def metrics_exposition(self) -> tuple[int, str, bytes]:
+        """The ``/metrics`` response."""
+        self.metrics.nodes.set(len(self.nodes))
+        self.metrics.pairs.set(self._active)
+        return exposition(self.metrics.registry)
+
     async def _refuse(self, ws: WebSocketConnection, code: int, reason: str, kind: str) -> None:
         self._refused[kind] += 1
+        self.metrics.refused.labels(kind).inc()
         log.info("relay refused a connection: %s", reason)
         with trio.move_on_after(1.0):
             await ws.aclose(code, reason[:120])
@@ -213,6 +222,7 @@ class Relay:
                     break  # after pairing only binary seam frames pass
                 await dst.send_message(message)
                 self._forwarded += len(message)
+                self.metrics.bytes.inc(len(message))
         except ConnectionClosed:
             pass
         finally:

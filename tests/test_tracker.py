@@ -12,6 +12,7 @@ import httpx
 import pytest
 import trio
 
+from noderuntime.admission import Capability, capability_record
 from noderuntime.httpserve import serve_http
 from noderuntime.identity import Identity
 from noderuntime.signing import sign
@@ -135,6 +136,15 @@ def _registration(me: Identity, **changes: Any) -> dict[str, Any]:
         "ctx_per_session": 512,
     }
     body.update(changes)
+    if "capability" not in changes:
+        layers = body["layers"]
+        body["capability"] = capability_record(
+            me,
+            artifact=body["artifact"],
+            layers=(layers[0], layers[1]),
+            recipe=body["recipe"],
+            capability=Capability(2.0, ((1, 10.0), (2, 12.0)), 1, 1, 1, 2),
+        )
     return body
 
 
@@ -160,6 +170,17 @@ async def test_api_authenticates_nodes_and_issues_verifiable_tickets() -> None:
         assert (await post("/v1/nodes/heartbeat", beat, me, stamp)).status_code == 200
         assert (await post("/v1/nodes/heartbeat", beat, me, stamp)).status_code == 401
         assert (await post("/v1/nodes/register", _registration(me, layers=[5, 40]), me, stamp + 1)).status_code == 400
+        # a node must send the capability it measured, signed by itself, for this very shard
+        assert (await post("/v1/nodes/register", _registration(me, capability={}), me, stamp + 2)).status_code == 400
+        theirs = _registration(other)["capability"]
+        assert (
+            await post("/v1/nodes/register", _registration(me, capability=theirs), me, stamp + 3)
+        ).status_code == 400
+        elsewhere = _registration(me, layers=[0, 15])["capability"]
+        assert (
+            await post("/v1/nodes/register", _registration(me, capability=elsewhere), me, stamp + 4)
+        ).status_code == 400
+        assert tracker.state.nodes[me.node_id].layers == (0, 30)
 
         with pytest.raises(TrackerError) as unauthorized:
             await request_route(client, url, ARTIFACT, 100)

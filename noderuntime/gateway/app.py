@@ -11,6 +11,7 @@ session on every shard.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ import httpx
 import trio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from noderuntime.chat import ChatTemplate, TemplateError
@@ -32,6 +33,8 @@ from noderuntime.client import GenerationRequest, RouteError, open_route_generat
 from noderuntime.engine import Vocab
 from noderuntime.gateway.schema import ChatCompletionRequest, CompletionRequest, SamplingFields
 from noderuntime.gateway.textstream import TextStream
+from noderuntime.ledger import CheckedRecord, Ledger, check
+from noderuntime.telemetry import GatewayMetrics, exposition
 from noderuntime.tracker.client import RouteGrant, TrackerError, request_route
 from protocol import Sampling, StatusCode, Tokens
 
@@ -91,6 +94,7 @@ class Generated:
     completion_tokens: int
     finish_reason: str
     route: list[dict[str, Any]]
+    records: list[CheckedRecord] = attrs.Factory(list)
 
 
 class Gateway:
@@ -106,6 +110,7 @@ class Gateway:
         tracker_key: str | None = None,
         request_timeout: float = 600.0,
         queue_timeout: float = 10.0,
+        ledger: Ledger | None = None,
     ) -> None:
         self.models = {m.model_id: m for m in models}
         self.tracker_url = tracker_url
@@ -114,6 +119,8 @@ class Gateway:
         self.tracker_key = tracker_key
         self.request_timeout = request_timeout
         self.queue_timeout = queue_timeout
+        self.ledger = ledger
+        self.metrics = GatewayMetrics()
         self.http = httpx.AsyncClient()
         self.app = self._build()
         self.counters: dict[str, int] = {"requests": 0, "completed": 0, "errors": 0, "cancelled": 0, "retries": 0}
@@ -244,6 +251,7 @@ class Gateway:
                     if exc.code in (StatusCode.INVALID_ARGUMENT, StatusCode.OUT_OF_RANGE, StatusCode.DEADLINE_EXCEEDED):
                         raise error from None
                     self.counters["retries"] += 1
+                    self.metrics.route_retries.labels(exc.code.name).inc()
                     if exc.code == StatusCode.RESOURCE_EXHAUSTED and trio.current_time() + backoff < queue_until:
                         log.info("a node on the route is full; waiting for a slot")
                         await trio.sleep(backoff)
@@ -282,10 +290,21 @@ class Gateway:
                     break
                 event = await gen.next()
             reason = "stop" if text.stopped or gen.finish_reason == "stop" else "length"
+        # the session was released on leaving the block: every hop's signed usage is here
+        records = [check(r, request_id=request.request_id, hops=grant.hops) for r in gen.usage or ()]
+        for record in records:
+            self.metrics.usage_records.labels(str(record.valid).lower()).inc()
+            if not record.valid:
+                log.warning(
+                    "request %s: usage record of node %s flagged: %s",
+                    request.request_id,
+                    record.record.node_id.hex()[:16],
+                    record.problem,
+                )
         tail = text.finish()
         if tail:
             yield tail, None
-        yield "", Generated(text.text, produced, reason, route)
+        yield "", Generated(text.text, produced, reason, route, records)
 
     # --- the app
 
@@ -311,6 +330,18 @@ class Gateway:
         async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
             kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
             return _error_response(ApiError(exc.status_code, str(exc.detail), kind))
+
+        @app.middleware("http")
+        async def count(request: Request, call_next: Any) -> Any:
+            response = await call_next(request)
+            if request.url.path.startswith("/v1/"):
+                self.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+            return response
+
+        @app.get("/metrics", include_in_schema=False)
+        async def metrics() -> Any:
+            status, content_type, payload = exposition(self.metrics.registry)
+            return Response(payload, status_code=status, media_type=content_type)
 
         @app.get("/status", include_in_schema=False)
         async def status() -> dict[str, Any]:
@@ -355,6 +386,7 @@ class Gateway:
         self, model: ServedModel, body: SamplingFields, generation: GenerationRequest, *, chat: bool
     ) -> Any:
         self.counters["requests"] += 1
+        started = time.perf_counter()
         stop_strings, _ = body.stop_lists()
         created = int(time.time())
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -362,14 +394,20 @@ class Gateway:
         prompt_tokens = len(generation.prompt_tokens)
         if not body.stream:
             result: Generated | None = None
+            awaiting_first = True
             try:
                 async for _, done in self._generate(model, generation, stop_strings):
+                    if awaiting_first:
+                        self.metrics.ttft.observe(time.perf_counter() - started)
+                        awaiting_first = False
                     result = done or result
-            except ApiError:
+            except ApiError as exc:
                 self.counters["errors"] += 1
+                self.metrics.errors.labels(exc.code or exc.kind).inc()
                 raise
             assert result is not None
             self.counters["completed"] += 1
+            await self._record(model, generation, created, result)
             choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
             if chat:
                 choice["message"] = {"role": "assistant", "content": result.text}
@@ -389,16 +427,38 @@ class Gateway:
         stream = self._generate(model, generation, stop_strings)
         try:
             first = await stream.__anext__()
-        except ApiError:
+        except ApiError as exc:
             self.counters["errors"] += 1
+            self.metrics.errors.labels(exc.code or exc.kind).inc()
             await _aclose(stream)
             raise
+        self.metrics.ttft.observe(time.perf_counter() - started)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            self._sse(stream, first, ident, kind, created, model, prompt_tokens, chat, include_usage),
+            self._sse(stream, first, ident, kind, created, model, generation, chat, include_usage),
             media_type="text/event-stream",
             headers={"cache-control": "no-cache"},
         )
+
+    async def _record(self, model: ServedModel, generation: GenerationRequest, created: int, result: Generated) -> None:
+        """Tokens into the metrics, the request and its usage records into the ledger."""
+        self.metrics.prompt_tokens.inc(len(generation.prompt_tokens))
+        self.metrics.completion_tokens.inc(result.completion_tokens)
+        if self.ledger is not None:
+            ledger = self.ledger
+            await trio.to_thread.run_sync(
+                functools.partial(
+                    ledger.append,
+                    request_id=generation.request_id,
+                    model=model.model_id,
+                    artifact=model.artifact,
+                    created=created,
+                    prompt_tokens=len(generation.prompt_tokens),
+                    completion_tokens=result.completion_tokens,
+                    finish_reason=result.finish_reason,
+                    records=result.records,
+                )
+            )
 
     async def _sse(
         self,
@@ -408,11 +468,13 @@ class Gateway:
         kind: str,
         created: int,
         model: ServedModel,
-        prompt_tokens: int,
+        generation: GenerationRequest,
         chat: bool,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+        prompt_tokens = len(generation.prompt_tokens)
+        last_delta = time.perf_counter()
 
         def chunk(delta: dict[str, Any] | str, finish: str | None = None, **extra: Any) -> bytes:
             choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
@@ -438,6 +500,7 @@ class Gateway:
             while item is not None:
                 delta, done = item
                 if done is not None:
+                    await self._record(model, generation, created, done)
                     yield chunk({} if chat else "", done.finish_reason, route=done.route)
                     if include_usage:
                         usage = {
@@ -452,6 +515,9 @@ class Gateway:
                     finished = True
                     break
                 if delta:
+                    now = time.perf_counter()
+                    self.metrics.inter_token.observe(now - last_delta)
+                    last_delta = now
                     yield chunk({"content": delta} if chat else delta)
                 try:
                     item = await stream.__anext__()
@@ -462,11 +528,13 @@ class Gateway:
         except ApiError as exc:
             # headers are gone: report in the stream, as OpenAI does
             self.counters["errors"] += 1
+            self.metrics.errors.labels(exc.code or exc.kind).inc()
             yield b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
             if not finished:
                 self.counters["cancelled"] += 1
+                self.metrics.cancelled.inc()
             with trio.CancelScope(shield=True):
                 await _aclose(stream)
 

@@ -4,30 +4,45 @@
 - ``POST /v1/nodes/register`` and ``POST /v1/nodes/heartbeat``: signed by the node's key
   (see :mod:`noderuntime.signing`); a node cannot register under another node's id.
 - ``GET  /v1/nodes``, ``GET /v1/artifacts``: what the tracker knows.
+- ``POST /v1/nodes/probe``: a node's answer to its known-answer probe (signed).
 - ``POST /v1/routes``: a route for a session and its signed ticket (optionally behind a
   bearer key): 503 when no route exists, 429 when every route is full.
+- ``GET  /metrics``: Prometheus metrics.
+
+A registration carries the node's signed capability record (see
+:mod:`noderuntime.admission`); one that does not verify, or that was measured for
+another shard, is refused. When the tracker holds probe references for the shard, the
+answer to registration (and, every ``probe_interval`` seconds, to a heartbeat) carries
+a probe seed; until the node answers it correctly it is kept out of routes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import random
 import time
 from typing import Any
 
 import trio
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from noderuntime import tickets
+from noderuntime.admission import AdmissionError, ProbeAnswer, ProbeReferences, check_capability, compare
 from noderuntime.identity import Identity
 from noderuntime.signing import SignatureChecker, SignatureError
-from noderuntime.tracker.state import NodeRecord, NoRoute, TrackerState
+from noderuntime.telemetry import TrackerMetrics, exposition
+from noderuntime.tracker.state import STEP_BUDGET_MS, NodeRecord, NoRoute, TrackerState
 from protocol import Hop, Span
 
 HEARTBEAT_SECONDS = 2.0
 MAX_BODY = 64 << 10
 HEX32 = r"^[0-9a-f]{64}$"
+PROBE_ANSWER_SECONDS = 60.0  # a challenge unanswered this long is sent again
+
+log = logging.getLogger(__name__)
 
 
 class Registration(BaseModel):
@@ -44,7 +59,7 @@ class Registration(BaseModel):
     tls_cert_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
     slots: int = Field(gt=0, le=4096)
     ctx_per_session: int = Field(gt=0, le=1 << 22)
-    capability: dict[str, Any] = Field(default_factory=dict)
+    capability: dict[str, str]  # {"body": signed JSON text, "signature": hex}
 
 
 class Heartbeat(BaseModel):
@@ -55,6 +70,15 @@ class Heartbeat(BaseModel):
     free_slots: int = Field(ge=0)
     queue_depth: int = Field(ge=0)
     step_ms: float = Field(ge=0, le=1e6)
+
+
+class ProbeReply(BaseModel):
+    """A node's answer to its probe challenge."""
+
+    node_id: str = Field(pattern=HEX32)
+    seed: int = Field(ge=0, lt=2**63)
+    digest: str = Field(pattern=HEX32)
+    sketch: list[float] = Field(max_length=4096)
 
 
 class RouteRequest(BaseModel):
@@ -69,13 +93,55 @@ class RouteRequest(BaseModel):
 class Tracker:
     """The tracker service: state, issuer key, request checks."""
 
-    def __init__(self, identity: Identity, *, expire_after: float = 10.0, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        expire_after: float = 10.0,
+        api_key: str | None = None,
+        references: ProbeReferences | None = None,
+        require_probe: bool = False,
+        probe_interval: float = 600.0,
+        probe_tolerance: float = 1e-3,
+        step_budget_ms: float = STEP_BUDGET_MS,
+    ) -> None:
+        """``references`` let the tracker probe shards; ``require_probe`` admits no shard it cannot probe."""
         self.identity = identity
-        self.state = TrackerState(expire_after=expire_after)
+        self.state = TrackerState(expire_after=expire_after, step_budget_ms=step_budget_ms)
         self.signatures = SignatureChecker()
         self.api_key = api_key
+        self.references = references or ProbeReferences()
+        self.require_probe = require_probe
+        self.probe_interval = probe_interval
+        self.probe_tolerance = probe_tolerance
+        self.metrics = TrackerMetrics()
+        # node id -> (seed, when issued) of the challenge it has yet to answer; when last probed
+        self.challenges: dict[bytes, tuple[int, float]] = {}
+        self.last_probed: dict[bytes, float] = {}
+        self._rng = random.SystemRandom()
         self.app = self._build()
         self.routes_issued = 0
+
+    def _challenge(self, record: NodeRecord, now: float) -> dict[str, int] | None:
+        """A probe seed for this node if one is due (registration, interval, or lost answer)."""
+        seeds = self.references.seeds((record.artifact, record.layers, record.recipe))
+        if not seeds:
+            return None
+        if record.probe_passed is False:
+            return None  # failed: it stays out of routes until it registers again
+        pending = self.challenges.get(record.node_id)
+        if pending is not None and now - pending[1] < PROBE_ANSWER_SECONDS:
+            return None  # an answer is on its way
+        due = (
+            pending is not None  # lost: ask again
+            or record.probe_passed is None
+            or now - self.last_probed.get(record.node_id, 0.0) >= self.probe_interval
+        )
+        if not due:
+            return None
+        seed = self._rng.choice(seeds)
+        self.challenges[record.node_id] = (seed, now)
+        return {"seed": seed}
 
     async def expire_loop(self) -> None:
         """Drop nodes that stopped sending heartbeats."""
@@ -90,6 +156,7 @@ class Tracker:
                 dict(request.headers), request.method, request.url.path, body, int(time.time() * 1000)
             )
         except SignatureError as exc:
+            self.metrics.auth_failures.inc()
             raise HTTPException(401, str(exc)) from None
         if node_id.hex() != claimed:
             raise HTTPException(403, "a node may only speak for its own node id")
@@ -97,6 +164,12 @@ class Tracker:
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="noderuntime tracker", version="1")
+
+        @app.get("/metrics", include_in_schema=False)
+        async def metrics() -> Response:
+            self.metrics.nodes.set(len(self.state.nodes))
+            status, content_type, payload = exposition(self.metrics.registry)
+            return Response(payload, status_code=status, media_type=content_type)
 
         @app.get("/v1/info")
         async def info() -> dict[str, Any]:
@@ -114,24 +187,44 @@ class Tracker:
                 raise HTTPException(400, f"layers {start}:{end} do not lie in 0:{body.n_layer}")
             if not body.address and not body.relay:
                 raise HTTPException(400, "a node needs an address, a relay, or both")
-            self.state.register(
-                NodeRecord(
-                    node_id=node_id,
-                    artifact=body.artifact,
-                    n_layer=body.n_layer,
-                    layers=(start, end),
-                    recipe=body.recipe,
-                    address=body.address,
-                    relay=body.relay,
-                    tls_cert_sha256=bytes.fromhex(body.tls_cert_sha256),
-                    slots=body.slots,
-                    ctx_per_session=body.ctx_per_session,
-                    model_name=body.model_name,
-                    capability=body.capability,
-                ),
-                time.time(),
+            try:
+                measured = check_capability(
+                    body.capability, node_id=node_id, artifact=body.artifact, layers=(start, end), recipe=body.recipe
+                )
+            except AdmissionError as exc:
+                self.metrics.errors.labels("capability").inc()
+                raise HTTPException(400, str(exc)) from None
+            key = (body.artifact, (start, end), body.recipe)
+            record = NodeRecord(
+                node_id=node_id,
+                artifact=body.artifact,
+                n_layer=body.n_layer,
+                layers=(start, end),
+                recipe=body.recipe,
+                address=body.address,
+                relay=body.relay,
+                tls_cert_sha256=bytes.fromhex(body.tls_cert_sha256),
+                slots=body.slots,
+                ctx_per_session=body.ctx_per_session,
+                model_name=body.model_name,
+                measured=measured,
+                probe_required=self.require_probe or bool(self.references.seeds(key)),
             )
-            return {"heartbeat_seconds": HEARTBEAT_SECONDS, "expire_after_seconds": self.state.expire_after}
+            now = time.time()
+            self.state.register(record, now)
+            self.metrics.registrations.inc()
+            self.challenges.pop(node_id, None)
+            self.last_probed.pop(node_id, None)
+            answer: dict[str, Any] = {
+                "heartbeat_seconds": HEARTBEAT_SECONDS,
+                "expire_after_seconds": self.state.expire_after,
+            }
+            challenge = self._challenge(self.state.nodes[node_id], now)
+            if challenge is not None:
+                answer["probe"] = challenge
+            elif record.probe_required:
+                log.warning("node %s: no probe references for its shard; kept out of routes", node_id.hex()[:12])
+            return answer
 
         @app.post("/v1/nodes/heartbeat")
         async def heartbeat(body: Heartbeat, request: Request) -> dict[str, Any]:
@@ -146,12 +239,52 @@ class Tracker:
             )
             if not known:
                 raise HTTPException(404, "unknown node: register again")
-            return {"ok": True}
+            self.metrics.heartbeats.inc()
+            answer: dict[str, Any] = {"ok": True}
+            challenge = self._challenge(self.state.nodes[node_id], time.time())
+            if challenge is not None:
+                answer["probe"] = challenge
+            return answer
+
+        @app.post("/v1/nodes/probe")
+        async def probe(body: ProbeReply, request: Request) -> dict[str, Any]:
+            node_id = await self._authenticated(request, body.node_id)
+            record = self.state.nodes.get(node_id)
+            pending = self.challenges.get(node_id)
+            if record is None:
+                raise HTTPException(404, "unknown node: register again")
+            if pending is None or pending[0] != body.seed:
+                raise HTTPException(409, "no probe with this seed is outstanding for this node")
+            reference = self.references.get((record.artifact, record.layers, record.recipe), body.seed)
+            assert reference is not None  # only seeds with references are issued
+            try:
+                answer = ProbeAnswer.from_json(body.model_dump())
+            except AdmissionError as exc:
+                raise HTTPException(400, str(exc)) from None
+            verdict = compare(reference, answer, self.probe_tolerance)
+            del self.challenges[node_id]
+            now = time.time()
+            self.last_probed[node_id] = now
+            self.state.update(node_id, probe_passed=verdict.passed, probe_detail=verdict.describe())
+            self.metrics.probes.labels("passed" if verdict.passed else "failed").inc()
+            if not verdict.passed:
+                log.error(
+                    "node %s failed its known-answer probe for layers %s: %s; kept out of routes",
+                    node_id.hex()[:12],
+                    record.layers,
+                    verdict.describe(),
+                )
+            return {"passed": verdict.passed, "exact": verdict.exact, "detail": verdict.describe()}
 
         @app.get("/v1/nodes")
         async def nodes() -> dict[str, Any]:
             now = time.time()
-            return {"nodes": [_public(r, now) for r in sorted(self.state.nodes.values(), key=lambda r: r.layers)]}
+            return {
+                "nodes": [
+                    _public(r, now, self.state.step_budget_ms)
+                    for r in sorted(self.state.nodes.values(), key=lambda r: r.layers)
+                ]
+            }
 
         @app.get("/v1/artifacts")
         async def artifacts() -> dict[str, Any]:
@@ -168,6 +301,7 @@ class Tracker:
             try:
                 choice = self.state.choose(body.artifact, body.tokens, exclude=exclude)
             except NoRoute as exc:
+                self.metrics.routes.labels("full" if exc.full else "none").inc()
                 return JSONResponse({"error": str(exc), "full": exc.full}, status_code=429 if exc.full else 503)
             hops = [Hop(n.node_id, Span(*n.layers), n.address, n.relay, n.tls_cert_sha256) for n in choice.nodes]
             session_id = os.urandom(16)
@@ -181,6 +315,7 @@ class Tracker:
             )
             self.state.note_session(n.node_id for n in choice.nodes)
             self.routes_issued += 1
+            self.metrics.routes.labels("issued").inc()
             return JSONResponse(
                 {
                     "session_id": session_id.hex(),
@@ -204,7 +339,7 @@ class Tracker:
         return app
 
 
-def _public(record: NodeRecord, now: float) -> dict[str, Any]:
+def _public(record: NodeRecord, now: float, step_budget_ms: float) -> dict[str, Any]:
     return {
         "node_id": record.node_id.hex(),
         "model_name": record.model_name,
@@ -223,7 +358,10 @@ def _public(record: NodeRecord, now: float) -> dict[str, Any]:
         "estimated_step_ms": record.estimated_step_ms(),
         "ctx_per_session": record.ctx_per_session,
         "seconds_since_heartbeat": round(now - record.last_seen, 2),
-        "measured_step_ms": record.measured_step_ms,
+        "capability": record.measured.to_json() if record.measured is not None else None,
+        "capacity": record.capacity(step_budget_ms),
+        "probe_required": record.probe_required,
         "probe_passed": record.probe_passed,
-        "capability": record.capability,
+        "probe_detail": record.probe_detail,
+        "admitted": record.admitted,
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
@@ -50,7 +50,9 @@ class TrackerLink:
         load: Callable[[], dict[str, Any]],
         *,
         retry_seconds: float = 1.0,
+        on_probe: Callable[[int], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
+        """``on_probe(seed)`` answers the tracker's known-answer probes (see :mod:`noderuntime.admission`)."""
         self.url = url.rstrip("/")
         self.identity = identity
         self.registration = registration
@@ -59,6 +61,9 @@ class TrackerLink:
         self.registered = False
         self.heartbeats = 0
         self.registrations = 0
+        self._on_probe = on_probe
+        self.probes_answered = 0
+        self.probe_verdicts: list[dict[str, Any]] = []
 
     async def _post(self, client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> httpx.Response:
         data = json.dumps(body).encode()
@@ -67,6 +72,30 @@ class TrackerLink:
             **sign(self.identity, "POST", path, data, int(time.time() * 1000)),
         }
         return await client.post(self.url + path, content=data, headers=headers, timeout=10)
+
+    async def _answer_probe(self, client: httpx.AsyncClient, response: httpx.Response) -> None:
+        challenge = response.json().get("probe")
+        if not challenge or self._on_probe is None:
+            return
+        seed = int(challenge["seed"])
+        try:
+            answer = await self._on_probe(seed)
+        except ValueError as exc:
+            log.warning("cannot answer the tracker's probe %d: %s", seed, exc)
+            return
+        reply = await self._post(client, "/v1/nodes/probe", {"node_id": self.identity.node_id.hex(), **answer})
+        self.probes_answered += 1
+        if reply.status_code == 200:
+            verdict = reply.json()
+            self.probe_verdicts.append(verdict)
+            log.log(
+                logging.INFO if verdict.get("passed") else logging.ERROR,
+                "known-answer probe %d: %s",
+                seed,
+                verdict.get("detail", ""),
+            )
+        else:
+            log.warning("the tracker refused the probe answer: %s", reply.text[:200])
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled; ``started`` once first registered. Tracker outages are waited out."""
@@ -83,6 +112,7 @@ class TrackerLink:
                         self.registered = True
                         self.registrations += 1
                         log.info("registered with the tracker %s", self.url)
+                        await self._answer_probe(client, response)
                         if not started:
                             started = True
                             task_status.started()
@@ -97,6 +127,7 @@ class TrackerLink:
                         if response.status_code != 200:
                             raise TrackerError(f"heartbeat refused: {response.text[:200]}", response.status_code)
                         self.heartbeats += 1
+                    await self._answer_probe(client, response)
                 except (httpx.HTTPError, TrackerError) as exc:
                     if self.registered:
                         log.warning("tracker %s unreachable (%s); retrying", self.url, exc)

@@ -7,6 +7,11 @@ A route is a chain of nodes of one artifact and recipe whose layer ranges cover
 step time under its current load, plus a latency per seam; among routes within a
 few percent of the cheapest one is picked at random, so independent requests spread
 over equivalent routes instead of piling onto one.
+
+Step times come from the capability each node measured and signed at start (checked
+against what its heartbeats show), and they also bound how many sessions a slow node
+is sent. A node the tracker can probe is admitted to routes only once it has
+answered its known-answer probe correctly.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
+from noderuntime.admission import Capability
+
 DIRECT_SEAM_MS = 1.0
 RELAY_SEAM_MS = 2.5
 DEFAULT_STEP_MS = 10.0
 NEAR_EQUAL = 0.10  # routes within 10 % of the cheapest are equally good
+STEP_BUDGET_MS = 1000.0  # a node gets no more sessions than keep its decode step under this
 MAX_ROUTES = 2000  # enumeration cap: a tracker of a few hundred nodes stays well under it
 
 
@@ -44,10 +52,12 @@ class NodeRecord:
     queue_depth: int = 0
     step_ms: float = 0.0  # recent engine time per batch
     last_seen: float = 0.0
-    # measured capability and probe result (issue: capability admission)
-    measured_step_ms: float = 0.0
+    # what the node measured of itself (signed, checked at registration)
+    measured: Capability | None = None
+    # known-answer probe: required when the tracker holds references for this shard
+    probe_required: bool = False
     probe_passed: bool | None = None
-    capability: dict[str, object] = attrs.field(factory=dict)
+    probe_detail: str = ""
 
     @property
     def reachability(self) -> str:
@@ -56,11 +66,40 @@ class NodeRecord:
             return "direct+relay"
         return "direct" if self.address else "relay-only"
 
+    @property
+    def admitted(self) -> bool:
+        """Whether routes may use this node: it passed its probe, or none is required of it."""
+        return self.probe_passed is True or (self.probe_passed is None and not self.probe_required)
+
     def estimated_step_ms(self) -> float:
-        """Step time now: the measured (or observed) step time, stretched by how busy the node is."""
-        base = self.measured_step_ms or self.step_ms or DEFAULT_STEP_MS
-        busy = self.active_sessions / max(1, self.slots)
-        return base * (1.0 + busy) + 0.1 * self.queue_depth * base
+        """Decode step time with one more session.
+
+        From the measured step time at that batch size; a node running slower than it
+        measured (heartbeats report its recent step time) is costed at what it shows.
+        """
+        if self.measured is None:
+            base = self.step_ms or DEFAULT_STEP_MS
+            busy = self.active_sessions / max(1, self.slots)
+            return base * (1.0 + busy) + 0.1 * self.queue_depth * base
+        single = self.measured.step_ms(1)
+        at_load = max(self.measured.step_ms(self.active_sessions + 1), self.step_ms)
+        return at_load + 0.1 * self.queue_depth * single
+
+    def capacity(self, step_budget_ms: float) -> int:
+        """Sessions this node should get: as many as keep its measured step time within budget."""
+        if self.measured is None:
+            return self.slots
+        fitting = sum(1 for batch in range(1, self.slots + 1) if self.measured.step_ms(batch) <= step_budget_ms)
+        return max(1, fitting)
+
+    def has_room(self, step_budget_ms: float) -> bool:
+        """Whether one more session may be routed here now."""
+        if self.free_slots <= 0:
+            return False
+        capacity = self.capacity(step_budget_ms)
+        # below its slot count the measured capacity binds (counting sessions routed since
+        # the last heartbeat); at it, the free slots the node reports do
+        return capacity >= self.slots or self.active_sessions < capacity
 
     def seam_ms(self) -> float:
         """Latency of the seam into this node."""
@@ -86,23 +125,17 @@ class NoRoute(Exception):
 class TrackerState:
     """Registered nodes and their load."""
 
-    def __init__(self, *, expire_after: float = 10.0, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, *, expire_after: float = 10.0, step_budget_ms: float = STEP_BUDGET_MS, rng: random.Random | None = None
+    ) -> None:
         self.expire_after = expire_after
+        self.step_budget_ms = step_budget_ms
         self.nodes: dict[bytes, NodeRecord] = {}
         self._rng = rng or random.Random()
 
     def register(self, record: NodeRecord, now: float) -> None:
-        """Add or replace a node (what the tracker measured about it survives a re-registration)."""
-        previous = self.nodes.get(record.node_id)
-        record = attrs.evolve(record, last_seen=now, free_slots=record.slots)
-        if previous is not None:
-            record = attrs.evolve(
-                record,
-                measured_step_ms=previous.measured_step_ms,
-                probe_passed=previous.probe_passed,
-                capability=previous.capability,
-            )
-        self.nodes[record.node_id] = record
+        """Add or replace a node; a re-registration starts afresh (it may run other weights now)."""
+        self.nodes[record.node_id] = attrs.evolve(record, last_seen=now, free_slots=record.slots)
 
     def heartbeat(
         self, node_id: bytes, now: float, *, active_sessions: int, free_slots: int, queue_depth: int, step_ms: float
@@ -169,10 +202,7 @@ class TrackerState:
         return [
             r
             for r in self.nodes.values()
-            if r.artifact == artifact
-            and r.node_id not in excluded
-            and r.ctx_per_session >= tokens
-            and r.probe_passed is not False
+            if r.artifact == artifact and r.node_id not in excluded and r.ctx_per_session >= tokens and r.admitted
         ]
 
     def choose(self, artifact: str, tokens: int, *, exclude: Iterable[bytes] = ()) -> RouteChoice:
@@ -184,7 +214,7 @@ class TrackerState:
         routes = all_routes(candidates, n_layer)
         if not routes:
             raise NoRoute(f"the nodes of artifact {artifact[:16]}… do not cover its {n_layer} layers", full=False)
-        free = [r for r in routes if all(node.free_slots > 0 for node in r)]
+        free = [r for r in routes if all(node.has_room(self.step_budget_ms) for node in r)]
         if not free:
             raise NoRoute("every route is at capacity", full=True)
         costed = sorted(((route_cost(r), r) for r in free), key=lambda pair: pair[0])

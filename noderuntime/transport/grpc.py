@@ -215,6 +215,8 @@ class _Pipe:
 class GrpcFrameStream:
     """The trio end of one gRPC seam stream."""
 
+    kind = "grpc"
+
     def __init__(self, runtime: AsyncioThread, token: trio.lowlevel.TrioToken, peer: str) -> None:
         self.peer = peer
         self._runtime = runtime

@@ -10,6 +10,8 @@ from noderuntime.transport.base import StreamClosed
 class MemoryFrameStream:
     """One end of an in-memory seam."""
 
+    kind = "memory"
+
     def __init__(self, send: trio.MemorySendChannel[bytes], receive: trio.MemoryReceiveChannel[bytes]) -> None:
         self._send = send
         self._receive = receive

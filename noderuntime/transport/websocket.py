@@ -20,6 +20,8 @@ MESSAGE_QUEUE = 1
 class WebSocketFrameStream:
     """The FrameStream interface over one websocket connection."""
 
+    kind = "relay"
+
     def __init__(self, ws: WebSocketConnection, peer: str) -> None:
         self.ws = ws
         self.peer = peer
