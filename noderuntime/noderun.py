@@ -27,6 +27,7 @@ from noderuntime.httpserve import Routes, json_handler, serve_http
 from noderuntime.ledger import Ledger
 from noderuntime.network import NetworkConnector, ticket_check
 from noderuntime.node import Node, NodeConfig
+from noderuntime.telemetry import trio_tasks
 from noderuntime.tickets import TicketVerifier
 from noderuntime.tracker.client import TrackerError, TrackerLink, fetch_info
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer, parse_address
@@ -276,6 +277,7 @@ def node_status(node: Node, node_id: bytes, listener: RelayListener | None, conn
             "node_id": node_id.hex(),
             "layers": [node.config.layers.start, node.config.layers.end],
             "capability": node.capability,
+            "tasks": trio_tasks(),
             "artifact": node.config.artifact_fingerprint.hex(),
             "recipe": node.config.recipe_fingerprint.hex(),
             "active_sessions": stats.active_sessions,
@@ -336,7 +338,7 @@ async def run_relay(
         if http is not None:
 
             async def status() -> dict[str, Any]:
-                return attrs.asdict(relay.statistics())
+                return {**attrs.asdict(relay.statistics()), "tasks": trio_tasks()}
 
             routes = Routes({"/status": json_handler(status), "/metrics": relay.metrics_exposition})
             http_url = await nursery.start(serve_http, routes, http)

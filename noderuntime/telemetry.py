@@ -12,12 +12,26 @@ import logging
 from collections.abc import MutableMapping
 from typing import Any
 
+import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 SECONDS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 TTFT_BUCKETS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+def trio_tasks() -> int:
+    """Live trio tasks in this process (a leak shows as a count that keeps growing)."""
+    root = trio.lowlevel.current_root_task()
+    stack = [root] if root is not None else []
+    count = 0
+    while stack:
+        task = stack.pop()
+        count += 1
+        for nursery in task.child_nurseries:
+            stack.extend(nursery.child_tasks)
+    return count
 
 
 def exposition(registry: CollectorRegistry) -> tuple[int, str, bytes]:

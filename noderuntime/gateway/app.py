@@ -34,7 +34,7 @@ from noderuntime.engine import Vocab
 from noderuntime.gateway.schema import ChatCompletionRequest, CompletionRequest, SamplingFields
 from noderuntime.gateway.textstream import TextStream
 from noderuntime.ledger import CheckedRecord, Ledger, check
-from noderuntime.telemetry import GatewayMetrics, exposition
+from noderuntime.telemetry import GatewayMetrics, exposition, trio_tasks
 from noderuntime.tracker.client import RouteGrant, TrackerError, request_route
 from protocol import Sampling, StatusCode, Tokens
 
@@ -345,7 +345,7 @@ class Gateway:
 
         @app.get("/status", include_in_schema=False)
         async def status() -> dict[str, Any]:
-            return {"counters": dict(self.counters), "models": list(self.models)}
+            return {"counters": dict(self.counters), "models": list(self.models), "tasks": trio_tasks()}
 
         @app.get("/v1/models")
         async def list_models(request: Request) -> dict[str, Any]:

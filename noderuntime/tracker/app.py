@@ -33,7 +33,7 @@ from noderuntime import tickets
 from noderuntime.admission import AdmissionError, ProbeAnswer, ProbeReferences, check_capability, compare
 from noderuntime.identity import Identity
 from noderuntime.signing import SignatureChecker, SignatureError
-from noderuntime.telemetry import TrackerMetrics, exposition
+from noderuntime.telemetry import TrackerMetrics, exposition, trio_tasks
 from noderuntime.tracker.state import STEP_BUDGET_MS, NodeRecord, NoRoute, TrackerState
 from protocol import Hop, Span
 
@@ -164,6 +164,10 @@ class Tracker:
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="noderuntime tracker", version="1")
+
+        @app.get("/status", include_in_schema=False)
+        async def status() -> dict[str, Any]:
+            return {"nodes": len(self.state.nodes), "routes_issued": self.routes_issued, "tasks": trio_tasks()}
 
         @app.get("/metrics", include_in_schema=False)
         async def metrics() -> Response:
