@@ -130,7 +130,7 @@ class RelayListener:
                 except (StreamBroken, ConnectionClosed, m.ControlError, trio.TooSlowError) as exc:
                     log.warning("relay control connection to %s lost: %s; retrying in %.1f s", self.url, exc, delay)
                 await trio.sleep(delay)
-                delay = min(delay * 2, 30.0)
+                delay = min(delay * 2, 10.0)  # a restarted relay is found again within seconds
 
     async def _hello(self, ws: WebSocketConnection) -> None:
         with trio.fail_after(HANDSHAKE_TIMEOUT):

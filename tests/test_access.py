@@ -1,0 +1,221 @@
+"""Access control, one rule per test, against real node and relay processes.
+
+A route of two nodes — the head on gRPC, the tail reachable only through the relay —
+trusts one ticket issuer. Whoever does not hold a valid ticket for a session cannot
+open it on a shard, cannot join a relay pair, and cannot read another session's frames.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from noderuntime.client import GenerationRequest, RouteError, open_route_generation
+from noderuntime.dialer import open_dialer
+from noderuntime.identity import Identity
+from noderuntime.signing import sign
+from noderuntime.tickets import issue
+from noderuntime.transport import StreamBroken
+from noderuntime.transport.relay_client import RelayDialer
+from protocol import Hop, Span, StatusCode
+
+from .clusters import Cluster, running_cluster
+
+pytestmark = pytest.mark.slow
+REQUEST = GenerationRequest((1, 504, 3937, 260, 2), 24)
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with running_cluster(smollm2, [0, 15, 30], tmp_path_factory.mktemp("access"), relay_only=[1]) as running:
+        yield running
+
+
+async def _attempt(
+    cluster: Cluster, ticket: bytes, session: bytes, *, hops: tuple[Hop, ...] | None = None, artifact: bytes = b""
+) -> StatusCode:
+    async with open_dialer() as dialer:
+        try:
+            async with open_route_generation(
+                dialer,
+                hops or cluster.hops,
+                REQUEST,
+                artifact=artifact or cluster.artifact,
+                recipe=cluster.recipe,
+                ticket=ticket,
+                session_id=session,
+            ) as gen:
+                while await gen.next() is not None:
+                    pass
+        except RouteError as exc:
+            return exc.code
+    return StatusCode.OK
+
+
+async def test_a_session_without_a_ticket_is_refused(cluster: Cluster) -> None:
+    assert await _attempt(cluster, b"", os.urandom(16)) == StatusCode.UNAUTHENTICATED
+    await cluster.wait_idle()
+
+
+async def test_a_ticket_signed_by_another_key_is_refused(cluster: Cluster) -> None:
+    session = os.urandom(16)
+    forged = cluster.ticket(session, issuer=Identity.generate())
+    assert await _attempt(cluster, forged, session) == StatusCode.UNAUTHENTICATED
+
+
+async def test_an_altered_ticket_is_refused(cluster: Cluster) -> None:
+    session = os.urandom(16)
+    altered = bytearray(cluster.ticket(session))
+    altered[20] ^= 1
+    assert await _attempt(cluster, bytes(altered), session) == StatusCode.UNAUTHENTICATED
+
+
+async def test_an_expired_ticket_is_refused(cluster: Cluster) -> None:
+    session = os.urandom(16)
+    assert await _attempt(cluster, cluster.ticket(session, ttl=-5), session) == StatusCode.PERMISSION_DENIED
+
+
+async def test_a_replayed_ticket_is_refused(cluster: Cluster) -> None:
+    session = os.urandom(16)
+    ticket = cluster.ticket(session)
+    assert await _attempt(cluster, ticket, session) == StatusCode.OK
+    assert await _attempt(cluster, ticket, session) == StatusCode.PERMISSION_DENIED
+    await cluster.wait_idle()
+
+
+async def test_a_ticket_for_another_session_is_refused(cluster: Cluster) -> None:
+    ticket = cluster.ticket(os.urandom(16))
+    assert await _attempt(cluster, ticket, os.urandom(16)) == StatusCode.PERMISSION_DENIED
+
+
+async def test_a_ticket_for_another_route_is_refused(cluster: Cluster) -> None:
+    session = os.urandom(16)
+    elsewhere = (Hop(Identity.generate().node_id, Span(0, 15)), cluster.hops[1])
+    ticket = cluster.ticket(session, hops=elsewhere)
+    assert await _attempt(cluster, ticket, session) == StatusCode.PERMISSION_DENIED
+
+
+async def test_a_ticket_for_another_model_is_refused(cluster: Cluster) -> None:
+    session = os.urandom(16)
+    ticket = issue(cluster.issuer, session_id=session, epoch=0, artifact=os.urandom(32), hops=cluster.hops)
+    assert await _attempt(cluster, ticket, session) == StatusCode.PERMISSION_DENIED
+
+
+async def test_a_relay_pair_needs_a_valid_ticket(cluster: Cluster) -> None:
+    assert cluster.relay_info is not None
+    tail = cluster.hops[1]
+    session = os.urandom(16)
+    async with trio.open_nursery() as nursery:
+        dialer = RelayDialer(nursery)
+        for ticket in (b"", os.urandom(200), cluster.ticket(session, issuer=Identity.generate())):
+            with pytest.raises(StreamBroken) as refused:
+                await dialer.dial(cluster.relay_info["url"], tail.node_id, session_id=session, epoch=0, ticket=ticket)
+            assert refused.value.code == StatusCode.PERMISSION_DENIED
+        # a ticket for the session that names another node is not a ticket to this one
+        wrong = issue(cluster.issuer, session_id=session, epoch=0, artifact=cluster.artifact, hops=cluster.hops[:1])
+        with pytest.raises(StreamBroken) as refused:
+            await dialer.dial(cluster.relay_info["url"], tail.node_id, session_id=session, epoch=0, ticket=wrong)
+        assert refused.value.code == StatusCode.PERMISSION_DENIED
+
+
+async def test_nobody_else_joins_or_reads_a_relayed_session(cluster: Cluster) -> None:
+    assert cluster.relay_info is not None
+    tail = cluster.hops[1]
+    session = os.urandom(16)
+    ticket = cluster.ticket(session)
+    long = GenerationRequest(REQUEST.prompt_tokens, 200)
+    async with open_dialer() as dialer, trio.open_nursery() as nursery:
+        tokens: list[int] = []
+
+        async def legitimate() -> None:
+            async with open_route_generation(
+                dialer,
+                cluster.hops,
+                long,
+                artifact=cluster.artifact,
+                recipe=cluster.recipe,
+                ticket=ticket,
+                session_id=session,
+            ) as gen:
+                while (event := await gen.next()) is not None:
+                    tokens.extend(event.token_ids)
+
+        nursery.start_soon(legitimate)
+        while len(tokens) < 3:
+            await trio.sleep(0.02)
+        relay = RelayDialer(nursery)
+        # the same session's ticket, seen on the wire: it was used, so it opens nothing
+        with pytest.raises(StreamBroken) as refused:
+            await relay.dial(cluster.relay_info["url"], tail.node_id, session_id=session, epoch=0, ticket=ticket)
+        assert refused.value.code == StatusCode.PERMISSION_DENIED
+        # a valid ticket of its own gets a seam of its own: none of the other session's frames
+        other = os.urandom(16)
+        stream = await relay.dial(
+            cluster.relay_info["url"], tail.node_id, session_id=other, epoch=0, ticket=cluster.ticket(other)
+        )
+        with trio.move_on_after(2.0) as silent:
+            await stream.receive()
+        assert silent.cancelled_caught
+        await stream.aclose()
+    assert len(tokens) == 200
+    await cluster.wait_idle()
+
+
+async def test_a_relay_control_connection_must_prove_the_key_it_claims(cluster: Cluster) -> None:
+    from trio_websocket import ConnectionClosed, open_websocket_url
+
+    from relay import messages
+
+    assert cluster.relay_info is not None
+    impostor = Identity.generate()
+    async with open_websocket_url(cluster.relay_info["url"] + "/control") as ws:
+        challenge = messages.load(await ws.get_message(), "challenge")
+        nonce = bytes.fromhex(challenge["nonce"])
+        # the tail's id, signed with another key: taking over its control connection fails
+        signature = impostor.sign(messages.CONTROL_DOMAIN, nonce)
+        await ws.send_message(messages.dump("hello", node_id=cluster.hops[1].node_id.hex(), signature=signature.hex()))
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.get_message()
+    assert closed.value.reason is not None and closed.value.reason.code == messages.CLOSE_UNAUTHENTICATED
+    assert await _attempt(cluster, cluster.ticket(session := os.urandom(16)), session) == StatusCode.OK
+
+
+async def test_a_node_cannot_speak_for_another_at_the_tracker() -> None:
+    import httpx
+
+    from noderuntime.httpserve import serve_http
+    from noderuntime.tracker.app import Tracker
+
+    from .test_tracker import _registration
+
+    tracker = Tracker(Identity.generate())
+    victim, impostor = Identity.generate(), Identity.generate()
+    bodies = {
+        "/v1/nodes/register": _registration(victim),
+        "/v1/nodes/heartbeat": {
+            "node_id": victim.node_id.hex(),
+            "active_sessions": 0,
+            "free_slots": 0,
+            "queue_depth": 0,
+            "step_ms": 1.0,
+        },
+        "/v1/nodes/probe": {"node_id": victim.node_id.hex(), "seed": 1, "digest": "00" * 32, "sketch": [0.0] * 256},
+    }
+    async with trio.open_nursery() as nursery, httpx.AsyncClient() as client:
+        url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
+        for i, (path, body) in enumerate(bodies.items()):
+            data = json.dumps(body).encode()
+            # a valid signature, but the impostor's own: it may speak only for its own id
+            headers = sign(impostor, "POST", path, data, int(time.time() * 1000) + i)
+            response = await client.post(
+                url + path, content=data, headers={**headers, "content-type": "application/json"}
+            )
+            assert response.status_code == 403, (path, response.text)
+        nursery.cancel_scope.cancel()
+    assert victim.node_id not in tracker.state.nodes
