@@ -51,5 +51,5 @@ def test_two_minute_soak_loses_nothing_and_leaks_nothing(tmp_path: Path) -> None
     assert figures["serves_after"]
     for process, leak in figures["leaks"].items():
         assert leak["tasks"] <= 0, (process, leak)
-        assert leak["fds"] <= 4, (process, leak)  # a pooled connection or two may stay open
+        assert leak["fds"] <= 8, (process, leak)  # a few pooled connections may stay open
         assert leak["rss_mib"] < 64, (process, leak)
