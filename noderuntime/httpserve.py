@@ -78,3 +78,65 @@ async def serve_http(app: Any, listen: str, *, task_status: trio.TaskStatus[str]
     async with trio.open_nursery() as nursery:
         urls: list[str] = await nursery.start(functools.partial(serve, app, config, mode="asgi"))
         task_status.started(urls[0].rstrip("/"))
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is answered 413 before the app sees it.
+
+    Bodies are read up front (the apps behind it read them whole anyway), so a client
+    that streams a body without a length is held to the same limit.
+    """
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            await _too_large(send, self.limit)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > self.limit:
+                await _too_large(send, self.limit)
+                return
+            if not message.get("more_body"):
+                break
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # after the body: the disconnect, for streaming responses
+
+        await self.app(scope, replay, send)
+
+
+async def _too_large(send: Send, limit: int) -> None:
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"the request body exceeds {limit} bytes",
+                "type": "invalid_request_error",
+                "code": "body_too_large",
+            }
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

@@ -139,6 +139,7 @@ class RouteSession:
         self._inner: trio.CancelScope | None = None
         self._tokens_in: trio.MemorySendChannel[Tokens] | None = None
         self._last_activity = trio.current_time()
+        self._awaiting_downstream = False  # activations sent, their tokens not yet back
         self._released = False
         self._driver_scope = trio.CancelScope()
         self._driver_done = trio.Event()
@@ -272,15 +273,12 @@ class RouteSession:
         while True:
             await trio.sleep(max(0.05, idle / 4))
             if trio.current_time() - self._last_activity > idle:
-                self._finish(
-                    SessionEnd(
-                        "idle",
-                        StatusCode.DEADLINE_EXCEEDED,
-                        f"no progress for {idle:.0f} s",
-                        tell_upstream=True,
-                        tell_downstream=True,
-                    )
-                )
+                if self._awaiting_downstream:
+                    # a hung or cut-off next hop: the route failed, not the request (it may be retried)
+                    code, message = StatusCode.UNAVAILABLE, f"the next hop made no progress for {idle:.0f} s"
+                else:
+                    code, message = StatusCode.DEADLINE_EXCEEDED, f"no progress for {idle:.0f} s"
+                self._finish(SessionEnd("idle", code, message, tell_upstream=True, tell_downstream=True))
                 return
 
     async def _upstream_loop(self) -> None:
@@ -348,6 +346,7 @@ class RouteSession:
                 )
                 return
             self._touch()
+            self._awaiting_downstream = False
             if isinstance(event, Tokens):
                 if self._decode_sent_at is not None:
                     self.node.metrics.seam_round_trip.labels(self.downstream.transport).observe(
@@ -571,6 +570,8 @@ class RouteSession:
 
     async def _send_down(self, event: Event) -> bool:
         assert self.downstream is not None
+        if isinstance(event, Activations):
+            self._awaiting_downstream = True  # from now: a send that blocks is the next hop's stall too
         try:
             await self.downstream.send(event)
             return True

@@ -33,6 +33,7 @@ from noderuntime.client import GenerationRequest, RouteError, open_route_generat
 from noderuntime.engine import Vocab
 from noderuntime.gateway.schema import ChatCompletionRequest, CompletionRequest, SamplingFields
 from noderuntime.gateway.textstream import TextStream
+from noderuntime.httpserve import BodyLimit
 from noderuntime.ledger import CheckedRecord, Ledger, check
 from noderuntime.telemetry import GatewayMetrics, exposition, trio_tasks
 from noderuntime.tracker.client import RouteGrant, TrackerError, request_route
@@ -41,6 +42,7 @@ from protocol import Sampling, StatusCode, Tokens
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
+MAX_BODY = 8 << 20  # a request body: far above any prompt that fits a context
 DEFAULT_MAX_TOKENS = 256
 
 
@@ -288,7 +290,11 @@ class Gateway:
                         break
                 if text.stopped or event.finished:
                     break
-                event = await gen.next()
+                try:
+                    event = await gen.next()
+                except RouteError as exc:
+                    # tokens already went out: no retry, a typed error in their place
+                    raise _route_error(exc) from None
             reason = "stop" if text.stopped or gen.finish_reason == "stop" else "length"
         # the session was released on leaving the block: every hop's signed usage is here
         records = [check(r, request_id=request.request_id, hops=grant.hops) for r in gen.usage or ()]
@@ -314,10 +320,17 @@ class Gateway:
             version="1",
             description="OpenAI-compatible chat and text completions over a network of shard nodes.",
         )
+        app.add_middleware(BodyLimit, limit=MAX_BODY)
 
         @app.exception_handler(ApiError)
         async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
             return _error_response(exc)
+
+        @app.exception_handler(Exception)
+        async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
+            # a bug, not the client's fault: typed for the client, the traceback for the operator
+            log.error("unexpected error answering a request", exc_info=exc)
+            return _error_response(ApiError(500, "internal error (see the gateway log)", "server_error", "internal"))
 
         @app.exception_handler(RequestValidationError)
         async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -575,8 +588,8 @@ def _to_exclude(grant: RouteGrant, exc: RouteError) -> list[bytes]:
     ids = [h.node_id for h in grant.hops]
     if exc.node_id in ids:
         at = ids.index(exc.node_id)
-        if exc.code == StatusCode.RESOURCE_EXHAUSTED:
-            return [exc.node_id]
-        # the reporter's next hop failed (or the reporter itself did)
-        return ids[at : at + 2]
+        if exc.code in (StatusCode.RESOURCE_EXHAUSTED, StatusCode.INTERNAL) or at + 1 == len(ids):
+            return [exc.node_id]  # full, or failed in its own engine
+        # the reporter is alive (it reported): its next hop went away, hung or broke the protocol
+        return [ids[at + 1]]
     return ids[:1]

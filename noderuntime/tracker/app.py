@@ -26,11 +26,13 @@ from typing import Any
 
 import trio
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from noderuntime import tickets
 from noderuntime.admission import AdmissionError, ProbeAnswer, ProbeReferences, check_capability, compare
+from noderuntime.httpserve import BodyLimit
 from noderuntime.identity import Identity
 from noderuntime.signing import SignatureChecker, SignatureError
 from noderuntime.telemetry import TrackerMetrics, exposition, trio_tasks
@@ -164,6 +166,17 @@ class Tracker:
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="noderuntime tracker", version="1")
+        app.add_middleware(BodyLimit, limit=MAX_BODY)
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+            # FastAPI's own answer echoes the input, which fails on bytes that are not UTF-8:
+            # say where and what only
+            detail = [
+                {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+                for e in exc.errors()
+            ]
+            return JSONResponse({"detail": detail}, status_code=422)
 
         @app.get("/status", include_in_schema=False)
         async def status() -> dict[str, Any]:

@@ -211,6 +211,11 @@ class _Pipe:
         self._wake_trio()
         self._wake_aio()
 
+    def drop(self, error: TransportError) -> None:
+        """End now, discarding queued frames: nobody will take them (thread-safe)."""
+        self.finish(error)
+        self._items.clear()
+
 
 class GrpcFrameStream:
     """The trio end of one gRPC seam stream."""
@@ -257,7 +262,11 @@ class GrpcFrameStream:
     def reset(self) -> None:
         """Reset the stream now (RST_STREAM); idempotent."""
         self._closed = True
-        self.outbound.finish()
+        # a reset seam is usually a stuck one: free its queued frames now, not when the
+        # connection under it is finally declared dead
+        gone = StreamClosed("the seam was reset")
+        self.outbound.drop(gone)
+        self.inbound.drop(gone)
         task = self.task
         if task is not None:
             with contextlib.suppress(RuntimeError):
@@ -347,7 +356,7 @@ async def _pump(grpc_stream: Any, ours: GrpcFrameStream, limit: int, *, client: 
         writer.cancel()
         broken = StreamBroken(f"the seam with {ours.peer} ended", StatusCode.CANCELLED)
         ours.inbound.finish(broken)
-        ours.outbound.finish(broken)  # wakes a trio sender waiting for room
+        ours.outbound.drop(broken)  # frames not sent never will be; wakes a trio sender waiting for room
 
 
 class GrpcServer:

@@ -1,0 +1,503 @@
+"""Fuzz every network entry of a running system with random and mutated input.
+
+    python -m benchmarks.fuzz_network [--quick] [--scale N] [--out PATH]
+
+Against the local system (tracker, relay, a gRPC head node, a relay-only tail node,
+gateway), all real processes on loopback:
+
+- **gRPC seams** of the head node: streams of random bytes; ``OpenRoute`` frames with
+  a real ticket, mutated; a valid ``OpenRoute`` followed by mutated, random or
+  out-of-place frames (which start a real session first);
+- **relay** websocket paths (``/control``, ``/dial``, ``/accept/…``, unknown): random
+  text and binary messages and mutated control messages;
+- **tracker API** bodies: random and mutated JSON, bad signatures, oversized bodies,
+  and schemathesis cases from its OpenAPI document;
+- **gateway HTTP** bodies: random bytes, mutated requests, oversized bodies, and
+  schemathesis cases from its OpenAPI document.
+
+Each input's outcome is counted (the error frame's status, the websocket close code,
+the HTTP status). A crash is a process that died, a 5xx answer other than 503 (the
+typed "no route"), or a dropped HTTP connection. Afterwards every node must be idle (no slot, no KV cell), every
+process's trio task count back at its baseline, and a greedy request must give the
+text it gave before the fuzzing. Exit status 1 on any crash or leak.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, cast
+
+import httpx
+import trio
+from trio_websocket import ConnectionClosed, HandshakeError, open_websocket_url
+
+from benchmarks import _common
+from noderuntime import localsystem
+from noderuntime.engine import Recipe
+from noderuntime.identity import Identity as NodeIdentity
+from noderuntime.signing import sign
+from noderuntime.transport import TransportError
+from noderuntime.transport.grpc import AsyncioThread, GrpcConnector
+from protocol import (
+    Activations,
+    Direction,
+    FrameDecoder,
+    FrameEncoder,
+    Hop,
+    Identity,
+    Limits,
+    NamedTensor,
+    OpenRoute,
+    Phase,
+    ProtocolError,
+    Release,
+    Sampling,
+    SeamEndpoint,
+    Span,
+    Tokens,
+)
+from protocol import (
+    Error as ErrorEvent,
+)
+
+NAME = "fuzz_network"
+REPLY_SECONDS = 3.0
+
+
+def _mutate(rng: random.Random, data: bytes) -> bytes:
+    buf = bytearray(data)
+    for _ in range(rng.randint(1, 6)):
+        pos = rng.randrange(max(1, len(buf)))
+        op = rng.randrange(5)
+        if op == 0 and buf:
+            buf[pos] ^= 1 << rng.randrange(8)
+        elif op == 1 and buf:
+            buf[pos] = rng.choice((0, 0x7F, 0x80, 0xFF, 0x22, 0x7B, 0x5D))
+        elif op == 2:
+            buf[pos:pos] = rng.randbytes(rng.randint(1, 12))
+        elif op == 3:
+            del buf[pos : pos + rng.randint(1, 16)]
+        else:
+            buf[pos:pos] = bytes([0xFF] * rng.randint(1, 9)) + b"\x01"
+    return bytes(buf)
+
+
+def _get(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        data: dict[str, Any] = json.loads(response.read())
+        return data
+
+
+# --- gRPC seams
+
+
+async def _route(http: httpx.AsyncClient, tracker: str, artifact: str) -> dict[str, Any]:
+    for _ in range(100):
+        response = await http.post(tracker + "/v1/routes", json={"artifact": artifact, "tokens": 64})
+        if response.status_code == 200:
+            route: dict[str, Any] = response.json()
+            return route
+        await trio.sleep(0.2)  # the head is full of sessions still ending
+    raise RuntimeError(f"no route: {response.text}")
+
+
+def _open_route_frames(route: dict[str, Any], artifact: str) -> tuple[list[bytes], SeamEndpoint, FrameEncoder]:
+    hops = tuple(
+        Hop(bytes.fromhex(h["node_id"]), Span(*h["layers"]), h["address"], h["relay"], b"") for h in route["hops"]
+    )
+    identity = Identity(
+        "fuzz", bytes.fromhex(route["session_id"]), 0, bytes.fromhex(artifact), bytes.fromhex(route["recipe"]), Span()
+    )
+    endpoint = SeamEndpoint(identity, Direction.DOWNSTREAM, peer_shard=hops[0].layers)
+    encoder = FrameEncoder(Limits())
+    opening = OpenRoute(
+        endpoint.header(Phase.PREFILL),
+        hops,
+        Sampling(),
+        (1, 2, 3, 4, 5, 6, 7, 8),
+        4,
+        (),
+        0,
+        bytes.fromhex(route["ticket"]),
+    )
+    endpoint.send(opening)
+    return encoder.encode(opening), endpoint, encoder
+
+
+async def _fuzz_grpc(address: str, tracker: str, artifact: str, count: int, rng: random.Random) -> dict[str, Any]:
+    import numpy as np
+
+    outcomes: collections.Counter[str] = collections.Counter()
+    kinds: collections.Counter[str] = collections.Counter()
+    runtime = AsyncioThread()
+    connector = GrpcConnector(runtime, max_frame_bytes=Limits().max_frame_bytes)
+    try:
+        async with httpx.AsyncClient(timeout=10) as http:
+            for _ in range(count):
+                kind = rng.choice(
+                    ("random", "mutated_open", "open_then_mutated", "open_then_random", "open_then_wrong")
+                )
+                kinds[kind] += 1
+                if kind == "random":
+                    frames = [rng.randbytes(rng.choice((0, 1, 7, 64, 1000, 70000))) for _ in range(rng.randint(1, 3))]
+                else:
+                    opening, endpoint, encoder = _open_route_frames(await _route(http, tracker, artifact), artifact)
+                    if kind == "mutated_open":
+                        frames = [_mutate(rng, f) for f in opening]
+                    else:
+                        follow: list[bytes]
+                        if kind == "open_then_wrong":  # well-formed, out of place: the head takes no Activations
+                            array = np.zeros((1, 576), np.float32)
+                            follow = encoder.encode(
+                                Activations(
+                                    endpoint.header(Phase.DECODE, Span(8, 9)), (NamedTensor("hidden_states", array),)
+                                )
+                            )
+                        elif kind == "open_then_random":
+                            follow = [rng.randbytes(rng.randint(1, 300))]
+                        else:
+                            follow = [
+                                _mutate(rng, f) for f in encoder.encode(Release(endpoint.header(Phase.RELEASE), "x"))
+                            ]
+                        frames = [*opening, *follow]
+                outcomes[await _send_and_listen(connector, address, frames)] += 1
+    finally:
+        await connector.close()
+        runtime.close()
+    return {"inputs": count, "by_kind": dict(kinds), "outcomes": dict(outcomes)}
+
+
+async def _send_and_listen(connector: GrpcConnector, address: str, frames: list[bytes]) -> str:
+    try:
+        stream = await connector.open(address)
+    except TransportError as exc:
+        return f"connect_failed:{exc.code.name}"
+    decoder = FrameDecoder(Limits())
+    try:
+        for frame in frames:
+            await stream.send(frame)
+        with trio.move_on_after(REPLY_SECONDS):
+            while True:
+                data = await stream.receive()
+                try:
+                    event = decoder.receive(data)
+                except ProtocolError:
+                    return "reply_undecodable"
+                if isinstance(event, ErrorEvent):
+                    return f"error:{event.code.name}"
+                if isinstance(event, Tokens):
+                    continue  # a session that got going: wait for its end
+                if event is not None:
+                    return f"reply:{type(event).__name__}"
+        return "no_reply_in_3s"
+    except TransportError:
+        return "closed"
+    finally:
+        await stream.aclose()
+
+
+# --- the relay
+
+
+def _relay_message(rng: random.Random) -> str | bytes:
+    valid = [
+        {"type": "hello", "node_id": os.urandom(32).hex(), "signature": os.urandom(64).hex()},
+        {"type": "dial", "target": os.urandom(32).hex(), "session": os.urandom(16).hex(), "epoch": 0, "ticket": "00"},
+        {"type": "paired"},
+        {"type": "incoming", "pair": "ab"},
+    ]
+    choice = rng.randrange(5)
+    if choice == 0:
+        return rng.randbytes(rng.randint(0, 2000))
+    if choice == 1:
+        return "".join(chr(rng.randint(32, 0x2FF)) for _ in range(rng.randint(0, 300)))
+    base = json.dumps(rng.choice(valid))
+    if choice == 2:
+        return base
+    if choice == 3:
+        return _mutate(rng, base.encode()).decode("utf-8", "replace")
+    return "x" * rng.choice((16 << 10, 20 << 10, 1 << 20))  # beyond the control message limit
+
+
+async def _fuzz_relay(url: str, count: int, rng: random.Random) -> dict[str, Any]:
+    outcomes: collections.Counter[str] = collections.Counter()
+    for _ in range(count):
+        path = rng.choice(
+            ("/control", "/dial", "/accept/" + os.urandom(8).hex(), "/accept/", "/" + os.urandom(4).hex())
+        )
+        try:
+            async with open_websocket_url(url + path, message_queue_size=4) as ws:
+                for _ in range(rng.randint(1, 3)):
+                    await ws.send_message(_relay_message(rng))
+                with trio.move_on_after(REPLY_SECONDS):
+                    while True:
+                        await ws.get_message()
+                outcomes["open_after_3s"] += 1
+        except HandshakeError as exc:
+            outcomes[f"handshake_refused:{getattr(exc, 'status_code', '?')}"] += 1
+        except ConnectionClosed as exc:
+            code = exc.reason.code if exc.reason is not None else 0
+            outcomes[f"closed:{code}"] += 1
+        except OSError as exc:
+            outcomes[f"socket_error:{type(exc).__name__}"] += 1
+    return {"inputs": count, "outcomes": dict(outcomes)}
+
+
+# --- HTTP APIs
+
+
+def _json_body(rng: random.Random, fields: dict[str, Any]) -> bytes:
+    body = dict(fields)
+    for _ in range(rng.randint(0, 3)):
+        key = rng.choice([*body, "extra", ""])
+        body[key] = rng.choice([None, -1, 2**70, 1e308, "", "x" * 1000, [], {}, [1, "a"], True, "zz" * 32])
+    data = json.dumps(body).encode()
+    return _mutate(rng, data) if rng.random() < 0.4 else data
+
+
+async def _fuzz_http(
+    base: str, posts: dict[str, dict[str, Any]], count: int, rng: random.Random, signer: NodeIdentity | None
+) -> collections.Counter[str]:
+    statuses: collections.Counter[str] = collections.Counter()
+    async with httpx.AsyncClient(timeout=60) as http:
+        for _ in range(count):
+            path = rng.choice([*posts, "/" + os.urandom(3).hex()])
+            choice = rng.randrange(4)
+            if choice == 0:
+                content = rng.randbytes(rng.randint(0, 3000))
+            elif choice == 3 and rng.random() < 0.2:
+                content = b"{" + b" " * (9 << 20) + b"}"  # beyond any body limit
+            else:
+                content = _json_body(rng, posts.get(path, {}))
+            headers = {
+                "content-type": rng.choice(["application/json", "text/plain", "application/x-www-form-urlencoded"])
+            }
+            if signer is not None:
+                roll = rng.random()
+                if roll < 0.4:  # properly signed: the body reaches validation
+                    headers.update(sign(signer, "POST", path, content, int(time.time() * 1000)))
+                elif roll < 0.7:
+                    headers.update(
+                        {
+                            "x-node-id": signer.node_id.hex(),
+                            "x-timestamp": str(int(time.time() * 1000)),
+                            "x-signature": os.urandom(64).hex(),
+                        }
+                    )
+            try:
+                response = await http.post(base + path, content=content, headers=headers)
+                statuses[str(response.status_code)] += 1
+            except httpx.HTTPError as exc:
+                statuses[f"dropped:{type(exc).__name__}"] += 1
+    return statuses
+
+
+def _schemathesis(base: str, examples: int, model: str | None) -> collections.Counter[str]:
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    schema = schemathesis.openapi.from_url(base + "/openapi.json")
+    statuses: collections.Counter[str] = collections.Counter()
+    for result in schema.get_all_operations():
+        operation = cast(Any, result).ok()
+
+        @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(case=operation.as_strategy(), real=st.booleans())
+        def run(case: Any, real: bool) -> None:
+            if model is not None and real and isinstance(case.body, dict):
+                case.body["model"] = model  # reach tokenizing, routing and generating too
+                for key in ("max_tokens", "max_completion_tokens"):
+                    if isinstance(case.body.get(key), int):
+                        case.body[key] = 1 + case.body[key] % 8
+            try:
+                response = case.call(base_url=base, timeout=120)
+                statuses[str(response.status_code)] += 1
+            except Exception as exc:  # noqa: BLE001 - a dropped connection is a finding, counted
+                statuses[f"dropped:{type(exc).__name__}"] += 1
+
+        run()
+    return statuses
+
+
+# --- the run
+
+
+def _sample_tasks(system: localsystem.LocalSystem) -> dict[str, int]:
+    urls = {
+        p.name: (
+            system.gateway_url if p.name == "gateway" else system.tracker_url if p.name == "tracker" else p.info["http"]
+        )
+        for p in system.processes
+    }
+    return {name: int(_get(url + "/status")["tasks"]) for name, url in urls.items()}
+
+
+def _answer(system: localsystem.LocalSystem) -> str:
+    response = httpx.post(
+        system.gateway_url + "/v1/chat/completions",
+        json={
+            "model": system.model_id,
+            "messages": [{"role": "user", "content": "Name a colour."}],
+            "max_tokens": 12,
+            "temperature": 0,
+        },
+        timeout=120,
+    )
+    response.raise_for_status()
+    return str(response.json()["choices"][0]["message"]["content"])
+
+
+def _idle(system: localsystem.LocalSystem, within: float = 90.0) -> list[dict[str, Any]]:
+    urls = [p.info["http"] + "/status" for p in system.processes if p.name.startswith("node")]
+    deadline = time.monotonic() + within
+    while True:
+        states = [_get(u) for u in urls]
+        if all(s["slots_leased"] == 0 and s["slots_draining"] == 0 and s["kv_cells"] == 0 for s in states):
+            return states
+        if time.monotonic() > deadline:
+            return states
+        time.sleep(0.5)
+
+
+def main() -> int:
+    """Run the fuzzers against a fresh local system; the exit status."""
+    parser = _common.parser(NAME, __doc__ or "")
+    parser.add_argument("--scale", type=int, help="inputs per entry (default 2000; --quick 120)")
+    args = parser.parse_args()
+    per_entry = args.scale or (120 if args.quick else 2000)
+    examples = 15 if args.quick else 150
+    out = _common.out_path(NAME, args)
+    rng = random.Random(20261130)
+
+    with tempfile.TemporaryDirectory(prefix="fuzz-") as tmp:
+        system = localsystem.start(listen="127.0.0.1:0", data_root=Path(tmp), slots=8, ctx=1024, quiet=True)
+        try:
+            before = _answer(system)
+            _idle(system)
+            baseline = _sample_tasks(system)
+            head = next(p.info for p in system.processes if p.name == "node0")
+            relay = next(p.info for p in system.processes if p.name == "relay")
+            artifact = head["artifact"]
+            started = time.monotonic()
+            entries: dict[str, Any] = {}
+            entries["grpc_seam"] = trio.run(_fuzz_grpc, head["address"], system.tracker_url, artifact, per_entry, rng)
+            entries["relay"] = trio.run(_fuzz_relay, relay["url"], per_entry, rng)
+            me = NodeIdentity.generate()
+            tracker_posts = {
+                "/v1/nodes/register": {
+                    "node_id": me.node_id.hex(),
+                    "artifact": artifact,
+                    "n_layer": 30,
+                    "layers": [0, 15],
+                },
+                "/v1/nodes/heartbeat": {"node_id": me.node_id.hex(), "active_sessions": 0, "free_slots": 1},
+                "/v1/nodes/probe": {"node_id": me.node_id.hex(), "seed": 1, "digest": "00" * 32, "sketch": [0.0]},
+                "/v1/routes": {"artifact": artifact, "tokens": 10, "exclude": []},
+            }
+            tracker_raw = trio.run(_fuzz_http, system.tracker_url, tracker_posts, per_entry, rng, me)
+            tracker_schema = _schemathesis(system.tracker_url, examples, None)
+            entries["tracker_api"] = {
+                "inputs": sum(tracker_raw.values()) + sum(tracker_schema.values()),
+                "raw_statuses": dict(tracker_raw),
+                "schemathesis_statuses": dict(tracker_schema),
+            }
+            gateway_posts = {
+                "/v1/chat/completions": {
+                    "model": system.model_id,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                },
+                "/v1/completions": {"model": system.model_id, "prompt": "hi", "max_tokens": 2},
+            }
+            gateway_raw = trio.run(_fuzz_http, system.gateway_url, gateway_posts, per_entry, rng, None)
+            gateway_schema = _schemathesis(system.gateway_url, examples, system.model_id)
+            entries["gateway_http"] = {
+                "inputs": sum(gateway_raw.values()) + sum(gateway_schema.values()),
+                "raw_statuses": dict(gateway_raw),
+                "schemathesis_statuses": dict(gateway_schema),
+            }
+            seconds = time.monotonic() - started
+            alive = {p.name: p.alive() for p in system.processes}
+            idle = _idle(system)
+            settle = time.monotonic()
+            while True:  # closed client connections are let go when their keep-alive runs out
+                after_tasks = _sample_tasks(system)
+                if all(after_tasks[n] <= baseline[n] for n in baseline) or time.monotonic() - settle > 90:
+                    break
+                time.sleep(2)
+            after = _answer(system)
+        finally:
+            system.stop()
+
+    def server_errors(statuses: dict[str, int]) -> int:
+        # 503 is a typed answer here ("no route for that artifact"), not a failure
+        return sum(v for k, v in statuses.items() if (k.startswith("5") and k != "503") or k.startswith("dropped"))
+
+    crashes = {
+        "processes_died": [name for name, ok in alive.items() if not ok],
+        "tracker_5xx_or_dropped": server_errors(entries["tracker_api"]["raw_statuses"])
+        + server_errors(entries["tracker_api"]["schemathesis_statuses"]),
+        "gateway_5xx_or_dropped": server_errors(entries["gateway_http"]["raw_statuses"])
+        + server_errors(entries["gateway_http"]["schemathesis_statuses"]),
+        "grpc_undecodable_replies": entries["grpc_seam"]["outcomes"].get("reply_undecodable", 0),
+    }
+    leaks: dict[str, Any] = {
+        "nodes_not_idle": [
+            s["node_id"][:16] for s in idle if s["slots_leased"] or s["kv_cells"] or s["slots_draining"]
+        ],
+        "task_delta": {n: after_tasks[n] - baseline[n] for n in baseline},
+    }
+    ok = (
+        not crashes["processes_died"]
+        and not crashes["tracker_5xx_or_dropped"]
+        and not crashes["gateway_5xx_or_dropped"]
+        and not crashes["grpc_undecodable_replies"]
+        and not leaks["nodes_not_idle"]
+        and all(d <= 0 for d in leaks["task_delta"].values())
+        and after == before
+    )
+    figures: dict[str, Any] = {
+        "inputs_total": sum(int(e["inputs"]) for e in entries.values()),
+        "seconds": round(seconds, 1),
+        "entries": entries,
+        "crashes": crashes,
+        "leaks": leaks,
+        "same_answer_after": after == before,
+        "passed": ok,
+    }
+    recipe = {
+        "model": "SmolLM2-135M-Instruct Q4_1",
+        "shards": ["0:15 (gRPC)", "15:30 (relay only)"],
+        **Recipe().describe("Q4_1"),
+    }
+    _common.write(out, NAME, args, recipe, figures)
+    print(
+        _common.table(
+            ["entry", "inputs", "outcomes"],
+            [
+                [
+                    name,
+                    e["inputs"],
+                    ", ".join(
+                        f"{k}={v}" for k, v in sorted((e.get("outcomes") or {**e.get("raw_statuses", {})}).items())
+                    )[:90],
+                ]
+                for name, e in entries.items()
+            ],
+        )
+    )
+    print(f"crashes: {crashes}\nleaks: {leaks}\nsame answer after: {after == before}\npassed: {ok}")
+    print(f"wrote {out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""A TCP proxy between two hops that can stop forwarding or slow to a trickle.
+
+There is no ``tc netem`` here, so a link's faults are made in user space: the proxy
+runs trio in a thread of the test process, and its mode can be switched at any time:
+
+- ``pass``: forward everything;
+- ``stall``: stop reading either side (the sender's window fills, as on a dead link);
+- ``trickle``: forward ``rate`` bytes per second in small pieces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Literal
+
+import trio
+
+Mode = Literal["pass", "stall", "trickle"]
+PIECE = 64
+
+
+class LinkProxy:
+    """Listens on a loopback port and forwards every connection to ``target`` (set before use)."""
+
+    def __init__(self, rate: float = 200.0) -> None:
+        self.mode: Mode = "pass"
+        self.rate = rate
+        self.target: int | None = None
+        self.port = 0
+        self.connections = 0
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._scope: trio.CancelScope | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=trio.run, args=(self._main,), name="link-proxy", daemon=True)
+
+    def start(self) -> int:
+        """Start listening; the port."""
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("the link proxy did not start")
+        return self.port
+
+    def close(self) -> None:
+        """Stop the proxy and drop every connection (idempotent)."""
+        if self._token is not None and self._scope is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(self._scope.cancel, trio_token=self._token)
+        self._thread.join(10)
+
+    async def _main(self) -> None:
+        with trio.CancelScope() as scope:
+            self._scope = scope
+            self._token = trio.lowlevel.current_trio_token()
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            self.port = listeners[0].socket.getsockname()[1]
+            self._ready.set()
+            await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        if self.target is None:
+            await client.aclose()
+            return
+        self.connections += 1
+        try:
+            server = await trio.open_tcp_stream("127.0.0.1", self.target)
+        except OSError:
+            await client.aclose()
+            return
+        async with client, server, trio.open_nursery() as nursery:
+            nursery.start_soon(self._pump, client, server, nursery.cancel_scope)
+            nursery.start_soon(self._pump, server, client, nursery.cancel_scope)
+
+    async def _pump(self, src: trio.SocketStream, dst: trio.SocketStream, done: trio.CancelScope) -> None:
+        try:
+            while True:
+                if self.mode == "stall":
+                    await trio.sleep(0.05)
+                    continue
+                size = PIECE if self.mode == "trickle" else 65536
+                data = await src.receive_some(size)
+                if not data:
+                    break
+                await dst.send_all(data)
+                if self.mode == "trickle":
+                    await trio.sleep(len(data) / self.rate)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        done.cancel()

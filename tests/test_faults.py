@@ -1,0 +1,389 @@
+"""Fault injection on the whole system: every fault gives the affected client a clear error
+within a stated deadline, frees the KV of every surviving node, and leaves the system
+serving (through another route when one exists).
+
+Deadlines: a killed process or relay is noticed at once (its sockets close): within
+``KILL_DEADLINE`` seconds. A hung node or a link that stalls or trickles is noticed
+by the watchdog of the session waiting on it: within the nodes' ``--idle-timeout``
+(``IDLE`` here) plus ``SLACK``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from noderuntime.cluster import ManagedProcess
+from tests.linkproxy import LinkProxy
+
+pytestmark = pytest.mark.slow
+
+IDLE = 3.0
+SLACK = 3.0
+KILL_DEADLINE = 5.0
+MODEL = "smollm2-135m"
+COUNTING = [{"role": "user", "content": "Count from 1 to 1000, separated by commas."}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _get(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        data: dict[str, Any] = json.loads(response.read())
+        return data
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+class Rig:
+    """Processes of one test: trackers, relays, nodes, a gateway; all stopped at the end."""
+
+    def __init__(self, model: Path, root: Path) -> None:
+        self.model = model
+        self.root = root
+        self.processes: dict[str, ManagedProcess] = {}
+        self.infos: dict[str, dict[str, Any]] = {}
+        self.tracker_url = ""
+        self.gateway_url = ""
+
+    def launch(self, name: str, args: list[str], timeout: float = 90) -> dict[str, Any]:
+        process = ManagedProcess(name, args)
+        self.processes[name] = process
+        self.infos[name] = info = process.start(timeout)
+        return info
+
+    def tracker(self, port: int = 0) -> str:
+        info = self.launch(
+            "tracker",
+            [
+                "tracker",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--data-dir",
+                str(self.root / "tracker"),
+                "--expire-after",
+                "3",
+            ],
+        )
+        self.tracker_url = info["url"]
+        return self.tracker_url
+
+    def relay(self, port: int = 0) -> str:
+        key = _get(self.tracker_url + "/v1/info")["issuer_key"]
+        return str(self.launch("relay", ["relay", "--listen", f"127.0.0.1:{port}", "--issuer-key", key])["url"])
+
+    def node(self, name: str, layers: str, *reach: str) -> dict[str, Any]:
+        return self.launch(
+            name,
+            [
+                "up",
+                "--model",
+                str(self.model),
+                "--layers",
+                layers,
+                "--tracker",
+                self.tracker_url,
+                "--data-dir",
+                str(self.root / name),
+                "--slots",
+                "4",
+                "--ctx",
+                "1024",
+                "--threads",
+                "1",
+                "--idle-timeout",
+                str(IDLE),
+                *(reach or ("--listen", "127.0.0.1:0")),
+            ],
+        )
+
+    def gateway(self) -> str:
+        info = self.launch(
+            "gateway",
+            [
+                "gateway",
+                "--tracker",
+                self.tracker_url,
+                "--listen",
+                "127.0.0.1:0",
+                "--model",
+                f"{MODEL}={self.model}",
+                "--ctx",
+                "1024",
+                "--queue-timeout",
+                "2",
+            ],
+        )
+        self.gateway_url = info["url"]
+        return self.gateway_url
+
+    def status(self, name: str) -> dict[str, Any]:
+        return _get(self.infos[name]["http"] + "/status")
+
+    def serving(self, names: Sequence[str]) -> str:
+        """Which of these nodes has a session now."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for name in names:
+                if self.status(name)["active_sessions"] > 0:
+                    return name
+            time.sleep(0.05)
+        raise AssertionError(f"none of {names} serves a session")
+
+    def wait_idle(self, names: Sequence[str], within: float) -> float:
+        """Seconds until every named node holds no session, slot or KV cell."""
+        started = time.monotonic()
+        while True:
+            states = [self.status(n) for n in names]
+            if all(s["active_sessions"] == 0 and s["slots_leased"] == 0 and s["kv_cells"] == 0 for s in states):
+                return time.monotonic() - started
+            assert time.monotonic() - started < within, states
+            time.sleep(0.1)
+
+    def wait_routable(self, within: float = 30.0) -> None:
+        deadline = time.monotonic() + within
+        while not any(a["routable"] for a in _get(self.tracker_url + "/v1/artifacts")["artifacts"].values()):
+            assert time.monotonic() < deadline, "no complete route registered"
+            time.sleep(0.2)
+
+    def ask(self, max_tokens: int = 4, timeout: float = 60) -> httpx.Response:
+        return httpx.post(
+            self.gateway_url + "/v1/chat/completions",
+            timeout=timeout,
+            json={"model": MODEL, "messages": COUNTING, "max_tokens": max_tokens, "temperature": 0},
+        )
+
+    def stop(self) -> None:
+        for process in reversed(list(self.processes.values())):
+            process.stop()
+
+
+@pytest.fixture
+def rig(smollm2: Path, tmp_path: Path) -> Iterator[Rig]:
+    made = Rig(smollm2, tmp_path)
+    try:
+        yield made
+    finally:
+        made.stop()
+
+
+class Stream(threading.Thread):
+    """A streaming chat completion read in a thread: its chunks, and its error if any."""
+
+    def __init__(self, url: str, max_tokens: int = 600, messages: list[dict[str, str]] | None = None) -> None:
+        super().__init__(daemon=True)
+        self.body = {
+            "model": MODEL,
+            "messages": messages or COUNTING,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+        self.url = url
+        self.chunks = 0
+        self.status = 0
+        self.error: dict[str, Any] | None = None
+        self.done = False
+        self.ended_at = 0.0
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + "/v1/chat/completions", json=self.body, timeout=120) as response:
+                self.status = response.status_code
+                for line in response.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        self.done = True
+                        break
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        self.error = event["error"]
+                    else:
+                        self.chunks += 1
+        finally:
+            self.ended_at = time.monotonic()
+
+    def wait_chunks(self, n: int, within: float = 60) -> None:
+        deadline = time.monotonic() + within
+        while self.chunks < n:
+            assert self.is_alive() and time.monotonic() < deadline, (self.status, self.error)
+            time.sleep(0.02)
+
+    def failed_within(self, since: float, seconds: float) -> float:
+        """Assert the stream ended with an error event within ``seconds`` of ``since``."""
+        self.join(seconds + 5)
+        assert not self.is_alive(), "the client is still waiting"
+        assert self.error is not None, f"no error reported (done={self.done}, chunks={self.chunks})"
+        took = self.ended_at - since
+        assert took < seconds, f"the error came after {took:.1f} s"
+        return took
+
+
+def _four_nodes(rig: Rig) -> None:
+    """Two heads and two tails: every position has a spare."""
+    rig.tracker()
+    for name, layers in (("a", "0:15"), ("c", "0:15"), ("b", "15:30"), ("d", "15:30")):
+        rig.node(name, layers)
+    rig.gateway()
+
+
+def test_a_killed_shard_mid_decode(rig: Rig) -> None:
+    _four_nodes(rig)
+    stream = Stream(rig.gateway_url)
+    stream.wait_chunks(5)
+    head, victim = rig.serving(["a", "c"]), rig.serving(["b", "d"])
+    killed = time.monotonic()
+    rig.processes[victim].signal(signal.SIGKILL)
+    stream.failed_within(killed, KILL_DEADLINE)
+    assert stream.error is not None and stream.error["code"] == "route_failed"
+    rig.wait_idle([head], within=KILL_DEADLINE)
+    # the gateway routes around the dead node at once (before the tracker forgets it)
+    assert [rig.ask().status_code for _ in range(6)] == [200] * 6
+
+
+def test_a_hung_shard(rig: Rig) -> None:
+    _four_nodes(rig)
+    stream = Stream(rig.gateway_url)
+    stream.wait_chunks(5)
+    head, victim = rig.serving(["a", "c"]), rig.serving(["b", "d"])
+    stopped = time.monotonic()
+    rig.processes[victim].signal(signal.SIGSTOP)
+    try:
+        stream.failed_within(stopped, IDLE + SLACK)
+        assert stream.error is not None and "no progress" in stream.error["message"]
+        rig.wait_idle([head], within=SLACK)
+        # new requests: a route through the hung node fails over after IDLE s; then it expires
+        assert [rig.ask(timeout=4 * IDLE + 10).status_code for _ in range(4)] == [200] * 4
+    finally:
+        rig.processes[victim].signal(signal.SIGCONT)
+    # woken up, the node finds its session gone and frees it; then it serves again
+    rig.wait_idle([victim], within=10)
+    rig.wait_routable()
+    assert rig.ask().status_code == 200
+
+
+def test_a_link_that_stalls_then_trickles(rig: Rig) -> None:
+    proxy = LinkProxy(rate=300)
+    proxy.start()
+    try:
+        rig.tracker()
+        rig.node("a", "0:15")
+        real = _free_port()
+        rig.node("b", "15:30", "--listen", f"127.0.0.1:{real}", "--advertise", f"127.0.0.1:{proxy.port}")
+        proxy.target = real
+        rig.gateway()
+        rig.wait_routable()
+        assert rig.ask().status_code == 200 and proxy.connections >= 1
+
+        stream = Stream(rig.gateway_url)
+        stream.wait_chunks(5)
+        proxy.mode = "stall"
+        stalled = time.monotonic()
+        stream.failed_within(stalled, IDLE + SLACK)
+        assert stream.error is not None and "no progress" in stream.error["message"]
+        rig.wait_idle(["a", "b"], within=IDLE + SLACK)
+
+        # a peer that stops reading holds the sender back: long prompts into the stalled
+        # link do not pile up in the head's memory. Two waves size llama.cpp's buffers
+        # and the allocator's arenas for long batches; after them, six more waves must
+        # not grow the head (had it kept their activations: over 40 MiB).
+        long_prompt = [{"role": "user", "content": "Summarise: " + "the quick brown fox jumps over it. " * 90}]
+        rss = []
+        for _ in range(8):
+            waves = [Stream(rig.gateway_url, max_tokens=4, messages=long_prompt) for _ in range(4)]
+            for wave in waves:
+                wave.join(4 * IDLE + 20)
+                assert wave.error is not None or wave.status != 200
+            rss.append(_rss_kib(rig.processes["a"].pid))
+        grown_mib = (rss[-1] - rss[1]) / 1024
+        assert grown_mib < 16, f"the head grew by {grown_mib:.1f} MiB over six waves into a stalled link: {rss}"
+        rig.wait_idle(["a", "b"], within=IDLE + SLACK)
+
+        proxy.mode = "pass"
+        assert rig.ask().status_code == 200  # the link is back: so is the route
+
+        stream = Stream(rig.gateway_url)
+        stream.wait_chunks(5)
+        proxy.mode = "trickle"  # 300 B/s: one decode step's activations take seconds
+        slowed = time.monotonic()
+        stream.failed_within(slowed, IDLE + SLACK + 2)
+        rig.wait_idle(["a", "b"], within=IDLE + SLACK + 5)
+
+        # with another route, requests through the trickling link fail over to it
+        rig.node("c", "0:15")
+        rig.node("d", "15:30")
+        assert [rig.ask(timeout=4 * IDLE + 10).status_code for _ in range(4)] == [200] * 4
+    finally:
+        proxy.close()
+
+
+def test_the_relay_killed_and_restarted(rig: Rig) -> None:
+    rig.tracker()
+    port = _free_port()
+    relay_url = rig.relay(port)
+    rig.node("a", "0:15")
+    rig.node("b", "15:30", "--relay", relay_url)  # reachable only through the relay
+    rig.gateway()
+    rig.wait_routable()
+    stream = Stream(rig.gateway_url)
+    stream.wait_chunks(5)
+    killed = time.monotonic()
+    rig.processes["relay"].signal(signal.SIGKILL)
+    stream.failed_within(killed, KILL_DEADLINE)
+    rig.wait_idle(["a", "b"], within=KILL_DEADLINE)
+    down = rig.ask(timeout=30)
+    # the relayed node cannot be reached: every route fails, and the client hears so
+    assert down.status_code == 503 and down.json()["error"]["code"] in ("route_failed", "no_route")
+
+    rig.relay(port)  # the same address, as an operator's restart would have it
+    deadline = time.monotonic() + 20
+    while (answer := rig.ask(timeout=30)).status_code != 200:
+        assert time.monotonic() < deadline, answer.text
+        time.sleep(0.5)
+    assert rig.status("b")["relay_connected"]
+
+
+def test_the_tracker_killed_and_restarted(rig: Rig) -> None:
+    port = _free_port()
+    rig.tracker(port)
+    rig.node("a", "0:15")
+    rig.node("b", "15:30")
+    rig.gateway()
+    rig.wait_routable()
+    stream = Stream(rig.gateway_url, max_tokens=60)
+    stream.wait_chunks(5)
+    rig.processes["tracker"].signal(signal.SIGKILL)
+    # sessions do not need the tracker: the running one completes
+    stream.join(60)
+    assert stream.done and stream.error is None
+    asked = time.monotonic()
+    down = rig.ask()
+    assert down.status_code == 503 and time.monotonic() - asked < KILL_DEADLINE
+    assert "tracker" in down.json()["error"]["message"]
+
+    rig.tracker(port)  # same address and key: the nodes find it and register again
+    deadline = time.monotonic() + 20
+    while (answer := rig.ask()).status_code != 200:
+        assert time.monotonic() < deadline, answer.text
+        time.sleep(0.5)
+    rig.wait_idle(["a", "b"], within=10)
