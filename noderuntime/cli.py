@@ -28,6 +28,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _size(text: str) -> int:
+    from noderuntime.memplan import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _cuts(text: str) -> list[int]:
     try:
         cuts = [int(part) for part in text.split(",")]
@@ -243,6 +252,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         idle_timeout=args.idle_timeout,
         http=args.http,
         tracker=args.tracker,
+        memory_limit=args.memory_limit,
+        mmap=args.mmap,
     )
     return noderun.main_node(opts)
 
@@ -463,6 +474,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds a session may make no progress")
     p.add_argument("--http", type=_listen_address, default="127.0.0.1:0", help="HOST:PORT of /status (port 0: any)")
     p.add_argument("--tracker", type=_url, help="register with this tracker (and trust its session tickets)")
+    p.add_argument(
+        "--memory-limit",
+        type=_size,
+        help="bytes this node may hold (2.5G, 2400MiB): refuse a shard that needs more, naming what would fit",
+    )
+    p.add_argument(
+        "--no-mmap",
+        dest="mmap",
+        action="store_false",
+        help="read the shard's weights into memory instead of mapping the file (implied by --memory-limit)",
+    )
     p.set_defaults(func=_cmd_up)
 
     p = sub.add_parser("tracker", help="run a tracker: node registry, route selection, session tickets")

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from noderuntime.cgroups import MemoryCap
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -41,14 +43,17 @@ class ManagedProcess:
         env: dict[str, str] | None = None,
         prefix: Sequence[str] = (),
         cwd: Path | None = None,
+        cap: MemoryCap | None = None,
     ) -> None:
-        """``prefix`` goes before the interpreter (e.g. ``ip netns exec HOST``)."""
+        """``prefix`` goes before the interpreter (e.g. ``ip netns exec HOST``); ``cap`` is a
+        memory cgroup the process runs in from its first allocation."""
         self.name = name
         self.argv = [*prefix, sys.executable, "-m", "noderuntime", *args]
         self._env = {**os.environ, **(env or {})}
         self._env.setdefault("PYTHONPATH", str(ROOT))
         self._env["PYTHONUNBUFFERED"] = "1"
         self._cwd = cwd
+        self.cap = cap
         self.proc: subprocess.Popen[str] | None = None
         self.info: dict[str, Any] = {}
         self.output: collections.deque[str] = collections.deque(maxlen=400)
@@ -69,9 +74,14 @@ class ManagedProcess:
             env=self._env,
             cwd=self._cwd,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=self._before_exec,
         )
         threading.Thread(target=self._read, name=f"{self.name}-output", daemon=True).start()
+
+    def _before_exec(self) -> None:
+        _die_with_parent()
+        if self.cap is not None:
+            self.cap.join()
 
     def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
         """Wait for the ready line; returns its fields."""

@@ -279,6 +279,7 @@ class ShardEngine:
         *,
         expected_fingerprint: str | None = None,
         output_hidden: bool = False,
+        dry_run: bool = False,
     ) -> None:
         """Load ``layers`` of the model (all of them when ``None``).
 
@@ -286,7 +287,9 @@ class ShardEngine:
         split``; a shard file must hold exactly ``layers``. ``expected_fingerprint`` makes
         the load fail unless the file is (a slice of) that artifact. ``output_hidden`` on a
         tail shard also returns the normed final hidden state of every row (for parity
-        checks; it makes every row an output).
+        checks; it makes every row an output). ``dry_run`` reads only the file's index and
+        lets llama.cpp size every buffer without allocating one: :meth:`memory` is then its
+        estimate, and nothing can run (see :func:`estimate_memory`).
         """
         self._model: Any = None
         self._ctx: Any = None
@@ -317,14 +320,18 @@ class ShardEngine:
         self.is_tail = layers.end == info.n_layer
         self.n_embd = info.n_embd
         self.output_hidden = output_hidden and self.is_tail
-        self._load(is_range and not info.is_shard_file)
+        self.dry_run = dry_run
+        self._load(is_range and not info.is_shard_file, dry_run)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model)))
         self._buffers = _BatchBuffers(recipe.n_batch, self.n_embd, takes_hidden=not self.is_head)
 
-    def _load(self, override_range: bool) -> None:
+    def _load(self, override_range: bool, dry_run: bool) -> None:
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = 0
-        mparams.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP if self.recipe.use_mmap else llama_cpp.LLAMA_LOAD_MODE_NONE
+        mparams.no_alloc = dry_run
+        # a dry run with a mapping aborts in llama.cpp; it reads no tensor data anyway
+        mapped = self.recipe.use_mmap and not dry_run
+        mparams.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP if mapped else llama_cpp.LLAMA_LOAD_MODE_NONE
         overrides = None
         if override_range:
             overrides = (llama_cpp.llama_model_kv_override * 3)()
@@ -385,6 +392,8 @@ class ShardEngine:
         """Run one batch. ``samplers`` maps row index -> chain for output rows to sample."""
         if self._ctx is None:
             raise EngineError("engine is closed")
+        if self.dry_run:
+            raise EngineError("a dry-run engine sizes memory only; it cannot run")
         n = len(rows)
         buf = self._buffers
         if not 0 < n <= buf.capacity:
@@ -512,12 +521,14 @@ class Vocab:
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Text to token ids; ``parse_special`` turns ``<|im_start|>`` and the like into their ids."""
         data = text.encode("utf-8")
-        capacity = len(data) + 8
-        buf = (llama_cpp.llama_token * capacity)()
-        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
-        if n < 0:
-            raise EngineError(f"tokenizer needed {-n} slots for {len(data)} bytes")
-        return list(buf[:n])
+        capacity = len(data) + 8  # enough for real vocabularies; byte-fallback ones may need more
+        for _ in range(2):
+            buf = (llama_cpp.llama_token * capacity)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
+            if n >= 0:
+                return list(buf[:n])
+            capacity = -n  # llama.cpp says how many it needs
+        raise EngineError(f"the tokenizer did not fit {len(data)} bytes in {capacity} tokens")
 
     def piece(self, token: int, *, special: bool = False) -> bytes:
         """The bytes of one token (may be a partial UTF-8 sequence)."""

@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 import trio
 
-from noderuntime import admission, artifacts, identity
+from noderuntime import admission, artifacts, identity, memplan
 from noderuntime.artifacts import LayerRange
 from noderuntime.engine import Recipe, ShardEngine
 from noderuntime.httpserve import Routes, json_handler, serve_http
@@ -59,6 +59,8 @@ class NodeOptions:
     expected_fingerprint: str | None = None
     tracker: str | None = None  # register with this tracker and take its issuer key
     http: str | None = "127.0.0.1:0"  # status (and metrics) endpoint
+    memory_limit: int | None = None  # bytes: refuse a shard that would not fit, load weights unmapped
+    mmap: bool = True  # map the model file (pages shared with the page cache) or read the shard's weights
 
 
 def server_tls(cert: Path, key: Path) -> ssl.SSLContext:
@@ -96,7 +98,13 @@ async def run_node(
         n_batch=opts.batch,
         n_ubatch=opts.batch,
         flash_attn="on" if opts.flash_attn == "on" else "off",
+        use_mmap=opts.mmap,
     )
+    if opts.memory_limit is not None:
+        recipe = memplan.capped(recipe)
+        limit = opts.memory_limit
+        planned = await trio.to_thread.run_sync(lambda: memplan.check(opts.model, layers, recipe, limit))
+        log.info("layers %s will hold %s of the %s limit", layers, planned.describe(), memplan.human(limit))
     engine = await trio.to_thread.run_sync(
         lambda: ShardEngine(opts.model, recipe, layers, expected_fingerprint=opts.expected_fingerprint)
     )
@@ -346,18 +354,31 @@ async def run_relay(
         log.info("relay listening on %s://%s:%d", scheme, host, bound)
 
 
+def _run_main(main: Callable[..., Awaitable[None]], *args: Any) -> int:
+    try:
+        trio.run(run_until_signal, main, *args)
+    except BaseExceptionGroup as group:
+        # a failure before the service was up (a model that does not fit, a port in use)
+        # comes wrapped by the nursery; the user needs the error itself
+        leaf: BaseException = group
+        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+            leaf = leaf.exceptions[0]
+        if leaf is group:
+            raise
+        raise leaf from None
+    return 0
+
+
 def main_node(opts: NodeOptions) -> int:
     """Run a node in this process until a signal; the exit status."""
-    trio.run(run_until_signal, run_node, opts)
-    return 0
+    return _run_main(run_node, opts)
 
 
 def main_relay(
     host: str, port: int, issuer_keys: tuple[bytes, ...], tls: ssl.SSLContext | None, http: str | None
 ) -> int:
     """Run a relay in this process until a signal; the exit status."""
-    trio.run(run_until_signal, lambda **kw: run_relay(host, port, issuer_keys, tls=tls, http=http, **kw))
-    return 0
+    return _run_main(lambda **kw: run_relay(host, port, issuer_keys, tls=tls, http=http, **kw))
 
 
 __all__ = ["NodeOptions", "main_node", "main_relay", "run_node", "run_relay"]

@@ -1,0 +1,100 @@
+"""Memory admission: llama.cpp's dry-run sizing, the refusal a node gives, sizes on the command line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from noderuntime import memplan
+from noderuntime.artifacts import LayerRange
+from noderuntime.cgroups import MemoryCap, available
+from noderuntime.cluster import ROOT
+from noderuntime.engine import EngineError, Recipe, ShardEngine
+
+RECIPE = Recipe(n_threads=1, n_ctx_per_seq=512, n_seq_max=2, n_batch=64, n_ubatch=64)
+
+
+@pytest.mark.parametrize("layers", [LayerRange(0, 30), LayerRange(0, 12), LayerRange(12, 30)])
+def test_the_dry_run_sizes_exactly_what_the_load_allocates(smollm2: Path, layers: LayerRange) -> None:
+    planned = memplan.needs(smollm2, layers, RECIPE)
+    with ShardEngine(smollm2, memplan.capped(RECIPE), layers) as engine:
+        real = engine.memory()
+    assert (planned.weights, planned.kv, planned.compute) == (real.weights, real.kv, real.compute)
+    assert planned.total == real.total + memplan.RUNTIME_BYTES
+
+
+def test_a_dry_run_engine_cannot_run(smollm2: Path) -> None:
+    with ShardEngine(smollm2, RECIPE, LayerRange(0, 4), dry_run=True) as engine, pytest.raises(EngineError):
+        engine.run(None)  # type: ignore[arg-type]
+
+
+def test_ranges_that_fit_pass_and_others_say_what_would(smollm2: Path) -> None:
+    whole = memplan.needs(smollm2, LayerRange(0, 30), RECIPE)
+    assert memplan.check(smollm2, LayerRange(0, 30), RECIPE, whole.total) == whole
+    limit = memplan.needs(smollm2, LayerRange(0, 9), RECIPE).total
+    with pytest.raises(memplan.MemoryLimitError) as caught:
+        memplan.check(smollm2, LayerRange(0, 30), RECIPE, limit + 1)
+    assert caught.value.fitting == LayerRange(0, 9)
+    assert "9 layers would fit (0:9)" in str(caught.value)
+    with pytest.raises(memplan.MemoryLimitError, match="not even layer 0 alone fits"):
+        memplan.check(smollm2, LayerRange(0, 30), RECIPE, 64 << 20)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1000", 1000), ("2.5G", 2_500_000_000), ("1GiB", 1 << 30), ("1536 MiB", 1536 << 20), ("64k", 64_000)],
+)
+def test_sizes_parse(text: str, value: int) -> None:
+    assert memplan.parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "abc", "1.5X", "-1G", "0", "1e9"])
+def test_bad_sizes_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="size"):
+        memplan.parse_bytes(text)
+
+
+def _up(model: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            *(sys.executable, "-m", "noderuntime", "up", "--model", str(model), "--listen", "127.0.0.1:0"),
+            *("--issuer-key", "00" * 32, "--data-dir", str(tmp_path), "--slots", "2", "--ctx", "512"),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def test_a_node_over_its_limit_refuses_to_start_and_names_what_fits(smollm2: Path, tmp_path: Path) -> None:
+    done = _up(smollm2, tmp_path, "--memory-limit", "300MiB")
+    assert done.returncode == 1
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("noderuntime: error: layers 0:30 need ")
+    assert "over the memory limit of 300 MiB" in error and "layers would fit (0:" in error
+
+
+def test_a_bad_limit_is_a_usage_error(smollm2: Path, tmp_path: Path) -> None:
+    done = _up(smollm2, tmp_path, "--memory-limit", "lots")
+    assert done.returncode == 2 and "not a size" in done.stderr
+
+
+def test_a_cap_kills_a_process_that_outgrows_it() -> None:
+    reason = available()
+    if reason is not None:
+        pytest.skip(reason)
+    cap = MemoryCap(64 << 20, "test")
+    try:
+        grow = "x = [bytearray(1 << 20) for _ in range(256)]"
+        done = subprocess.run([sys.executable, "-c", grow], preexec_fn=cap.join, timeout=60)
+        assert done.returncode == -9 and cap.oom_kills() >= 1
+        done = subprocess.run([sys.executable, "-c", "x = bytearray(8 << 20)"], preexec_fn=cap.join, timeout=60)
+        assert done.returncode == 0
+    finally:
+        cap.remove()
