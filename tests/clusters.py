@@ -7,7 +7,7 @@ import json
 import os
 import urllib.request
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractAsyncContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,29 @@ class Cluster:
                     return states
                 await trio.sleep(0.1)
 
+    def open(
+        self,
+        connector: Any,
+        request: GenerationRequest,
+        *,
+        session_id: bytes | None = None,
+        ticket: bytes | None = None,
+        hops: tuple[Hop, ...] | None = None,
+        artifact: bytes | None = None,
+    ) -> AbstractAsyncContextManager[Any]:
+        """A route generation over the cluster (or ``hops``), with a fresh ticket unless given one."""
+        session_id = session_id or os.urandom(16)
+        hops = hops or self.hops
+        return open_route_generation(
+            connector,
+            hops,
+            request,
+            artifact=artifact or self.artifact,
+            recipe=self.recipe,
+            ticket=self.ticket(session_id, hops=hops) if ticket is None else ticket,
+            session_id=session_id,
+        )
+
     async def generate(
         self,
         connector: Any,
@@ -91,18 +114,10 @@ class Cluster:
         *,
         session_id: bytes | None = None,
         ticket: bytes | None = None,
+        hops: tuple[Hop, ...] | None = None,
     ) -> tuple[int, ...]:
-        session_id = session_id or os.urandom(16)
-        ticket = self.ticket(session_id) if ticket is None else ticket
-        async with open_route_generation(
-            connector,
-            self.hops,
-            request,
-            artifact=self.artifact,
-            recipe=self.recipe,
-            ticket=ticket,
-            session_id=session_id,
-        ) as gen:
+        """Run a generation to its end; its tokens."""
+        async with self.open(connector, request, session_id=session_id, ticket=ticket, hops=hops) as gen:
             while await gen.next() is not None:
                 pass
         return tuple(gen.tokens)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from noderuntime.client import GenerationRequest, RouteError, open_route_generation
+from noderuntime.client import GenerationRequest, RouteError
 from noderuntime.dialer import open_dialer
 from noderuntime.identity import Identity
 from noderuntime.signing import sign
@@ -42,14 +42,8 @@ async def _attempt(
 ) -> StatusCode:
     async with open_dialer() as dialer:
         try:
-            async with open_route_generation(
-                dialer,
-                hops or cluster.hops,
-                REQUEST,
-                artifact=artifact or cluster.artifact,
-                recipe=cluster.recipe,
-                ticket=ticket,
-                session_id=session,
+            async with cluster.open(
+                dialer, REQUEST, session_id=session, ticket=ticket, hops=hops, artifact=artifact or None
             ) as gen:
                 while await gen.next() is not None:
                     pass
@@ -134,15 +128,7 @@ async def test_nobody_else_joins_or_reads_a_relayed_session(cluster: Cluster) ->
         tokens: list[int] = []
 
         async def legitimate() -> None:
-            async with open_route_generation(
-                dialer,
-                cluster.hops,
-                long,
-                artifact=cluster.artifact,
-                recipe=cluster.recipe,
-                ticket=ticket,
-                session_id=session,
-            ) as gen:
+            async with cluster.open(dialer, long, session_id=session, ticket=ticket) as gen:
                 while (event := await gen.next()) is not None:
                     tokens.extend(event.token_ids)
 

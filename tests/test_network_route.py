@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import attrs
 import pytest
 import trio
 
-from noderuntime.client import GenerationRequest, RouteError, open_route_generation
+from noderuntime.client import GenerationRequest, RouteError
 from noderuntime.dialer import open_dialer
 from protocol import StatusCode
 
@@ -61,20 +60,7 @@ async def test_tls_with_a_pinned_certificate_and_fallback_to_the_relay(smollm2: 
             assert await cluster.generate(dialer, request) == expected
             # the second hop's advertised address is dead: the head falls back to its relay
             broken = (cluster.hops[0], attrs.evolve(cluster.hops[1], address="127.0.0.1:9"))
-            session = os.urandom(16)
-            ticket = cluster.ticket(session, hops=broken)
-            async with open_route_generation(
-                dialer,
-                broken,
-                request,
-                artifact=cluster.artifact,
-                recipe=cluster.recipe,
-                ticket=ticket,
-                session_id=session,
-            ) as gen:
-                while await gen.next() is not None:
-                    pass
-            assert tuple(gen.tokens) == expected
+            assert await cluster.generate(dialer, request, hops=broken) == expected
         assert (await cluster.status(0))["seams"]["fallbacks"] == 1
         await cluster.wait_idle()
 
@@ -88,15 +74,7 @@ async def test_cancellation_from_either_end_releases_kv_everywhere(
         async with open_dialer() as dialer:
             # the client end: leave in the middle of decoding (open_generation sends Cancel)
             with pytest.raises(_Stop):
-                async with open_route_generation(
-                    dialer,
-                    cluster.hops,
-                    long,
-                    artifact=cluster.artifact,
-                    recipe=cluster.recipe,
-                    ticket=cluster.ticket(b"a" * 16),
-                    session_id=b"a" * 16,
-                ) as gen:
+                async with cluster.open(dialer, long, session_id=b"a" * 16) as gen:
                     for _ in range(10):
                         assert await gen.next() is not None
                     states = [await cluster.status(i) for i in range(3)]
@@ -106,15 +84,7 @@ async def test_cancellation_from_either_end_releases_kv_everywhere(
         # the far end: the tail dies in the middle of decoding
         async with open_dialer() as dialer:
             with pytest.raises(RouteError) as failure:
-                async with open_route_generation(
-                    dialer,
-                    cluster.hops,
-                    long,
-                    artifact=cluster.artifact,
-                    recipe=cluster.recipe,
-                    ticket=cluster.ticket(b"b" * 16),
-                    session_id=b"b" * 16,
-                ) as gen:
+                async with cluster.open(dialer, long, session_id=b"b" * 16) as gen:
                     for _ in range(10):
                         await gen.next()
                     cluster.nodes[2].signal(signal.SIGKILL)
