@@ -4,8 +4,8 @@
 
 A random-weight Llama model is written straight in Q4_0 (``noderuntime models synth``):
 an 8B-class shape (Llama-3-8B's: 32 layers, 4096 wide, 14336 FFN, 32/8 heads, 128256
-vocabulary, ~4.9 GB) with 2.5 GiB caps, or with ``--quick`` a 3B-class shape
-(~1.5 GB) with 1 GiB caps. Every node process runs in its own cgroup with a hard
+vocabulary, 4.5 GB) with 2.5 GB caps, or with ``--quick`` a 3B-class shape
+(1.5 GB) with 1 GB caps. Every node process runs in its own cgroup with a hard
 memory limit (v2 ``memory.max`` or v1 ``memory.limit_in_bytes``), so an overrun is
 an OOM kill, not a promise. The lane shows, in order:
 
@@ -71,7 +71,7 @@ class Lane:
 QUICK = Lane(
     "3B-class (26 x 3072, Q4_0)",
     synth.LlamaShape(n_layer=26, n_embd=3072, n_ff=8192, n_head=24, n_head_kv=8, n_vocab=32000),
-    1 << 30,
+    1_000_000_000,
     requests=2,
     max_tokens=16,
 )
@@ -87,7 +87,7 @@ FULL = Lane(
         rope_freq_base=500000.0,
         tied_output=False,
     ),
-    5 << 29,  # 2.5 GiB
+    2_500_000_000,
     requests=3,
     max_tokens=32,
 )

@@ -11,6 +11,7 @@ by the watchdog of the session waiting on it: within the nodes' ``--idle-timeout
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import threading
@@ -27,6 +28,23 @@ from noderuntime.cluster import ManagedProcess
 from tests.linkproxy import LinkProxy
 
 pytestmark = pytest.mark.slow
+
+# What each case measured; `python -m benchmarks.faults` runs this module with
+# NODERUNTIME_FAULTS_JSON set and publishes them.
+FIGURES: dict[str, dict[str, Any]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _publish() -> Iterator[None]:
+    yield
+    out = os.environ.get("NODERUNTIME_FAULTS_JSON")
+    if out:
+        Path(out).write_text(json.dumps(FIGURES, indent=2) + "\n")
+
+
+def _note(case: str, **values: Any) -> None:
+    FIGURES.setdefault(case, {}).update({k: round(v, 2) if isinstance(v, float) else v for k, v in values.items()})
+
 
 IDLE = 3.0
 SLACK = 3.0
@@ -254,11 +272,14 @@ def test_a_killed_shard_mid_decode(rig: Rig) -> None:
     head, victim = rig.serving(["a", "c"]), rig.serving(["b", "d"])
     killed = time.monotonic()
     rig.processes[victim].signal(signal.SIGKILL)
-    stream.failed_within(killed, KILL_DEADLINE)
+    took = stream.failed_within(killed, KILL_DEADLINE)
     assert stream.error is not None and stream.error["code"] == "route_failed"
-    rig.wait_idle([head], within=KILL_DEADLINE)
+    freed = rig.wait_idle([head], within=KILL_DEADLINE)
     # the gateway routes around the dead node at once (before the tracker forgets it)
-    assert [rig.ask().status_code for _ in range(6)] == [200] * 6
+    served = [rig.ask().status_code for _ in range(6)]
+    assert served == [200] * 6
+    _note("shard_sigkill_mid_decode", error_after_s=took, deadline_s=KILL_DEADLINE, head_idle_after_s=freed)
+    _note("shard_sigkill_mid_decode", served_after=f"{served.count(200)}/{len(served)} via the spare route")
 
 
 def test_a_hung_shard(rig: Rig) -> None:
@@ -269,11 +290,14 @@ def test_a_hung_shard(rig: Rig) -> None:
     stopped = time.monotonic()
     rig.processes[victim].signal(signal.SIGSTOP)
     try:
-        stream.failed_within(stopped, IDLE + SLACK)
+        took = stream.failed_within(stopped, IDLE + SLACK)
         assert stream.error is not None and "no progress" in stream.error["message"]
-        rig.wait_idle([head], within=SLACK)
+        freed = rig.wait_idle([head], within=SLACK)
         # new requests: a route through the hung node fails over after IDLE s; then it expires
-        assert [rig.ask(timeout=4 * IDLE + 10).status_code for _ in range(4)] == [200] * 4
+        served = [rig.ask(timeout=4 * IDLE + 10).status_code for _ in range(4)]
+        assert served == [200] * 4
+        _note("shard_sigstop_hung", error_after_s=took, deadline_s=IDLE + SLACK, idle_timeout_s=IDLE)
+        _note("shard_sigstop_hung", head_idle_after_s=freed, served_after=f"{served.count(200)}/{len(served)}")
     finally:
         rig.processes[victim].signal(signal.SIGCONT)
     # woken up, the node finds its session gone and frees it; then it serves again
@@ -299,9 +323,10 @@ def test_a_link_that_stalls_then_trickles(rig: Rig) -> None:
         stream.wait_chunks(5)
         proxy.mode = "stall"
         stalled = time.monotonic()
-        stream.failed_within(stalled, IDLE + SLACK)
+        took = stream.failed_within(stalled, IDLE + SLACK)
         assert stream.error is not None and "no progress" in stream.error["message"]
-        rig.wait_idle(["a", "b"], within=IDLE + SLACK)
+        freed = rig.wait_idle(["a", "b"], within=IDLE + SLACK)
+        _note("link_stalls", error_after_s=took, deadline_s=IDLE + SLACK, nodes_idle_after_s=freed)
 
         # a peer that stops reading holds the sender back: long prompts into the stalled
         # link do not pile up in the head's memory. Two waves size llama.cpp's buffers
@@ -317,6 +342,7 @@ def test_a_link_that_stalls_then_trickles(rig: Rig) -> None:
             rss.append(_rss_kib(rig.processes["a"].pid))
         grown_mib = (rss[-1] - rss[1]) / 1024
         assert grown_mib < 16, f"the head grew by {grown_mib:.1f} MiB over six waves into a stalled link: {rss}"
+        _note("peer_stops_reading", requests=32, head_rss_mib=[round(r / 1024, 1) for r in rss], grown_mib=grown_mib)
         rig.wait_idle(["a", "b"], within=IDLE + SLACK)
 
         proxy.mode = "pass"
@@ -326,13 +352,18 @@ def test_a_link_that_stalls_then_trickles(rig: Rig) -> None:
         stream.wait_chunks(5)
         proxy.mode = "trickle"  # 300 B/s: one decode step's activations take seconds
         slowed = time.monotonic()
-        stream.failed_within(slowed, IDLE + SLACK + 2)
-        rig.wait_idle(["a", "b"], within=IDLE + SLACK + 5)
+        took = stream.failed_within(slowed, IDLE + SLACK + 2)
+        freed = rig.wait_idle(["a", "b"], within=IDLE + SLACK + 5)
+        _note(
+            "link_trickles_300_bytes_per_s", error_after_s=took, deadline_s=IDLE + SLACK + 2, nodes_idle_after_s=freed
+        )
 
         # with another route, requests through the trickling link fail over to it
         rig.node("c", "0:15")
         rig.node("d", "15:30")
-        assert [rig.ask(timeout=4 * IDLE + 10).status_code for _ in range(4)] == [200] * 4
+        served = [rig.ask(timeout=4 * IDLE + 10).status_code for _ in range(4)]
+        assert served == [200] * 4
+        _note("link_trickles_300_bytes_per_s", served_after=f"{served.count(200)}/{len(served)} via the new route")
     finally:
         proxy.close()
 
@@ -349,18 +380,20 @@ def test_the_relay_killed_and_restarted(rig: Rig) -> None:
     stream.wait_chunks(5)
     killed = time.monotonic()
     rig.processes["relay"].signal(signal.SIGKILL)
-    stream.failed_within(killed, KILL_DEADLINE)
-    rig.wait_idle(["a", "b"], within=KILL_DEADLINE)
+    took = stream.failed_within(killed, KILL_DEADLINE)
+    freed = rig.wait_idle(["a", "b"], within=KILL_DEADLINE)
+    _note("relay_sigkill", error_after_s=took, deadline_s=KILL_DEADLINE, nodes_idle_after_s=freed)
     down = rig.ask(timeout=30)
     # the relayed node cannot be reached: every route fails, and the client hears so
     assert down.status_code == 503 and down.json()["error"]["code"] in ("route_failed", "no_route")
 
     rig.relay(port)  # the same address, as an operator's restart would have it
-    deadline = time.monotonic() + 20
+    restarted = time.monotonic()
     while (answer := rig.ask(timeout=30)).status_code != 200:
-        assert time.monotonic() < deadline, answer.text
+        assert time.monotonic() < restarted + 20, answer.text
         time.sleep(0.5)
     assert rig.status("b")["relay_connected"]
+    _note("relay_sigkill", serving_again_after_restart_s=time.monotonic() - restarted)
 
 
 def test_the_tracker_killed_and_restarted(rig: Rig) -> None:
@@ -378,12 +411,20 @@ def test_the_tracker_killed_and_restarted(rig: Rig) -> None:
     assert stream.done and stream.error is None
     asked = time.monotonic()
     down = rig.ask()
-    assert down.status_code == 503 and time.monotonic() - asked < KILL_DEADLINE
+    answered = time.monotonic() - asked
+    assert down.status_code == 503 and answered < KILL_DEADLINE
     assert "tracker" in down.json()["error"]["message"]
 
     rig.tracker(port)  # same address and key: the nodes find it and register again
-    deadline = time.monotonic() + 20
+    restarted = time.monotonic()
     while (answer := rig.ask()).status_code != 200:
-        assert time.monotonic() < deadline, answer.text
+        assert time.monotonic() < restarted + 20, answer.text
         time.sleep(0.5)
     rig.wait_idle(["a", "b"], within=10)
+    _note(
+        "tracker_sigkill",
+        running_session_completed=True,
+        new_request_refused_after_s=answered,
+        deadline_s=KILL_DEADLINE,
+        serving_again_after_restart_s=time.monotonic() - restarted,
+    )

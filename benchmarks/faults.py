@@ -1,0 +1,70 @@
+"""Faults: the fault-injection suite, run as a benchmark that publishes what each case measured.
+
+    python -m benchmarks.faults [--quick] [--out PATH]
+
+Runs ``tests/test_faults.py`` (real processes: tracker, relay, shard nodes, gateway)
+and collects, per case, how long the affected client waited for its typed error
+against the stated deadline, how soon every surviving node held no session, slot or
+KV cell, and whether the system served again (through another route, or after a
+restart). Cases: a shard SIGKILLed mid-decode, a shard SIGSTOPped (hung), a link
+that stalls and one that trickles at 300 B/s (a proxy between hops), a peer that
+stops reading (the head's RSS across 32 requests into it), the relay and the
+tracker SIGKILLed and restarted. ``--quick`` is the same run (it takes minutes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks import _common
+from noderuntime.engine import Recipe
+
+NAME = "faults"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    """Run the fault cases and write their JSON."""
+    args = _common.parser(NAME, __doc__ or "").parse_args()
+    out = _common.out_path(NAME, args)
+    with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
+        collected = Path(tmp) / "faults.json"
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_faults.py"],
+            cwd=ROOT,
+            env={**os.environ, "NODERUNTIME_FAULTS_JSON": str(collected)},
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        cases = json.loads(collected.read_text()) if collected.exists() else {}
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    figures = {"passed": done.returncode == 0, "pytest": summary, "cases": cases}
+    recipe = {
+        "model": "SmolLM2-135M-Instruct Q4_1",
+        "shards": ["0:15", "15:30"],
+        "slots": 4,
+        "ctx": 1024,
+        "idle_timeout_s": 3.0,
+        **Recipe(n_threads=1, n_ctx_per_seq=1024, n_seq_max=4).describe("Q4_1"),
+    }
+    _common.write(out, NAME, args, recipe, figures)
+    rows = []
+    for case, values in cases.items():
+        took = values.get("error_after_s", values.get("new_request_refused_after_s", ""))
+        rows.append([case, took, values.get("deadline_s", ""), values.get("served_after", "")])
+    print(_common.table(["case", "error after s", "deadline s", "served after"], rows))
+    print(summary)
+    print(f"wrote {out}")
+    if done.returncode != 0:
+        print(done.stdout[-6000:])
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
