@@ -69,6 +69,7 @@ from protocol import (
 
 NAME = "fuzz_network"
 REPLY_SECONDS = 3.0
+GRPC_PARALLEL = 12  # seam streams in flight at once
 
 
 def _mutate(rng: random.Random, data: bytes) -> bytes:
@@ -138,8 +139,18 @@ async def _fuzz_grpc(address: str, tracker: str, artifact: str, count: int, rng:
     kinds: collections.Counter[str] = collections.Counter()
     runtime = AsyncioThread()
     connector = GrpcConnector(runtime, max_frame_bytes=Limits().max_frame_bytes)
+    # inputs go in side by side (a peer opening many streams at once is part of the test);
+    # each waits up to REPLY_SECONDS for an answer
+    limiter = trio.Semaphore(GRPC_PARALLEL)
+
+    async def one(frames: list[bytes]) -> None:
+        try:
+            outcomes[await _send_and_listen(connector, address, frames)] += 1
+        finally:
+            limiter.release()
+
     try:
-        async with httpx.AsyncClient(timeout=10) as http:
+        async with httpx.AsyncClient(timeout=10) as http, trio.open_nursery() as nursery:
             for _ in range(count):
                 kind = rng.choice(
                     ("random", "mutated_open", "open_then_mutated", "open_then_random", "open_then_wrong")
@@ -167,7 +178,8 @@ async def _fuzz_grpc(address: str, tracker: str, artifact: str, count: int, rng:
                                 _mutate(rng, f) for f in encoder.encode(Release(endpoint.header(Phase.RELEASE), "x"))
                             ]
                         frames = [*opening, *follow]
-                outcomes[await _send_and_listen(connector, address, frames)] += 1
+                await limiter.acquire()
+                nursery.start_soon(one, frames)
     finally:
         await connector.close()
         runtime.close()
