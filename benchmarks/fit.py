@@ -239,7 +239,7 @@ def serving(model: Path, ranges: Sequence[LayerRange | None], cap: int | None, r
                 ],
             )
         )
-        yield {"gateway": gateway["url"], "nodes": nodes, "processes": processes}
+        yield {"gateway": gateway["url"], "nodes": nodes}
     finally:
         for process in reversed(processes):
             process.stop()
