@@ -1,10 +1,17 @@
 """The batch scheduler: pure and synchronous, never touches llama.cpp.
 
 Given the steps that are ready and a token budget for one tick, :func:`schedule`
-returns a plain-data :class:`BatchPlan`: every ready decode step first (one row
-each), then prefill chunks while they fit, round-robin from a rotating start so no
-session's prefill starves another's. A session has at most one ready step, and a
-step is taken whole or not at all (sessions cut their prefill into chunks).
+returns a plain-data :class:`BatchPlan`: either every ready decode step (one row
+each, up to the budget) or a single prefill chunk, never both. A session has at most
+one ready step, and a step is taken whole (sessions cut their prefill into chunks).
+
+Why a prefill chunk runs alone: with one KV stream per sequence, llama.cpp splits a
+batch that mixes sequences into ubatches holding the same number of tokens of each, so
+a chunk batched with other steps is computed in other shapes than alone, and its
+results differ in the last bits (measured: about one step in ten once the KV passes a
+few hundred cells) — enough to flip a greedy choice, so a session's output would
+depend on who else was served. Decode steps are one token each, never split: batched,
+each computes exactly what it would alone. When both kinds are ready, ticks alternate.
 """
 
 from __future__ import annotations
@@ -44,26 +51,18 @@ class BatchPlan:
 
 
 def schedule(ready: Sequence[ReadyStep], budget: int, rotation: int = 0) -> BatchPlan:
-    """Plan one tick. ``rotation`` (e.g. the tick number) rotates who goes first among prefills.
+    """Plan one tick. ``rotation`` (e.g. the tick number) alternates decode and prefill
+    ticks when both are waiting, and rotates which session's prefill goes next.
 
-    A prefill step larger than what is left of the budget waits, unless nothing else
-    was planned: the batch is never empty while work is ready (steps never exceed the
-    engine's batch size, so they always fit alone).
+    Decode rows beyond the budget wait for the next decode tick. A prefill chunk runs
+    alone whatever its size (steps never exceed the engine's batch size).
     """
     if budget <= 0:
         raise ValueError("budget must be positive")
     decode = [step for step in ready if step.decode]
     prefill = [step for step in ready if not step.decode]
-    chosen: list[ReadyStep] = []
-    left = budget
-    for step in decode:
-        if step.n_rows <= left:
-            chosen.append(step)
-            left -= step.n_rows
+    if decode and (not prefill or rotation % 2 == 0):
+        return BatchPlan(tuple(decode[:budget]))  # one row each
     if prefill:
-        start = rotation % len(prefill)
-        for step in prefill[start:] + prefill[:start]:
-            if step.n_rows <= left or not chosen:
-                chosen.append(step)
-                left -= step.n_rows
-    return BatchPlan(tuple(chosen))
+        return BatchPlan((prefill[(rotation // 2) % len(prefill)],))
+    return BatchPlan(())

@@ -33,17 +33,19 @@ def test_leases_respect_the_kv_budget_and_the_context_per_sequence() -> None:
     assert leases.statistics().slots_free == 2
 
 
-def test_decode_steps_go_first_then_prefill_up_to_the_budget() -> None:
-    ready = [ReadyStep(0, 128, False), ReadyStep(1, 1, True), ReadyStep(2, 128, False), ReadyStep(3, 1, True)]
-    plan = schedule(ready, budget=200)
-    assert [s.seq_id for s in plan.steps] == [1, 3, 0]
-    assert plan.n_rows == 130 and plan.n_decode == 2
+def test_a_tick_runs_all_decode_steps_or_one_prefill_chunk_never_both() -> None:
+    ready = [ReadyStep(0, 128, False), ReadyStep(1, 1, True), ReadyStep(2, 64, False), ReadyStep(3, 1, True)]
+    plans = [schedule(ready, budget=512, rotation=tick) for tick in range(4)]
+    assert [[s.seq_id for s in plan.steps] for plan in plans] == [[1, 3], [0], [1, 3], [2]]
+    assert [plan.n_decode for plan in plans] == [2, 0, 2, 0]
 
 
-def test_prefill_is_fair_across_ticks() -> None:
-    ready = [ReadyStep(i, 100, False) for i in range(4)]
-    firsts = [schedule(ready, budget=150, rotation=tick).steps[0].seq_id for tick in range(4)]
-    assert firsts == [0, 1, 2, 3]
+def test_with_only_one_kind_ready_every_tick_serves_it() -> None:
+    prefills = [ReadyStep(i, 100, False) for i in range(4)]
+    firsts = [schedule(prefills, budget=150, rotation=tick).steps[0].seq_id for tick in range(8)]
+    assert sorted(set(firsts)) == [0, 1, 2, 3]  # every session's prefill gets its turn
+    decodes = [ReadyStep(i, 1, True) for i in range(3)]
+    assert all(schedule(decodes, budget=8, rotation=tick).n_decode == 3 for tick in range(4))
 
 
 def test_a_step_larger_than_the_budget_runs_alone_rather_than_never() -> None:

@@ -1,0 +1,77 @@
+"""A session's results do not depend on who else the node serves.
+
+Sessions with random prefill chunks and decode steps, at KV lengths into the hundreds,
+run concurrently through one :class:`Batcher` over a real middle shard; every step's
+hidden rows must equal, bit for bit, the same session's steps run alone on a second
+engine. (Batching a prefill chunk with other sequences' steps breaks this: llama.cpp
+computes it in other ubatch shapes, and about one step in ten differs.)
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from noderuntime.artifacts import LayerRange
+from noderuntime.batcher import Batcher, StepRequest
+from noderuntime.engine import Recipe, ShardEngine
+from noderuntime.leases import LeaseManager
+from noderuntime.steps import Rows
+
+RECIPE = Recipe(n_threads=1, n_ctx_per_seq=1024, n_seq_max=6, n_batch=512, n_ubatch=512)
+LAYERS = LayerRange(10, 20)
+
+
+async def test_batched_steps_equal_the_same_steps_alone(smollm2: Path) -> None:
+    rng = random.Random(3)
+    sessions = []
+    for seq in range(6):
+        steps: list[np.ndarray] = []
+        length = 0
+        while length < 700:
+            # a long prefill, then decode steps with more prefill chunks among them
+            n = rng.choice((200, 256)) if length < 256 else rng.choice((1, 1, 1, 3, 17, 64, 200))
+            steps.append(np.random.default_rng([seq, length]).standard_normal((n, 576), dtype=np.float32))
+            length += n
+        sessions.append(steps)
+
+    with ShardEngine(smollm2, RECIPE, LAYERS) as batched, ShardEngine(smollm2, RECIPE, LAYERS) as alone:
+        expected = []
+        for seq, steps in enumerate(sessions):
+            start, outputs = 0, []
+            for hidden in steps:
+                n = len(hidden)
+                positions = np.arange(start, start + n, dtype=np.int32)
+                outputs.append(
+                    alone.run(Rows(np.full(n, seq, np.int32), positions, np.ones(n, bool), hidden=hidden)).hidden
+                )
+                start += n
+            alone.remove_sequence(seq)
+            expected.append(outputs)
+
+        batcher = Batcher(batched, LeaseManager(6, 6 * 1024), max_batch_tokens=512)
+        got: list[list[np.ndarray]] = [[] for _ in sessions]
+
+        async def session(seq: int) -> None:
+            start = 0
+            for hidden in sessions[seq]:
+                await trio.sleep(rng.random() * 0.002)  # arrive in every order
+                request = StepRequest(seq, start, hidden=hidden, decode=len(hidden) == 1)
+                output = await batcher.step(request)
+                got[seq].append(output.hidden)
+                start += len(hidden)
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(batcher.run)
+            async with trio.open_nursery() as clients:
+                for seq in range(len(sessions)):
+                    clients.start_soon(session, seq)
+            nursery.cancel_scope.cancel()
+        assert batcher.statistics().rows > 2 * batcher.statistics().ticks  # steps really shared ticks
+
+    for seq in range(len(sessions)):
+        for k, (a, b) in enumerate(zip(got[seq], expected[seq], strict=True)):
+            assert np.array_equal(a, b), f"session {seq} step {k} differs by {float(np.abs(a - b).max())}"
