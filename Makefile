@@ -1,6 +1,6 @@
 # The two commands: `make test` and `make demo`. Each bootstraps what it needs:
 # a virtual environment, the patched llama-cpp-python wheel (built once, then taken
-# from ~/.cache/noderuntime), the project with its test dependencies, the demo model.
+# from ~/.cache/noderuntime), the project with its test and Transformers dependencies, the demo model.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml kernels_patch/build.py $(wildcard kernels_patch/patches
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) kernels_patch/build.py --python $(PY) --install
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,transformers]'
 	$(PY) -m noderuntime models pull
 	touch $(STAMP)
 

@@ -228,6 +228,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if not args.issuer_key and not args.tracker:
         raise CliError("give the route issuer's public key with --issuer-key, or a --tracker to take it from")
     model = resolve_model(args.model)
+    if args.backend == "transformers":
+        if not model.is_dir():
+            raise CliError(f"--backend transformers takes a safetensors model directory; {model} is a file")
+        if args.memory_limit is not None:
+            raise CliError("--memory-limit plans llama.cpp's buffers; the transformers backend does not take it")
+    elif model.is_dir():
+        raise CliError(f"{model} is a directory; give a GGUF file, or --backend transformers for safetensors")
     tls_cert, tls_key = args.tls_cert, args.tls_key
     if args.tls_self_signed:
         from noderuntime.identity import self_signed
@@ -254,6 +261,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         tracker=args.tracker,
         memory_limit=args.memory_limit,
         mmap=args.mmap,
+        backend=args.backend,
     )
     return noderun.main_node(opts)
 
@@ -446,7 +454,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_check_parity)
 
     p = sub.add_parser("up", help="run a shard node (with --model), serving until Ctrl-C")
-    p.add_argument("--model", help="a GGUF file (whole model or a shard file) or a known model name")
+    p.add_argument(
+        "--model",
+        help="a GGUF file (whole model or a shard file), a known model name, "
+        "or with --backend transformers a safetensors model directory",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["llama.cpp", "transformers"],
+        default="llama.cpp",
+        help="the engine: llama.cpp on GGUF (default) or Transformers on safetensors (torch, CPU)",
+    )
     p.add_argument("--layers", type=_layers, help="layer range A:B this node serves (default: all of the file)")
     p.add_argument(
         "--listen",

@@ -61,6 +61,7 @@ class NodeOptions:
     http: str | None = "127.0.0.1:0"  # status (and metrics) endpoint
     memory_limit: int | None = None  # bytes: refuse a shard that would not fit, load weights unmapped
     mmap: bool = True  # map the model file (pages shared with the page cache) or read the shard's weights
+    backend: str = "llama.cpp"  # or "transformers": a safetensors directory run by torchengine
 
 
 def server_tls(cert: Path, key: Path) -> ssl.SSLContext:
@@ -89,25 +90,29 @@ async def run_node(
     issuer_keys = opts.issuer_keys
     if opts.tracker and not issuer_keys:
         issuer_keys = (await _tracker_issuer_key(opts.tracker),)
-    info = artifacts.inspect(opts.model)
-    layers = opts.layers or info.layer_range
-    recipe = Recipe(
-        n_threads=opts.threads,
-        n_ctx_per_seq=opts.ctx_per_session,
-        n_seq_max=opts.slots,
-        n_batch=opts.batch,
-        n_ubatch=opts.batch,
-        flash_attn="on" if opts.flash_attn == "on" else "off",
-        use_mmap=opts.mmap,
-    )
-    if opts.memory_limit is not None:
-        recipe = memplan.capped(recipe)
-        limit = opts.memory_limit
-        planned = await trio.to_thread.run_sync(lambda: memplan.check(opts.model, layers, recipe, limit))
-        log.info("layers %s will hold %s of the %s limit", layers, planned.describe(), memplan.human(limit))
-    engine = await trio.to_thread.run_sync(
-        lambda: ShardEngine(opts.model, recipe, layers, expected_fingerprint=opts.expected_fingerprint)
-    )
+    if opts.backend == "transformers":
+        info, recipe, engine = await trio.to_thread.run_sync(_torch_engine, opts)
+        layers = engine.layers
+    else:
+        info = artifacts.inspect(opts.model)
+        layers = opts.layers or info.layer_range
+        recipe = Recipe(
+            n_threads=opts.threads,
+            n_ctx_per_seq=opts.ctx_per_session,
+            n_seq_max=opts.slots,
+            n_batch=opts.batch,
+            n_ubatch=opts.batch,
+            flash_attn="on" if opts.flash_attn == "on" else "off",
+            use_mmap=opts.mmap,
+        )
+        if opts.memory_limit is not None:
+            recipe = memplan.capped(recipe)
+            limit = opts.memory_limit
+            planned = await trio.to_thread.run_sync(lambda: memplan.check(opts.model, layers, recipe, limit))
+            log.info("layers %s will hold %s of the %s limit", layers, planned.describe(), memplan.human(limit))
+        engine = await trio.to_thread.run_sync(
+            lambda: ShardEngine(opts.model, recipe, layers, expected_fingerprint=opts.expected_fingerprint)
+        )
     try:
         # timed before the node admits anything: the shard has the cores to itself
         capability = await trio.to_thread.run_sync(admission.measure, engine)
@@ -230,6 +235,17 @@ async def run_node(
             await grpc_connector.close()
         runtime.close()
         engine.close()
+
+
+def _torch_engine(opts: NodeOptions) -> tuple[artifacts.ArtifactInfo, Any, Any]:
+    """The Transformers engine of ``opts`` (torch loads only for nodes that ask for it)."""
+    from noderuntime.torchengine import TorchEngine, TorchRecipe
+
+    recipe = TorchRecipe(
+        n_threads=opts.threads, n_ctx_per_seq=opts.ctx_per_session, n_seq_max=opts.slots, n_batch=opts.batch
+    )
+    engine = TorchEngine(opts.model, recipe, opts.layers, expected_fingerprint=opts.expected_fingerprint)
+    return engine.info, recipe, engine
 
 
 async def _tracker_issuer_key(url: str) -> bytes:
