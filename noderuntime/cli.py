@@ -6,6 +6,7 @@ import argparse
 import itertools
 import json
 import logging
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -397,6 +398,48 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return show(args.tracker, as_json=args.json)
 
 
+def _cmd_bench_verify(args: argparse.Namespace) -> int:
+    from noderuntime import contract
+
+    path: Path = args.file
+    # an unreadable or malformed file is a usage problem (2); a contract that does not verify is a failure (1)
+    try:
+        document = contract.load(path)
+    except contract.ContractError as exc:
+        print(f"noderuntime: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        signer = contract.verify_signature(document, key=args.key)
+        results = contract.check(document)
+    except contract.ContractError as exc:
+        raise CliError(f"{path}: {exc}") from None
+    print(f"contract {document['benchmark']} ({path})")
+    print(f"signed by {signer.hex()}")
+    print(contract.results_table(results))
+    failed = [r.threshold.id for r in results if not r.passed]
+    print(
+        f"FAIL: {len(failed)} of {len(results)} thresholds do not hold"
+        if failed
+        else f"all {len(results)} thresholds hold"
+    )
+    if not args.rerun:
+        return 1 if failed else 0
+    out = path.with_suffix(".rerun.json")
+    command = shlex.join(["python", "-m", document["benchmark"], *document["args"], "--out", str(out)])
+    print(f"rerun: {command}", flush=True)
+    try:
+        comparison = contract.compare(document, contract.rerun(document, out))
+    except contract.ContractError as exc:
+        raise CliError(str(exc)) from None
+    print(contract.comparison_table(comparison))
+    print("thresholds on the rerun:")
+    print(contract.results_table(comparison.thresholds))
+    for change in comparison.inputs:
+        print(f"input {change.name} differs: sha256 {change.old or 'absent'} -> {change.new or 'absent'}")
+    print(f"rerun: {'PASS' if comparison.passed else 'FAIL'}")
+    return 1 if failed or not comparison.passed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="noderuntime", description=__doc__)
@@ -590,6 +633,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--references", type=Path, action="append", required=True)
     p.add_argument("--tolerance", type=float, default=1e-3)
     p.set_defaults(func=_cmd_probe_check)
+
+    bench = sub.add_parser("bench", help="signed benchmark contracts").add_subparsers(
+        dest="bench_command", required=True, metavar="SUBCOMMAND"
+    )
+    p = bench.add_parser("verify", help="check a contract's signature and thresholds (exit 1 if any fails)")
+    p.add_argument("file", type=Path, help="a contract JSON file written by a benchmark")
+    p.add_argument("--key", type=_public_key, help="the signer must be this public key (hex or file)")
+    p.add_argument(
+        "--rerun", action="store_true", help="also run the benchmark again (into FILE.rerun.json) and compare"
+    )
+    p.set_defaults(func=_cmd_bench_verify)
 
     p = sub.add_parser("demo", help="the whole local system, asked one question through the OpenAI client")
     p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
