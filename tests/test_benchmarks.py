@@ -106,3 +106,48 @@ def test_a_model_twice_a_nodes_cap_is_served_by_capped_nodes(tmp_path: Path) -> 
         assert node["alive"] and node["oom_kills"] == 0 and node["peak_rss_bytes"] < cap, node
     assert all(run["tokens"] >= 2 for run in route["runs"]) and route["decode_tokens_per_s"] > 0
     assert figures["whole"]["decode_tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_gate_a_writes_a_contract_that_verifies(tmp_path: Path) -> None:
+    """Seven lanes from one source of weights; the contract verifies, and a changed figure does not."""
+    from noderuntime import contract
+    from noderuntime.cli import main as cli
+
+    out = tmp_path / "gate_a.json"
+    figures: dict[str, Any] = _run_quick("gate_a", out)
+    doc = contract.load(out)
+    assert set(figures["lanes"]) == {
+        "hf-f32",
+        "hf-bf16",
+        "gguf-f32",
+        "gguf-f16",
+        "gguf-q8_0",
+        "gguf-q4_k_m",
+        "gguf-q4_1",
+    }
+    for name, lane in figures["lanes"].items():
+        assert lane["c1"]["decode_tok_s"] > 0 and lane["c8"]["decode_tok_s"] > 0 and lane["peak_rss_bytes"] > 0, name
+        assert 0.5 < figures["quality"][name]["top1_agreement"] <= 1.0, name
+    # float lanes of the same numbers agree almost everywhere; the reference with itself exactly
+    assert figures["quality"]["hf-f32"]["kl_mean"] == 0.0
+    assert figures["quality"]["gguf-f32"]["top1_agreement"] >= 0.97
+    assert {"prompts", "text", "gguf-q4_1"} <= set(doc["inputs"]) and len(doc["thresholds"]) >= 10
+    assert out.with_suffix(".md").exists() and out.with_suffix(".png").exists()
+    assert cli(["bench", "verify", str(out)]) == 0
+    doc["figures"]["lanes"]["gguf-q4_k_m"]["c1"]["decode_tok_s"] *= 2
+    contract.write(tmp_path / "tampered.json", doc)
+    assert cli(["bench", "verify", str(tmp_path / "tampered.json")]) == 1
+
+
+@pytest.mark.slow
+def test_gate_e_runs_gguf_and_safetensors_routes(tmp_path: Path) -> None:
+    figures: dict[str, Any] = _run_quick("gate_e", tmp_path / "gate_e.json")
+    routes = figures["routes"]
+    assert set(routes) == {"gguf-q4_1", "gguf-q8_0", "hf-bf16", "hf-f32"}
+    for name, route in routes.items():
+        assert route["c1"]["decode_tok_s"] > 0 and route["c8"]["tok_s"] > 0, name
+        assert len(route["peak_rss_bytes"]) == 2 and min(route["peak_rss_bytes"]) > 0, name
+        assert route["c8_outputs_equal"], name  # eight identical sessions, one answer
+    # the safetensors F32 route is the whole F32 model, split: its greedy tokens are the reference's
+    assert all(m == len(routes["hf-f32"]["outputs"][k]) for k, m in routes["hf-f32"]["greedy_prefix_match"].items())
