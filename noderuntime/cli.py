@@ -114,6 +114,15 @@ def _cmd_models_list(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_models_lanes(args: argparse.Namespace) -> int:
+    from noderuntime import lanes
+
+    built = lanes.build(resolve_model(args.model), say=lambda text: print(text, file=sys.stderr))
+    for name, lane in built.items():
+        print(f"{name:<12} {lane.backend:<13} {lane.precision:<7} {lane.size_bytes() / 2**20:8.1f} MiB  {lane.path}")
+    return 0
+
+
 def _cmd_models_synth(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -469,6 +478,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_models_pull)
     p = model_cmds.add_parser("list", help="known models")
     p.set_defaults(func=_cmd_models_list)
+    p = model_cmds.add_parser(
+        "lanes", help="make (once) the Gate A lanes of a model: GGUF F32/F16/Q8_0/Q4_K_M and F32/BF16 safetensors"
+    )
+    p.add_argument("model", nargs="?", default=models.DEMO_MODEL, help="a GGUF file or known model name")
+    p.set_defaults(func=_cmd_models_lanes)
     p = model_cmds.add_parser("synth", help="write a random-weight model of any size")
     p.add_argument("--arch", default="llama")
     p.add_argument("--layers", type=_positive_int, required=True)
