@@ -8,7 +8,7 @@ Q8_0, Q4_K_M (llama.cpp's quantizer) and the original Q4_1 run by the patched ll
 Both engines are driven through the same interface by the same loop: the committed
 prompts (``benchmarks/data/gate_a_prompts.json``, 32 to 1024 tokens) tokenized once,
 prefilled in chunks of at most 512, then greedy decoding of a fixed number of tokens;
-two threads; concurrency 1 (each prompt alone) and 8 (eight sessions prefilled one at a
+two threads pinned to the same two cores; concurrency 1 (each prompt alone) and 8 (eight sessions prefilled one at a
 time, then decoded in one batch per step, as a node's scheduler runs them).
 
 Per lane: TTFT, prefill tok/s, decode tok/s, p50/p95 per-token latency, peak RSS (each
@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing as mp
+import os
 import resource
 import statistics
 import sys
@@ -204,6 +205,9 @@ def _lane(
     logits_out: str,
 ) -> None:
     try:
+        # pin the lane to the same cores, whichever engine starts its threads
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, set(range(min(THREADS, os.cpu_count() or 1))))
         t0 = time.perf_counter()
         engine = _engine(backend, path)
         figures: dict[str, Any] = {"load_s": time.perf_counter() - t0}
@@ -461,6 +465,7 @@ def main(argv: list[str] | None = None) -> None:
                 "attention": "per-sequence SDPA (noderuntime.torchengine)",
             },
             "sampling": "greedy",
+            "cpu_affinity": list(range(min(THREADS, os.cpu_count() or 1))),
             "settings": settings,
             "lanes": {n: {"backend": all_lanes[n].backend, "precision": all_lanes[n].precision} for n in chosen},
             "threshold_margins": {

@@ -177,7 +177,6 @@ def inspect(path: str | os.PathLike[str]) -> ArtifactInfo:
                 total += end - start
                 n_tensors += 1
     quant = max(dtypes, key=lambda d: dtypes[d]) if dtypes else "?"
-    quant = {"F32": "F32", "BF16": "BF16", "F16": "F16"}.get(quant, quant)
     fingerprint = digest.hexdigest()
     n_layer = int(config.num_hidden_layers)
     return ArtifactInfo(
@@ -273,7 +272,8 @@ class TorchEngine:
         self.info = inspect(model_dir)
         if expected_fingerprint is not None and expected_fingerprint != self.info.fingerprint:
             raise EngineError(f"{model_dir} has fingerprint {self.info.fingerprint}, not {expected_fingerprint}")
-        layers = layers or self.info.layer_range
+        if layers is None:
+            layers = self.info.layer_range
         try:
             layers.check_within(self.info.n_layer)
         except ValueError as exc:
@@ -328,10 +328,9 @@ class TorchEngine:
         with torch.device("meta"):
             self.blocks = torch.nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(*attrs.astuple(self.layers)))
             self.norm = LlamaRMSNorm(self.n_embd, eps=config.rms_norm_eps) if self.is_tail else None
-        missing = [f"blocks.{i}." for i in range(len(self.layers))]
-        for prefix in missing:
-            if not any(k.startswith(prefix) for k in state):
-                raise EngineError(f"{directory} lacks the weights of layer {self.layers.start + int(prefix[7:-1])}")
+        for offset in range(len(self.layers)):
+            if not any(k.startswith(f"blocks.{offset}.") for k in state):
+                raise EngineError(f"{directory} lacks the weights of layer {self.layers.start + offset}")
         self.blocks.load_state_dict(
             {k[len("blocks.") :]: v for k, v in state.items() if k.startswith("blocks.")}, strict=True, assign=True
         )
