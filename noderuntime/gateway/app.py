@@ -254,7 +254,11 @@ class Gateway:
                         raise error from None
                     self.counters["retries"] += 1
                     self.metrics.route_retries.labels(exc.code.name).inc()
-                    if exc.code == StatusCode.RESOURCE_EXHAUSTED and trio.current_time() + backoff < queue_until:
+                    if exc.code == StatusCode.RESOURCE_EXHAUSTED:
+                        # a full node is busy, not broken: wait for a slot, and when the wait is
+                        # over say so (429); excluding it would turn "busy" into "no route" (503)
+                        if trio.current_time() + backoff >= queue_until:
+                            raise error from None
                         log.info("a node on the route is full; waiting for a slot")
                         await trio.sleep(backoff)
                         backoff = min(backoff * 2, 0.5)
