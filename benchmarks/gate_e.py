@@ -13,7 +13,8 @@ prompt alone: TTFT, decode tok/s) and 8 (eight sessions at once: TTFT p50/max an
 aggregate tok/s), greedy. Per shard: peak RSS (VmHWM). Quality drift: how many greedy
 tokens each route's output shares with the whole F32 Transformers model's before the
 first difference (the teacher-forced KL of the same weights and engines is Gate A's).
-JSON and a PNG beside it.
+JSON and a PNG beside it. ``--quick`` runs one route of each backend (Q4_1, F32) on
+short prompts.
 """
 
 from __future__ import annotations
@@ -40,9 +41,21 @@ CUTS = (0, 15, 30)
 
 
 def _settings(quick: bool) -> dict[str, Any]:
-    if quick:
-        return {"prompts": ["short", "128"], "new_tokens": 12, "c8_prompt": "short", "c8_tokens": 12}
-    return {"prompts": ["short", "128", "512", "1024"], "new_tokens": 48, "c8_prompt": "128", "c8_tokens": 48}
+    if quick:  # one route of each backend
+        return {
+            "routes": ["gguf-q4_1", "hf-f32"],
+            "prompts": ["short", "128"],
+            "new_tokens": 12,
+            "c8_prompt": "short",
+            "c8_tokens": 12,
+        }
+    return {
+        "routes": list(ROUTES),
+        "prompts": ["short", "128", "512", "1024"],
+        "new_tokens": 48,
+        "c8_prompt": "128",
+        "c8_tokens": 48,
+    }
 
 
 def _peak_rss(pid: int) -> int:
@@ -169,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     figures: dict[str, Any] = {"routes": {}}
-    for name, (lane, backend) in ROUTES.items():
+    for name in settings["routes"]:
+        lane, backend = ROUTES[name]
         print(f"gate_e: route {name} ({backend}, layers {CUTS[0]}:{CUTS[1]} | {CUTS[1]}:{CUTS[2]})", flush=True)
         with (
             tempfile.TemporaryDirectory() as tmp,
@@ -199,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
         del figs["c8_outputs"]
         figures["routes"][name] = figs
     best_hf = max(
-        (n for n in ROUTES if ROUTES[n][1] == "transformers"), key=lambda n: figures["routes"][n]["c1"]["decode_tok_s"]
+        (n for n in settings["routes"] if ROUTES[n][1] == "transformers"),
+        key=lambda n: figures["routes"][n]["c1"]["decode_tok_s"],
     )
     gguf = "gguf-q4_1"
     figures["gguf_vs_best_safetensors"] = {

@@ -144,7 +144,7 @@ def test_gate_a_writes_a_contract_that_verifies(tmp_path: Path) -> None:
 def test_gate_e_runs_gguf_and_safetensors_routes(tmp_path: Path) -> None:
     figures: dict[str, Any] = _run_quick("gate_e", tmp_path / "gate_e.json")
     routes = figures["routes"]
-    assert set(routes) == {"gguf-q4_1", "gguf-q8_0", "hf-bf16", "hf-f32"}
+    assert set(routes) == {"gguf-q4_1", "hf-f32"}  # the quick run: one route of each backend
     for name, route in routes.items():
         assert route["c1"]["decode_tok_s"] > 0 and route["c8"]["tok_s"] > 0, name
         assert len(route["peak_rss_bytes"]) == 2 and min(route["peak_rss_bytes"]) > 0, name

@@ -268,8 +268,8 @@ def test_generated_requests_never_get_a_server_error(system: localsystem.LocalSy
     assert {op.path for op in operations} >= {"/v1/models", "/v1/chat/completions", "/v1/completions"}
     statuses: list[int] = []
     for operation in operations:
-
-        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        # 30 per operation here; benchmarks.fuzz_network (also in make test) sends more
+        @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         @given(case=operation.as_strategy(), real_model=st.booleans())
         def run(case: Any, real_model: bool) -> None:
             if real_model and isinstance(case.body, dict):
@@ -283,7 +283,7 @@ def test_generated_requests_never_get_a_server_error(system: localsystem.LocalSy
             assert response.status_code < 500, (case.body, response.text[:500])
 
         run()
-    assert len(statuses) >= 60
+    assert len(statuses) >= 30
     seen = collections.Counter(statuses)
     assert seen[200] > 0 and seen[400] > 0 and seen[404] > 0, seen  # every kind of path was reached
     _wait_nodes_idle(system)
