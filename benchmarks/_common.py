@@ -60,6 +60,12 @@ def machine() -> dict[str, Any]:
     }
 
 
+def peak_rss(pid: int) -> int:
+    """Peak resident set of a running process, in bytes (Linux VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def git_commit() -> str:
     """The project commit the benchmark ran on (with a ``-dirty`` mark)."""
     root = Path(__file__).resolve().parents[1]

@@ -138,11 +138,6 @@ def _node_args(model: Path, data: Path, extra: Sequence[str]) -> list[str]:
     ]
 
 
-def _peak_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
 def refusal(model: Path, cap: int, root: Path) -> dict[str, Any]:
     """The whole model on one node with ``--memory-limit``: it must refuse and say what fits."""
     started = time.monotonic()
@@ -302,7 +297,7 @@ def measure(system: dict[str, Any], lane: Lane) -> dict[str, Any]:
             {
                 "layers": str(layers) if layers is not None else "all",
                 "alive": node.alive(),
-                "peak_rss_bytes": _peak_rss(node.pid),
+                "peak_rss_bytes": _common.peak_rss(node.pid),
                 "cap_bytes": limit.limit if limit is not None else None,
                 "cgroup_peak_bytes": limit.peak() if limit is not None else None,
                 "oom_kills": limit.oom_kills() if limit is not None else None,

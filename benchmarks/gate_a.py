@@ -76,6 +76,16 @@ def _settings(quick: bool) -> dict[str, Any]:
     }
 
 
+def load_prompts(vocab: Any, names: list[str]) -> dict[str, list[int]]:
+    """The committed prompts named ``names``, as token ids of the demo model's tokenizer."""
+    doc = json.loads(PROMPTS.read_text())
+    return {
+        p["id"]: vocab.tokenize(p["text"], add_special=vocab.add_bos, parse_special=True)
+        for p in doc["prompts"]
+        if p["id"] in names
+    }
+
+
 def _engine(backend: str, path: str, output_hidden: bool = False) -> Any:
     if backend == "transformers":
         from noderuntime.torchengine import TorchEngine, TorchRecipe
@@ -406,12 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"unknown lanes {unknown}; known: {', '.join(all_lanes)}")
     vocab = Vocab(source)
-    prompt_doc = json.loads(PROMPTS.read_text())
-    prompts = {
-        p_["id"]: vocab.tokenize(p_["text"], add_special=vocab.add_bos, parse_special=True)
-        for p_ in prompt_doc["prompts"]
-    }
-    prompts = {k: v for k, v in prompts.items() if k in settings["prompts"]}
+    prompts = load_prompts(vocab, settings["prompts"])
     text = vocab.tokenize(TEXT.read_text(), add_special=vocab.add_bos, parse_special=False)[: settings["text_tokens"]]
 
     inputs = {"prompts": contract.input_record(PROMPTS), "text": contract.input_record(TEXT)}

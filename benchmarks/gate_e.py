@@ -58,11 +58,6 @@ def _settings(quick: bool) -> dict[str, Any]:
     }
 
 
-def _peak_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
 async def _generation(cluster: Any, dialer: Any, prompt: list[int], n: int) -> dict[str, Any]:
     from noderuntime.client import GenerationRequest
 
@@ -154,9 +149,7 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
-    import json
-
-    from benchmarks.gate_a import PROMPTS
+    from benchmarks.gate_a import load_prompts
     from noderuntime import lanes, models
     from noderuntime.engine import Vocab, build_info
     from noderuntime.torchengine import versions, whole_model_greedy
@@ -167,12 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     source = models.pull(progress=False)
     built = lanes.build(source)
     vocab = Vocab(source)
-    prompt_doc = json.loads(PROMPTS.read_text())
-    prompts = {
-        p["id"]: vocab.tokenize(p["text"], add_special=vocab.add_bos, parse_special=True)
-        for p in prompt_doc["prompts"]
-        if p["id"] in settings["prompts"]
-    }
+    prompts = load_prompts(vocab, settings["prompts"])
     print("gate_e: reference greedy outputs from the whole F32 Transformers model", flush=True)
     reference = dict(
         zip(
@@ -198,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
             ) as cluster,
         ):
             figs = trio.run(_measure, cluster, prompts, settings)
-            figs["peak_rss_bytes"] = [_peak_rss(p.pid) for p in cluster.nodes]
+            figs["peak_rss_bytes"] = [_common.peak_rss(p.pid) for p in cluster.nodes]
         figs["backend"] = backend
         figs["lane"] = lane
         figs["size_bytes"] = built[lane].size_bytes()

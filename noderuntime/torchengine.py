@@ -148,7 +148,7 @@ def _config(directory: Path) -> LlamaConfig:
 def inspect(path: str | os.PathLike[str]) -> ArtifactInfo:
     """Identity and shape of a safetensors model directory, for routing (no weights loaded).
 
-    The fingerprint hashes the config's shape, every tensor's name, dtype and shape, and
+    The fingerprint hashes the config's shape and numerics, every tensor's name, dtype and shape, and
     the first and last 64 KiB of its data: cheap on a large model, and any re-export or
     different precision changes it.
     """
@@ -157,8 +157,19 @@ def inspect(path: str | os.PathLike[str]) -> ArtifactInfo:
         raise EngineError(f"{directory} is not a directory (the Transformers backend takes a safetensors directory)")
     config: Any = _config(directory)
     digest = hashlib.sha256()
-    shape_keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    digest.update(json.dumps({k: getattr(config, k) for k in shape_keys}, sort_keys=True).encode())
+    # what changes the computation besides the tensors (not versions or names)
+    shape_keys = (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "rms_norm_eps",
+        "rope_parameters",
+        "tie_word_embeddings",
+    )
+    digest.update(json.dumps({k: getattr(config, k, None) for k in shape_keys}, sort_keys=True, default=str).encode())
     dtypes: dict[str, int] = {}
     total = 0
     n_tensors = 0
@@ -356,11 +367,8 @@ class TorchEngine:
     # --- running
 
     def _cache(self, seq_id: int, needed: int) -> _SequenceCache:
+        """The cache of ``seq_id``, grown to hold ``needed`` positions (the caller checked the context)."""
         cache = self._caches.get(seq_id)
-        if needed > self.recipe.n_ctx_per_seq:
-            raise EngineError(
-                f"sequence {seq_id} would hold {needed} positions; the context is {self.recipe.n_ctx_per_seq}"
-            )
         capacity = 0 if cache is None else cache.keys.shape[2]
         if needed > capacity:
             # grow by doubling so a long generation copies its cache O(log n) times
@@ -391,26 +399,31 @@ class TorchEngine:
             raise EngineError(f"batch of {n} rows; this engine takes 1 to {self.recipe.n_batch}")
         if np.any(rows.seq_ids < 0) or np.any(rows.seq_ids >= self.recipe.n_seq_max):
             raise EngineError(f"sequence ids must lie in [0, {self.recipe.n_seq_max})")
+        if self.is_head:
+            if rows.tokens is None:
+                raise EngineError("the head shard takes token ids")
+            if np.any(rows.tokens < 0) or np.any(rows.tokens >= self.n_vocab):
+                raise EngineError(f"token ids must lie in [0, {self.n_vocab})")
+        elif rows.hidden is None or rows.hidden.shape != (n, self.n_embd):
+            raise EngineError(f"shard {self.layers} takes hidden rows of shape ({n}, {self.n_embd})")
         started = time.perf_counter()
-        groups: list[tuple[_SequenceCache, torch.Tensor, int]] = []
+        # every check before any cache grows: a refused batch changes nothing
+        spans: list[tuple[int, np.ndarray, int]] = []
         for seq in np.unique(rows.seq_ids).tolist():
             index = np.flatnonzero(rows.seq_ids == seq)
             held = self._caches[seq].length if seq in self._caches else 0
-            expected = np.arange(held, held + len(index))
-            if not np.array_equal(rows.positions[index], expected):
+            if not np.array_equal(rows.positions[index], np.arange(held, held + len(index))):
                 raise EngineError(f"sequence {seq} holds {held} positions; its rows must continue at {held}, in order")
-            groups.append((self._cache(seq, held + len(index)), torch.from_numpy(index), held))
+            if held + len(index) > (context := self.recipe.n_ctx_per_seq):
+                raise EngineError(f"sequence {seq} would hold {held + len(index)} positions; the context is {context}")
+            spans.append((seq, index, held))
+        groups = [(self._cache(seq, held + len(index)), torch.from_numpy(index), held) for seq, index, held in spans]
         with torch.inference_mode():
             if self.is_head:
-                if rows.tokens is None:
-                    raise EngineError("the head shard takes token ids")
-                if np.any(rows.tokens < 0) or np.any(rows.tokens >= self.n_vocab):
-                    raise EngineError(f"token ids must lie in [0, {self.n_vocab})")
-                assert self.embed is not None
+                assert self.embed is not None and rows.tokens is not None
                 h = F.embedding(torch.from_numpy(rows.tokens.astype(np.int64)), self.embed)
             else:
-                if rows.hidden is None or rows.hidden.shape != (n, self.n_embd):
-                    raise EngineError(f"shard {self.layers} takes hidden rows of shape ({n}, {self.n_embd})")
+                assert rows.hidden is not None
                 h = torch.from_numpy(np.ascontiguousarray(rows.hidden, dtype=np.float32)).to(self.dtype)
             positions = torch.from_numpy(rows.positions.astype(np.int64))[None]
             cos, sin = self.rotary(h[None], positions)

@@ -194,8 +194,9 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
         tracker = launch(
             "tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t"), "--expire-after", "3"]
         )
+        ids: dict[str, str] = {}
         for name, layers in (("a", "0:15"), ("b", "15:30"), ("c", "0:15"), ("d", "15:30")):
-            launch(
+            ids[name] = launch(
                 name,
                 [
                     "up",
@@ -214,7 +215,7 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
                     "--ctx",
                     "512",
                 ],
-            )
+            )["node_id"]
         gateway = launch(
             "gateway",
             [
@@ -238,16 +239,21 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
                 json={"model": "smollm2-135m", "messages": MESSAGES, "max_tokens": 4, "temperature": 0},
             )
 
-        assert ask().status_code == 200
+        first = ask()
+        assert first.status_code == 200
+        # kill the tail the tracker prefers (it picks among near-cheapest routes only, so
+        # a tail measured slower at start may never be chosen while the other lives)
+        tail = first.json()["route"][-1]["node_id"]
+        killed, other = ("b", "d") if ids["b"].startswith(tail) else ("d", "b")
         by_name = {p.name: p for p in processes}
-        by_name["b"].signal(signal.SIGKILL)
+        by_name[killed].signal(signal.SIGKILL)
         # before the tracker notices, routes through b fail before their first token: the gateway retries
         results = [ask().status_code for _ in range(10)]
         assert results == [200] * 10
         assert _get(url + "/status")["counters"]["retries"] >= 1
         time.sleep(4)  # b's heartbeats lapse
         assert all(ask().status_code == 200 for _ in range(4))
-        by_name["d"].signal(signal.SIGKILL)
+        by_name[other].signal(signal.SIGKILL)
         time.sleep(4)
         gone = ask()
         assert gone.status_code == 503

@@ -127,6 +127,7 @@ def test_bad_input_gets_a_typed_error(built: dict[str, lanes.Lane], prompt_token
     with torchengine.TorchEngine(path, torchengine.TorchRecipe(n_ctx_per_seq=64), LayerRange(0, 4)) as engine:
         assert engine.quant == "BF16"
         engine.run(rows(0, 0, prompt_tokens[:4]))
+        held = engine.memory()
         with pytest.raises(EngineError, match="must continue at 4"):
             engine.run(rows(0, 7, prompt_tokens[:1]))
         with pytest.raises(EngineError, match="token ids"):
@@ -135,7 +136,9 @@ def test_bad_input_gets_a_typed_error(built: dict[str, lanes.Lane], prompt_token
             engine.run(rows(2, 0, list(range(65))))
         with pytest.raises(EngineError, match="sequence ids"):
             engine.run(rows(99, 0, [1]))
+        # a refused batch changes nothing: no cache was made or grown
         assert engine.positions(0) == (0, 3) and engine.positions(1) is None and engine.positions(2) is None
+        assert engine.memory() == held
     with pytest.raises(EngineError, match="not a directory"):
         torchengine.TorchEngine(built["gguf-q4_1"].path, torchengine.TorchRecipe())
     with pytest.raises(EngineError, match=r"no config\.json"):
