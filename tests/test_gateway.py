@@ -182,6 +182,10 @@ def test_a_client_that_disconnects_mid_stream_frees_every_node(system: localsyst
     _wait_nodes_idle(system, within=10)
 
 
+# seconds without a heartbeat before the tracker drops a node, in the route-around test
+EXPIRE = 8
+
+
 def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_path: Path) -> None:
     processes: list[ManagedProcess] = []
 
@@ -192,7 +196,8 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
 
     try:
         tracker = launch(
-            "tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t"), "--expire-after", "3"]
+            "tracker",
+            ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t"), "--expire-after", str(EXPIRE)],
         )
         ids: dict[str, str] = {}
         for name, layers in (("a", "0:15"), ("b", "15:30"), ("c", "0:15"), ("d", "15:30")):
@@ -241,8 +246,10 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
 
         first = ask()
         assert first.status_code == 200
-        # kill the tail the tracker prefers (it picks among near-cheapest routes only, so
-        # a tail measured slower at start may never be chosen while the other lives)
+        # kill the tail the tracker chose: it picks among routes within 10 % of the cheapest,
+        # so a tail measured slower at start might never be chosen while the other lives.
+        # The tracker keeps the killed node for EXPIRE seconds (heartbeats every 2), long
+        # enough for the ten requests below to meet it and be retried elsewhere.
         tail = first.json()["route"][-1]["node_id"]
         killed, other = ("b", "d") if ids["b"].startswith(tail) else ("d", "b")
         by_name = {p.name: p for p in processes}
@@ -251,10 +258,10 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
         results = [ask().status_code for _ in range(10)]
         assert results == [200] * 10
         assert _get(url + "/status")["counters"]["retries"] >= 1
-        time.sleep(4)  # b's heartbeats lapse
+        time.sleep(EXPIRE + 1.5)  # the killed node's heartbeats lapse
         assert all(ask().status_code == 200 for _ in range(4))
         by_name[other].signal(signal.SIGKILL)
-        time.sleep(4)
+        time.sleep(EXPIRE + 1.5)
         gone = ask()
         assert gone.status_code == 503
         assert gone.json()["error"]["code"] == "no_route"
