@@ -209,8 +209,8 @@ async def _send_and_listen(connector: GrpcConnector, address: str, frames: list[
                 if event is not None:
                     return f"reply:{type(event).__name__}"
         return "no_reply_in_3s"
-    except TransportError:
-        return "closed"
+    except TransportError as exc:
+        return f"closed:{exc.code.name}"
     finally:
         await stream.aclose()
 

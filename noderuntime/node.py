@@ -216,7 +216,13 @@ class Node:
         try:
             with trio.fail_after(self.config.idle_timeout):
                 first = await conn.receive()
-        except (ProtocolError, TransportError, trio.TooSlowError) as exc:
+        except ProtocolError as exc:
+            # no session yet, so no identity to address an Error frame to: the status goes in the stream's end
+            log.info("refused a seam before it opened a session: %s", exc)
+            self.metrics.admissions_refused.labels(exc.code.name).inc()
+            await conn.abort(exc)
+            return
+        except (TransportError, trio.TooSlowError) as exc:
             log.info("dropped a seam before it opened a session: %s", exc)
             await conn.aclose()
             return

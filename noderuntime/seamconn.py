@@ -113,6 +113,13 @@ class SeamConnection:
         if self.endpoint is not None:
             await self.notify(error_event(self.endpoint, error, node_id))
 
+    async def abort(self, error: ProtocolError) -> None:
+        """End the stream at once with ``error``'s status, for a peer with no session to tell."""
+        if not self._closed:
+            self._closed = True
+            with trio.CancelScope(shield=True):
+                await self.stream.abort(error.code, error.message)
+
     async def aclose(self) -> None:
         """Close the stream; idempotent, does not wait for the peer."""
         if not self._closed:

@@ -56,7 +56,7 @@ def bytes_field(field: int, data: bytes) -> bytes:
 def read_varint(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
     """(value, next position); at most ten bytes, never past ``end``."""
     if pos >= end:
-        raise RemoteProtocolError("truncated varint")
+        raise RemoteProtocolError("malformed protobuf: truncated varint")
     byte = buf[pos]
     if byte < 0x80:
         return byte, pos + 1
@@ -65,17 +65,17 @@ def read_varint(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
     pos += 1
     while True:
         if pos >= end:
-            raise RemoteProtocolError("truncated varint")
+            raise RemoteProtocolError("malformed protobuf: truncated varint")
         byte = buf[pos]
         pos += 1
         result |= (byte & 0x7F) << shift
         if byte < 0x80:
             if result > _UINT64_MAX:
-                raise RemoteProtocolError("varint larger than 64 bits")
+                raise RemoteProtocolError("malformed protobuf: varint larger than 64 bits")
             return result, pos
         shift += 7
         if shift >= 70:
-            raise RemoteProtocolError("varint longer than ten bytes")
+            raise RemoteProtocolError("malformed protobuf: varint longer than ten bytes")
 
 
 def fields(buf: bytes | memoryview, pos: int, end: int) -> list[tuple[int, int, int, int]]:
@@ -90,7 +90,7 @@ def fields(buf: bytes | memoryview, pos: int, end: int) -> list[tuple[int, int, 
         key, pos = read_varint(buf, pos, end)
         number, wire_type = key >> 3, key & 7
         if number == 0:
-            raise RemoteProtocolError("field number 0")
+            raise RemoteProtocolError("malformed protobuf: field number 0")
         if wire_type == VARINT:
             value, pos = read_varint(buf, pos, end)
             out.append((number, VARINT, value, 0))
@@ -98,7 +98,9 @@ def fields(buf: bytes | memoryview, pos: int, end: int) -> list[tuple[int, int, 
             length, pos = read_varint(buf, pos, end)
             stop = pos + length
             if stop > end:
-                raise RemoteProtocolError(f"field {number} declares {length} bytes, {end - pos} remain")
+                raise RemoteProtocolError(
+                    f"malformed protobuf: field {number} declares {length} bytes, {end - pos} remain"
+                )
             out.append((number, LEN, pos, stop))
             pos = stop
         elif wire_type == I64:
@@ -106,9 +108,9 @@ def fields(buf: bytes | memoryview, pos: int, end: int) -> list[tuple[int, int, 
         elif wire_type == I32:
             pos += 4
         else:
-            raise RemoteProtocolError(f"wire type {wire_type} is not supported")
+            raise RemoteProtocolError(f"malformed protobuf: wire type {wire_type} is not supported")
         if pos > end:
-            raise RemoteProtocolError("truncated fixed-width field")
+            raise RemoteProtocolError("malformed protobuf: truncated fixed-width field")
     return out
 
 

@@ -31,8 +31,16 @@ CLOSE_NOT_CONNECTED = 4404  # the target node has no control connection
 CLOSE_TIMEOUT = 4408  # the target did not dial in
 CLOSE_BUSY = 4429  # relay limits reached
 CLOSE_PEER_GONE = 4410  # the other side of the pair left
+# A side of a pair that ends its seam with a status closes with this base + the status
+# code (0..16) and the status message as reason; the relay closes the other side alike.
+CLOSE_STATUS_BASE = 4500
 
 MAX_CONTROL_BYTES = 16 << 10
+
+
+def is_status_close(code: int | None) -> bool:
+    """Whether a close code carries a seam status (see :data:`CLOSE_STATUS_BASE`)."""
+    return code is not None and CLOSE_STATUS_BASE <= code <= CLOSE_STATUS_BASE + 16
 
 
 class ControlError(ValueError):

@@ -37,6 +37,8 @@ class _Pair:
     accepted: trio.Event = attrs.Factory(trio.Event)
     acceptor: WebSocketConnection | None = None
     done: trio.Event = attrs.Factory(trio.Event)
+    # a status one side closed its seam with, passed on to the other side
+    status: tuple[int, str] | None = None
 
 
 @attrs.frozen
@@ -203,18 +205,21 @@ class Relay:
             for ws in (a, b):
                 await ws.send_message(m.dump("paired"))
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._pipe, a, b, nursery.cancel_scope)
-                nursery.start_soon(self._pipe, b, a, nursery.cancel_scope)
+                nursery.start_soon(self._pipe, pair, a, b, nursery.cancel_scope)
+                nursery.start_soon(self._pipe, pair, b, a, nursery.cancel_scope)
         except ConnectionClosed:
             pass
         finally:
             self._active -= 1
             with trio.move_on_after(1.0) as scope:
                 scope.shield = True
+                code, reason = pair.status or (m.CLOSE_PEER_GONE, "the other side of the seam left")
                 for ws in (a, b):
-                    await ws.aclose(m.CLOSE_PEER_GONE, "the other side of the seam left")
+                    await ws.aclose(code, reason)
 
-    async def _pipe(self, src: WebSocketConnection, dst: WebSocketConnection, scope: trio.CancelScope) -> None:
+    async def _pipe(
+        self, pair: _Pair, src: WebSocketConnection, dst: WebSocketConnection, scope: trio.CancelScope
+    ) -> None:
         try:
             while True:
                 message = await src.get_message()
@@ -223,8 +228,10 @@ class Relay:
                 await dst.send_message(message)
                 self._forwarded += len(message)
                 self.metrics.bytes.inc(len(message))
-        except ConnectionClosed:
-            pass
+        except ConnectionClosed as exc:
+            closed = exc.reason
+            if closed is not None and m.is_status_close(closed.code) and pair.status is None:
+                pair.status = (closed.code, closed.reason or "")
         finally:
             scope.cancel()
 

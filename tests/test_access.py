@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -116,6 +117,43 @@ async def test_a_relay_pair_needs_a_valid_ticket(cluster: Cluster) -> None:
         with pytest.raises(StreamBroken) as refused:
             await dialer.dial(cluster.relay_info["url"], tail.node_id, session_id=session, epoch=0, ticket=wrong)
         assert refused.value.code == StatusCode.PERMISSION_DENIED
+
+
+@pytest.mark.parametrize("hop", [0, 1], ids=["grpc", "relay"])
+async def test_a_seam_whose_first_frame_is_not_a_frame_gets_a_typed_status_at_once(cluster: Cluster, hop: int) -> None:
+    """Bytes that never become a session leave no Error frame to send; the stream's end carries the status."""
+    from noderuntime.transport.grpc import AsyncioThread, GrpcConnector
+
+    session = os.urandom(16)
+    async with trio.open_nursery() as nursery:
+        runtime = connector = None
+        if hop == 0:
+            runtime = AsyncioThread()
+            connector = GrpcConnector(runtime, max_frame_bytes=1 << 20)
+            stream: Any = await connector.open(cluster.infos[0]["address"])
+        else:
+            assert cluster.relay_info is not None
+            stream = await RelayDialer(nursery).dial(
+                cluster.relay_info["url"],
+                cluster.hops[1].node_id,
+                session_id=session,
+                epoch=0,
+                ticket=cluster.ticket(session),
+            )
+        try:
+            await stream.send(b"\x00not a seam frame")
+            started = time.monotonic()
+            with trio.fail_after(2), pytest.raises(StreamBroken) as refused:
+                await stream.receive()
+            assert time.monotonic() - started < 1.0
+            assert refused.value.code == StatusCode.INVALID_ARGUMENT, refused.value
+            assert "malformed protobuf" in str(refused.value)
+        finally:
+            await stream.aclose()
+            if connector is not None and runtime is not None:
+                await connector.close()
+                runtime.close()
+    await cluster.wait_idle()
 
 
 async def test_nobody_else_joins_or_reads_a_relayed_session(cluster: Cluster) -> None:

@@ -92,6 +92,20 @@ async def test_closing_one_end_ends_the_other(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
+async def test_aborting_the_serving_end_tells_the_peer_its_status_at_once(kind: str) -> None:
+    async with seam(kind) as (client, server):
+        await client.send(b"not a frame")
+        assert await server.receive() == b"not a frame"
+        await server.abort(StatusCode.INVALID_ARGUMENT, "the first frame is not a seam frame")
+        await server.abort(StatusCode.INVALID_ARGUMENT, "again")  # idempotent
+        with trio.fail_after(1), pytest.raises(StreamBroken) as caught:
+            await client.receive()
+        assert caught.value.code == StatusCode.INVALID_ARGUMENT
+        assert "the first frame is not a seam frame" in str(caught.value)
+        await client.aclose()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 async def test_a_reader_that_stops_holds_back_the_sender(kind: str) -> None:
     frame = os.urandom(256 << 10)
     async with seam(kind) as (client, server):

@@ -29,7 +29,9 @@ class FrameStream(Protocol):
     ``send`` applies backpressure: it blocks while the peer is not reading.
     ``receive`` raises :class:`StreamClosed` when the peer closed cleanly and
     :class:`StreamBroken` on a reset. ``aclose`` is idempotent and does not wait
-    for the peer.
+    for the peer. ``abort`` ends the stream with a status the peer's ``receive``
+    raises (as :class:`StreamBroken` with that code): the answer to a peer whose
+    bytes never became a session, so there is no session to send an Error frame in.
     """
 
     async def send(self, frame: bytes) -> None:
@@ -42,4 +44,8 @@ class FrameStream(Protocol):
 
     async def aclose(self) -> None:
         """Close both directions."""
+        ...
+
+    async def abort(self, code: StatusCode, message: str) -> None:
+        """Close both directions at once, telling the peer ``code`` and ``message``."""
         ...

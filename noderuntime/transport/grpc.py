@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import grpclib.const
 import grpclib.exceptions
+import grpclib.metadata
 import grpclib.server
 import trio
 from grpclib.client import Channel
@@ -222,8 +223,11 @@ class GrpcFrameStream:
 
     kind = "grpc"
 
-    def __init__(self, runtime: AsyncioThread, token: trio.lowlevel.TrioToken, peer: str) -> None:
+    def __init__(
+        self, runtime: AsyncioThread, token: trio.lowlevel.TrioToken, peer: str, *, server_side: bool = False
+    ) -> None:
         self.peer = peer
+        self.server_side = server_side
         self._runtime = runtime
         self.outbound = _Pipe(runtime.loop, token, trio_to_aio=True)
         self.inbound = _Pipe(runtime.loop, token, trio_to_aio=False)
@@ -258,6 +262,16 @@ class GrpcFrameStream:
             loop = self._runtime.loop
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(lambda: loop.call_later(CLOSE_GRACE, task.cancel))
+
+    async def abort(self, code: StatusCode, message: str) -> None:
+        """End the stream now with ``code``: as the call's status on the serving side, a reset on the calling side."""
+        if not self.server_side:
+            self.reset()  # a gRPC client cannot send a status
+            return
+        self._closed = True
+        # the writer meets the error in place of a frame and ends the call with it (see GrpcServer._handle)
+        self.outbound.drop(StreamBroken(message, code))
+        self.inbound.drop(StreamClosed("the seam was aborted"))
 
     def reset(self) -> None:
         """Reset the stream now (RST_STREAM); idempotent."""
@@ -298,6 +312,28 @@ async def _recv_prefixed(stream: Any, limit: int) -> bytes | None:
     return data
 
 
+def _trailer_status(grpc_stream: Any, peer: str) -> StreamBroken | None:
+    """The non-OK status in trailers the server already sent, if any.
+
+    A server that ends a call before the client ended its side resets the stream right
+    after the trailers; the reset must not hide the status. (grpclib 0.4.9 internals.)
+    """
+    inner = getattr(grpc_stream, "_stream", None)
+    for headers in (getattr(inner, "trailers", None), getattr(inner, "headers", None)):
+        fields = dict(headers or ())
+        if "grpc-status" not in fields:
+            continue
+        try:
+            code = StatusCode.coerce(int(fields["grpc-status"]))
+        except ValueError:
+            code = StatusCode.UNKNOWN
+        if code == StatusCode.OK:
+            return None
+        message = grpclib.metadata.decode_grpc_message(fields.get("grpc-message", "")) or code.name
+        return StreamBroken(f"{peer} ended the seam: {message}", code)
+    return None
+
+
 async def _pump(grpc_stream: Any, ours: GrpcFrameStream, limit: int, *, client: bool) -> None:
     """Move frames both ways until our side ends (then end the HTTP/2 stream) or the peer does."""
 
@@ -313,6 +349,10 @@ async def _pump(grpc_stream: Any, ours: GrpcFrameStream, limit: int, *, client: 
                     break
                 await ours.inbound.put(frame)
             if client:
+                status = _trailer_status(grpc_stream, ours.peer)
+                if status is not None:
+                    ours.inbound.finish(status)
+                    return
                 await grpc_stream.recv_trailing_metadata()  # raises GRPCError for a non-OK status
             ours.inbound.finish(None)
         except TransportError as exc:
@@ -327,7 +367,10 @@ async def _pump(grpc_stream: Any, ours: GrpcFrameStream, limit: int, *, client: 
             ConnectionError,
             asyncio.IncompleteReadError,
         ) as exc:
-            ours.inbound.finish(StreamBroken(f"the seam with {ours.peer} was reset: {exc}", StatusCode.CANCELLED))
+            status = _trailer_status(grpc_stream, ours.peer) if client else None
+            ours.inbound.finish(
+                status or StreamBroken(f"the seam with {ours.peer} was reset: {exc}", StatusCode.CANCELLED)
+            )
 
     async def write() -> None:
         while True:
@@ -377,7 +420,7 @@ class GrpcServer:
 
     async def _handle(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
         peer = stream.peer.addr() if stream.peer is not None else None
-        ours = GrpcFrameStream(self._runtime, self._token, f"{peer[0]}:{peer[1]}" if peer else "peer")
+        ours = GrpcFrameStream(self._runtime, self._token, f"{peer[0]}:{peer[1]}" if peer else "peer", server_side=True)
         ours.task = asyncio.current_task()
         try:
             self._token.run_sync_soon(self._on_stream, ours)

@@ -7,6 +7,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from noderuntime.transport.base import StreamBroken, StreamClosed
 from protocol import StatusCode
+from relay import messages as m
 
 # A prefill chunk plus its frame header must pass in one message; trio-websocket's
 # default (1 MiB) closes the connection with 1009 on a 1 MiB tensor.
@@ -54,12 +55,24 @@ class WebSocketFrameStream:
             scope.shield = True
             await self.ws.aclose()
 
+    async def abort(self, code: StatusCode, message: str) -> None:
+        """Close with ``code`` carried in the close code (the relay passes it on), ``message`` as reason."""
+        self.closed.set()
+        with trio.move_on_after(1.0) as scope:
+            scope.shield = True
+            # a close reason is at most 123 bytes of UTF-8
+            reason = message.encode()[:120].decode(errors="ignore")
+            await self.ws.aclose(m.CLOSE_STATUS_BASE + int(code), reason)
+
 
 def _translate(exc: ConnectionClosed, peer: str) -> StreamClosed | StreamBroken:
     code = exc.reason.code if exc.reason is not None else None
     reason = exc.reason.reason if exc.reason is not None else ""
     if code == 1000:
         return StreamClosed(f"{peer} closed the seam")
+    if m.is_status_close(code):
+        assert code is not None
+        return StreamBroken(f"{peer} ended the seam: {reason}", StatusCode.coerce(code - m.CLOSE_STATUS_BASE))
     return StreamBroken(
         f"the seam through {peer} closed ({code}{': ' + reason if reason else ''})", StatusCode.UNAVAILABLE
     )
