@@ -298,7 +298,7 @@ def main() -> None:
             trio.run(soak_and_sample)
             elapsed = time.monotonic() - started
             idle = _wait_idle(system)
-            # closed client connections are let go when their keep-alive runs out (30 s)
+            # connections clients closed while idle are let go when the keep-alive runs out (10 s)
             settle_started = time.monotonic()
             while True:
                 final = _sample(system)

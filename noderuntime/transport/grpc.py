@@ -494,10 +494,12 @@ class GrpcConnector:
         async def run() -> None:
             assert opened is not None
             channel = self._channel(host, port, tls, tls_cert_sha256)
+            call = None
             try:
                 async with channel.request(
                     SEAM_METHOD, grpclib.const.Cardinality.STREAM_STREAM, bytes, bytes, timeout=stream_seconds
                 ) as stream:
+                    call = stream
                     await asyncio.wait_for(stream.send_request(), self._timeout)
                     if not opened.done():
                         opened.set_result(None)
@@ -506,7 +508,11 @@ class GrpcConnector:
                 if not opened.done():
                     opened.set_exception(exc)
                 if not isinstance(exc, asyncio.CancelledError):
-                    ours.inbound.finish(StreamBroken(f"the seam with {address} failed: {exc}", StatusCode.UNAVAILABLE))
+                    # a send that failed because the server ended the call: its status is the reason
+                    status = _trailer_status(call, address) if call is not None else None
+                    ours.inbound.finish(
+                        status or StreamBroken(f"the seam with {address} failed: {exc}", StatusCode.UNAVAILABLE)
+                    )
                 raise
 
         async def launch() -> None:
