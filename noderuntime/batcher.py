@@ -136,6 +136,9 @@ class Batcher:
         self._runner = runner or _in_thread
         self.leases = leases
         self.max_batch_tokens = max_batch_tokens
+        # equal prefill chunks share a tick only within one ubatch (see scheduler)
+        recipe = getattr(engine, "recipe", None)
+        self._group_rows = min(max_batch_tokens, getattr(recipe, "n_ubatch", max_batch_tokens))
         self._on_tick = on_tick
         self._waiting: list[_Work] = []
         self._retiring: list[tuple[int, Closable | None]] = []
@@ -257,7 +260,7 @@ class Batcher:
     async def _run_one_batch(self) -> None:
         by_seq = {w.request.seq_id: w for w in self._waiting}
         ready = [ReadyStep(w.request.seq_id, w.request.n_rows, w.request.decode) for w in self._waiting]
-        plan = schedule(ready, self.max_batch_tokens, self._tick)
+        plan = schedule(ready, self.max_batch_tokens, self._tick, group_rows=self._group_rows)
         # Rows in increasing sequence order: with one KV stream per sequence, llama.cpp puts
         # only consecutive increasing sequence ids into one ubatch (split_equal, sequential),
         # so any other order would run the batch as several graphs.

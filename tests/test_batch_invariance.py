@@ -4,28 +4,43 @@ Sessions with random prefill chunks and decode steps, at KV lengths into the hun
 run concurrently through one :class:`Batcher` over a real middle shard; every step's
 hidden rows must equal, bit for bit, the same session's steps run alone on a second
 engine. (Batching a prefill chunk with other sequences' steps breaks this: llama.cpp
-computes it in other ubatch shapes, and about one step in ten differs.)
+computes it in other ubatch shapes, and about one step in ten differs; chunks of one
+length batched together keep their shapes and must stay exact.)
 """
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 import trio
 
+from noderuntime import batcher as batcher_module
+from noderuntime import scheduler
 from noderuntime.artifacts import LayerRange
 from noderuntime.batcher import Batcher, StepRequest
 from noderuntime.engine import Recipe, ShardEngine
 from noderuntime.leases import LeaseManager
+from noderuntime.scheduler import BatchPlan
 from noderuntime.steps import Rows
 
 RECIPE = Recipe(n_threads=1, n_ctx_per_seq=1024, n_seq_max=6, n_batch=512, n_ubatch=512)
 LAYERS = LayerRange(10, 20)
 
 
-async def test_batched_steps_equal_the_same_steps_alone(smollm2: Path) -> None:
+async def test_batched_steps_equal_the_same_steps_alone(smollm2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    grouped: list[tuple[int, ...]] = []  # ticks that ran several prefill chunks (of one length) together
+
+    def recording(*args: Any, **kwargs: Any) -> BatchPlan:
+        plan = scheduler.schedule(*args, **kwargs)
+        if plan.n_decode == 0 and len(plan.steps) > 1:
+            grouped.append(tuple(step.n_rows for step in plan.steps))
+        return plan
+
+    monkeypatch.setattr(batcher_module, "schedule", recording)
     rng = random.Random(3)
     sessions = []
     for seq in range(6):
@@ -71,6 +86,8 @@ async def test_batched_steps_equal_the_same_steps_alone(smollm2: Path) -> None:
                     clients.start_soon(session, seq)
             nursery.cancel_scope.cancel()
         assert batcher.statistics().rows > 2 * batcher.statistics().ticks  # steps really shared ticks
+    # prefill chunks of one length shared ticks too, at different KV lengths (first chunks and later ones)
+    assert len(grouped) >= 3 and any(sizes[0] < 200 for sizes in grouped), grouped
 
     for seq in range(len(sessions)):
         for k, (a, b) in enumerate(zip(got[seq], expected[seq], strict=True)):

@@ -33,7 +33,7 @@ def test_leases_respect_the_kv_budget_and_the_context_per_sequence() -> None:
     assert leases.statistics().slots_free == 2
 
 
-def test_a_tick_runs_all_decode_steps_or_one_prefill_chunk_never_both() -> None:
+def test_a_tick_runs_all_decode_steps_or_prefill_chunks_never_both() -> None:
     ready = [ReadyStep(0, 128, False), ReadyStep(1, 1, True), ReadyStep(2, 64, False), ReadyStep(3, 1, True)]
     plans = [schedule(ready, budget=512, rotation=tick) for tick in range(4)]
     assert [[s.seq_id for s in plan.steps] for plan in plans] == [[1, 3], [0], [1, 3], [2]]
@@ -58,3 +58,13 @@ def test_decode_rows_beyond_the_budget_wait() -> None:
     ready = [ReadyStep(i, 1, True) for i in range(10)]
     plan = schedule(ready, budget=4)
     assert [s.seq_id for s in plan.steps] == [0, 1, 2, 3]
+
+
+def test_prefill_chunks_of_one_length_share_a_tick_within_the_group_rows() -> None:
+    ready = [ReadyStep(0, 64, False), ReadyStep(1, 100, False), ReadyStep(2, 64, False), ReadyStep(3, 64, False)]
+    assert [s.seq_id for s in schedule(ready, budget=512, rotation=0).steps] == [0, 2, 3]
+    assert [s.seq_id for s in schedule(ready, budget=512, rotation=2).steps] == [1]  # no other chunk of 100
+    assert [s.seq_id for s in schedule(ready, budget=512, rotation=0, group_rows=128).steps] == [0, 2]
+    # with decode steps waiting, prefill ticks still alternate with decode ticks
+    mixed = [*ready, ReadyStep(4, 1, True)]
+    assert [[s.seq_id for s in schedule(mixed, budget=512, rotation=t).steps] for t in range(2)] == [[4], [0, 2, 3]]
