@@ -102,6 +102,8 @@ async def test_aborting_the_serving_end_tells_the_peer_its_status_at_once(kind: 
             await client.receive()
         assert caught.value.code == StatusCode.INVALID_ARGUMENT
         assert "the first frame is not a seam frame" in str(caught.value)
+        with trio.fail_after(1), pytest.raises(TransportError):
+            await client.send(b"more")  # and the seam takes nothing more
         await client.aclose()
 
 

@@ -31,7 +31,7 @@ class MemoryFrameStream:
         try:
             await self._send.send(frame)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            raise StreamClosed("the peer closed the seam") from None
+            raise self._ends[1 - self._index] or StreamClosed("the peer closed the seam") from None
 
     async def receive(self) -> bytes:
         """The next frame; :class:`StreamClosed` once the peer closed."""
