@@ -9,6 +9,9 @@
    processes, seam over gRPC and over the relay, against the whole model decoding in one
    process with no network at all (the same engine, recipe and threads). Bytes per token
    counted on the wire between the shards. Goals: gRPC >= 0.90x, relay >= 0.85x.
+3. The same lanes on a random-weight model of Llama-3.2-1B's shape (Q4_0, written for the
+   run), whose token costs about three times SmolLM2's: how much of a route's gap is a
+   fixed cost per token and how much grows with the model.
 """
 
 from __future__ import annotations
@@ -29,6 +32,22 @@ from benchmarks import _common
 NAME = "seams"
 DECODE_FRAME = 2442
 PREFILL_FRAME = 256 * 576 * 4 + 300
+DEMO_CUTS = [0, 15, 30]
+# Llama-3.2-1B's shape (tied output, 128k vocabulary); random weights decode at the same speed
+LARGER_SHAPE: dict[str, Any] = {
+    "n_layer": 16,
+    "n_embd": 2048,
+    "n_ff": 8192,
+    "n_head": 32,
+    "n_head_kv": 8,
+    "n_vocab": 128256,
+    "rope_freq_base": 500000.0,
+}
+LARGER_CUTS = [0, 8, 16]
+ROUNDS = 5
+# the decode tok/s lanes, each run `repeats` times; ratios are between medians
+LANES = ("whole", "grpc", "relay", "head_alone", "tail_alone")
+LANES_1_CORE = ("whole_1core", "grpc_1core_each", "head_alone_1core", "tail_alone_1core")
 
 
 async def _round_trips(kind: str, size: int, count: int) -> list[float]:
@@ -54,43 +73,54 @@ async def _round_trips(kind: str, size: int, count: int) -> list[float]:
     return times
 
 
-def _whole_model_decode(model: str, new_tokens: int, threads: int = 2) -> float:
+def _engine_decode(model: str, new_tokens: int, threads: int = 2, layers: tuple[int, int] | None = None) -> float:
+    """Decode tok/s of the whole model, or of one layer range alone, in this process with no network.
+
+    A range that is not the head is fed random hidden rows (its speed does not depend on
+    their values); the tail samples as the whole model does.
+    """
+    from noderuntime.artifacts import LayerRange
     from noderuntime.engine import Recipe, Rows, SamplingParams, ShardEngine
 
     recipe = Recipe(n_threads=threads, n_ctx_per_seq=512, n_seq_max=4, n_batch=512, n_ubatch=512)
-    with ShardEngine(model, recipe) as engine:
-        chain = engine.new_sampler(SamplingParams())
-        prompt = np.arange(100, 140, dtype=np.int32)
-        out = np.zeros(len(prompt), bool)
-        out[-1] = True
-        result = engine.run(
-            Rows(np.zeros(len(prompt), np.int32), np.arange(len(prompt), dtype=np.int32), out, tokens=prompt),
-            samplers={len(prompt) - 1: chain},
-        )
-        token = result.sampled[len(prompt) - 1]
-        started = time.perf_counter()
-        for step in range(new_tokens):
-            result = engine.run(
-                Rows(
-                    np.zeros(1, np.int32),
-                    np.array([len(prompt) + step], np.int32),
-                    np.ones(1, bool),
-                    tokens=np.array([token], np.int32),
-                ),
-                samplers={0: chain},
+    rng = np.random.default_rng(0)
+    with ShardEngine(model, recipe, None if layers is None else LayerRange(*layers)) as engine:
+        chain = engine.new_sampler(SamplingParams()) if engine.is_tail else None
+
+        def step(start: int, tokens: np.ndarray) -> int | None:
+            n = len(tokens)
+            out = np.zeros(n, bool)
+            out[-1] = True
+            hidden = None if engine.is_head else (rng.standard_normal((n, engine.n_embd)) * 0.1).astype(np.float32)
+            rows = Rows(
+                np.zeros(n, np.int32),
+                np.arange(start, start + n, dtype=np.int32),
+                out,
+                tokens=tokens if engine.is_head else None,
+                hidden=hidden,
             )
-            token = result.sampled[0]
+            result = engine.run(rows, samplers={n - 1: chain} if chain is not None else None)
+            return result.sampled.get(n - 1)
+
+        prompt = np.arange(100, 140, dtype=np.int32)
+        token = step(0, prompt)
+        started = time.perf_counter()
+        for i in range(new_tokens):
+            token = step(len(prompt) + i, np.array([token if token is not None else 100], np.int32))
         seconds = time.perf_counter() - started
-        chain.close()
+        if chain is not None:
+            chain.close()
     return new_tokens / seconds
 
 
-async def _route_rate(cluster: Any, dialer: Any, new_tokens: int) -> float:
+async def _route_rate(cluster: Any, dialer: Any, new_tokens: int, ticks: list[list[float]] | None = None) -> float:
+    """One session's decode tok/s; appends each shard's mean decode tick (ms) to ``ticks``."""
     from noderuntime.client import GenerationRequest, open_route_generation
 
     session = os.urandom(16)
     request = GenerationRequest(tuple(range(100, 140)), new_tokens + 1)
     arrivals = []
+    before: list[dict[str, Any]] = []
     async with open_route_generation(
         dialer,
         cluster.hops,
@@ -102,67 +132,89 @@ async def _route_rate(cluster: Any, dialer: Any, new_tokens: int) -> float:
     ) as gen:
         while await gen.next() is not None:
             arrivals.append(time.perf_counter())
+            if ticks is not None and len(arrivals) == 1:  # the prompt's ticks are done: decode ticks from here
+                before = [(await cluster.status(i))["batcher"] for i in range(len(cluster.hops))]
+    if ticks is not None:
+        after = [(await cluster.status(i))["batcher"] for i in range(len(cluster.hops))]
+        ticks.append(
+            [
+                (b["busy_seconds"] - a["busy_seconds"]) / (b["ticks"] - a["ticks"]) * 1e3
+                for a, b in zip(before, after, strict=True)
+            ]
+        )
     return (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
 
 
-def _pinned_whole(conn: Any, model: str, new_tokens: int) -> None:
+def _pinned_engine(conn: Any, model: str, new_tokens: int, layers: tuple[int, int] | None) -> None:
     os.sched_setaffinity(0, {0})
-    conn.send(_whole_model_decode(model, new_tokens, threads=1))
+    conn.send(_engine_decode(model, new_tokens, 1, layers))
 
 
-def _whole_on_one_core(model: str, new_tokens: int) -> float:
+def _engine_on_one_core(model: str, new_tokens: int, layers: tuple[int, int] | None = None) -> float:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_pinned_whole, args=(child, model, new_tokens))
+    proc = ctx.Process(target=_pinned_engine, args=(child, model, new_tokens, layers))
     proc.start()
     rate: float = parent.recv()
     proc.join()
     return rate
 
 
-async def _pinned_lanes(model: Path, new_tokens: int, repeats: int) -> dict[str, Any]:
+def _median_ticks(ticks: list[list[float]]) -> list[float]:
+    return [statistics.median(run[i] for run in ticks) for i in range(len(ticks[0]))]
+
+
+async def _pinned_lanes(model: Path, cuts: list[int], new_tokens: int, repeats: int) -> dict[str, Any]:
     """One core per shard process (as if each were its own 1-core host) vs the whole model on one core."""
     from noderuntime.dialer import open_dialer
     from tests.clusters import running_cluster
 
-    rates: dict[str, Any] = {"whole_1core": [], "grpc_1core_each": []}
+    rates: dict[str, Any] = {"whole_1core": [], "grpc_1core_each": [], "head_alone_1core": [], "tail_alone_1core": []}
+    head, tail = (cuts[0], cuts[1]), (cuts[1], cuts[2])
+    ticks: list[list[float]] = []
     prefix = [["taskset", "-c", "0"], ["taskset", "-c", "1"]]
     with (
         tempfile.TemporaryDirectory() as tmp,
-        running_cluster(model, [0, 15, 30], Path(tmp), slots=4, threads=1, prefix=prefix) as direct,
+        running_cluster(model, cuts, Path(tmp), slots=4, threads=1, prefix=prefix) as direct,
     ):
         async with open_dialer() as dialer:
             await _route_rate(direct, dialer, 8)
             for _ in range(repeats):
-                rates["whole_1core"].append(await trio.to_thread.run_sync(_whole_on_one_core, str(model), new_tokens))
-                rates["grpc_1core_each"].append(await _route_rate(direct, dialer, new_tokens))
-            ticks = [(await direct.status(i))["batcher"] for i in range(2)]
-            rates["engine_ms_per_tick"] = [t["busy_seconds"] / t["ticks"] * 1e3 for t in ticks]
+                rates["whole_1core"].append(await trio.to_thread.run_sync(_engine_on_one_core, str(model), new_tokens))
+                rates["grpc_1core_each"].append(await _route_rate(direct, dialer, new_tokens, ticks))
+                for name, layers in (("head_alone_1core", head), ("tail_alone_1core", tail)):
+                    rates[name].append(
+                        await trio.to_thread.run_sync(_engine_on_one_core, str(model), new_tokens, layers)
+                    )
+            rates["decode_tick_ms"] = ticks
     return rates
 
 
-async def _lanes(model: Path, new_tokens: int, repeats: int) -> dict[str, list[float]]:
+async def _lanes(model: Path, cuts: list[int], new_tokens: int, repeats: int) -> dict[str, list[float]]:
     """Whole model, gRPC route and relay route, interleaved run by run (the machine is shared and noisy)."""
     from noderuntime.dialer import open_dialer
     from tests.clusters import running_cluster
 
-    rates: dict[str, Any] = {"whole": [], "grpc": [], "relay": []}
+    rates: dict[str, Any] = {"whole": [], "grpc": [], "relay": [], "head_alone": [], "tail_alone": []}
+    head, tail = (cuts[0], cuts[1]), (cuts[1], cuts[2])
+    grpc_ticks: list[list[float]] = []
+    relay_ticks: list[list[float]] = []
     with (
         tempfile.TemporaryDirectory() as tmp,
-        running_cluster(model, [0, 15, 30], Path(tmp) / "grpc", slots=4, threads=2) as direct,
-        running_cluster(model, [0, 15, 30], Path(tmp) / "relay", relay_only=[1], slots=4, threads=2) as relayed,
+        running_cluster(model, cuts, Path(tmp) / "grpc", slots=4, threads=2) as direct,
+        running_cluster(model, cuts, Path(tmp) / "relay", relay_only=[1], slots=4, threads=2) as relayed,
     ):
         async with open_dialer() as dialer:
             await _route_rate(direct, dialer, 8)  # warm-up: connections, page cache
             await _route_rate(relayed, dialer, 8)
             for _ in range(repeats):
-                rates["whole"].append(await trio.to_thread.run_sync(_whole_model_decode, str(model), new_tokens))
-                rates["grpc"].append(await _route_rate(direct, dialer, new_tokens))
-                rates["relay"].append(await _route_rate(relayed, dialer, new_tokens))
-            # where a route's time goes: engine time per tick on each shard (from /status)
-            for name, cluster in (("grpc", direct), ("relay", relayed)):
-                ticks = [(await cluster.status(i))["batcher"] for i in range(2)]
-                rates[f"{name}_engine_ms_per_tick"] = [t["busy_seconds"] / t["ticks"] * 1e3 for t in ticks]
+                rates["whole"].append(await trio.to_thread.run_sync(_engine_decode, str(model), new_tokens))
+                rates["grpc"].append(await _route_rate(direct, dialer, new_tokens, grpc_ticks))
+                rates["relay"].append(await _route_rate(relayed, dialer, new_tokens, relay_ticks))
+                for name, layers in (("head_alone", head), ("tail_alone", tail)):
+                    rates[name].append(await trio.to_thread.run_sync(_engine_decode, str(model), new_tokens, 2, layers))
+            rates["grpc_decode_tick_ms"] = grpc_ticks
+            rates["relay_decode_tick_ms"] = relay_ticks
     return rates
 
 
@@ -190,47 +242,72 @@ def main(argv: list[str] | None = None) -> int:
     new_tokens = 32 if args.quick else 128
     repeats = 2 if args.quick else 7
     hops: dict[str, Any] = {}
-    for kind in ("memory", "grpc", "relay"):
-        small = trio.run(_round_trips, kind, DECODE_FRAME, count)
-        large = trio.run(_round_trips, kind, PREFILL_FRAME, big_count)
+    kinds = ("memory", "grpc", "relay")
+    small: dict[str, list[float]] = {k: [] for k in kinds}
+    large: dict[str, list[float]] = {k: [] for k in kinds}
+    # transports take turns over several rounds: this shared machine drifts between fast and
+    # slow spells lasting seconds, and one transport measured in one spell would carry it
+    for _ in range(ROUNDS):
+        for kind in kinds:
+            small[kind] += trio.run(_round_trips, kind, DECODE_FRAME, count // ROUNDS)
+            large[kind] += trio.run(_round_trips, kind, PREFILL_FRAME, big_count // ROUNDS)
+    for kind in kinds:
         hops[kind] = {
             "decode_frame_bytes": DECODE_FRAME,
-            "decode_rtt_p50_us": _common.percentile(small, 50) * 1e6,
-            "decode_rtt_p95_us": _common.percentile(small, 95) * 1e6,
+            "decode_rtt_p50_us": _common.percentile(small[kind], 50) * 1e6,
+            "decode_rtt_p95_us": _common.percentile(small[kind], 95) * 1e6,
             "prefill_frame_bytes": PREFILL_FRAME,
-            "prefill_rtt_p50_ms": _common.percentile(large, 50) * 1e3,
-            "prefill_rtt_p95_ms": _common.percentile(large, 95) * 1e3,
+            "prefill_rtt_p50_ms": _common.percentile(large[kind], 50) * 1e3,
+            "prefill_rtt_p95_ms": _common.percentile(large[kind], 95) * 1e3,
         }
-    rates = trio.run(_lanes, model, new_tokens, repeats)
-    pinned = trio.run(_pinned_lanes, model, new_tokens, repeats)
-    whole_1 = statistics.median(pinned["whole_1core"])
-    grpc_1 = statistics.median(pinned["grpc_1core_each"])
-    whole_rate = statistics.median(rates["whole"])
-    grpc_route = {"decode_tok_s": statistics.median(rates["grpc"])}
-    relay_route = {"decode_tok_s": statistics.median(rates["relay"])}
+    demo = _route_figures(
+        trio.run(_lanes, model, DEMO_CUTS, new_tokens, repeats), model, DEMO_CUTS, new_tokens, repeats
+    )
+    larger_tokens = 16 if args.quick else 64
+    larger_repeats = 2 if args.quick else 7
+    with tempfile.TemporaryDirectory(prefix="seams-") as tmp:
+        from noderuntime import synth
+
+        larger_path = synth.write_llama(
+            Path(tmp) / "llama-1b-shape.gguf", synth.LlamaShape(**LARGER_SHAPE), quant="Q4_0", name="seams-1b-shape"
+        )
+        larger = _route_figures(
+            trio.run(_lanes, larger_path, LARGER_CUTS, larger_tokens, larger_repeats),
+            larger_path,
+            LARGER_CUTS,
+            larger_tokens,
+            larger_repeats,
+        )
+        larger |= {
+            "shape": LARGER_SHAPE,
+            "quant": "Q4_0",
+            "model_bytes": larger_path.stat().st_size,
+            "cuts": LARGER_CUTS,
+            "new_tokens": larger_tokens,
+            "repeats": larger_repeats,
+        }
     figures = {
         "hops": hops,
-        "whole_model_one_process_decode_tok_s": whole_rate,
-        "route_grpc_decode_tok_s": grpc_route["decode_tok_s"],
-        "route_relay_decode_tok_s": relay_route["decode_tok_s"],
-        "route_grpc_over_whole": grpc_route["decode_tok_s"] / whole_rate,
-        "route_relay_over_whole": relay_route["decode_tok_s"] / whole_rate,
+        "whole_model_one_process_decode_tok_s": demo["whole_decode_tok_s"],
+        "route_grpc_decode_tok_s": demo["grpc_decode_tok_s"],
+        "route_relay_decode_tok_s": demo["relay_decode_tok_s"],
+        "route_grpc_over_whole": demo["grpc_over_whole"],
+        "route_relay_over_whole": demo["relay_over_whole"],
         "seam_bytes_per_decode_token": _seam_bytes_per_token(str(model)),
-        "route_grpc_ms_per_token": 1e3 / grpc_route["decode_tok_s"],
-        "route_grpc_engine_ms_per_tick_head_tail": rates["grpc_engine_ms_per_tick"],
-        "route_relay_ms_per_token": 1e3 / relay_route["decode_tok_s"],
-        "route_relay_engine_ms_per_tick_head_tail": rates["relay_engine_ms_per_tick"],
-        "whole_model_ms_per_token": 1e3 / whole_rate,
-        "pinned_one_core_per_process": {
-            "whole_model_1_core_decode_tok_s": whole_1,
-            "route_grpc_1_core_per_shard_decode_tok_s": grpc_1,
-            "route_over_whole": grpc_1 / whole_1,
-            "engine_ms_per_tick_head_tail": pinned["engine_ms_per_tick"],
-            "raw": pinned,
-        },
-        "goal_grpc_0_90": grpc_route["decode_tok_s"] / whole_rate >= 0.90,
-        "goal_relay_0_85": relay_route["decode_tok_s"] / whole_rate >= 0.85,
-        "raw": rates,
+        "route_grpc_ms_per_token": 1e3 / demo["grpc_decode_tok_s"],
+        "route_grpc_decode_tick_ms_head_tail": demo["decode_tick_ms_head_tail"]["grpc"],
+        "route_relay_ms_per_token": 1e3 / demo["relay_decode_tok_s"],
+        "route_relay_decode_tick_ms_head_tail": demo["decode_tick_ms_head_tail"]["relay"],
+        "whole_model_ms_per_token": 1e3 / demo["whole_decode_tok_s"],
+        "route_gap_ms_per_token": demo["gap_ms_per_token"],
+        "where_the_gap_goes_ms": demo["where_the_gap_goes_ms"],
+        "decode_tick_ms_head_tail": demo["decode_tick_ms_head_tail"],
+        "alone_decode_tok_s": demo["alone_decode_tok_s"],
+        "pinned_one_core_per_process": demo["pinned_one_core_per_process"],
+        "goal_grpc_0_90": demo["grpc_over_whole"] >= 0.90,
+        "goal_relay_0_85": demo["relay_over_whole"] >= 0.85,
+        "raw": demo["raw"],
+        "larger_model": larger,
     }
     info = artifacts.inspect(model)
     path = _common.out_path(NAME, args)
@@ -244,10 +321,12 @@ def main(argv: list[str] | None = None) -> int:
             "new_tokens": new_tokens,
             "repeats": repeats,
             "round_trips": count,
-            "cuts": [0, 15, 30],
+            "round_trip_rounds": ROUNDS,
+            "cuts": DEMO_CUTS,
             "processes": "one per shard, 2 threads each, on this 2-core machine",
         },
     )
+    png = _plot(path, demo, larger)
     print(
         _common.table(
             ["transport", "decode RTT p50 µs", "p95 µs", "prefill RTT p50 ms", "p95 ms"],
@@ -257,22 +336,112 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
     )
+    rows = []
+    for label, lane in (("SmolLM2-135M", demo), ("1B-shape", larger)):
+        pinned = lane["pinned_one_core_per_process"]
+        parts = lane["where_the_gap_goes_ms"]
+        for name, rate, ratio, key in (
+            ("whole model, one process", lane["whole_decode_tok_s"], 1.0, None),
+            ("2 shards over gRPC", lane["grpc_decode_tok_s"], lane["grpc_over_whole"], "grpc"),
+            ("2 shards over the relay", lane["relay_decode_tok_s"], lane["relay_over_whole"], "relay"),
+            ("whole model, 1 core", pinned["whole_model_1_core_decode_tok_s"], 1.0, None),
+            (
+                "2 shards over gRPC, 1 core each",
+                pinned["route_grpc_1_core_per_shard_decode_tok_s"],
+                pinned["route_over_whole"],
+                "grpc_pinned",
+            ),
+        ):
+            gap = [parts[key][k] for k in ("split", "ticks_grow", "between_ticks")] if key else ["", "", ""]
+            rows.append([f"{label}: {name}", rate, ratio, *gap])
     print()
-    print(
-        _common.table(
-            ["lane", "decode tok/s", "vs whole model"],
-            [
-                ["whole model, one process", whole_rate, 1.0],
-                ["2 shards over gRPC", grpc_route["decode_tok_s"], figures["route_grpc_over_whole"]],
-                ["2 shards over the relay", relay_route["decode_tok_s"], figures["route_relay_over_whole"]],
-                ["whole model, 1 core (pinned)", whole_1, 1.0],
-                ["2 shards over gRPC, 1 core each", grpc_1, grpc_1 / whole_1],
-            ],
-        )
-    )
+    print(_common.table(["lane", "decode tok/s", "vs whole", "+ms split", "+ms ticks grow", "+ms between ticks"], rows))
     per_token = _seam_bytes_per_token(str(model))["total"]
-    print(f"\nseam bytes per decode token: {per_token:.0f}\nwrote {path}")
+    print(f"\nseam bytes per decode token: {per_token:.0f}\nwrote {path} and {png}")
     return 0
+
+
+def _route_figures(
+    rates: dict[str, Any], model: Path, cuts: list[int], new_tokens: int, repeats: int
+) -> dict[str, Any]:
+    """Medians and ratios of one model's lanes, with its pinned lanes run after them."""
+    pinned = trio.run(_pinned_lanes, model, cuts, new_tokens, repeats)
+    med = {k: statistics.median(v) for k, v in (rates | pinned).items() if k in LANES + LANES_1_CORE}
+    whole, grpc, relay = med["whole"], med["grpc"], med["relay"]
+    whole_1, grpc_1 = med["whole_1core"], med["grpc_1core_each"]
+    ticks = {
+        "grpc": _median_ticks(rates["grpc_decode_tick_ms"]),
+        "relay": _median_ticks(rates["relay_decode_tick_ms"]),
+        "grpc_pinned": _median_ticks(pinned["decode_tick_ms"]),
+    }
+    alone = {
+        "grpc": (med["head_alone"], med["tail_alone"]),
+        "relay": (med["head_alone"], med["tail_alone"]),
+        "grpc_pinned": (med["head_alone_1core"], med["tail_alone_1core"]),
+    }
+    routes = {"grpc": (grpc, whole), "relay": (relay, whole), "grpc_pinned": (grpc_1, whole_1)}
+    return {
+        "whole_decode_tok_s": whole,
+        "grpc_decode_tok_s": grpc,
+        "relay_decode_tok_s": relay,
+        "grpc_over_whole": grpc / whole,
+        "relay_over_whole": relay / whole,
+        "gap_ms_per_token": {k: 1e3 / route - 1e3 / w for k, (route, w) in routes.items()},
+        "where_the_gap_goes_ms": {k: _gap_parts(route, w, alone[k], ticks[k]) for k, (route, w) in routes.items()},
+        "decode_tick_ms_head_tail": ticks,
+        "alone_decode_tok_s": {
+            "head": med["head_alone"],
+            "tail": med["tail_alone"],
+            "head_1_core": med["head_alone_1core"],
+            "tail_1_core": med["tail_alone_1core"],
+        },
+        "pinned_one_core_per_process": {
+            "whole_model_1_core_decode_tok_s": whole_1,
+            "route_grpc_1_core_per_shard_decode_tok_s": grpc_1,
+            "route_over_whole": grpc_1 / whole_1,
+            "raw": pinned,
+        },
+        "raw": rates,
+    }
+
+
+def _gap_parts(route: float, whole: float, alone: tuple[float, float], ticks: list[float]) -> dict[str, float]:
+    """Split a route's extra time per token into three parts that add up to it.
+
+    ``split``: the two ranges each run alone, back to back, against the whole model;
+    ``ticks_grow``: the shards' decode ticks inside the route against the ranges alone
+    (other work on the same cores: the other process, Python, the client);
+    ``between_ticks``: the rest of the token's time (seams, thread hops, sessions).
+    """
+    alone_ms = sum(1e3 / rate for rate in alone)
+    return {
+        "split": alone_ms - 1e3 / whole,
+        "ticks_grow": sum(ticks) - alone_ms,
+        "between_ticks": 1e3 / route - sum(ticks),
+    }
+
+
+def _plot(path: Path, demo: dict[str, Any], larger: dict[str, Any]) -> Path:
+    """Route / whole model against the whole model's time per token, one point per model."""
+    lanes = (demo, larger)
+    shared_ms = [1e3 / lane["whole_decode_tok_s"] for lane in lanes]
+    pinned_ms = [1e3 / lane["pinned_one_core_per_process"]["whole_model_1_core_decode_tok_s"] for lane in lanes]
+    return _common.plot(
+        path.with_suffix(".png"),
+        "2-shard route vs whole model (SmolLM2-135M, then a 1B-shape model)",
+        "whole model's decode time per token (ms)",
+        "route decode tok/s / whole model's",
+        {
+            "gRPC, shards share 2 cores": (shared_ms, [lane["grpc_over_whole"] for lane in lanes]),
+            "relay, shards share 2 cores": (shared_ms, [lane["relay_over_whole"] for lane in lanes]),
+            "gRPC, 1 core per shard": (
+                pinned_ms,
+                [lane["pinned_one_core_per_process"]["route_over_whole"] for lane in lanes],
+            ),
+            "goal gRPC 0.90": ([min(shared_ms), max(pinned_ms)], [0.90, 0.90]),
+            "goal relay 0.85": ([min(shared_ms), max(pinned_ms)], [0.85, 0.85]),
+        },
+    )
 
 
 if __name__ == "__main__":
