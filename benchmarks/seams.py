@@ -8,10 +8,14 @@
 2. Single-session greedy decode tok/s of SmolLM2 split 0:15 / 15:30 over two real node
    processes, seam over gRPC and over the relay, against the whole model decoding in one
    process with no network at all (the same engine, recipe and threads). Bytes per token
-   counted on the wire between the shards. Goals: gRPC >= 0.90x, relay >= 0.85x.
-3. The same lanes on a random-weight model of Llama-3.2-1B's shape (Q4_0, written for the
-   run), whose token costs about three times SmolLM2's: how much of a route's gap is a
-   fixed cost per token and how much grows with the model.
+   counted on the wire between the shards. Goals: gRPC >= 0.90x, relay >= 0.85x. The same
+   again with each shard process pinned to its own core, against the whole model on one.
+3. Where a route's extra time per token goes, in three parts that add up to it: the two
+   ranges alone back to back against the whole model, the shards' decode ticks inside
+   the route against the ranges alone, and the time between the ticks.
+4. All of it again on a random-weight model of Llama-3.2-1B's shape (Q4_0, written for
+   the run), whose token costs about three times SmolLM2's: which parts stay fixed and
+   which grow with the model.
 """
 
 from __future__ import annotations
@@ -191,7 +195,7 @@ async def _pinned_lanes(model: Path, cuts: list[int], new_tokens: int, repeats: 
 
 
 async def _lanes(model: Path, cuts: list[int], new_tokens: int, repeats: int) -> dict[str, list[float]]:
-    """Whole model, gRPC route and relay route, interleaved run by run (the machine is shared and noisy)."""
+    """Whole model, gRPC route, relay route and each range alone, interleaved run by run (the machine is noisy)."""
     from noderuntime.dialer import open_dialer
     from tests.clusters import running_cluster
 
