@@ -75,6 +75,37 @@ async def test_frames_pass_byte_identical_both_ways_in_order(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
+async def test_many_frames_both_ways_with_readers_that_stall_and_run_lose_nothing(kind: str) -> None:
+    """Buffers fill and drain over and over: every wait for room or for a frame is woken."""
+    count = 1500
+    async with seam(kind) as (client, server):
+
+        async def send_all(end: FrameStream, tag: bytes) -> None:
+            for i in range(count):
+                await end.send(tag + i.to_bytes(4, "big") + bytes(i % 3000))
+
+        async def receive_all(end: FrameStream, tag: bytes, got: list[int]) -> None:
+            for i in range(count):
+                if i % 200 == 0:
+                    await trio.sleep(0.02)  # stall: the sender's buffers fill and it waits for room
+                frame = await end.receive()
+                assert frame[:1] == tag and len(frame) == 5 + int.from_bytes(frame[1:5], "big") % 3000
+                got.append(int.from_bytes(frame[1:5], "big"))
+
+        at_server: list[int] = []
+        at_client: list[int] = []
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_all, client, b"c")
+                nursery.start_soon(send_all, server, b"s")
+                nursery.start_soon(receive_all, server, b"c", at_server)
+                nursery.start_soon(receive_all, client, b"s", at_client)
+        assert at_server == list(range(count)) and at_client == list(range(count))
+        await client.aclose()
+        await server.aclose()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 async def test_closing_one_end_ends_the_other(kind: str) -> None:
     async with seam(kind) as (client, server):
         await client.send(b"last words")

@@ -126,51 +126,68 @@ class _Pipe:
 
     ``trio_to_aio`` says which side produces. The consumer may also be told the stream
     ended (``finish``): with ``None`` for a clean end, or a :class:`TransportError`.
+
+    A side that has to wait leaves an event under the lock; the other side takes it,
+    under the same lock, when it changes the queue, and wakes only that waiter. A decode
+    step moves one frame at a time, so a producer hardly ever waits for room: waking the
+    other thread after every frame taken would cost a thread wake-up per frame for nothing.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, token: trio.lowlevel.TrioToken, *, trio_to_aio: bool) -> None:
         self._loop = loop
         self._token = token
         self._trio_to_aio = trio_to_aio
+        self._lock = threading.Lock()
         self._items: deque[bytes] = deque()
         self._end: TransportError | None = None
         self._ended = False
-        self._trio_event: trio.Event | None = None
-        self._aio_event: asyncio.Event | None = None  # created on the loop thread
+        self._trio_waiter: trio.Event | None = None
+        self._aio_waiter: asyncio.Event | None = None
 
-    # wake-ups always run on the waiter's own thread
-    def _wake_trio(self) -> None:
-        with contextlib.suppress(trio.RunFinishedError):
-            self._token.run_sync_soon(self._set_trio)
+    def _take_waiters(self, *, trio_side: bool, aio_side: bool) -> Callable[[], None]:
+        """Take the named sides' waiters (lock held); returns what wakes them (call it unlocked)."""
+        trio_event = aio_event = None
+        if trio_side:
+            trio_event, self._trio_waiter = self._trio_waiter, None
+        if aio_side:
+            aio_event, self._aio_waiter = self._aio_waiter, None
 
-    def _set_trio(self) -> None:
-        if self._trio_event is not None:
-            self._trio_event.set()
+        def wake() -> None:
+            # each wake-up runs on the waiter's own thread
+            if trio_event is not None:
+                with contextlib.suppress(trio.RunFinishedError):
+                    self._token.run_sync_soon(trio_event.set)
+            if aio_event is not None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                    self._loop.call_soon_threadsafe(aio_event.set)
 
-    def _wake_aio(self) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-            self._loop.call_soon_threadsafe(self._set_aio)
-
-    def _set_aio(self) -> None:
-        if self._aio_event is not None:
-            self._aio_event.set()
+        return wake
 
     async def _trio_wait(self, ready: Callable[[], bool]) -> None:
-        while not ready():
-            event = trio.Event()
-            self._trio_event = event
-            if ready():
-                break
-            await event.wait()
+        while True:
+            with self._lock:
+                if ready():
+                    return
+                event = self._trio_waiter = trio.Event()
+            try:
+                await event.wait()
+            finally:
+                with self._lock:
+                    if self._trio_waiter is event:
+                        self._trio_waiter = None
 
     async def _aio_wait(self, ready: Callable[[], bool]) -> None:
-        if self._aio_event is None:
-            self._aio_event = asyncio.Event()
-        while not ready():
-            self._aio_event.clear()
-            if ready():
-                break
-            await self._aio_event.wait()
+        while True:
+            with self._lock:
+                if ready():
+                    return
+                event = self._aio_waiter = asyncio.Event()
+            try:
+                await event.wait()
+            finally:
+                with self._lock:
+                    if self._aio_waiter is event:
+                        self._aio_waiter = None
 
     def _room(self) -> bool:
         return len(self._items) < PIPE_CAPACITY or self._ended
@@ -184,10 +201,12 @@ class _Pipe:
             await self._trio_wait(self._room)
         else:
             await self._aio_wait(self._room)
-        if self._ended:
-            raise self._end or StreamClosed("the seam is closed")
-        self._items.append(frame)
-        (self._wake_aio if self._trio_to_aio else self._wake_trio)()
+        with self._lock:
+            if self._ended:
+                raise self._end or StreamClosed("the seam is closed")
+            self._items.append(frame)
+            wake = self._take_waiters(trio_side=not self._trio_to_aio, aio_side=self._trio_to_aio)
+        wake()
 
     async def get(self) -> bytes | None:
         """Consumer side: the next frame, ``None`` at a clean end; raises the end's error."""
@@ -195,27 +214,31 @@ class _Pipe:
             await self._aio_wait(self._something)
         else:
             await self._trio_wait(self._something)
-        if self._items:
+        with self._lock:
+            if not self._items:
+                if self._end is not None:
+                    raise self._end
+                return None
             frame = self._items.popleft()
-            (self._wake_trio if self._trio_to_aio else self._wake_aio)()
-            return frame
-        if self._end is not None:
-            raise self._end
-        return None
+            wake = self._take_waiters(trio_side=self._trio_to_aio, aio_side=not self._trio_to_aio)
+        wake()
+        return frame
 
     def finish(self, error: TransportError | None = None) -> None:
         """No more frames (thread-safe: wakes both sides)."""
-        if not self._ended:
-            # frames already queued are still delivered (the peer's last Cancel or Error among them)
-            self._ended = True
-            self._end = error
-        self._wake_trio()
-        self._wake_aio()
+        with self._lock:
+            if not self._ended:
+                # frames already queued are still delivered (the peer's last Cancel or Error among them)
+                self._ended = True
+                self._end = error
+            wake = self._take_waiters(trio_side=True, aio_side=True)
+        wake()
 
     def drop(self, error: TransportError) -> None:
         """End now, discarding queued frames: nobody will take them (thread-safe)."""
+        with self._lock:
+            self._items.clear()
         self.finish(error)
-        self._items.clear()
 
 
 class GrpcFrameStream:
