@@ -19,6 +19,7 @@ from openai import OpenAI
 
 from noderuntime import localsystem
 from noderuntime.cluster import ManagedProcess
+from noderuntime.gateway.app import DEFAULT_MAX_TOKENS
 
 pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0, "max_tokens": 24}
@@ -104,6 +105,31 @@ def test_stop_strings_and_max_tokens(client: OpenAI, system: localsystem.LocalSy
     assert short.usage is not None and short.usage.completion_tokens == 3
 
 
+def test_a_reply_without_max_tokens_may_fill_the_routes_context(
+    client: OpenAI, system: localsystem.LocalSystem
+) -> None:
+    """As in OpenAI's API, an open-ended reply ends at a stop or a full context, not at a fixed count."""
+    done = client.completions.create(model=system.model_id, prompt="1, 2, 3, 4, 5, 6, 7, 8,", temperature=0)
+    assert done.usage is not None
+    assert done.usage.completion_tokens > DEFAULT_MAX_TOKENS, done.choices[0].text[-200:]
+    assert done.usage.prompt_tokens + done.usage.completion_tokens <= 1024  # the nodes' context
+
+
+def test_unsupported_options_at_their_defaults_are_accepted(system: localsystem.LocalSystem) -> None:
+    body = {
+        "model": system.model_id,
+        "messages": MESSAGES,
+        "max_tokens": 4,
+        "stream": None,
+        "top_p": 0,
+        "response_format": {"type": "text"},
+        "tool_choice": "none",
+    }
+    response = httpx.post(system.gateway_url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"]
+
+
 def test_same_seed_same_text(client: OpenAI, system: localsystem.LocalSystem) -> None:
     def sample(seed: int) -> str:
         done = client.chat.completions.create(
@@ -150,7 +176,7 @@ def test_bad_json_and_the_official_client_errors(client: OpenAI, system: localsy
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=MESSAGES)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=system.model_id, messages=MESSAGES, top_p=0)
+        client.chat.completions.create(model=system.model_id, messages=MESSAGES, top_p=1.5)
 
 
 def test_many_concurrent_clients(client: OpenAI, system: localsystem.LocalSystem) -> None:

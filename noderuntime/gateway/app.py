@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
 MAX_BODY = 8 << 20  # a request body: far above any prompt that fits a context
+# A request without max_tokens asks for a route with room for at least this many tokens
+# after its prompt, then may run to the end of the context that route holds (as OpenAI's
+# API does: the reply ends at a stop, or when the context is full).
 DEFAULT_MAX_TOKENS = 256
 
 
@@ -174,6 +177,8 @@ class Gateway:
         if any(not 0 <= t < model.vocab.n_vocab for t in stop_ids):
             raise ApiError(400, "stop token ids must lie inside the vocabulary", param="stop")
         temperature = 1.0 if body.temperature is None else body.temperature
+        if body.top_p == 0.0:
+            temperature = 0.0  # the nucleus of p = 0 is the most likely token alone: greedy
         seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(8), "little")
         sampling = Sampling(
             temperature=temperature,
@@ -211,9 +216,12 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def _route_session(
-        self, model: ServedModel, request: GenerationRequest
+        self, model: ServedModel, request: GenerationRequest, *, open_ended: bool = False
     ) -> AsyncIterator[tuple[Any, Tokens, RouteGrant]]:
         """A route session that produced its first tokens.
+
+        ``open_ended`` (the client gave no max_tokens): the reply may fill the context the
+        granted route holds, not only the tokens asked of the tracker.
 
         A route that fails before its first token is left for another one (up to
         ``MAX_ATTEMPTS``). When every route is full, the request waits up to
@@ -233,13 +241,17 @@ class Gateway:
                     backoff = min(backoff * 2, 0.5)
                     continue
                 raise
+            session_request = request
+            if open_ended and grant.ctx_per_session:
+                room = min(model.n_ctx, grant.ctx_per_session) - len(request.prompt_tokens)
+                session_request = attrs.evolve(request, max_tokens=max(request.max_tokens, room))
             async with contextlib.AsyncExitStack() as stack:
                 try:
                     gen = await stack.enter_async_context(
                         open_route_generation(
                             self.connector,
                             grant.hops,
-                            request,
+                            session_request,
                             artifact=bytes.fromhex(model.artifact),
                             recipe=grant.recipe,
                             ticket=grant.ticket,
@@ -274,12 +286,12 @@ class Gateway:
                 return
 
     async def _generate(
-        self, model: ServedModel, request: GenerationRequest, stop: Sequence[str]
+        self, model: ServedModel, request: GenerationRequest, stop: Sequence[str], *, open_ended: bool
     ) -> AsyncIterator[tuple[str, Generated | None]]:
         """(text delta, None) while generating, then ("", Generated) once finished."""
         text = TextStream(stop)
         produced = 0
-        async with self._route_session(model, request) as (gen, first, grant):
+        async with self._route_session(model, request, open_ended=open_ended) as (gen, first, grant):
             route = _describe(grant)
             event: Tokens | None = first
             while event is not None:
@@ -386,8 +398,9 @@ class Gateway:
             except TemplateError as exc:
                 raise ApiError(400, str(exc), param="messages") from None
             prompt = model.vocab.tokenize(prompt_text, add_special=model.vocab.add_bos, parse_special=True)
-            generation = self._prepare(model, body, prompt, body.max_completion_tokens or body.max_tokens)
-            return await self._answer(model, body, generation, chat=True)
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            generation = self._prepare(model, body, prompt, max_tokens)
+            return await self._answer(model, body, generation, chat=True, open_ended=max_tokens is None)
 
         @app.post("/v1/completions", response_model=None)
         async def complete(body: CompletionRequest, request: Request) -> Any:
@@ -395,12 +408,12 @@ class Gateway:
             model = self._model(body.model)
             prompt = model.vocab.tokenize(body.prompt_text(), add_special=model.vocab.add_bos, parse_special=False)
             generation = self._prepare(model, body, prompt, body.max_tokens)
-            return await self._answer(model, body, generation, chat=False)
+            return await self._answer(model, body, generation, chat=False, open_ended=body.max_tokens is None)
 
         return app
 
     async def _answer(
-        self, model: ServedModel, body: SamplingFields, generation: GenerationRequest, *, chat: bool
+        self, model: ServedModel, body: SamplingFields, generation: GenerationRequest, *, chat: bool, open_ended: bool
     ) -> Any:
         self.counters["requests"] += 1
         started = time.perf_counter()
@@ -413,7 +426,7 @@ class Gateway:
             result: Generated | None = None
             awaiting_first = True
             try:
-                async for _, done in self._generate(model, generation, stop_strings):
+                async for _, done in self._generate(model, generation, stop_strings, open_ended=open_ended):
                     if awaiting_first:
                         self.metrics.ttft.observe(time.perf_counter() - started)
                         awaiting_first = False
@@ -441,7 +454,7 @@ class Gateway:
             }
         # streaming: find the route and its first tokens before answering 200, so that
         # "no route" and "all full" are still proper HTTP errors
-        stream = self._generate(model, generation, stop_strings)
+        stream = self._generate(model, generation, stop_strings, open_ended=open_ended)
         try:
             first = await stream.__anext__()
         except ApiError as exc:

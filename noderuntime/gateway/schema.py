@@ -9,9 +9,26 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 MAX_STOP = 16
+# options this gateway does not implement: absent, null, false, empty, or these defaults
+_UNSUPPORTED = {
+    "logprobs": (),
+    "top_logprobs": (),
+    "logit_bias": (),
+    "tools": (),
+    "tool_choice": ("none", "auto"),  # with no tools, both mean plain text
+    "functions": (),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "echo": (),
+    "best_of": (1,),
+    "suffix": ("",),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+}
 
 
 class TextPart(BaseModel):
@@ -52,11 +69,11 @@ class SamplingFields(BaseModel):
     model: str = Field(min_length=1, max_length=256)
     max_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     n: int | None = Field(default=None, ge=1, le=1)
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str | int] | None = Field(default=None)
+    stop: str | list[str | StrictInt] | None = Field(default=None)
     seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -68,24 +85,9 @@ class SamplingFields(BaseModel):
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingFields:
         extra = self.model_extra or {}
-        for key in (
-            "logprobs",
-            "top_logprobs",
-            "logit_bias",
-            "tools",
-            "tool_choice",
-            "functions",
-            "function_call",
-            "response_format",
-            "echo",
-            "best_of",
-            "suffix",
-            "audio",
-            "modalities",
-            "prediction",
-        ):
+        for key, defaults in _UNSUPPORTED.items():
             value = extra.get(key)
-            if value not in (None, False, {}, []):
+            if value not in (None, False, {}, [], *defaults):
                 raise ValueError(f"{key} is not supported by this gateway")
         stop = self.stop
         if isinstance(stop, list) and len(stop) > MAX_STOP:

@@ -40,14 +40,14 @@ class TextStream:
         return self._release(final=True)
 
     def _release(self, *, final: bool) -> str:
-        for stop in self.stop:
-            at = self._held.find(stop)
-            if at >= 0:
-                out = self._held[:at]
-                self._held = ""
-                self.stopped = True
-                self.text += out
-                return out
+        # the stop string that starts first wins, whatever its place in the list
+        hits = [at for at in (self._held.find(stop) for stop in self.stop) if at >= 0]
+        if hits:
+            out = self._held[: min(hits)]
+            self._held = ""
+            self.stopped = True
+            self.text += out
+            return out
         keep = 0 if final else max((_overlap(self._held, s) for s in self.stop), default=0)
         out = self._held[: len(self._held) - keep]
         self._held = self._held[len(self._held) - keep :]

@@ -340,6 +340,8 @@ class Tracker:
                     "ticket": ticket.hex(),
                     "recipe": choice.nodes[0].recipe,
                     "cost_ms": round(choice.cost_ms, 3),
+                    # the longest session every hop of the route can hold (prompt and reply)
+                    "ctx_per_session": min(n.ctx_per_session for n in choice.nodes),
                     "hops": [
                         {
                             "node_id": n.node_id.hex(),

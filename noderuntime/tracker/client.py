@@ -146,6 +146,7 @@ class RouteGrant:
     epoch: int
     ticket: bytes
     recipe: bytes
+    ctx_per_session: int = 0  # positions a session may fill on every hop; 0 when the tracker did not say
 
 
 async def request_route(
@@ -188,4 +189,5 @@ async def request_route(
         int(data["epoch"]),
         bytes.fromhex(data["ticket"]),
         bytes.fromhex(data["recipe"]),
+        int(data.get("ctx_per_session", 0)),
     )
