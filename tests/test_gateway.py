@@ -208,6 +208,16 @@ def test_a_client_that_disconnects_mid_stream_frees_every_node(system: localsyst
     _wait_nodes_idle(system, within=10)
 
 
+def test_a_client_that_gives_up_on_a_non_streaming_request_frees_every_node(system: localsystem.LocalSystem) -> None:
+    _wait_nodes_idle(system)
+    request = {"model": system.model_id, "messages": MESSAGES, "max_tokens": 600, "temperature": 0}
+    # the client times out reading and closes the connection, the generation far from done
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(system.gateway_url + "/v1/chat/completions", json=request, timeout=httpx.Timeout(10, read=1.5))
+    _wait_nodes_idle(system, within=3)
+    assert _get(system.gateway_url + "/status")["counters"]["cancelled"] >= 1
+
+
 # seconds without a heartbeat before the tracker drops a node, in the route-around test
 EXPIRE = 8
 

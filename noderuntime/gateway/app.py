@@ -400,7 +400,7 @@ class Gateway:
             prompt = model.vocab.tokenize(prompt_text, add_special=model.vocab.add_bos, parse_special=True)
             max_tokens = body.max_completion_tokens or body.max_tokens
             generation = self._prepare(model, body, prompt, max_tokens)
-            return await self._answer(model, body, generation, chat=True, open_ended=max_tokens is None)
+            return await self._answer(model, body, generation, request, chat=True, open_ended=max_tokens is None)
 
         @app.post("/v1/completions", response_model=None)
         async def complete(body: CompletionRequest, request: Request) -> Any:
@@ -408,12 +408,19 @@ class Gateway:
             model = self._model(body.model)
             prompt = model.vocab.tokenize(body.prompt_text(), add_special=model.vocab.add_bos, parse_special=False)
             generation = self._prepare(model, body, prompt, body.max_tokens)
-            return await self._answer(model, body, generation, chat=False, open_ended=body.max_tokens is None)
+            return await self._answer(model, body, generation, request, chat=False, open_ended=body.max_tokens is None)
 
         return app
 
     async def _answer(
-        self, model: ServedModel, body: SamplingFields, generation: GenerationRequest, *, chat: bool, open_ended: bool
+        self,
+        model: ServedModel,
+        body: SamplingFields,
+        generation: GenerationRequest,
+        request: Request,
+        *,
+        chat: bool,
+        open_ended: bool,
     ) -> Any:
         self.counters["requests"] += 1
         started = time.perf_counter()
@@ -424,18 +431,30 @@ class Gateway:
         prompt_tokens = len(generation.prompt_tokens)
         if not body.stream:
             result: Generated | None = None
+            failed: ApiError | None = None
             awaiting_first = True
-            try:
-                async for _, done in self._generate(model, generation, stop_strings, open_ended=open_ended):
-                    if awaiting_first:
-                        self.metrics.ttft.observe(time.perf_counter() - started)
-                        awaiting_first = False
-                    result = done or result
-            except ApiError as exc:
+            # hypercorn does not cancel a handler whose client left: watch for it, so that a
+            # client that gave up does not keep a route generating for nobody
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_on_disconnect, request, nursery.cancel_scope)
+                try:
+                    async for _, done in self._generate(model, generation, stop_strings, open_ended=open_ended):
+                        if awaiting_first:
+                            self.metrics.ttft.observe(time.perf_counter() - started)
+                            awaiting_first = False
+                        result = done or result
+                except ApiError as exc:
+                    failed = exc
+                nursery.cancel_scope.cancel()
+            if failed is not None:
                 self.counters["errors"] += 1
-                self.metrics.errors.labels(exc.code or exc.kind).inc()
-                raise
-            assert result is not None
+                self.metrics.errors.labels(failed.code or failed.kind).inc()
+                raise failed
+            if result is None:
+                self.counters["cancelled"] += 1
+                self.metrics.cancelled.inc()
+                log.info("request %s: the client left before the answer; generation cancelled", generation.request_id)
+                return Response(status_code=499)  # nobody reads it
             self.counters["completed"] += 1
             await self._record(model, generation, created, result)
             choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
@@ -573,6 +592,13 @@ async def _aclose(stream: AsyncIterator[Any]) -> None:
     closer = getattr(stream, "aclose", None)
     if closer is not None:
         await closer()  # runs the generator's cleanup: Release or Cancel of the route session
+
+
+async def _cancel_on_disconnect(request: Request, scope: trio.CancelScope) -> None:
+    """Cancel ``scope`` when the client closes its connection (the request body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
