@@ -546,6 +546,11 @@ class Vocab:
         template = llama_cpp.llama_model_chat_template(model, None)
         self.chat_template: str | None = template.decode("utf-8") if template else None
         self.eog_tokens = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t))
+        # the tokens that text becomes only when special tokens are parsed (``<|im_end|>``, ``<unk>``)
+        parsed_only = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+        self.control_tokens = frozenset(
+            t for t in range(self.n_vocab) if llama_cpp.llama_vocab_get_attr(self._vocab, t) & parsed_only
+        )
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Text to token ids; ``parse_special`` turns ``<|im_start|>`` and the like into their ids."""

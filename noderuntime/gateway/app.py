@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hmac
 import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 
 import attrs
@@ -75,6 +76,34 @@ def _error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
+class ApiKeys:
+    """ASGI middleware: a ``/v1/`` request without a valid key is answered 401 first.
+
+    Before its body is read or checked, so that a client without a key learns that,
+    not what else is wrong with its request. No keys configured: everyone is let in.
+    """
+
+    def __init__(self, app: Any, keys: Collection[str]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.keys and scope["path"].startswith("/v1/"):
+            auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            given = auth.removeprefix(b"Bearer ") if auth.startswith(b"Bearer ") else b""
+            # compare every key in constant time: how long a refusal takes says nothing of a key
+            if not sum(hmac.compare_digest(given, key) for key in self.keys):
+                refusal = ApiError(
+                    401,
+                    "invalid or missing API key (Authorization: Bearer ...)",
+                    "authentication_error",
+                    "invalid_api_key",
+                )
+                await _error_response(refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 @attrs.define
 class ServedModel:
     """A model this gateway serves: its tokenizer and template, and its artifact."""
@@ -89,6 +118,58 @@ class ServedModel:
     def stop_tokens(self) -> tuple[int, ...]:
         """Tokens that always end a generation (end of text, end of turn)."""
         return tuple(sorted(self.vocab.eog_tokens))
+
+    def card(self) -> dict[str, Any]:
+        """The model as ``/v1/models`` lists it."""
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "noderuntime"}
+
+    def chat_prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """The prompt tokens of a conversation: control tokens come from the template only.
+
+        Text a message types, ``<|im_end|>`` included, stays text: the template's own
+        text is tokenized with special tokens parsed and each message's without. A
+        conversation whose messages hold no control-token text is tokenized as one
+        string (exactly as the template's authors tokenize it); only one that does is
+        tokenized piece by piece.
+        """
+        assert self.template is not None
+        vocab = self.vocab
+        try:
+            whole = vocab.tokenize(self.template.render(messages), add_special=False, parse_special=True)
+            segments = self.template.render_segments(messages)
+        except TemplateError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        if segments is None:
+            # where each message lies in the prompt is unknown: safe only if none types a control token
+            for message in messages:
+                content = message.get("content") or ""
+                if vocab.tokenize(content, add_special=False, parse_special=True) != vocab.tokenize(
+                    content, add_special=False, parse_special=False
+                ):
+                    raise ApiError(
+                        400,
+                        "a message holds control-token text, and this model's chat template changes message "
+                        "text, so it cannot be kept apart from the template's own control tokens",
+                        param="messages",
+                    )
+            return self._with_bos(whole)
+        own = [
+            t
+            for text, from_message in segments
+            if not from_message
+            for t in vocab.tokenize(text, add_special=False, parse_special=True)
+            if t in vocab.control_tokens
+        ]
+        if [t for t in whole if t in vocab.control_tokens] == own:
+            return self._with_bos(whole)
+        pieces = [vocab.tokenize(text, add_special=False, parse_special=not ours) for text, ours in segments]
+        return self._with_bos([t for piece in pieces for t in piece])
+
+    def _with_bos(self, tokens: list[int]) -> list[int]:
+        # templates that write bos_token themselves must not get a second one
+        if self.vocab.add_bos and self.vocab.bos >= 0 and tokens[:1] != [self.vocab.bos]:
+            return [self.vocab.bos, *tokens]
+        return tokens
 
 
 @attrs.define
@@ -132,15 +213,6 @@ class Gateway:
 
     # --- helpers
 
-    def _check_key(self, request: Request) -> None:
-        if not self.api_keys:
-            return
-        auth = request.headers.get("authorization", "")
-        if not auth.startswith("Bearer ") or auth.removeprefix("Bearer ") not in self.api_keys:
-            raise ApiError(
-                401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error", "invalid_api_key"
-            )
-
     def _model(self, name: str) -> ServedModel:
         model = self.models.get(name)
         if model is None:
@@ -157,7 +229,8 @@ class Gateway:
         self, model: ServedModel, body: SamplingFields, prompt: list[int], max_tokens: int | None
     ) -> GenerationRequest:
         if not prompt:
-            raise ApiError(400, "the prompt is empty after tokenization", param="messages")
+            where = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+            raise ApiError(400, "the prompt is empty after tokenization", param=where)
         room = model.n_ctx - len(prompt)
         if room <= 0:
             raise ApiError(
@@ -337,6 +410,7 @@ class Gateway:
             description="OpenAI-compatible chat and text completions over a network of shard nodes.",
         )
         app.add_middleware(BodyLimit, limit=MAX_BODY)
+        app.add_middleware(ApiKeys, keys=self.api_keys)  # outside BodyLimit: no key, no body read
 
         @app.exception_handler(ApiError)
         async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -353,7 +427,9 @@ class Gateway:
             first = exc.errors()[0] if exc.errors() else {}
             where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
             message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", exc))
-            return _error_response(ApiError(400, message, param=where or None))
+            # checks across fields name the field they refuse in their context
+            param = where or (first.get("ctx") or {}).get("param")
+            return _error_response(ApiError(400, message, param=param))
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -377,36 +453,31 @@ class Gateway:
             return {"counters": dict(self.counters), "models": list(self.models), "tasks": trio_tasks()}
 
         @app.get("/v1/models")
-        async def list_models(request: Request) -> dict[str, Any]:
-            self._check_key(request)
-            return {
-                "object": "list",
-                "data": [
-                    {"id": m.model_id, "object": "model", "created": m.created, "owned_by": "noderuntime"}
-                    for m in self.models.values()
-                ],
-            }
+        async def list_models() -> dict[str, Any]:
+            return {"object": "list", "data": [m.card() for m in self.models.values()]}
+
+        @app.get("/v1/models/{model_id:path}")
+        async def one_model(model_id: str) -> dict[str, Any]:
+            return self._model(model_id).card()
 
         @app.post("/v1/chat/completions", response_model=None)
         async def chat(body: ChatCompletionRequest, request: Request) -> Any:
-            self._check_key(request)
             model = self._model(body.model)
             if model.template is None:
                 raise ApiError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
-            try:
-                prompt_text = model.template.render([{"role": m.role, "content": m.text()} for m in body.messages])
-            except TemplateError as exc:
-                raise ApiError(400, str(exc), param="messages") from None
-            prompt = model.vocab.tokenize(prompt_text, add_special=model.vocab.add_bos, parse_special=True)
+            prompt = model.chat_prompt([m.for_template() for m in body.messages])
             max_tokens = body.max_completion_tokens or body.max_tokens
             generation = self._prepare(model, body, prompt, max_tokens)
             return await self._answer(model, body, generation, request, chat=True, open_ended=max_tokens is None)
 
         @app.post("/v1/completions", response_model=None)
         async def complete(body: CompletionRequest, request: Request) -> Any:
-            self._check_key(request)
             model = self._model(body.model)
-            prompt = model.vocab.tokenize(body.prompt_text(), add_special=model.vocab.add_bos, parse_special=False)
+            prompt = body.prompt_tokens()
+            if prompt is None:
+                prompt = model.vocab.tokenize(body.prompt_text(), add_special=model.vocab.add_bos, parse_special=False)
+            elif any(not 0 <= t < model.vocab.n_vocab for t in prompt):
+                raise ApiError(400, f"prompt token ids must lie in [0, {model.vocab.n_vocab})", param="prompt")
             generation = self._prepare(model, body, prompt, body.max_tokens)
             return await self._answer(model, body, generation, request, chat=False, open_ended=body.max_tokens is None)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_STOP = 16
 # options this gateway does not implement: absent, null, false, empty, or these defaults
@@ -55,6 +56,13 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: role, content and, when given, name."""
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
 
 class StreamOptions(BaseModel):
     """``stream_options``."""
@@ -88,12 +96,12 @@ class SamplingFields(BaseModel):
         for key, defaults in _UNSUPPORTED.items():
             value = extra.get(key)
             if value not in (None, False, {}, [], *defaults):
-                raise ValueError(f"{key} is not supported by this gateway")
+                raise PydanticCustomError("unsupported", "{param} is not supported by this gateway", {"param": key})
         stop = self.stop
         if isinstance(stop, list) and len(stop) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences")
+            raise PydanticCustomError("stop", f"at most {MAX_STOP} stop sequences", {"param": "stop"})
         if isinstance(stop, list) and any(isinstance(s, str) and not s for s in stop):
-            raise ValueError("stop strings must not be empty")
+            raise PydanticCustomError("stop", "stop strings must not be empty", {"param": "stop"})
         return self
 
     def stop_lists(self) -> tuple[list[str], list[int]]:
@@ -116,14 +124,31 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] = Field(max_length=1 << 22)
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
+        max_length=1 << 22, description="text, or token ids; one prompt per request"
+    )
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
-        if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            raise ValueError("exactly one prompt per request")
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return self  # a list of token ids is one prompt
+        if isinstance(prompt, list) and len(prompt) != 1:
+            raise PydanticCustomError("prompt", "exactly one prompt per request", {"param": "prompt"})
         return self
 
+    def prompt_tokens(self) -> list[int] | None:
+        """The prompt's token ids when it was given as ids, else None."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            return list(prompt[0])
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return [t for t in prompt if isinstance(t, int)]
+        return None
+
     def prompt_text(self) -> str:
-        """The prompt as one string."""
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        """The prompt given as text."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        return prompt[0] if prompt and isinstance(prompt[0], str) else ""
