@@ -19,6 +19,13 @@ class CliError(Exception):
     """A user-facing error: printed without a traceback, exit status 1."""
 
 
+def _api_key(text: str) -> str:
+    # an empty key (an unset variable, say) would let in every request that sends none
+    if not text.strip() or text != text.strip():
+        raise argparse.ArgumentTypeError("an API key must be non-empty, without spaces around it")
+    return text
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -565,7 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tracker", help="run a tracker: node registry, route selection, session tickets")
     p.add_argument("--listen", type=_listen_address, required=True, help="HOST:PORT (port 0: any)")
     p.add_argument("--data-dir", default=str(_default_data_dir().with_name("tracker")), help="where its key lives")
-    p.add_argument("--api-key", help="require this bearer key for route requests (the gateway's)")
+    p.add_argument("--api-key", type=_api_key, help="require this bearer key for route requests (the gateway's)")
     p.add_argument(
         "--expire-after", type=float, default=10.0, help="seconds without heartbeat before a node is dropped"
     )
@@ -592,7 +599,9 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="a model to serve: a known name, a GGUF path, or NAME=PATH; repeatable",
     )
-    p.add_argument("--api-key", action="append", default=[], help="accepted client bearer key; repeatable")
+    p.add_argument(
+        "--api-key", type=_api_key, action="append", default=[], help="accepted client bearer key; repeatable"
+    )
     p.add_argument("--tracker-key", help="bearer key for the tracker's route requests")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take")
     p.add_argument("--ctx", type=_positive_int, help="context per session the nodes offer (default: the model's)")

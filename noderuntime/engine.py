@@ -546,11 +546,20 @@ class Vocab:
         template = llama_cpp.llama_model_chat_template(model, None)
         self.chat_template: str | None = template.decode("utf-8") if template else None
         self.eog_tokens = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t))
-        # the tokens that text becomes only when special tokens are parsed (``<|im_end|>``, ``<unk>``)
-        parsed_only = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
-        self.control_tokens = frozenset(
-            t for t in range(self.n_vocab) if llama_cpp.llama_vocab_get_attr(self._vocab, t) & parsed_only
+        # the tokens llama.cpp matches as whole strings before it tokenizes the rest:
+        # control and unknown ones when special tokens are parsed, user-defined ones always
+        self.special_tokens: dict[int, tuple[str, bool, bool]] = {}  # id -> (text, lstrip, rstrip)
+        matched = (
+            llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
+            | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+            | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
         )
+        for t in range(self.n_vocab):
+            attr = llama_cpp.llama_vocab_get_attr(self._vocab, t)
+            if attr & matched:
+                text = self.piece(t, special=True).decode("utf-8", "replace")
+                lstrip, rstrip = attr & llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP, attr & llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP
+                self.special_tokens[t] = (text, bool(lstrip), bool(rstrip))
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Text to token ids; ``parse_special`` turns ``<|im_start|>`` and the like into their ids."""

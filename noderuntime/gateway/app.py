@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from noderuntime.chat import ChatTemplate, TemplateError
+from noderuntime.chat import ChatTemplate, TemplateError, prompt_tokens
 from noderuntime.client import GenerationRequest, RouteError, open_route_generation
 from noderuntime.engine import Vocab
 from noderuntime.gateway.schema import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -88,7 +88,8 @@ class ApiKeys:
         self.keys = [k.encode() for k in keys]
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and self.keys and scope["path"].startswith("/v1/"):
+        path = scope["path"].removeprefix(scope.get("root_path", ""))  # mounted under a prefix: its own path
+        if scope["type"] == "http" and self.keys and path.startswith("/v1/"):
             auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
             given = auth.removeprefix(b"Bearer ") if auth.startswith(b"Bearer ") else b""
             # compare every key in constant time: how long a refusal takes says nothing of a key
@@ -124,52 +125,12 @@ class ServedModel:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "noderuntime"}
 
     def chat_prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """The prompt tokens of a conversation: control tokens come from the template only.
-
-        Text a message types, ``<|im_end|>`` included, stays text: the template's own
-        text is tokenized with special tokens parsed and each message's without. A
-        conversation whose messages hold no control-token text is tokenized as one
-        string (exactly as the template's authors tokenize it); only one that does is
-        tokenized piece by piece.
-        """
+        """The prompt tokens of a conversation; text a message types stays text (see ``chat``)."""
         assert self.template is not None
-        vocab = self.vocab
         try:
-            whole = vocab.tokenize(self.template.render(messages), add_special=False, parse_special=True)
-            segments = self.template.render_segments(messages)
+            return prompt_tokens(self.template, self.vocab, messages)
         except TemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        if segments is None:
-            # where each message lies in the prompt is unknown: safe only if none types a control token
-            for message in messages:
-                content = message.get("content") or ""
-                if vocab.tokenize(content, add_special=False, parse_special=True) != vocab.tokenize(
-                    content, add_special=False, parse_special=False
-                ):
-                    raise ApiError(
-                        400,
-                        "a message holds control-token text, and this model's chat template changes message "
-                        "text, so it cannot be kept apart from the template's own control tokens",
-                        param="messages",
-                    )
-            return self._with_bos(whole)
-        own = [
-            t
-            for text, from_message in segments
-            if not from_message
-            for t in vocab.tokenize(text, add_special=False, parse_special=True)
-            if t in vocab.control_tokens
-        ]
-        if [t for t in whole if t in vocab.control_tokens] == own:
-            return self._with_bos(whole)
-        pieces = [vocab.tokenize(text, add_special=False, parse_special=not ours) for text, ours in segments]
-        return self._with_bos([t for piece in pieces for t in piece])
-
-    def _with_bos(self, tokens: list[int]) -> list[int]:
-        # templates that write bos_token themselves must not get a second one
-        if self.vocab.add_bos and self.vocab.bos >= 0 and tokens[:1] != [self.vocab.bos]:
-            return [self.vocab.bos, *tokens]
-        return tokens
 
 
 @attrs.define
@@ -198,6 +159,8 @@ class Gateway:
         queue_timeout: float = 10.0,
         ledger: Ledger | None = None,
     ) -> None:
+        if any(not key for key in api_keys):
+            raise ValueError("an API key must not be empty: it would let in every request that sends none")
         self.models = {m.model_id: m for m in models}
         self.tracker_url = tracker_url
         self.connector = connector

@@ -7,7 +7,7 @@ than silently ignored.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
@@ -124,9 +124,13 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
-        max_length=1 << 22, description="text, or token ids; one prompt per request"
-    )
+    # fail_fast: a long list that is wrong stops at its first bad item, not one error per item
+    prompt: (
+        str
+        | Annotated[list[str], Field(fail_fast=True)]
+        | Annotated[list[StrictInt], Field(fail_fast=True)]
+        | Annotated[list[Annotated[list[StrictInt], Field(fail_fast=True)]], Field(fail_fast=True)]
+    ) = Field(max_length=1 << 22, description="text, or token ids; one prompt per request")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
