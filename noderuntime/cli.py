@@ -298,7 +298,12 @@ def _cmd_relay(args: argparse.Namespace) -> int:
 
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         tls.load_cert_chain(args.tls_cert, args.tls_key)
-    return noderun.main_relay(host, port, tuple(args.issuer_key), tls, args.http)
+    from relay.server import RelayLimits
+
+    limits = RelayLimits(
+        max_nodes=args.max_nodes, max_pairs=args.max_pairs, max_handshakes_per_host=args.max_handshakes_per_host
+    )
+    return noderun.main_relay(host, port, tuple(args.issuer_key), tls, args.http, limits)
 
 
 def _url(text: str) -> str:
@@ -637,6 +642,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
     p.add_argument("--http", type=_listen_address, default="127.0.0.1:0", help="HOST:PORT of /status (port 0: any)")
+    p.add_argument("--max-nodes", type=_positive_int, default=1024, help="node control connections held at most")
+    p.add_argument("--max-pairs", type=_positive_int, default=4096, help="seams paired or pairing at most")
+    p.add_argument(
+        "--max-handshakes-per-host",
+        type=_positive_int,
+        default=64,
+        help="connections from one address that have not yet shown a key, ticket or pair",
+    )
     p.set_defaults(func=_cmd_relay)
 
     probe_cmds = sub.add_parser("probe", help="known-answer probes of shards").add_subparsers(

@@ -15,7 +15,7 @@ import signal
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -33,6 +33,9 @@ from noderuntime.tracker.client import TrackerError, TrackerLink, fetch_info
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer, parse_address
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from protocol import Limits, Span
+
+if TYPE_CHECKING:
+    from relay.server import RelayLimits
 
 log = logging.getLogger(__name__)
 
@@ -348,12 +351,13 @@ async def run_relay(
     *,
     tls: ssl.SSLContext | None = None,
     http: str | None = "127.0.0.1:0",
+    limits: RelayLimits | None = None,
     task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve a relay until cancelled; ``http`` serves its ``/status``."""
-    from relay.server import Relay, serve
+    from relay.server import Relay, RelayLimits, serve
 
-    relay = Relay(TicketVerifier(issuer_keys))
+    relay = Relay(TicketVerifier(issuer_keys), limits=limits or RelayLimits())
     async with trio.open_nursery() as nursery:
         server = await nursery.start(functools.partial(serve, relay, host, port, tls=tls))
         bound = server.port
@@ -391,10 +395,15 @@ def main_node(opts: NodeOptions) -> int:
 
 
 def main_relay(
-    host: str, port: int, issuer_keys: tuple[bytes, ...], tls: ssl.SSLContext | None, http: str | None
+    host: str,
+    port: int,
+    issuer_keys: tuple[bytes, ...],
+    tls: ssl.SSLContext | None,
+    http: str | None,
+    limits: RelayLimits | None = None,
 ) -> int:
     """Run a relay in this process until a signal; the exit status."""
-    return _run_main(lambda **kw: run_relay(host, port, issuer_keys, tls=tls, http=http, **kw))
+    return _run_main(lambda **kw: run_relay(host, port, issuer_keys, tls=tls, http=http, limits=limits, **kw))
 
 
 __all__ = ["NodeOptions", "main_node", "main_relay", "run_node", "run_relay"]

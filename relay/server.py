@@ -42,10 +42,54 @@ class _Pair:
 
 
 @attrs.frozen
+class RelayLimits:
+    """What one relay holds at most; past a limit it refuses with a typed close or HTTP status.
+
+    Anyone can make a node key, so control connections are capped (``max_nodes``), and
+    connections that have not yet proved anything (a key, a ticket, a pair) are capped
+    per source address and in all, so that one host cannot hold the relay's sockets
+    with handshakes it never finishes. Proven connections do not count against the
+    per-address cap: a gateway or a node behind NAT carries many sessions from one address.
+    """
+
+    max_nodes: int = 1024
+    max_pairs: int = 4096
+    max_handshakes: int = 1024
+    # a handshake lasts a round trip or two; a gateway opening a burst of sessions stays well under
+    max_handshakes_per_host: int = 64
+
+    def __attrs_post_init__(self) -> None:
+        for name, value in attrs.asdict(self).items():
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+class _Handshake:
+    """A connection's place among those not yet proven; released once, when it proves itself or ends."""
+
+    def __init__(self, counts: collections.Counter[str], host: str) -> None:
+        self._counts = counts
+        self._keys = (host, "")  # its address, and the total under a key no address has
+        self._held = True
+        for key in self._keys:
+            counts[key] += 1
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self._held = False
+        for key in self._keys:
+            self._counts[key] -= 1
+            if not self._counts[key]:
+                del self._counts[key]
+
+
+@attrs.frozen
 class RelayStatistics:
     """A snapshot of the relay."""
 
     nodes_connected: int
+    handshakes_open: int  # connections that have not yet shown a key, ticket or pair
     pairs_pending: int
     pairs_active: int
     pairs_total: int
@@ -60,12 +104,12 @@ class Relay:
         self,
         verifier: TicketVerifier,
         *,
-        max_pairs: int = 4096,
+        limits: RelayLimits = RelayLimits(),
         accept_timeout: float = 10.0,
         handshake_timeout: float = 10.0,
     ) -> None:
         self.verifier = verifier
-        self.max_pairs = max_pairs
+        self.limits = limits
         self.accept_timeout = accept_timeout
         self.handshake_timeout = handshake_timeout
         self.nodes: dict[bytes, WebSocketConnection] = {}
@@ -74,25 +118,51 @@ class Relay:
         self._total = 0
         self._forwarded = 0
         self._refused: collections.Counter[str] = collections.Counter()
+        self._handshakes: collections.Counter[str] = collections.Counter()  # by source address; "" = all
         self.metrics = RelayMetrics()
 
     def statistics(self) -> RelayStatistics:
         """An immutable snapshot."""
         return RelayStatistics(
-            len(self.nodes), len(self._pending), self._active, self._total, self._forwarded, dict(self._refused)
+            len(self.nodes),
+            self._handshakes[""],
+            len(self._pending),
+            self._active,
+            self._total,
+            self._forwarded,
+            dict(self._refused),
         )
 
     async def handle(self, request: WebSocketRequest) -> None:
         """Route a new connection by its path."""
-        path = request.path
-        if path == "/control":
-            await self._control(await request.accept())
-        elif path == "/dial":
-            await self._dial(await request.accept())
-        elif path.startswith("/accept/"):
-            await self._accept(await request.accept(), path.removeprefix("/accept/"))
-        else:
-            await request.reject(404, body=b"unknown relay path\n")
+        remote = request.remote
+        host = str(getattr(remote, "address", remote))
+        if self._handshakes[host] >= self.limits.max_handshakes_per_host:
+            await self._reject(request, 429, "too many unfinished handshakes from this address", "host_handshakes")
+            return
+        if self._handshakes[""] >= self.limits.max_handshakes:
+            await self._reject(request, 503, "too many unfinished handshakes", "handshakes")
+            return
+        handshake = _Handshake(self._handshakes, host)
+        try:
+            path = request.path
+            if path == "/control":
+                await self._control(await request.accept(), handshake)
+            elif path == "/dial":
+                await self._dial(await request.accept(), handshake)
+            elif path.startswith("/accept/"):
+                await self._accept(await request.accept(), path.removeprefix("/accept/"), handshake)
+            else:
+                await request.reject(404, body=b"unknown relay path\n")
+        finally:
+            handshake.release()
+
+    async def _reject(self, request: WebSocketRequest, status: int, reason: str, kind: str) -> None:
+        self._refused[kind] += 1
+        self.metrics.refused.labels(kind).inc()
+        log.info("relay refused a connection: %s", reason)
+        with trio.move_on_after(1.0):
+            await request.reject(status, body=reason.encode() + b"\n")
 
     async def metrics_exposition(self) -> tuple[int, str, bytes]:
         """The ``/metrics`` response."""
@@ -107,7 +177,7 @@ class Relay:
         with trio.move_on_after(1.0):
             await ws.aclose(code, reason[:120])
 
-    async def _control(self, ws: WebSocketConnection) -> None:
+    async def _control(self, ws: WebSocketConnection, handshake: _Handshake) -> None:
         nonce = os.urandom(32)
         try:
             with trio.fail_after(self.handshake_timeout):
@@ -122,6 +192,10 @@ class Relay:
             return
         if not verify(node_id, m.CONTROL_DOMAIN, nonce, signature):
             await self._refuse(ws, m.CLOSE_UNAUTHENTICATED, "control signature does not verify", "control_auth")
+            return
+        handshake.release()
+        if node_id not in self.nodes and len(self.nodes) >= self.limits.max_nodes:
+            await self._refuse(ws, m.CLOSE_BUSY, "the relay holds its maximum of nodes", "nodes")
             return
         previous = self.nodes.get(node_id)
         self.nodes[node_id] = ws
@@ -140,7 +214,7 @@ class Relay:
                 del self.nodes[node_id]
                 log.info("node %s left the relay", node_id.hex()[:12])
 
-    async def _dial(self, ws: WebSocketConnection) -> None:
+    async def _dial(self, ws: WebSocketConnection, handshake: _Handshake) -> None:
         try:
             with trio.fail_after(self.handshake_timeout):
                 request = m.load(await ws.get_message(), "dial")
@@ -160,13 +234,14 @@ class Relay:
         except TicketError as exc:
             await self._refuse(ws, m.CLOSE_FORBIDDEN, f"ticket refused: {exc}", "ticket")
             return
+        handshake.release()
         control = self.nodes.get(target)
         if control is None:
             await self._refuse(
                 ws, m.CLOSE_NOT_CONNECTED, "the target node is not connected to this relay", "not_connected"
             )
             return
-        if len(self._pending) + self._active >= self.max_pairs:
+        if len(self._pending) + self._active >= self.limits.max_pairs:
             await self._refuse(ws, m.CLOSE_BUSY, "the relay is at its pair limit", "busy")
             return
         pair_id = os.urandom(16).hex()
@@ -187,11 +262,12 @@ class Relay:
         finally:
             pair.done.set()
 
-    async def _accept(self, ws: WebSocketConnection, pair_id: str) -> None:
+    async def _accept(self, ws: WebSocketConnection, pair_id: str, handshake: _Handshake) -> None:
         pair = self._pending.get(pair_id)
         if pair is None or pair.acceptor is not None:
             await self._refuse(ws, m.CLOSE_FORBIDDEN, "unknown or used pair", "unknown_pair")
             return
+        handshake.release()
         pair.acceptor = ws
         pair.accepted.set()
         await pair.done.wait()  # the dialling side's task forwards; this connection lives until then

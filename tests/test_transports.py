@@ -16,7 +16,7 @@ from noderuntime.transport import FrameStream, StreamBroken, TransportError, mem
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from protocol import Hop, Span, StatusCode
-from relay.server import Relay, serve
+from relay.server import Relay, RelayLimits, serve
 
 KINDS = ["memory", "grpc", "relay"]
 
@@ -266,6 +266,53 @@ async def test_relay_authenticates_controls_and_pairs_only_ticket_holders() -> N
         assert await _hello_with_wrong_signature(url, node.node_id) == 4401
         nursery.cancel_scope.cancel()
     assert len(accepted) == 1
+
+
+async def test_relay_caps_its_nodes_and_the_handshakes_one_address_leaves_open() -> None:
+    from trio_websocket import ConnectionRejected, open_websocket_url
+
+    from relay import messages
+
+    issuer, first, second = Identity.generate(), Identity.generate(), Identity.generate()
+    limits = RelayLimits(max_nodes=1, max_handshakes_per_host=2)
+    relay = Relay(TicketVerifier([issuer.node_id]), limits=limits, handshake_timeout=30)
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve, relay, "127.0.0.1", 0)
+        url = f"ws://127.0.0.1:{server.port}"
+        await nursery.start(RelayListener(url, first, lambda _: None).run)
+        assert await _control_answer(url, second) == messages.CLOSE_BUSY  # the relay holds its one node
+        async with open_websocket_url(url + "/control"), open_websocket_url(url + "/dial"):
+            # two connections that never finish their handshake hold this address's share
+            with pytest.raises(ConnectionRejected) as rejected:
+                async with open_websocket_url(url + "/control"):
+                    pass
+            assert rejected.value.status_code == 429
+        with trio.fail_after(5):  # closed, they free it; a proven node's connection never held it
+            while relay.statistics().refused.get("host_handshakes") != 1 or relay.statistics().handshakes_open:
+                await trio.sleep(0.01)
+        assert await _control_answer(url, second) == messages.CLOSE_BUSY
+        assert relay.statistics().nodes_connected == 1 and relay.statistics().refused["nodes"] == 2
+        nursery.cancel_scope.cancel()
+    with pytest.raises(ValueError, match="max_nodes"):
+        RelayLimits(max_nodes=0)
+
+
+async def _control_answer(url: str, identity: Identity) -> int:
+    """A control handshake with a good signature: 0 when welcomed, else the relay's close code."""
+    from trio_websocket import ConnectionClosed, open_websocket_url
+
+    from relay import messages
+
+    async with open_websocket_url(url + "/control") as ws:
+        nonce = messages.hex_field(messages.load(await ws.get_message(), "challenge"), "nonce", 32)
+        signature = identity.sign(messages.CONTROL_DOMAIN, nonce)
+        await ws.send_message(messages.dump("hello", node_id=identity.node_id.hex(), signature=signature.hex()))
+        try:
+            messages.load(await ws.get_message(), "welcome")
+        except ConnectionClosed as exc:
+            assert exc.reason is not None
+            return exc.reason.code
+    return 0
 
 
 async def _hello_with_wrong_signature(url: str, claimed: bytes) -> int:
