@@ -268,7 +268,13 @@ async def test_one_model_can_be_asked_for_by_id(gateway: httpx.AsyncClient) -> N
 
 @pytest.mark.parametrize(
     ("extra", "param"),
-    [({"logprobs": True}, "logprobs"), ({"stop": ["a", ""]}, "stop"), ({"prompt": ["a", "b"]}, "prompt")],
+    [
+        ({"logprobs": True}, "logprobs"),
+        ({"stop": ["a", ""]}, "stop"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [True]}, "prompt"),
+        ({"prompt": [[1, "a"]]}, "prompt"),
+    ],
 )
 async def test_checks_across_fields_name_the_field(
     gateway: httpx.AsyncClient, extra: dict[str, Any], param: str

@@ -16,6 +16,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Collection, Sequence
@@ -43,6 +44,7 @@ from protocol import Sampling, StatusCode, Tokens
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|list|dict|.*\[.*\])$")
 MAX_BODY = 8 << 20  # a request body: far above any prompt that fits a context
 # A request without max_tokens asks for a route with room for at least this many tokens
 # after its prompt, then may run to the end of the context that route holds (as OpenAI's
@@ -388,7 +390,8 @@ class Gateway:
         @app.exception_handler(RequestValidationError)
         async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
             first = exc.errors()[0] if exc.errors() else {}
-            where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+            # the field's path, without "body" and the union branches pydantic tried ("str", "list[int]")
+            where = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_BRANCH.match(str(p)))
             message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", exc))
             # checks across fields name the field they refuse in their context
             param = where or (first.get("ctx") or {}).get("param")
