@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+import trio
 from gguf import GGUFValueType, GGUFWriter, TokenType
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -309,3 +310,19 @@ def test_an_empty_api_key_is_refused(vocab: Vocab, python: str, cli_env: dict[st
             [python, "-m", "noderuntime", *command, "--api-key", ""], env=cli_env, capture_output=True, text=True
         )
         assert done.returncode == 2 and "API key must be non-empty" in done.stderr
+
+
+async def test_a_long_prompt_is_tokenized_off_the_event_loop(gateway: httpx.AsyncClient) -> None:
+    # seconds of tokenizing: the gateway answers others meanwhile, so they finish first
+    finished: list[str] = []
+    long_chat = {"model": "m", "messages": [{"role": "user", "content": "the quick brown fox. " * 200_000}]}
+
+    async def ask(name: str, method: str, url: str, body: dict[str, Any] | None = None) -> None:
+        response = await gateway.request(method, url, headers=KEY, json=body)
+        finished.append(f"{name} {response.status_code}")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ask, "long", "POST", "/v1/chat/completions", long_chat)
+        await trio.sleep(0.3)  # the long one is being tokenized
+        nursery.start_soon(ask, "models", "GET", "/v1/models")
+    assert finished == ["models 200", "long 400"]  # 400: four million characters exceed the context

@@ -431,7 +431,8 @@ class Gateway:
             model = self._model(body.model)
             if model.template is None:
                 raise ApiError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
-            prompt = model.chat_prompt([m.for_template() for m in body.messages])
+            # rendering and tokenizing a long conversation takes a while: not on the event loop
+            prompt = await trio.to_thread.run_sync(model.chat_prompt, [m.for_template() for m in body.messages])
             max_tokens = body.max_completion_tokens or body.max_tokens
             generation = self._prepare(model, body, prompt, max_tokens)
             return await self._answer(model, body, generation, request, chat=True, open_ended=max_tokens is None)
@@ -441,7 +442,8 @@ class Gateway:
             model = self._model(body.model)
             prompt = body.prompt_tokens()
             if prompt is None:
-                prompt = model.vocab.tokenize(body.prompt_text(), add_special=model.vocab.add_bos, parse_special=False)
+                tokenize = functools.partial(model.vocab.tokenize, add_special=model.vocab.add_bos, parse_special=False)
+                prompt = await trio.to_thread.run_sync(tokenize, body.prompt_text())
             elif any(not 0 <= t < model.vocab.n_vocab for t in prompt):
                 raise ApiError(400, f"prompt token ids must lie in [0, {model.vocab.n_vocab})", param="prompt")
             generation = self._prepare(model, body, prompt, body.max_tokens)
