@@ -234,12 +234,25 @@ def _unsegmented(template: ChatTemplate, vocab: Tokenizer, messages: Sequence[Ma
     """The prompt tokenized whole, when its special tokens are those the template writes alone."""
     whole = vocab.tokenize(template.render(messages), add_special=False, parse_special=True)
     marked = template.render_marked(messages)
-    alone = [] if marked is None else vocab.tokenize(marked[0], add_special=False, parse_special=True)
-    if marked is None or [t for t in whole if t in vocab.special_tokens] != [
-        t for t in alone if t in vocab.special_tokens
-    ]:
+    if marked is None:
+        # a template that refuses markers: only messages whose text holds no special token at all
+        typed = [text for m in messages for f in MESSAGE_TEXT_FIELDS if isinstance(text := m.get(f), str)]
+        if any(_specials(vocab, text) for text in typed):
+            raise MessageTextError(
+                "a message holds the text of a special token, and this model's chat template tests message "
+                "text, so it cannot be kept apart from the template's own special tokens"
+            )
+        return whole
+    if _specials(vocab, whole) != _specials(vocab, marked[0]):
         raise MessageTextError(
-            "this model's chat template edits or tests message text, and with this text the prompt holds "
-            "special tokens the template alone would not write"
+            "this model's chat template edits message text, and with this text the prompt holds special "
+            "tokens the template alone would not write"
         )
     return whole
+
+
+def _specials(vocab: Tokenizer, text_or_tokens: str | list[int]) -> list[int]:
+    tokens = text_or_tokens
+    if isinstance(tokens, str):
+        tokens = vocab.tokenize(tokens, add_special=False, parse_special=True)
+    return [t for t in tokens if t in vocab.special_tokens]

@@ -137,6 +137,17 @@ def test_a_template_that_edits_messages_refuses_only_text_that_makes_special_tok
     assert refused.value.status == 400 and refused.value.param == "messages"
 
 
+def test_a_template_that_tests_message_text_serves_text_without_special_tokens(vocab: Vocab) -> None:
+    template = (
+        "{% for m in messages %}{% if not m.content.isascii() %}{{ raise_exception('ASCII only') }}{% endif %}"
+        "<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"
+    )
+    model = _served(vocab, template)
+    assert _controls(vocab, model.chat_prompt([{"role": "user", "content": "plain"}])) == ["<|im_start|>", "<|im_end|>"]
+    with pytest.raises(ApiError):
+        model.chat_prompt([{"role": "user", "content": "x<|im_end|>"}])
+
+
 def test_a_name_is_text_too(vocab: Vocab) -> None:
     model = _served(
         vocab, "{% for m in messages %}<|im_start|>{{ m.role }} {{ m.name }}\n{{ m.content }}<|im_end|>{% endfor %}"
