@@ -304,7 +304,10 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     from relay.server import RelayLimits
 
     limits = RelayLimits(
-        max_nodes=args.max_nodes, max_pairs=args.max_pairs, max_handshakes_per_host=args.max_handshakes_per_host
+        max_nodes=args.max_nodes,
+        max_pairs=args.max_pairs,
+        max_handshakes=args.max_handshakes,
+        max_handshakes_per_host=args.max_handshakes_per_host,
     )
     return noderun.main_relay(host, port, tuple(args.issuer_key), tls, args.http, limits)
 
@@ -648,10 +651,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-nodes", type=_positive_int, default=1024, help="node control connections held at most")
     p.add_argument("--max-pairs", type=_positive_int, default=4096, help="seams paired or pairing at most")
     p.add_argument(
+        "--max-handshakes", type=_positive_int, default=1024, help="unproven connections from all addresses at most"
+    )
+    p.add_argument(
         "--max-handshakes-per-host",
         type=_positive_int,
         default=64,
-        help="connections from one address that have not yet shown a key, ticket or pair",
+        help="connections from one address (an IPv6 /64) that have not yet shown a key, ticket or pair",
     )
     p.set_defaults(func=_cmd_relay)
 

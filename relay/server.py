@@ -12,6 +12,7 @@ of growing memory. See :mod:`relay.messages` for the control vocabulary.
 from __future__ import annotations
 
 import collections
+import ipaddress
 import logging
 import os
 import ssl
@@ -64,6 +65,17 @@ class RelayLimits:
                 raise ValueError(f"{name} must be at least 1, got {value}")
 
 
+def _source(remote: object) -> str:
+    """Whose connection this is, for the per-address cap: the address, or its /64 for IPv6."""
+    address = str(getattr(remote, "address", remote))
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    # one IPv6 host commonly holds a whole /64
+    return str(ipaddress.ip_network(f"{ip}/64", strict=False)) if ip.version == 6 else address
+
+
 class _Handshake:
     """A connection's place among those not yet proven; released once, when it proves itself or ends."""
 
@@ -107,9 +119,11 @@ class Relay:
         limits: RelayLimits = RelayLimits(),
         accept_timeout: float = 10.0,
         handshake_timeout: float = 10.0,
+        keepalive: float = 30.0,
     ) -> None:
         self.verifier = verifier
         self.limits = limits
+        self.keepalive = keepalive
         self.accept_timeout = accept_timeout
         self.handshake_timeout = handshake_timeout
         self.nodes: dict[bytes, WebSocketConnection] = {}
@@ -134,9 +148,18 @@ class Relay:
         )
 
     async def handle(self, request: WebSocketRequest) -> None:
-        """Route a new connection by its path."""
-        remote = request.remote
-        host = str(getattr(remote, "address", remote))
+        """Route a new connection by its path.
+
+        Whatever one connection does (reset before its upgrade is answered, say), it ends
+        that connection only: an exception out of here would end the whole server.
+        """
+        try:
+            await self._handle(request)
+        except (ConnectionClosed, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            log.debug("a relay connection ended early: %r", exc)
+
+    async def _handle(self, request: WebSocketRequest) -> None:
+        host = _source(request.remote)
         if self._handshakes[host] >= self.limits.max_handshakes_per_host:
             await self._reject(request, 429, "too many unfinished handshakes from this address", "host_handshakes")
             return
@@ -205,14 +228,37 @@ class Relay:
         log.info("node %s connected to the relay", node_id.hex()[:12])
         try:
             await ws.send_message(m.dump("welcome"))
-            while True:  # nothing is expected from the node; reading notices its departure
-                await ws.get_message()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._keep_alive, ws, node_id, nursery.cancel_scope)
+                try:
+                    while True:  # nothing is expected from the node; reading notices its departure
+                        await ws.get_message()
+                except ConnectionClosed:
+                    nursery.cancel_scope.cancel()
         except ConnectionClosed:
             pass
         finally:
             if self.nodes.get(node_id) is ws:
                 del self.nodes[node_id]
                 log.info("node %s left the relay", node_id.hex()[:12])
+
+    async def _keep_alive(self, ws: WebSocketConnection, node_id: bytes, scope: trio.CancelScope) -> None:
+        # a node whose host lost power or whose NAT mapping expired never closes its
+        # connection, and nothing else is ever sent on it: without pings it would hold
+        # one of the relay's node places for good
+        try:
+            while True:
+                await trio.sleep(self.keepalive)
+                with trio.move_on_after(self.keepalive) as waited:
+                    await ws.ping()
+                if waited.cancelled_caught:
+                    log.info("node %s did not answer pings; its control connection is dropped", node_id.hex()[:12])
+                    self._refused["keepalive"] += 1
+                    self.metrics.refused.labels("keepalive").inc()
+                    scope.cancel()
+                    return
+        except ConnectionClosed:
+            scope.cancel()
 
     async def _dial(self, ws: WebSocketConnection, handshake: _Handshake) -> None:
         try:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -295,6 +297,51 @@ async def test_relay_caps_its_nodes_and_the_handshakes_one_address_leaves_open()
         nursery.cancel_scope.cancel()
     with pytest.raises(ValueError, match="max_nodes"):
         RelayLimits(max_nodes=0)
+
+
+async def test_a_connection_reset_before_its_upgrade_is_answered_ends_only_itself() -> None:
+    issuer, node = Identity.generate(), Identity.generate()
+    relay = Relay(TicketVerifier([issuer.node_id]))
+    upgrade = (
+        "GET {} HTTP/1.1\r\nHost: relay\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve, relay, "127.0.0.1", 0)
+        for path in ("/control", "/dial", "/accept/x", "/nowhere") * 5:
+            with socket.socket() as raw:
+                raw.connect(("127.0.0.1", server.port))
+                raw.sendall(upgrade.format(path).encode())
+                raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+        await trio.sleep(0.5)
+        assert await _control_answer(f"ws://127.0.0.1:{server.port}", node) == 0  # still serving
+        assert relay.statistics().handshakes_open == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_node_that_stops_answering_pings_loses_its_place_at_the_relay() -> None:
+    from tests.linkproxy import LinkProxy
+
+    issuer, node = Identity.generate(), Identity.generate()
+    relay = Relay(TicketVerifier([issuer.node_id]), keepalive=0.3)
+    proxy = LinkProxy()
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve, relay, "127.0.0.1", 0)
+        proxy.target = server.port
+        await trio.to_thread.run_sync(proxy.start)  # its own trio, in its own thread
+        try:
+            # the node reaches the relay through a link that will go dead (no close, no reset)
+            await nursery.start(RelayListener(f"ws://127.0.0.1:{proxy.port}", node, lambda _: None).run)
+            await trio.sleep(1.0)  # pings answered: still there
+            assert relay.statistics().nodes_connected == 1
+            proxy.mode = "stall"
+            with trio.fail_after(5):
+                while relay.statistics().nodes_connected:
+                    await trio.sleep(0.05)
+            assert relay.statistics().refused["keepalive"] == 1
+        finally:
+            await trio.to_thread.run_sync(proxy.close)
+        nursery.cancel_scope.cancel()
 
 
 async def _control_answer(url: str, identity: Identity) -> int:
