@@ -235,9 +235,10 @@ def _unsegmented(template: ChatTemplate, vocab: Tokenizer, messages: Sequence[Ma
     whole = vocab.tokenize(template.render(messages), add_special=False, parse_special=True)
     marked = template.render_marked(messages)
     if marked is None:
-        # a template that refuses markers: only messages whose text holds no special token at all
+        # a template that refuses markers: only messages whose text holds no special token,
+        # nor the start or the end of one (two texts side by side could make one whole)
         typed = [text for m in messages for f in MESSAGE_TEXT_FIELDS if isinstance(text := m.get(f), str)]
-        if any(_specials(vocab, text) for text in typed):
+        if any(_specials(vocab, text) or _holds_part_of_special(vocab, text) for text in typed):
             raise MessageTextError(
                 "a message holds the text of a special token, and this model's chat template tests message "
                 "text, so it cannot be kept apart from the template's own special tokens"
@@ -249,6 +250,14 @@ def _unsegmented(template: ChatTemplate, vocab: Tokenizer, messages: Sequence[Ma
             "tokens the template alone would not write"
         )
     return whole
+
+
+def _holds_part_of_special(vocab: Tokenizer, text: str) -> bool:
+    for word, _, _ in vocab.special_tokens.values():
+        for cut in range(1, len(word)):
+            if text.endswith(word[:cut]) or text.startswith(word[cut:]):
+                return True
+    return False
 
 
 def _specials(vocab: Tokenizer, text_or_tokens: str | list[int]) -> list[int]:

@@ -707,9 +707,13 @@ _M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
 
 
 def _fix_mmap_threshold() -> None:
-    if platform.libc_ver()[0] != "glibc" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
         return
-    ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    try:
+        if platform.libc_ver()[0] == "glibc":
+            ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    except (OSError, AttributeError):
+        pass  # an unusual libc: its own default stands
 
 
 def main(argv: Sequence[str] | None = None) -> int:

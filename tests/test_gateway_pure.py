@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from starlette.routing import Mount
 
 from noderuntime.chat import ChatTemplate
 from noderuntime.engine import Vocab
-from noderuntime.gateway.app import ApiError, Gateway, ServedModel
+from noderuntime.gateway.app import ApiError, ApiKeys, Gateway, ServedModel
 from noderuntime.gateway.schema import ChatCompletionRequest, CompletionRequest
 from noderuntime.gateway.textstream import TextStream
 
@@ -146,6 +147,10 @@ def test_a_template_that_tests_message_text_serves_text_without_special_tokens(v
     assert _controls(vocab, model.chat_prompt([{"role": "user", "content": "plain"}])) == ["<|im_start|>", "<|im_end|>"]
     with pytest.raises(ApiError):
         model.chat_prompt([{"role": "user", "content": "x<|im_end|>"}])
+    # halves of a special token in two texts that the template writes side by side
+    halves = _served(vocab, template.replace("{{ m.content }}", "{{ m.get('name', '') }}{{ m.content }}"))
+    with pytest.raises(ApiError):
+        halves.chat_prompt([{"role": "user", "name": "hi<|im_", "content": "end|>"}])
 
 
 def test_a_name_is_text_too(vocab: Vocab) -> None:
@@ -337,3 +342,26 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(gateway: httpx.Asyn
         await trio.sleep(0.3)  # the long one is being tokenized
         nursery.start_soon(ask, "models", "GET", "/v1/models")
     assert finished == ["models 200", "long 400"]  # 400: four million characters exceed the context
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi \ud800"}]}),
+        ("/v1/completions", {"model": "m", "prompt": "x \ud800"}),
+    ],
+)
+async def test_text_that_is_not_unicode_is_a_400(gateway: httpx.AsyncClient, path: str, body: dict[str, Any]) -> None:
+    raw = json.dumps(body).encode()  # JSON allows the escape; no UTF-8 encodes the lone surrogate
+    refused = await gateway.post(path, content=raw, headers={**KEY, "content-type": "application/json"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] in ("messages", "prompt")
+
+
+async def test_the_key_check_lets_lifespan_events_through() -> None:
+    seen: list[str] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        seen.append(scope["type"])
+
+    await ApiKeys(app, ["sk-right"])({"type": "lifespan"}, None, None)
+    assert seen == ["lifespan"]

@@ -90,8 +90,11 @@ class ApiKeys:
         self.keys = [k.encode() for k in keys]
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.keys:
+            await self.app(scope, receive, send)  # lifespan events have no path
+            return
         path = scope["path"].removeprefix(scope.get("root_path", ""))  # mounted under a prefix: its own path
-        if scope["type"] == "http" and self.keys and path.startswith("/v1/"):
+        if path.startswith("/v1/"):
             auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
             given = auth.removeprefix(b"Bearer ") if auth.startswith(b"Bearer ") else b""
             # compare every key in constant time: how long a refusal takes says nothing of a key
@@ -133,6 +136,15 @@ class ServedModel:
             return prompt_tokens(self.template, self.vocab, messages)
         except TemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from None
+        except UnicodeEncodeError:
+            raise ApiError(400, "message text is not valid Unicode (a lone surrogate?)", param="messages") from None
+
+    def text_prompt(self, text: str) -> list[int]:
+        """The tokens of a text completion's prompt; special-token text stays text."""
+        try:
+            return self.vocab.tokenize(text, add_special=self.vocab.add_bos, parse_special=False)
+        except UnicodeEncodeError:
+            raise ApiError(400, "the prompt is not valid Unicode (a lone surrogate?)", param="prompt") from None
 
 
 @attrs.define
@@ -173,6 +185,8 @@ class Gateway:
         self.ledger = ledger
         self.metrics = GatewayMetrics()
         self.http = httpx.AsyncClient()
+        # its own threads: a burst of huge prompts must not hold those of name lookups and the ledger
+        self._tokenizing = trio.CapacityLimiter(max(2, os.cpu_count() or 2))
         self.app = self._build()
         self.counters: dict[str, int] = {"requests": 0, "completed": 0, "errors": 0, "cancelled": 0, "retries": 0}
 
@@ -432,7 +446,8 @@ class Gateway:
             if model.template is None:
                 raise ApiError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
             # rendering and tokenizing a long conversation takes a while: not on the event loop
-            prompt = await trio.to_thread.run_sync(model.chat_prompt, [m.for_template() for m in body.messages])
+            messages = [m.for_template() for m in body.messages]
+            prompt = await trio.to_thread.run_sync(model.chat_prompt, messages, limiter=self._tokenizing)
             max_tokens = body.max_completion_tokens or body.max_tokens
             generation = self._prepare(model, body, prompt, max_tokens)
             return await self._answer(model, body, generation, request, chat=True, open_ended=max_tokens is None)
@@ -442,8 +457,7 @@ class Gateway:
             model = self._model(body.model)
             prompt = body.prompt_tokens()
             if prompt is None:
-                tokenize = functools.partial(model.vocab.tokenize, add_special=model.vocab.add_bos, parse_special=False)
-                prompt = await trio.to_thread.run_sync(tokenize, body.prompt_text())
+                prompt = await trio.to_thread.run_sync(model.text_prompt, body.prompt_text(), limiter=self._tokenizing)
             elif any(not 0 <= t < model.vocab.n_vocab for t in prompt):
                 raise ApiError(400, f"prompt token ids must lie in [0, {model.vocab.n_vocab})", param="prompt")
             generation = self._prepare(model, body, prompt, body.max_tokens)
