@@ -305,6 +305,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
 
     limits = RelayLimits(
         max_nodes=args.max_nodes,
+        max_nodes_per_host=args.max_nodes_per_host,
         max_pairs=args.max_pairs,
         max_handshakes=args.max_handshakes,
         max_handshakes_per_host=args.max_handshakes_per_host,
@@ -649,6 +650,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", type=Path)
     p.add_argument("--http", type=_listen_address, default="127.0.0.1:0", help="HOST:PORT of /status (port 0: any)")
     p.add_argument("--max-nodes", type=_positive_int, default=1024, help="node control connections held at most")
+    p.add_argument(
+        "--max-nodes-per-host", type=_positive_int, default=64, help="node control connections from one address"
+    )
     p.add_argument("--max-pairs", type=_positive_int, default=4096, help="seams paired or pairing at most")
     p.add_argument(
         "--max-handshakes", type=_positive_int, default=1024, help="unproven connections from all addresses at most"

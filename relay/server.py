@@ -54,6 +54,8 @@ class RelayLimits:
     """
 
     max_nodes: int = 1024
+    # proven nodes from one address: a site behind one NAT runs a few, a key spammer many
+    max_nodes_per_host: int = 64
     max_pairs: int = 4096
     max_handshakes: int = 1024
     # a handshake lasts a round trip or two; a gateway opening a burst of sessions stays well under
@@ -80,6 +82,7 @@ class _Handshake:
     """A connection's place among those not yet proven; released once, when it proves itself or ends."""
 
     def __init__(self, counts: collections.Counter[str], host: str) -> None:
+        self.host = host
         self._counts = counts
         self._keys = (host, "")  # its address, and the total under a key no address has
         self._held = True
@@ -91,9 +94,13 @@ class _Handshake:
             return
         self._held = False
         for key in self._keys:
-            self._counts[key] -= 1
-            if not self._counts[key]:
-                del self._counts[key]
+            _decrement(self._counts, key)
+
+
+def _decrement(counts: collections.Counter[str], key: str) -> None:
+    counts[key] -= 1
+    if counts[key] <= 0:
+        del counts[key]
 
 
 @attrs.frozen
@@ -133,6 +140,8 @@ class Relay:
         self._forwarded = 0
         self._refused: collections.Counter[str] = collections.Counter()
         self._handshakes: collections.Counter[str] = collections.Counter()  # by source address; "" = all
+        self._node_host: dict[bytes, str] = {}  # where each connected node's control connection comes from
+        self._nodes_by_host: collections.Counter[str] = collections.Counter()
         self.metrics = RelayMetrics()
 
     def statistics(self) -> RelayStatistics:
@@ -217,11 +226,19 @@ class Relay:
             await self._refuse(ws, m.CLOSE_UNAUTHENTICATED, "control signature does not verify", "control_auth")
             return
         handshake.release()
+        host = handshake.host
         if node_id not in self.nodes and len(self.nodes) >= self.limits.max_nodes:
             await self._refuse(ws, m.CLOSE_BUSY, "the relay holds its maximum of nodes", "nodes")
             return
+        if node_id not in self.nodes and self._nodes_by_host[host] >= self.limits.max_nodes_per_host:
+            await self._refuse(ws, m.CLOSE_BUSY, "the relay holds its maximum of nodes from this address", "host_nodes")
+            return
         previous = self.nodes.get(node_id)
+        if previous is not None:
+            _decrement(self._nodes_by_host, self._node_host[node_id])
         self.nodes[node_id] = ws
+        self._node_host[node_id] = host
+        self._nodes_by_host[host] += 1
         if previous is not None:
             with trio.move_on_after(1.0):
                 await previous.aclose(m.CLOSE_NORMAL, "replaced by a newer control connection")
@@ -240,6 +257,7 @@ class Relay:
         finally:
             if self.nodes.get(node_id) is ws:
                 del self.nodes[node_id]
+                _decrement(self._nodes_by_host, self._node_host.pop(node_id))
                 log.info("node %s left the relay", node_id.hex()[:12])
 
     async def _keep_alive(self, ws: WebSocketConnection, node_id: bytes, scope: trio.CancelScope) -> None:

@@ -299,6 +299,22 @@ async def test_relay_caps_its_nodes_and_the_handshakes_one_address_leaves_open()
         RelayLimits(max_nodes=0)
 
 
+async def test_relay_caps_the_nodes_one_address_holds() -> None:
+    from relay import messages
+
+    issuer, nodes = Identity.generate(), [Identity.generate() for _ in range(3)]
+    relay = Relay(TicketVerifier([issuer.node_id]), limits=RelayLimits(max_nodes_per_host=2))
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve, relay, "127.0.0.1", 0)
+        url = f"ws://127.0.0.1:{server.port}"
+        for node in nodes[:2]:
+            await nursery.start(RelayListener(url, node, lambda _: None).run)
+        assert await _control_answer(url, nodes[2]) == messages.CLOSE_BUSY
+        assert await _control_answer(url, nodes[0]) == 0  # a node already there may replace its connection
+        assert relay.statistics().refused == {"host_nodes": 1}
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_connection_reset_before_its_upgrade_is_answered_ends_only_itself() -> None:
     issuer, node = Identity.generate(), Identity.generate()
     relay = Relay(TicketVerifier([issuer.node_id]))
