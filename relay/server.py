@@ -25,7 +25,13 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 from noderuntime.identity import verify
 from noderuntime.telemetry import RelayMetrics, exposition
 from noderuntime.tickets import TicketError, TicketVerifier
-from noderuntime.transport.websocket import MAX_MESSAGE_BYTES, MESSAGE_QUEUE, RECEIVE_BUFFER_BYTES
+from noderuntime.transport.websocket import (
+    KEEPALIVE_SECONDS,
+    MAX_MESSAGE_BYTES,
+    MESSAGE_QUEUE,
+    RECEIVE_BUFFER_BYTES,
+    until_silent,
+)
 from relay import messages as m
 
 log = logging.getLogger(__name__)
@@ -126,7 +132,7 @@ class Relay:
         limits: RelayLimits = RelayLimits(),
         accept_timeout: float = 10.0,
         handshake_timeout: float = 10.0,
-        keepalive: float = 30.0,
+        keepalive: float = KEEPALIVE_SECONDS,
     ) -> None:
         self.verifier = verifier
         self.limits = limits
@@ -261,22 +267,17 @@ class Relay:
                 log.info("node %s left the relay", node_id.hex()[:12])
 
     async def _keep_alive(self, ws: WebSocketConnection, node_id: bytes, scope: trio.CancelScope) -> None:
-        # a node whose host lost power or whose NAT mapping expired never closes its
-        # connection, and nothing else is ever sent on it: without pings it would hold
-        # one of the relay's node places for good
+        # nothing else is ever sent on a control connection: without pings a dead node
+        # would hold one of the relay's node places for good
         try:
-            while True:
-                await trio.sleep(self.keepalive)
-                with trio.move_on_after(self.keepalive) as waited:
-                    await ws.ping()
-                if waited.cancelled_caught:
-                    log.info("node %s did not answer pings; its control connection is dropped", node_id.hex()[:12])
-                    self._refused["keepalive"] += 1
-                    self.metrics.refused.labels("keepalive").inc()
-                    scope.cancel()
-                    return
+            await until_silent(ws, self.keepalive)
         except ConnectionClosed:
-            scope.cancel()
+            pass
+        else:
+            log.info("node %s did not answer pings; its control connection is dropped", node_id.hex()[:12])
+            self._refused["keepalive"] += 1
+            self.metrics.refused.labels("keepalive").inc()
+        scope.cancel()
 
     async def _dial(self, ws: WebSocketConnection, handshake: _Handshake) -> None:
         try:

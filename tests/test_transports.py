@@ -360,6 +360,33 @@ async def test_a_node_that_stops_answering_pings_loses_its_place_at_the_relay() 
         nursery.cancel_scope.cancel()
 
 
+async def test_a_node_whose_relay_stops_answering_pings_connects_again() -> None:
+    from tests.linkproxy import LinkProxy
+
+    issuer, node = Identity.generate(), Identity.generate()
+    relay = Relay(TicketVerifier([issuer.node_id]), keepalive=60)  # the relay alone would not notice yet
+    proxy = LinkProxy()
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve, relay, "127.0.0.1", 0)
+        proxy.target = server.port
+        await trio.to_thread.run_sync(proxy.start)
+        try:
+            listener = RelayListener(f"ws://127.0.0.1:{proxy.port}", node, lambda _: None, keepalive=0.3)
+            await nursery.start(listener.run)
+            first = relay.nodes[node.node_id]
+            proxy.mode = "stall"
+            with trio.fail_after(5):
+                while listener.connected:
+                    await trio.sleep(0.05)
+            proxy.mode = "pass"
+            with trio.fail_after(20):
+                while not listener.connected or relay.nodes.get(node.node_id) in (None, first):
+                    await trio.sleep(0.05)
+        finally:
+            await trio.to_thread.run_sync(proxy.close)
+        nursery.cancel_scope.cancel()
+
+
 async def _control_answer(url: str, identity: Identity) -> int:
     """A control handshake with a good signature: 0 when welcomed, else the relay's close code."""
     from trio_websocket import ConnectionClosed, open_websocket_url

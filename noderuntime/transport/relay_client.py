@@ -11,7 +11,14 @@ from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
 
 from noderuntime.identity import Identity
 from noderuntime.transport.base import FrameStream, StreamBroken
-from noderuntime.transport.websocket import MAX_MESSAGE_BYTES, MESSAGE_QUEUE, RECEIVE_BUFFER_BYTES, WebSocketFrameStream
+from noderuntime.transport.websocket import (
+    KEEPALIVE_SECONDS,
+    MAX_MESSAGE_BYTES,
+    MESSAGE_QUEUE,
+    RECEIVE_BUFFER_BYTES,
+    WebSocketFrameStream,
+    until_silent,
+)
 from protocol import StatusCode
 from relay import messages as m
 
@@ -92,12 +99,14 @@ class RelayListener:
         *,
         tls: ssl.SSLContext | None = None,
         retry_seconds: float = 1.0,
+        keepalive: float = KEEPALIVE_SECONDS,
     ) -> None:
         self.url = relay_url.rstrip("/")
         self.identity = identity
         self._on_stream = on_stream
         self._tls = tls
         self._retry = retry_seconds
+        self._keepalive = keepalive
         self.connected = False
         self.accepted = 0
 
@@ -109,6 +118,7 @@ class RelayListener:
             while True:
                 try:
                     ws = await _connect(nursery, self.url + "/control", self._tls)
+                    watching = trio.CancelScope()
                     try:
                         await self._hello(ws)
                         self.connected = True
@@ -117,12 +127,18 @@ class RelayListener:
                             started = True
                             task_status.started()
                         log.info("listening through the relay %s", self.url)
-                        while True:
-                            incoming = m.load(await ws.get_message(), "incoming")
-                            pair = incoming.get("pair")
-                            if isinstance(pair, str) and pair.isalnum() and len(pair) <= 64:
-                                nursery.start_soon(self._accept, nursery, pair)
+                        with trio.CancelScope() as listening:
+                            # a relay that went away without a close (its host, a NAT mapping)
+                            # must be found out, or this node stays unreachable for good
+                            nursery.start_soon(self._watch, ws, listening, watching)
+                            while True:
+                                incoming = m.load(await ws.get_message(), "incoming")
+                                pair = incoming.get("pair")
+                                if isinstance(pair, str) and pair.isalnum() and len(pair) <= 64:
+                                    nursery.start_soon(self._accept, nursery, pair)
+                        log.warning("the relay %s stopped answering pings; reconnecting", self.url)
                     finally:
+                        watching.cancel()
                         self.connected = False
                         with trio.move_on_after(1.0) as scope:
                             scope.shield = True
@@ -131,6 +147,14 @@ class RelayListener:
                     log.warning("relay control connection to %s lost: %s; retrying in %.1f s", self.url, exc, delay)
                 await trio.sleep(delay)
                 delay = min(delay * 2, 10.0)  # a restarted relay is found again within seconds
+
+    async def _watch(self, ws: WebSocketConnection, listening: trio.CancelScope, watching: trio.CancelScope) -> None:
+        with watching:  # cancelled when this connection ends, whichever way
+            try:
+                await until_silent(ws, self._keepalive)
+            except ConnectionClosed:
+                return  # the listening loop sees the close itself
+            listening.cancel()
 
     async def _hello(self, ws: WebSocketConnection) -> None:
         with trio.fail_after(HANDSHAKE_TIMEOUT):

@@ -18,6 +18,24 @@ RECEIVE_BUFFER_BYTES = 256 << 10
 MESSAGE_QUEUE = 1
 
 
+# How often a control connection is pinged, and how long a pong may take: a peer whose
+# host lost power or whose NAT mapping expired never closes its connection.
+KEEPALIVE_SECONDS = 30.0
+
+
+async def until_silent(ws: WebSocketConnection, every: float = KEEPALIVE_SECONDS) -> None:
+    """Ping ``ws`` every ``every`` seconds; return once a ping goes unanswered that long.
+
+    Raises ``ConnectionClosed`` when the connection closes first.
+    """
+    while True:
+        await trio.sleep(every)
+        with trio.move_on_after(every) as waited:
+            await ws.ping()
+        if waited.cancelled_caught:
+            return
+
+
 class WebSocketFrameStream:
     """The FrameStream interface over one websocket connection."""
 
