@@ -195,10 +195,14 @@ class Relay:
         finally:
             handshake.release()
 
-    async def _reject(self, request: WebSocketRequest, status: int, reason: str, kind: str) -> None:
+    def _count_refusal(self, kind: str, reason: str) -> None:
         self._refused[kind] += 1
         self.metrics.refused.labels(kind).inc()
         log.info("relay refused a connection: %s", reason)
+
+    async def _reject(self, request: WebSocketRequest, status: int, reason: str, kind: str) -> None:
+        """Refuse before the upgrade, with an HTTP status."""
+        self._count_refusal(kind, reason)
         with trio.move_on_after(1.0):
             await request.reject(status, body=reason.encode() + b"\n")
 
@@ -209,9 +213,8 @@ class Relay:
         return exposition(self.metrics.registry)
 
     async def _refuse(self, ws: WebSocketConnection, code: int, reason: str, kind: str) -> None:
-        self._refused[kind] += 1
-        self.metrics.refused.labels(kind).inc()
-        log.info("relay refused a connection: %s", reason)
+        """Refuse after the upgrade, with a websocket close code."""
+        self._count_refusal(kind, reason)
         with trio.move_on_after(1.0):
             await ws.aclose(code, reason[:120])
 
@@ -274,9 +277,7 @@ class Relay:
         except ConnectionClosed:
             pass
         else:
-            log.info("node %s did not answer pings; its control connection is dropped", node_id.hex()[:12])
-            self._refused["keepalive"] += 1
-            self.metrics.refused.labels("keepalive").inc()
+            self._count_refusal("keepalive", f"node {node_id.hex()[:12]} did not answer pings; dropped")
         scope.cancel()
 
     async def _dial(self, ws: WebSocketConnection, handshake: _Handshake) -> None:
