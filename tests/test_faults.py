@@ -342,7 +342,9 @@ def test_a_link_that_stalls_then_trickles(rig: Rig) -> None:
                 wave.join(4 * IDLE + 20)
                 assert wave.error is not None or wave.status != 200
             rss.append(_rss_kib(rig.processes["a"].pid))
-        grown_mib = (rss[-1] - rss[1]) / 1024
+        # the highest after the two warm-up waves against the highest during them: RSS swings
+        # by several MiB as prompt-sized buffers are mapped and returned, a kept queue only rises
+        grown_mib = (max(rss[2:]) - max(rss[:2])) / 1024
         assert grown_mib < 16, f"the head grew by {grown_mib:.1f} MiB over {waves_run - 2} waves into a stalled link"
         _note(
             "peer_stops_reading",
