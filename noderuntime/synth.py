@@ -23,6 +23,7 @@ QUANTS = {
     "F16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
     "Q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "Q4_0": (GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    "Q4_1": (GGMLQuantizationType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
 }
 _SPECIALS = ("<unk>", "<s>", "</s>")
 
@@ -95,6 +96,12 @@ def _rows(rng: np.random.Generator, qtype: GGMLQuantizationType, n_rows: int, ro
         blocks = np.empty((n_blocks, 18), dtype=np.uint8)
         scale = std / 4.6  # uniform nibble minus 8 has std ~4.6
         blocks[:, 2:] = rng.integers(0, 256, size=(n_blocks, 16), dtype=np.uint8)
+    elif qtype == GGMLQuantizationType.Q4_1:
+        # scale, then minimum, then nibbles: a minimum of -7.5 scales centres the weights on zero
+        blocks = np.empty((n_blocks, 20), dtype=np.uint8)
+        scale = std / 4.6
+        blocks[:, 2:4] = np.full((n_blocks, 1), -7.5 * scale, dtype=np.float16).view(np.uint8)
+        blocks[:, 4:] = rng.integers(0, 256, size=(n_blocks, 16), dtype=np.uint8)
     else:
         raise ValueError(f"unsupported quant {qtype.name}")
     blocks[:, :2] = np.full((n_blocks, 1), scale, dtype=np.float16).view(np.uint8)
@@ -116,14 +123,21 @@ def write_llama(
     shape: LlamaShape,
     *,
     quant: str = "Q8_0",
+    embedding_quant: str | None = None,
     seed: int = 0,
     name: str = "synthetic-llama",
     progress: Callable[[int, int], None] | None = None,
 ) -> Path:
-    """Write a random-weight Llama GGUF; ``progress(done_bytes, total_bytes)`` as it goes."""
-    if quant not in QUANTS:
-        raise ValueError(f"unsupported quant {quant!r}; choose one of {', '.join(QUANTS)}")
+    """Write a random-weight Llama GGUF; ``progress(done_bytes, total_bytes)`` as it goes.
+
+    ``embedding_quant`` stores the token embedding (also the output with ``tied_output``)
+    in another type, as converters often keep it at Q8_0 in a 4-bit file.
+    """
+    for q in (quant, embedding_quant or quant):
+        if q not in QUANTS:
+            raise ValueError(f"unsupported quant {q!r}; choose one of {', '.join(QUANTS)}")
     qtype, file_type = QUANTS[quant]
+    embedding_qtype = QUANTS[embedding_quant or quant][0]
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
     writer = GGUFWriter(tmp, arch="llama", use_temp_file=False)
@@ -152,7 +166,7 @@ def write_llama(
 
     plan = []
     for tensor_name, tshape in shape.tensors():
-        ttype = _tensor_type(tensor_name, tshape, qtype)
+        ttype = _tensor_type(tensor_name, tshape, embedding_qtype if tensor_name == "token_embd.weight" else qtype)
         block, type_size = GGML_QUANT_SIZES[ttype]
         row_len = tshape[-1]
         n_rows = int(np.prod(tshape[:-1])) if len(tshape) > 1 else 1

@@ -23,6 +23,32 @@ def test_fingerprint_is_stable_and_covers_weights(tiny_model: Path, tmp_path: Pa
     assert artifacts.inspect(same_shape_other_weights).fingerprint != info.fingerprint
 
 
+@pytest.mark.parametrize("quant", sorted(synth.QUANTS))
+def test_synthetic_weights_are_centred_with_the_intended_spread(quant: str, tmp_path: Path) -> None:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    path = synth.write_llama(tmp_path / "m.gguf", TINY_SHAPE, quant=quant, seed=4)
+    assert quant in artifacts.inspect(path).quant
+    (tensor,) = (t for t in GGUFReader(path).tensors if t.name == "blk.0.ffn_gate.weight")
+    weights = dequantize(tensor.data, tensor.tensor_type)
+    row_len = TINY_SHAPE.n_embd
+    assert abs(float(weights.mean())) < 0.1 / row_len**0.5
+    assert float(weights.std()) == pytest.approx(0.5 / row_len**0.5, rel=0.1)
+
+
+def test_synthetic_embedding_can_have_its_own_quant(tmp_path: Path) -> None:
+    from gguf import GGUFReader
+
+    path = synth.write_llama(tmp_path / "m.gguf", TINY_SHAPE, quant="Q4_1", embedding_quant="Q8_0")
+    types = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    assert types["token_embd.weight"] == "Q8_0"
+    assert types["blk.0.attn_q.weight"] == "Q4_1"
+    assert artifacts.inspect(path).quant == "Q4_1"  # named by the blocks, as for a converted file
+    with pytest.raises(ValueError, match="unsupported quant"):
+        synth.write_llama(tmp_path / "n.gguf", TINY_SHAPE, quant="Q4_1", embedding_quant="Q5_K")
+
+
 def test_split_keeps_absolute_blocks_and_parent_fingerprint(tiny_model: Path, tmp_path: Path) -> None:
     ranges = LayerRange.parse_list("0:1,1:3,3:4")
     paths = artifacts.split(tiny_model, ranges, tmp_path)
