@@ -67,8 +67,13 @@ def peak_rss(pid: int) -> int:
 
 
 def git_commit() -> str:
-    """The project commit the benchmark ran on (with a ``-dirty`` mark)."""
+    """The project commit the benchmark ran on (with a ``-dirty`` mark).
+
+    A copy of the tree without its repository names its commit in ``NODERUNTIME_PROJECT_COMMIT``.
+    """
     root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists() and os.environ.get("NODERUNTIME_PROJECT_COMMIT"):
+        return os.environ["NODERUNTIME_PROJECT_COMMIT"]
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
@@ -91,7 +96,9 @@ def write(
     """Write the result document and return it."""
     doc = {
         "benchmark": name,
-        "command": f"python -m benchmarks.{name}" + (" --quick" if args.quick else ""),
+        "command": " ".join(
+            [f"python -m benchmarks.{name}"] + [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if v is True]
+        ),
         "quick": bool(args.quick),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "project_commit": git_commit(),

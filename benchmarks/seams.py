@@ -16,6 +16,10 @@
 4. All of it again on a random-weight model of Llama-3.2-1B's shape (Q4_0, written for
    the run), whose token costs about three times SmolLM2's: which parts stay fixed and
    which grow with the model.
+
+``--demo-shape`` measures a random-weight model of SmolLM2's shape and quant in place of
+SmolLM2 itself, for a machine that has no copy of the demo model and cannot fetch one
+(decode speed does not depend on the weights' values).
 """
 
 from __future__ import annotations
@@ -48,6 +52,17 @@ LARGER_SHAPE: dict[str, Any] = {
     "rope_freq_base": 500000.0,
 }
 LARGER_CUTS = [0, 8, 16]
+# SmolLM2-135M's shape, for --demo-shape
+DEMO_SHAPE: dict[str, Any] = {
+    "n_layer": 30,
+    "n_embd": 576,
+    "n_ff": 1536,
+    "n_head": 9,
+    "n_head_kv": 3,
+    "n_vocab": 49152,
+    "context_length": 8192,
+    "rope_freq_base": 100000.0,
+}
 ROUNDS = 5
 # the decode tok/s lanes, each run `repeats` times; ratios are between medians
 LANES = ("whole", "grpc", "relay", "head_alone", "tail_alone")
@@ -236,11 +251,23 @@ def _seam_bytes_per_token(model: str) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _common.parser(NAME, __doc__ or "").parse_args(argv)
-    from noderuntime import artifacts, models
+    p = _common.parser(NAME, __doc__ or "")
+    p.add_argument("--demo-shape", action="store_true", help="a random-weight model of SmolLM2's shape and quant")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="seams-") as tmp:
+        return _main(args, Path(tmp))
+
+
+def _main(args: Any, tmp: Path) -> int:
+    from noderuntime import artifacts, models, synth
     from noderuntime.engine import Recipe
 
-    model = models.pull(models.DEMO_MODEL, progress=False)
+    if args.demo_shape:
+        model = synth.write_llama(
+            tmp / "smollm2-shape.gguf", synth.LlamaShape(**DEMO_SHAPE), quant="Q4_1", embedding_quant="Q8_0"
+        )
+    else:
+        model = models.pull(models.DEMO_MODEL, progress=False)
     count = 50 if args.quick else 400
     big_count = 10 if args.quick else 60
     new_tokens = 32 if args.quick else 128
@@ -269,27 +296,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     larger_tokens = 16 if args.quick else 64
     larger_repeats = 2 if args.quick else 7
-    with tempfile.TemporaryDirectory(prefix="seams-") as tmp:
-        from noderuntime import synth
-
-        larger_path = synth.write_llama(
-            Path(tmp) / "llama-1b-shape.gguf", synth.LlamaShape(**LARGER_SHAPE), quant="Q4_0", name="seams-1b-shape"
-        )
-        larger = _route_figures(
-            trio.run(_lanes, larger_path, LARGER_CUTS, larger_tokens, larger_repeats),
-            larger_path,
-            LARGER_CUTS,
-            larger_tokens,
-            larger_repeats,
-        )
-        larger |= {
-            "shape": LARGER_SHAPE,
-            "quant": "Q4_0",
-            "model_bytes": larger_path.stat().st_size,
-            "cuts": LARGER_CUTS,
-            "new_tokens": larger_tokens,
-            "repeats": larger_repeats,
-        }
+    larger_path = synth.write_llama(
+        tmp / "llama-1b-shape.gguf", synth.LlamaShape(**LARGER_SHAPE), quant="Q4_0", name="seams-1b-shape"
+    )
+    larger = _route_figures(
+        trio.run(_lanes, larger_path, LARGER_CUTS, larger_tokens, larger_repeats),
+        larger_path,
+        LARGER_CUTS,
+        larger_tokens,
+        larger_repeats,
+    )
+    larger |= {
+        "shape": LARGER_SHAPE,
+        "quant": "Q4_0",
+        "model_bytes": larger_path.stat().st_size,
+        "cuts": LARGER_CUTS,
+        "new_tokens": larger_tokens,
+        "repeats": larger_repeats,
+    }
     figures = {
         "hops": hops,
         "whole_model_one_process_decode_tok_s": demo["whole_decode_tok_s"],
@@ -327,10 +351,14 @@ def main(argv: list[str] | None = None) -> int:
             "round_trips": count,
             "round_trip_rounds": ROUNDS,
             "cuts": DEMO_CUTS,
-            "processes": "one per shard, 2 threads each, on this 2-core machine",
+            "processes": f"one per shard, 2 threads each, on this {os.cpu_count()}-core machine",
+            "demo_model": f"random weights, SmolLM2-135M's shape and quant (Q4_1, embedding Q8_0): {DEMO_SHAPE}"
+            if args.demo_shape
+            else "SmolLM2-135M-Instruct Q4_1",
         },
     )
-    png = _plot(path, demo, larger)
+    demo_label = "SmolLM2-135M shape" if args.demo_shape else "SmolLM2-135M"
+    png = _plot(path, demo, larger, demo_label)
     print(
         _common.table(
             ["transport", "decode RTT p50 µs", "p95 µs", "prefill RTT p50 ms", "p95 ms"],
@@ -341,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     rows = []
-    for label, lane in (("SmolLM2-135M", demo), ("1B-shape", larger)):
+    for label, lane in ((demo_label, demo), ("1B-shape", larger)):
         pinned = lane["pinned_one_core_per_process"]
         parts = lane["where_the_gap_goes_ms"]
         for name, rate, ratio, key in (
@@ -425,19 +453,20 @@ def _gap_parts(route: float, whole: float, alone: tuple[float, float], ticks: li
     }
 
 
-def _plot(path: Path, demo: dict[str, Any], larger: dict[str, Any]) -> Path:
+def _plot(path: Path, demo: dict[str, Any], larger: dict[str, Any], demo_label: str) -> Path:
     """Route / whole model against the whole model's time per token, one point per model."""
     lanes = (demo, larger)
     shared_ms = [1e3 / lane["whole_decode_tok_s"] for lane in lanes]
     pinned_ms = [1e3 / lane["pinned_one_core_per_process"]["whole_model_1_core_decode_tok_s"] for lane in lanes]
+    cores = os.cpu_count()
     return _common.plot(
         path.with_suffix(".png"),
-        "2-shard route vs whole model (SmolLM2-135M, then a 1B-shape model)",
+        f"2-shard route vs whole model ({demo_label}, then a 1B-shape model)",
         "whole model's decode time per token (ms)",
         "route decode tok/s / whole model's",
         {
-            "gRPC, shards share 2 cores": (shared_ms, [lane["grpc_over_whole"] for lane in lanes]),
-            "relay, shards share 2 cores": (shared_ms, [lane["relay_over_whole"] for lane in lanes]),
+            f"gRPC, 2 threads per shard, {cores} cores": (shared_ms, [lane["grpc_over_whole"] for lane in lanes]),
+            f"relay, 2 threads per shard, {cores} cores": (shared_ms, [lane["relay_over_whole"] for lane in lanes]),
             "gRPC, 1 core per shard": (
                 pinned_ms,
                 [lane["pinned_one_core_per_process"]["route_over_whole"] for lane in lanes],
