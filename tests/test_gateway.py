@@ -282,18 +282,31 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
 
         first = ask()
         assert first.status_code == 200
-        # kill the tail the tracker chose: it picks among routes within 10 % of the cheapest,
-        # so a tail measured slower at start might never be chosen while the other lives.
-        # The tracker keeps the killed node for EXPIRE seconds (heartbeats every 2), long
-        # enough for the ten requests below to meet it and be retried elsewhere.
-        tail = first.json()["route"][-1]["node_id"]
-        killed, other = ("b", "d") if ids["b"].startswith(tail) else ("d", "b")
+        served_at = time.time()
+        # kill the tail the tracker costs cheapest: it picks among routes within 10 % of the
+        # cheapest, and a tail measured slower at start, or one that reported the slow ticks
+        # of a request it served, might never be chosen while the other lives. Costs are read
+        # once both tails have heartbeated since that request: the killed one's stays frozen.
+        while True:
+            tails = [n for n in _get(tracker["url"] + "/v1/nodes")["nodes"] if n["layers"] == [15, 30]]
+            if all(time.time() - n["seconds_since_heartbeat"] > served_at for n in tails):
+                break
+            assert time.time() - served_at < 10, f"the tails did not heartbeat: {tails}"
+            time.sleep(0.2)
+        cheapest = min(tails, key=lambda n: n["estimated_step_ms"])["node_id"]
+        killed, other = ("b", "d") if ids["b"] == cheapest else ("d", "b")
         by_name = {p.name: p for p in processes}
+        retries_before = _get(url + "/status")["counters"]["retries"]
         by_name[killed].signal(signal.SIGKILL)
-        # before the tracker notices, routes through b fail before their first token: the gateway retries
-        results = [ask().status_code for _ in range(10)]
-        assert results == [200] * 10
-        assert _get(url + "/status")["counters"]["retries"] >= 1
+        killed_at = time.monotonic()
+        # before the tracker notices (it keeps the killed node for EXPIRE seconds after its
+        # last heartbeat), a route through it fails before its first token and the gateway
+        # retries elsewhere: ask until a request has met it, each one served
+        results: list[int] = []
+        while _get(url + "/status")["counters"]["retries"] == retries_before:
+            assert time.monotonic() - killed_at < EXPIRE - 2, f"no request met the killed tail: {results}"
+            results.append(ask().status_code)
+            assert results[-1] == 200, results
         time.sleep(EXPIRE + 1.5)  # the killed node's heartbeats lapse
         assert all(ask().status_code == 200 for _ in range(4))
         by_name[other].signal(signal.SIGKILL)
