@@ -120,13 +120,6 @@ class SeamConnection:
             with trio.CancelScope(shield=True):
                 await self.stream.abort(error.code, error.message)
 
-    async def abandon(self) -> None:
-        """Close the stream and drop the link under it (see ``FrameStream.abandon``); idempotent."""
-        if not self._closed:
-            self._closed = True
-            with trio.CancelScope(shield=True):
-                await self.stream.abandon()
-
     async def aclose(self) -> None:
         """Close the stream; idempotent, does not wait for the peer."""
         if not self._closed:

@@ -84,7 +84,6 @@ class SessionEnd:
     tell_upstream: bool = False
     tell_downstream: bool = False
     node_id: bytes = b""  # the node that reported the error, when forwarded
-    next_hop_silent: bool = False  # the next hop took our step and said nothing for the idle timeout
 
 
 @attrs.define
@@ -224,12 +223,7 @@ class RouteSession:
             )
             await self.upstream.notify(error)
         if self.downstream is not None:
-            if end.next_hop_silent:
-                # the link to it is presumed dead, for every seam it carries: the next
-                # session dials afresh rather than queue behind what this one left there
-                await self.downstream.abandon()
-            else:
-                await self.downstream.aclose()
+            await self.downstream.aclose()
         await self.upstream.aclose()
 
     # --- the work
@@ -279,15 +273,12 @@ class RouteSession:
         while True:
             await trio.sleep(max(0.05, idle / 4))
             if trio.current_time() - self._last_activity > idle:
-                silent = self._awaiting_downstream
-                if silent:
+                if self._awaiting_downstream:
                     # a hung or cut-off next hop: the route failed, not the request (it may be retried)
                     code, message = StatusCode.UNAVAILABLE, f"the next hop made no progress for {idle:.0f} s"
                 else:
                     code, message = StatusCode.DEADLINE_EXCEEDED, f"no progress for {idle:.0f} s"
-                self._finish(
-                    SessionEnd("idle", code, message, tell_upstream=True, tell_downstream=True, next_hop_silent=silent)
-                )
+                self._finish(SessionEnd("idle", code, message, tell_upstream=True, tell_downstream=True))
                 return
 
     async def _upstream_loop(self) -> None:

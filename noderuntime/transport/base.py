@@ -28,8 +28,8 @@ class FrameStream(Protocol):
 
     ``send`` applies backpressure: it blocks while the peer is not reading.
     ``receive`` raises :class:`StreamClosed` when the peer closed cleanly and
-    :class:`StreamBroken` on a reset. ``aclose`` and ``abandon`` are idempotent and
-    do not wait for the peer. ``abort`` ends the stream with a status the peer's ``receive``
+    :class:`StreamBroken` on a reset. ``aclose`` is idempotent and does not wait
+    for the peer. ``abort`` ends the stream with a status the peer's ``receive``
     raises (as :class:`StreamBroken` with that code): the answer to a peer whose
     bytes never became a session, so there is no session to send an Error frame in.
     """
@@ -48,12 +48,4 @@ class FrameStream(Protocol):
 
     async def abort(self, code: StatusCode, message: str) -> None:
         """Close both directions at once, telling the peer ``code`` and ``message``."""
-        ...
-
-    async def abandon(self) -> None:
-        """Close at once, and drop the link under the stream: the peer went silent on it.
-
-        A link that carries other seams too (an HTTP/2 connection) is closed with them
-        and no new seam is opened on it; what it still held for the peer is discarded.
-        """
         ...

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hashlib
 import logging
 import ssl
@@ -256,8 +255,6 @@ class GrpcFrameStream:
         self.outbound = _Pipe(runtime.loop, token, trio_to_aio=True)
         self.inbound = _Pipe(runtime.loop, token, trio_to_aio=False)
         self.task: asyncio.Task[None] | None = None  # the asyncio task that owns the HTTP/2 stream
-        # closes the HTTP/2 connection under a calling-side stream (set by GrpcConnector.open)
-        self.drop_connection: Callable[[], None] | None = None
         self._closed = False
 
     async def send(self, frame: bytes) -> None:
@@ -298,18 +295,6 @@ class GrpcFrameStream:
         # the writer meets the error in place of a frame and ends the call with it (see GrpcServer._handle)
         self.outbound.drop(StreamBroken(message, code))
         self.inbound.drop(StreamClosed("the seam was aborted"))
-
-    async def abandon(self) -> None:
-        """Reset the stream now, and on the calling side close the connection under it.
-
-        The connection carries every seam to this peer: when the peer took nothing on
-        this one for an idle timeout, the others wait on it just the same, and a new
-        seam opened on it would queue behind what the dead ones left in its flow-control
-        window (so the next session to a peer whose link comes back would fail too).
-        """
-        self.reset()
-        if self.drop_connection is not None:
-            self.drop_connection()
 
     def reset(self) -> None:
         """Reset the stream now (RST_STREAM); idempotent."""
@@ -532,7 +517,6 @@ class GrpcConnector:
         async def run() -> None:
             assert opened is not None
             channel = self._channel(host, port, tls, tls_cert_sha256)
-            ours.drop_connection = functools.partial(self._drop, (host, port, tls_cert_sha256), channel)
             call = None
             try:
                 async with channel.request(
@@ -577,17 +561,6 @@ class GrpcConnector:
             raise
         return ours
 
-    def _drop(self, key: tuple[str, int, bytes], channel: Channel) -> None:
-        """Forget ``channel`` and close its connection now (thread-safe; idempotent)."""
-
-        def drop() -> None:
-            if self._channels.get(key) is channel:
-                del self._channels[key]  # the next seam to this peer dials afresh
-            _abort_connection(channel)
-
-        with contextlib.suppress(RuntimeError):  # the loop is closed: so is the connection
-            self._runtime.loop.call_soon_threadsafe(drop)
-
     async def close(self) -> None:
         """Close every connection."""
         channels, self._channels = list(self._channels.values()), {}
@@ -598,17 +571,6 @@ class GrpcConnector:
 
         with trio.CancelScope(shield=True):
             await self._runtime.call(close_all)
-
-
-def _abort_connection(channel: Channel) -> None:
-    # Channel.close() shuts the socket only once what it buffered is written, which a
-    # stalled link never does; aborting discards it, so a peer whose link comes back is
-    # not handed sessions that ended here long ago. (grpclib 0.4.9 internals, pinned.)
-    protocol = getattr(channel, "_protocol", None)
-    transport = getattr(getattr(protocol, "connection", None), "_transport", None)
-    if transport is not None:
-        transport.abort()
-    channel.close()
 
 
 def _quiet(task: asyncio.Task[None]) -> None:

@@ -51,10 +51,6 @@ class MemoryFrameStream:
             self._ends[self._index] = StreamBroken(message, code)
         await self.aclose()
 
-    async def abandon(self) -> None:
-        """Close both directions: a memory pair has no link under it to drop."""
-        await self.aclose()
-
 
 def memory_stream_pair(buffer: int = 4) -> tuple[MemoryFrameStream, MemoryFrameStream]:
     """Two connected ends, each direction buffering at most ``buffer`` frames."""

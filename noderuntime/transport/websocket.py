@@ -82,10 +82,6 @@ class WebSocketFrameStream:
             reason = message.encode()[:120].decode(errors="ignore")
             await self.ws.aclose(m.CLOSE_STATUS_BASE + int(code), reason)
 
-    async def abandon(self) -> None:
-        """Close the websocket (bounded): it is this seam's own link, shared with no other."""
-        await self.aclose()
-
 
 def _translate(exc: ConnectionClosed, peer: str) -> StreamClosed | StreamBroken:
     code = exc.reason.code if exc.reason is not None else None
