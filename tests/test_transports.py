@@ -216,6 +216,42 @@ async def test_grpc_tls_pins_the_certificate_the_route_names(tmp_path: object) -
         runtime.close()
 
 
+async def test_grpc_a_seam_whose_peer_stops_reading_holds_up_no_other_seam() -> None:
+    runtime = AsyncioThread()
+    send, receive = trio.open_memory_channel[FrameStream](4)
+    server = GrpcServer(runtime, send.send_nowait, max_frame_bytes=1 << 20)
+    port = await server.start("127.0.0.1", 0)
+    connector = GrpcConnector(runtime, max_frame_bytes=1 << 20)
+    try:
+        stuck = await connector.open(f"127.0.0.1:{port}")
+        stuck_remote = await receive.receive()
+        # the peer never reads this seam: send until the sender is held back (every window
+        # and buffer on the way is full) and a little longer
+        sent = 0
+        with trio.move_on_after(2):
+            while True:
+                await stuck.send(b"x" * (256 << 10))
+                sent += 256 << 10
+        assert 4 << 20 <= sent < 64 << 20  # held back past HTTP/2's windows, not buffered without bound
+        # a new seam to the same peer still carries frames both ways at once
+        with trio.fail_after(5):
+            fresh = await connector.open(f"127.0.0.1:{port}")
+            remote = await receive.receive()
+            await fresh.send(b"a" * 70_000)
+            assert await remote.receive() == b"a" * 70_000
+            await remote.send(b"ok")
+            assert await fresh.receive() == b"ok"
+        # resetting the stuck seam ends it at the peer too (its connection is aborted)
+        stuck.reset()
+        with trio.fail_after(5), pytest.raises(TransportError):
+            while True:
+                await stuck_remote.receive()
+    finally:
+        await connector.close()
+        await server.close()
+        runtime.close()
+
+
 async def test_grpc_connect_failure_is_a_clear_unavailable() -> None:
     runtime = AsyncioThread()
     connector = GrpcConnector(runtime, max_frame_bytes=1 << 20)

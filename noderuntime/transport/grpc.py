@@ -488,21 +488,20 @@ class GrpcServer:
 
 
 class GrpcConnector:
-    """Opens seam streams to peers; one HTTP/2 connection per peer address carries all sessions."""
+    """Opens seam streams to peers, each on an HTTP/2 connection of its own.
+
+    Sessions do not share connections because they would share flow control: a session
+    whose next hop stops reading fills the connection's window, and every later session on
+    that connection then stalls with it until keepalive declares the link dead, tens of
+    seconds later. A seam that ends badly aborts its connection, which drops what it had
+    queued and tells the peer at once. A connection costs one handshake per session and hop.
+    """
 
     def __init__(self, runtime: AsyncioThread, *, max_frame_bytes: int, connect_timeout: float = 5.0) -> None:
         self._runtime = runtime
         self._limit = max_frame_bytes
         self._timeout = connect_timeout
-        self._channels: dict[tuple[str, int, bytes], Channel] = {}
-
-    def _channel(self, host: str, port: int, tls: ssl.SSLContext | None, pin: bytes) -> Channel:
-        key = (host, port, pin)
-        channel = self._channels.get(key)
-        if channel is None:
-            channel = Channel(host, port, ssl=tls, codec=_FrameCodec(), config=_config())
-            self._channels[key] = channel
-        return channel
+        self._channels: set[Channel] = set()  # touched on the asyncio thread only
 
     async def open(
         self, address: str, *, tls_cert_sha256: bytes = b"", stream_seconds: float | None = None
@@ -516,8 +515,10 @@ class GrpcConnector:
 
         async def run() -> None:
             assert opened is not None
-            channel = self._channel(host, port, tls, tls_cert_sha256)
+            channel = Channel(host, port, ssl=tls, codec=_FrameCodec(), config=_config())
+            self._channels.add(channel)
             call = None
+            clean = False
             try:
                 async with channel.request(
                     SEAM_METHOD, grpclib.const.Cardinality.STREAM_STREAM, bytes, bytes, timeout=stream_seconds
@@ -527,6 +528,7 @@ class GrpcConnector:
                     if not opened.done():
                         opened.set_result(None)
                     await _pump(stream, ours, self._limit, client=True)
+                clean = True
             except BaseException as exc:
                 if not opened.done():
                     opened.set_exception(exc)
@@ -537,6 +539,9 @@ class GrpcConnector:
                         status or StreamBroken(f"the seam with {address} failed: {exc}", StatusCode.UNAVAILABLE)
                     )
                 raise
+            finally:
+                self._channels.discard(channel)
+                _close_channel(channel, abort=not clean)
 
         async def launch() -> None:
             nonlocal opened
@@ -562,15 +567,27 @@ class GrpcConnector:
         return ours
 
     async def close(self) -> None:
-        """Close every connection."""
-        channels, self._channels = list(self._channels.values()), {}
+        """Abort every connection still open."""
 
         async def close_all() -> None:
+            channels, self._channels = self._channels, set()
             for channel in channels:
-                channel.close()
+                _close_channel(channel, abort=True)
 
         with trio.CancelScope(shield=True):
             await self._runtime.call(close_all)
+
+
+def _close_channel(channel: Channel, *, abort: bool) -> None:
+    """Close a connection; ``abort`` drops unsent bytes and resets it rather than flushing first.
+
+    A plain close waits for asyncio to flush the socket, which for a stalled link is never.
+    """
+    protocol = getattr(channel, "_protocol", None)  # grpclib keeps the connection private
+    transport = getattr(getattr(protocol, "connection", None), "_transport", None)
+    if abort and transport is not None:
+        transport.abort()
+    channel.close()
 
 
 def _quiet(task: asyncio.Task[None]) -> None:
