@@ -343,9 +343,10 @@ def test_a_link_that_stalls_then_trickles(rig: Rig) -> None:
                 assert wave.error is not None or wave.status != 200
             rss.append(_rss_kib(rig.processes["a"].pid))
         # the highest after the two warm-up waves against the highest during them: RSS swings
-        # by several MiB as prompt-sized buffers are mapped and returned, a kept queue only rises
+        # by several MiB as prompt-sized buffers are mapped and returned (up to 16.6 seen), a kept
+        # queue only rises, past 40 MiB
         grown_mib = (max(rss[2:]) - max(rss[:2])) / 1024
-        assert grown_mib < 16, f"the head grew by {grown_mib:.1f} MiB over {waves_run - 2} waves into a stalled link"
+        assert grown_mib < 24, f"the head grew by {grown_mib:.1f} MiB over {waves_run - 2} waves into a stalled link"
         _note(
             "peer_stops_reading",
             requests=4 * waves_run,
