@@ -13,7 +13,12 @@
 3. Where a route's extra time per token goes, in three parts that add up to it: the two
    ranges alone back to back against the whole model, the shards' decode ticks inside
    the route against the ranges alone, and the time between the ticks.
-4. All of it again on a random-weight model of Llama-3.2-1B's shape (Q4_0, written for
+4. What one thread wake-up costs on this machine: a trio task's round trip to a worker
+   thread and to the asyncio loop's thread (the two crossings a gRPC route makes for
+   every tick and every seam direction), each after a few milliseconds of idling, as
+   between two decode ticks, and again after reading 64 MiB, as a tick reads a shard's
+   weights and leaves the caches cold for the code that runs next.
+5. All of it again on a random-weight model of Llama-3.2-1B's shape (Q4_0, written for
    the run), whose token costs about three times SmolLM2's: which parts stay fixed and
    which grow with the model.
 
@@ -64,6 +69,8 @@ DEMO_SHAPE: dict[str, Any] = {
     "rope_freq_base": 100000.0,
 }
 ROUNDS = 5
+WAKE_IDLE = 0.003  # seconds a thread sleeps before it is woken: about one shard's decode tick
+SWEEP_BYTES = 64 << 20  # about what one decode tick of a shard reads
 # the decode tok/s lanes, each run `repeats` times; ratios are between medians
 LANES = ("whole", "grpc", "relay", "head_alone", "tail_alone")
 LANES_1_CORE = ("whole_1core", "grpc_1core_each", "head_alone_1core", "tail_alone_1core")
@@ -90,6 +97,62 @@ async def _round_trips(kind: str, size: int, count: int) -> list[float]:
                     times.append(time.perf_counter() - started)
             nursery.cancel_scope.cancel()
     return times
+
+
+async def _wake_ups(count: int) -> dict[str, Any]:
+    """Round trips from a trio task to a sleeping worker thread and to the sleeping asyncio thread.
+
+    Each is timed after an idle pause, and again after that pause plus a read of
+    ``SWEEP_BYTES``, as a decode tick reads a shard's weights: the caches then hold
+    weights, not the interpreter's code and data.
+    """
+    from noderuntime.transport.grpc import AsyncioThread
+
+    async def nothing() -> None:
+        return None
+
+    sweep = np.ones(SWEEP_BYTES // 8)
+    times: dict[str, list[float]] = {
+        k: [] for k in ("worker", "worker_awake", "worker_cold", "asyncio", "asyncio_cold")
+    }
+    runtime = AsyncioThread()
+    try:
+        for _ in range(count):
+            for cold in (False, True):
+                await trio.sleep(WAKE_IDLE)
+                if cold:
+                    sweep.sum()
+                started = time.perf_counter()
+                await trio.to_thread.run_sync(int)
+                times["worker_cold" if cold else "worker"].append(time.perf_counter() - started)
+                if not cold:
+                    started = time.perf_counter()
+                    await trio.to_thread.run_sync(int)  # the same thread again, still awake
+                    times["worker_awake"].append(time.perf_counter() - started)
+                await trio.sleep(WAKE_IDLE)
+                if cold:
+                    sweep.sum()
+                started = time.perf_counter()
+                await runtime.call(nothing)
+                times["asyncio_cold" if cold else "asyncio"].append(time.perf_counter() - started)
+    finally:
+        runtime.close()
+    us = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    return {
+        "idle_before_each_ms": WAKE_IDLE * 1e3,
+        "sweep_bytes": SWEEP_BYTES,
+        "worker_thread_round_trip_us": us["worker"],
+        "worker_thread_round_trip_awake_us": us["worker_awake"],
+        "worker_thread_round_trip_after_sweep_us": us["worker_cold"],
+        "asyncio_thread_round_trip_us": us["asyncio"],
+        "asyncio_thread_round_trip_after_sweep_us": us["asyncio_cold"],
+        # per decode token of a 2-shard gRPC route: each shard's tick goes to the engine's
+        # worker and back, and each seam direction crosses trio -> asyncio in the sender
+        # and asyncio -> trio in the receiver
+        "grpc_route_thread_round_trips_per_token": {"worker": 2, "asyncio": 2},
+        "grpc_route_thread_wake_ups_ms_per_token": (2 * us["worker"] + 2 * us["asyncio"]) / 1e3,
+        "grpc_route_thread_wake_ups_after_sweep_ms_per_token": (2 * us["worker_cold"] + 2 * us["asyncio_cold"]) / 1e3,
+    }
 
 
 def _engine_decode(model: str, new_tokens: int, threads: int = 2, layers: tuple[int, int] | None = None) -> float:
@@ -291,6 +354,7 @@ def _main(args: Any, tmp: Path) -> int:
             "prefill_rtt_p50_ms": _common.percentile(large[kind], 50) * 1e3,
             "prefill_rtt_p95_ms": _common.percentile(large[kind], 95) * 1e3,
         }
+    wake_ups = trio.run(_wake_ups, 50 if args.quick else 400)
     demo = _route_figures(
         trio.run(_lanes, model, DEMO_CUTS, new_tokens, repeats), model, DEMO_CUTS, new_tokens, repeats
     )
@@ -316,6 +380,7 @@ def _main(args: Any, tmp: Path) -> int:
     }
     figures = {
         "hops": hops,
+        "wake_ups": wake_ups,
         "whole_model_one_process_decode_tok_s": demo["whole_decode_tok_s"],
         "route_grpc_decode_tok_s": demo["grpc_decode_tok_s"],
         "route_relay_decode_tok_s": demo["relay_decode_tok_s"],
@@ -367,6 +432,16 @@ def _main(args: Any, tmp: Path) -> int:
                 for k, v in hops.items()
             ],
         )
+    )
+    print(
+        f"\nthread wake-ups after {WAKE_IDLE * 1e3:.0f} ms idle: worker round trip "
+        f"{wake_ups['worker_thread_round_trip_us']:.0f} µs, asyncio round trip "
+        f"{wake_ups['asyncio_thread_round_trip_us']:.0f} µs "
+        f"({wake_ups['worker_thread_round_trip_after_sweep_us']:.0f} and "
+        f"{wake_ups['asyncio_thread_round_trip_after_sweep_us']:.0f} µs after reading "
+        f"{SWEEP_BYTES >> 20} MiB); a gRPC route token makes two of each: "
+        f"{wake_ups['grpc_route_thread_wake_ups_ms_per_token']:.2f} ms "
+        f"({wake_ups['grpc_route_thread_wake_ups_after_sweep_ms_per_token']:.2f} ms cold)\n"
     )
     rows = []
     for label, lane in ((demo_label, demo), ("1B-shape", larger)):
