@@ -4,7 +4,8 @@
 
 1. Round trip of one frame over a seam and back, for memory, gRPC and the relay, with a
    decode-size frame (one token of SmolLM2: 2442 bytes) and a prefill-size frame (256
-   tokens: ~590 KB): p50 and p95.
+   tokens: ~590 KB): p50 and p95. For gRPC also a seam's opening plus its first round
+   trip, on a new connection and on the spare a connector keeps per recent peer.
 2. Single-session greedy decode tok/s of SmolLM2 split 0:15 / 15:30 over two real node
    processes, seam over gRPC and over the relay, against the whole model decoding in one
    process with no network at all (the same engine, recipe and threads). Bytes per token
@@ -97,6 +98,69 @@ async def _round_trips(kind: str, size: int, count: int) -> list[float]:
                     times.append(time.perf_counter() - started)
             nursery.cancel_scope.cancel()
     return times
+
+
+async def _seam_opens(count: int, tmp: Path) -> dict[str, Any]:
+    """Opening a gRPC seam and its first decode-size round trip: on a new connection, and on a spare.
+
+    A connector keeps one connected spare per peer it recently opened a seam to: a
+    session's first seam to a new peer pays the handshakes (with TLS: fetching the pinned
+    certificate, then the connection's own), later ones start with their first frame.
+    """
+    from noderuntime.identity import self_signed
+    from noderuntime.noderun import server_tls
+    from noderuntime.transport import FrameStream, TransportError
+    from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer
+
+    payload = os.urandom(DECODE_FRAME)
+    cert = self_signed(tmp / "seam-opens")
+    times: dict[str, list[float]] = {
+        f"{mode}_{kind}": [] for mode in ("plain", "tls") for kind in ("new_connection", "spare_connection")
+    }
+
+    async def echo(stream: FrameStream) -> None:
+        try:
+            while True:
+                await stream.send(await stream.receive())
+        except TransportError:
+            pass
+
+    runtime = AsyncioThread()
+    async with trio.open_nursery() as nursery:
+        servers = []
+        try:
+            for mode in ("plain", "tls"):
+                server = GrpcServer(runtime, lambda stream: nursery.start_soon(echo, stream), max_frame_bytes=1 << 20)
+                servers.append(server)
+                tls = server_tls(cert.cert, cert.key) if mode == "tls" else None
+                address = f"127.0.0.1:{await server.start('127.0.0.1', 0, tls)}"
+                pin = cert.cert_sha256 if mode == "tls" else b""
+                warm = GrpcConnector(runtime, max_frame_bytes=1 << 20)
+                try:
+                    await (await warm.open(address, tls_cert_sha256=pin)).aclose()
+                    for _ in range(count):
+                        for kind in ("new_connection", "spare_connection"):
+                            fresh = kind == "new_connection"
+                            connector = GrpcConnector(runtime, max_frame_bytes=1 << 20) if fresh else warm
+                            await trio.sleep(0.05)  # the spare has connected
+                            started = time.perf_counter()
+                            stream = await connector.open(address, tls_cert_sha256=pin)
+                            await stream.send(payload)
+                            await stream.receive()
+                            times[f"{mode}_{kind}"].append(time.perf_counter() - started)
+                            await stream.aclose()
+                            if fresh:
+                                await connector.close()
+                finally:
+                    await warm.close()
+        finally:
+            for server in servers:
+                await server.close()
+            runtime.close()
+            nursery.cancel_scope.cancel()
+    return {f"{k}_p50_ms": statistics.median(v) * 1e3 for k, v in times.items()} | {
+        f"{k}_p95_ms": _common.percentile(v, 95) * 1e3 for k, v in times.items()
+    }
 
 
 async def _wake_ups(count: int) -> dict[str, Any]:
@@ -355,6 +419,7 @@ def _main(args: Any, tmp: Path) -> int:
             "prefill_rtt_p95_ms": _common.percentile(large[kind], 95) * 1e3,
         }
     wake_ups = trio.run(_wake_ups, 50 if args.quick else 400)
+    hops["grpc"]["seam_open_and_first_round_trip"] = trio.run(_seam_opens, 20 if args.quick else 100, tmp)
     demo = _route_figures(
         trio.run(_lanes, model, DEMO_CUTS, new_tokens, repeats), model, DEMO_CUTS, new_tokens, repeats
     )
@@ -432,6 +497,12 @@ def _main(args: Any, tmp: Path) -> int:
                 for k, v in hops.items()
             ],
         )
+    )
+    opens = hops["grpc"]["seam_open_and_first_round_trip"]
+    print(
+        f"\ngRPC seam open + first round trip, p50: {opens['plain_new_connection_p50_ms']:.2f} ms on a new "
+        f"connection, {opens['plain_spare_connection_p50_ms']:.2f} ms on a spare; with TLS "
+        f"{opens['tls_new_connection_p50_ms']:.2f} and {opens['tls_spare_connection_p50_ms']:.2f} ms"
     )
     print(
         f"\nthread wake-ups after {WAKE_IDLE * 1e3:.0f} ms idle: worker round trip "

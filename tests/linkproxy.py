@@ -29,6 +29,8 @@ class LinkProxy:
         self.target: int | None = None
         self.port = 0
         self.connections = 0
+        self.bytes_up: list[int] = []  # client -> target bytes, per connection in order of arrival
+        self._links: set[trio.CancelScope] = set()
         self._token: trio.lowlevel.TrioToken | None = None
         self._scope: trio.CancelScope | None = None
         self._ready = threading.Event()
@@ -40,6 +42,21 @@ class LinkProxy:
         if not self._ready.wait(10):
             raise RuntimeError("the link proxy did not start")
         return self.port
+
+    @property
+    def open_links(self) -> int:
+        """Connections being forwarded now."""
+        return len(self._links)
+
+    def drop(self) -> None:
+        """Close every connection open now, both ends; go on accepting new ones."""
+        if self._token is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(self._drop, trio_token=self._token)
+
+    def _drop(self) -> None:
+        for scope in self._links:
+            scope.cancel()
 
     def close(self) -> None:
         """Stop the proxy and drop every connection (idempotent)."""
@@ -61,17 +78,27 @@ class LinkProxy:
         if self.target is None:
             await client.aclose()
             return
+        index = self.connections
         self.connections += 1
+        self.bytes_up.append(0)
         try:
             server = await trio.open_tcp_stream("127.0.0.1", self.target)
         except OSError:
             await client.aclose()
             return
-        async with client, server, trio.open_nursery() as nursery:
-            nursery.start_soon(self._pump, client, server, nursery.cancel_scope)
-            nursery.start_soon(self._pump, server, client, nursery.cancel_scope)
+        link = trio.CancelScope()
+        self._links.add(link)
+        try:
+            with link:
+                async with client, server, trio.open_nursery() as nursery:
+                    nursery.start_soon(self._pump, client, server, nursery.cancel_scope, index)
+                    nursery.start_soon(self._pump, server, client, nursery.cancel_scope, None)
+        finally:
+            self._links.discard(link)
 
-    async def _pump(self, src: trio.SocketStream, dst: trio.SocketStream, done: trio.CancelScope) -> None:
+    async def _pump(
+        self, src: trio.SocketStream, dst: trio.SocketStream, done: trio.CancelScope, index: int | None
+    ) -> None:
         try:
             while True:
                 if self.mode == "stall":
@@ -81,6 +108,8 @@ class LinkProxy:
                 data = await src.receive_some(size)
                 if not data:
                     break
+                if index is not None:
+                    self.bytes_up[index] += len(data)  # counted before the target can see it
                 await dst.send_all(data)
                 if self.mode == "trickle":
                     await trio.sleep(len(data) / self.rate)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
 import trio
@@ -19,8 +21,27 @@ from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from protocol import Hop, Span, StatusCode
 from relay.server import Relay, RelayLimits, serve
+from tests.linkproxy import LinkProxy
 
 KINDS = ["memory", "grpc", "relay"]
+
+
+@asynccontextmanager
+async def grpc_peer(
+    max_frame_bytes: int = 1 << 20, tls: ssl.SSLContext | None = None
+) -> AsyncIterator[tuple[GrpcConnector, int, trio.MemoryReceiveChannel[FrameStream]]]:
+    """A gRPC server on loopback and a connector: (connector, server port, the server's new streams)."""
+    runtime = AsyncioThread()
+    send, receive = trio.open_memory_channel[FrameStream](4)
+    server = GrpcServer(runtime, send.send_nowait, max_frame_bytes=max_frame_bytes)
+    connector = GrpcConnector(runtime, max_frame_bytes=max_frame_bytes)
+    try:
+        port = await server.start("127.0.0.1", 0, tls)
+        yield connector, port, receive
+    finally:
+        await connector.close()
+        await server.close()
+        runtime.close()
 
 
 @asynccontextmanager
@@ -30,20 +51,12 @@ async def seam(kind: str) -> AsyncIterator[tuple[FrameStream, FrameStream]]:
         a, b = memory_stream_pair()
         yield a, b
         return
-    send, receive = trio.open_memory_channel[FrameStream](4)
     if kind == "grpc":
-        runtime = AsyncioThread()
-        server = GrpcServer(runtime, send.send_nowait, max_frame_bytes=8 << 20)
-        port = await server.start("127.0.0.1", 0)
-        connector = GrpcConnector(runtime, max_frame_bytes=8 << 20)
-        try:
+        async with grpc_peer(8 << 20) as (connector, port, streams):
             client = await connector.open(f"127.0.0.1:{port}")
-            yield client, await receive.receive()
-        finally:
-            await connector.close()
-            await server.close()
-            runtime.close()
+            yield client, await streams.receive()
         return
+    send, receive = trio.open_memory_channel[FrameStream](4)
     issuer, node = Identity.generate(), Identity.generate()
     relay = Relay(TicketVerifier([issuer.node_id]))
     async with trio.open_nursery() as nursery:
@@ -172,59 +185,97 @@ async def test_cancelling_a_waiting_reader_then_closing_frees_the_peer(kind: str
 
 
 async def test_grpc_refuses_an_oversized_frame_before_buffering_it() -> None:
-    runtime = AsyncioThread()
-    send, receive = trio.open_memory_channel[FrameStream](4)
-    server = GrpcServer(runtime, send.send_nowait, max_frame_bytes=64 << 10)
-    port = await server.start("127.0.0.1", 0)
-    connector = GrpcConnector(runtime, max_frame_bytes=64 << 10)
-    try:
+    async with grpc_peer(64 << 10) as (connector, port, streams):
         client = await connector.open(f"127.0.0.1:{port}")
-        remote = await receive.receive()
+        remote = await streams.receive()
         await client.send(b"x" * (1 << 20))
         with trio.fail_after(10), pytest.raises(StreamBroken) as info:
             await remote.receive()
         assert info.value.code == StatusCode.RESOURCE_EXHAUSTED
         with trio.fail_after(10), pytest.raises(TransportError):
             await client.receive()
-    finally:
-        await connector.close()
-        await server.close()
-        runtime.close()
 
 
-async def test_grpc_tls_pins_the_certificate_the_route_names(tmp_path: object) -> None:
-    from pathlib import Path
-
-    files = self_signed(Path(str(tmp_path)) / "a")
-    other = self_signed(Path(str(tmp_path)) / "b")
-    runtime = AsyncioThread()
-    send, receive = trio.open_memory_channel[FrameStream](4)
-    server = GrpcServer(runtime, send.send_nowait, max_frame_bytes=1 << 20)
-    port = await server.start("127.0.0.1", 0, server_tls(files.cert, files.key))
-    connector = GrpcConnector(runtime, max_frame_bytes=1 << 20)
+@asynccontextmanager
+async def link_proxy(port: int) -> AsyncIterator[LinkProxy]:
+    """A TCP proxy in front of ``port`` that counts connections and the bytes sent on each."""
+    proxy = LinkProxy()
+    proxy.target = port
+    await trio.to_thread.run_sync(proxy.start)  # its own trio, in its own thread
     try:
-        client = await connector.open(f"127.0.0.1:{port}", tls_cert_sha256=files.cert_sha256)
+        yield proxy
+    finally:
+        await trio.to_thread.run_sync(proxy.close)
+
+
+async def _until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
+    with trio.fail_after(seconds):
+        while not condition():
+            await trio.sleep(0.01)
+
+
+async def test_grpc_tls_pins_the_certificate_the_route_names(tmp_path: Path) -> None:
+    files = self_signed(tmp_path / "a")
+    other = self_signed(tmp_path / "b")
+    tls = server_tls(files.cert, files.key)
+    async with grpc_peer(tls=tls) as (connector, port, streams), link_proxy(port) as proxy:
+        address = f"127.0.0.1:{proxy.port}"
+        client = await connector.open(address, tls_cert_sha256=files.cert_sha256)
         await client.send(b"over tls")
-        assert await (await receive.receive()).receive() == b"over tls"
+        assert await (await streams.receive()).receive() == b"over tls"
+        # the certificate was fetched once (one connection), the seam has one and a spare waits
+        await _until(lambda: proxy.connections == 3)
+        again = await connector.open(address, tls_cert_sha256=files.cert_sha256)
+        await again.send(b"pinned before")
+        assert await (await streams.receive()).receive() == b"pinned before"
+        # no second fetch: the seam took the spare, and only the next spare connected
+        await _until(lambda: proxy.connections == 4)
+        await trio.sleep(0.3)
+        assert proxy.connections == 4
         with pytest.raises(StreamBroken) as info:
-            await connector.open(f"127.0.0.1:{port}", tls_cert_sha256=other.cert_sha256)
+            await connector.open(address, tls_cert_sha256=other.cert_sha256)
         assert info.value.code == StatusCode.UNAUTHENTICATED
         await client.aclose()
-    finally:
+        await again.aclose()
+
+
+async def test_grpc_a_second_seam_to_a_peer_starts_on_a_connection_made_in_advance() -> None:
+    async with grpc_peer() as (connector, port, streams), link_proxy(port) as proxy:
+        address = f"127.0.0.1:{proxy.port}"
+        first = await connector.open(address)
+        await _until(lambda: proxy.connections == 2)  # the seam's connection, then a spare
+        second = await connector.open(address)
+        await second.send(b"s" * 70_000)
+        remote = [await streams.receive(), await streams.receive()]
+        assert await remote[1].receive() == b"s" * 70_000
+        assert proxy.bytes_up[1] > 70_000 > proxy.bytes_up[0]  # it went over the spare
+        # the peer drops every connection: the seams end, the spare is not handed out again
+        await trio.to_thread.run_sync(proxy.drop)
+        for stream in (first, second):
+            with trio.fail_after(5), pytest.raises(TransportError):
+                await stream.receive()
+        await trio.sleep(0.2)
+        third = await connector.open(address)
+        await third.send(b"after the drop")
+        assert await (await streams.receive()).receive() == b"after the drop"
+        for stream in (first, second, third):
+            await stream.aclose()
+
+
+async def test_grpc_spare_connections_are_closed_with_the_connector() -> None:
+    async with grpc_peer() as (connector, port, _), link_proxy(port) as proxy:
+        seam_ = await connector.open(f"127.0.0.1:{proxy.port}")
+        await _until(lambda: proxy.connections == 2)
+        await seam_.aclose()
         await connector.close()
-        await server.close()
-        runtime.close()
+        await connector.close()  # idempotent
+        await _until(lambda: not proxy.open_links)
 
 
 async def test_grpc_a_seam_whose_peer_stops_reading_holds_up_no_other_seam() -> None:
-    runtime = AsyncioThread()
-    send, receive = trio.open_memory_channel[FrameStream](4)
-    server = GrpcServer(runtime, send.send_nowait, max_frame_bytes=1 << 20)
-    port = await server.start("127.0.0.1", 0)
-    connector = GrpcConnector(runtime, max_frame_bytes=1 << 20)
-    try:
+    async with grpc_peer() as (connector, port, streams):
         stuck = await connector.open(f"127.0.0.1:{port}")
-        stuck_remote = await receive.receive()
+        stuck_remote = await streams.receive()
         # the peer never reads this seam: send until the sender is held back (every window
         # and buffer on the way is full) and a little longer
         sent = 0
@@ -236,7 +287,7 @@ async def test_grpc_a_seam_whose_peer_stops_reading_holds_up_no_other_seam() -> 
         # a new seam to the same peer still carries frames both ways at once
         with trio.fail_after(5):
             fresh = await connector.open(f"127.0.0.1:{port}")
-            remote = await receive.receive()
+            remote = await streams.receive()
             await fresh.send(b"a" * 70_000)
             assert await remote.receive() == b"a" * 70_000
             await remote.send(b"ok")
@@ -246,10 +297,6 @@ async def test_grpc_a_seam_whose_peer_stops_reading_holds_up_no_other_seam() -> 
         with trio.fail_after(5), pytest.raises(TransportError):
             while True:
                 await stuck_remote.receive()
-    finally:
-        await connector.close()
-        await server.close()
-        runtime.close()
 
 
 async def test_grpc_connect_failure_is_a_clear_unavailable() -> None:
@@ -372,8 +419,6 @@ async def test_a_connection_reset_before_its_upgrade_is_answered_ends_only_itsel
 
 
 async def test_a_node_that_stops_answering_pings_loses_its_place_at_the_relay() -> None:
-    from tests.linkproxy import LinkProxy
-
     issuer, node = Identity.generate(), Identity.generate()
     relay = Relay(TicketVerifier([issuer.node_id]), keepalive=0.3)
     proxy = LinkProxy()
@@ -397,8 +442,6 @@ async def test_a_node_that_stops_answering_pings_loses_its_place_at_the_relay() 
 
 
 async def test_a_node_whose_relay_stops_answering_pings_connects_again() -> None:
-    from tests.linkproxy import LinkProxy
-
     issuer, node = Identity.generate(), Identity.generate()
     relay = Relay(TicketVerifier([issuer.node_id]), keepalive=60)  # the relay alone would not notice yet
     proxy = LinkProxy()

@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+import attrs
 import grpclib.const
 import grpclib.exceptions
 import grpclib.metadata
@@ -494,7 +495,14 @@ class GrpcConnector:
     whose next hop stops reading fills the connection's window, and every later session on
     that connection then stalls with it until keepalive declares the link dead, tens of
     seconds later. A seam that ends badly aborts its connection, which drops what it had
-    queued and tells the peer at once. A connection costs one handshake per session and hop.
+    queued and tells the peer at once.
+
+    A connection costs a TCP (and TLS) handshake, so the connector keeps one spare,
+    connected and unused, for every peer it opened a seam to in the last
+    ``SPARE_SECONDS``: the next seam to that peer takes it and starts with its first
+    frame, and a new spare is connected in the background. A spare whose peer went away
+    is noticed by the connection itself (reset, end of stream, or keepalive) and never
+    handed out. A pinned certificate is fetched once per peer and pin, not per seam.
     """
 
     def __init__(self, runtime: AsyncioThread, *, max_frame_bytes: int, connect_timeout: float = 5.0) -> None:
@@ -502,21 +510,31 @@ class GrpcConnector:
         self._limit = max_frame_bytes
         self._timeout = connect_timeout
         self._channels: set[Channel] = set()  # touched on the asyncio thread only
+        self._spares: dict[_Peer, _Spare] = {}  # asyncio thread only
+        self._connecting: dict[_Peer, asyncio.Task[None]] = {}  # spares on their way; asyncio thread only
+        self._pins: dict[_Peer, ssl.SSLContext] = {}  # trio thread only
+        self._closed = False
 
     async def open(
         self, address: str, *, tls_cert_sha256: bytes = b"", stream_seconds: float | None = None
     ) -> GrpcFrameStream:
         """A new seam stream to ``host:port`` (TLS pinned to a certificate hash when given)."""
         host, port = parse_address(address)
-        tls = await pinned_context(self._runtime, host, port, tls_cert_sha256) if tls_cert_sha256 else None
+        peer = _Peer(host, port, tls_cert_sha256)
+        tls = None
+        if tls_cert_sha256:
+            tls = self._pins.get(peer)
+            if tls is None:
+                tls = self._pins[peer] = await pinned_context(self._runtime, host, port, tls_cert_sha256)
         token = trio.lowlevel.current_trio_token()
         ours = GrpcFrameStream(self._runtime, token, address)
         opened: asyncio.Future[None] | None = None
 
         async def run() -> None:
             assert opened is not None
-            channel = Channel(host, port, ssl=tls, codec=_FrameCodec(), config=_config())
+            channel = self._take_spare(peer) or self._new_channel(peer, tls)
             self._channels.add(channel)
+            self._keep_spare(peer, tls)
             call = None
             clean = False
             try:
@@ -560,6 +578,7 @@ class GrpcConnector:
             grpclib.exceptions.StreamTerminatedError,
             ssl.SSLError,
         ) as exc:
+            self._pins.pop(peer, None)  # the peer may have a new certificate: fetch it again next time
             raise StreamBroken(f"cannot open a seam to {address}: {exc}", StatusCode.UNAVAILABLE) from None
         except BaseException:
             ours.reset()
@@ -567,15 +586,86 @@ class GrpcConnector:
         return ours
 
     async def close(self) -> None:
-        """Abort every connection still open."""
+        """Abort every connection still open, spares included (idempotent)."""
 
         async def close_all() -> None:
+            self._closed = True
+            for task in self._connecting.values():
+                task.cancel()
+            spares, self._spares = self._spares, {}
+            for spare in spares.values():
+                spare.expiry.cancel()
+                _close_channel(spare.channel, abort=True)
             channels, self._channels = self._channels, set()
             for channel in channels:
                 _close_channel(channel, abort=True)
 
         with trio.CancelScope(shield=True):
             await self._runtime.call(close_all)
+
+    # --- spare connections (asyncio thread)
+
+    def _new_channel(self, peer: _Peer, tls: ssl.SSLContext | None) -> Channel:
+        return Channel(peer.host, peer.port, ssl=tls, codec=_FrameCodec(), config=_config())
+
+    def _take_spare(self, peer: _Peer) -> Channel | None:
+        spare = self._spares.pop(peer, None)
+        if spare is None:
+            return None
+        spare.expiry.cancel()
+        if not spare.channel._connected:  # the peer reset or ended it, or keepalive gave up on it
+            _close_channel(spare.channel, abort=True)
+            return None
+        return spare.channel
+
+    def _keep_spare(self, peer: _Peer, tls: ssl.SSLContext | None) -> None:
+        """Connect a spare to ``peer`` in the background, unless one exists or is on its way."""
+        if self._closed or peer in self._spares or peer in self._connecting:
+            return
+        channel = self._new_channel(peer, tls)
+
+        async def connect() -> None:
+            try:
+                await asyncio.wait_for(channel.__connect__(), self._timeout)
+            except BaseException:
+                _close_channel(channel, abort=True)
+                raise
+            if self._closed or peer in self._spares:
+                _close_channel(channel, abort=True)
+                return
+            loop = asyncio.get_running_loop()
+            self._spares[peer] = _Spare(channel, loop.call_later(SPARE_SECONDS, self._expire, peer, channel))
+
+        def connected(task: asyncio.Task[None]) -> None:
+            if self._connecting.get(peer) is task:
+                del self._connecting[peer]
+            if not task.cancelled() and task.exception() is not None:
+                log.debug("no spare connection to %s:%d: %r", peer.host, peer.port, task.exception())
+
+        task = self._connecting[peer] = asyncio.ensure_future(connect())
+        task.add_done_callback(connected)
+
+    def _expire(self, peer: _Peer, channel: Channel) -> None:
+        spare = self._spares.get(peer)
+        if spare is not None and spare.channel is channel:
+            del self._spares[peer]
+            _close_channel(channel, abort=False)
+
+
+SPARE_SECONDS = 30.0  # a spare connection nobody took is closed after this long
+
+
+@attrs.frozen
+class _Peer:
+    host: str
+    port: int
+    tls_cert_sha256: bytes
+
+
+@attrs.frozen
+class _Spare:
+    channel: Channel
+    expiry: asyncio.TimerHandle
 
 
 def _close_channel(channel: Channel, *, abort: bool) -> None:
