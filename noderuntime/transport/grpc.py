@@ -525,7 +525,10 @@ class GrpcConnector:
         if tls_cert_sha256:
             tls = self._pins.get(peer)
             if tls is None:
-                tls = self._pins[peer] = await pinned_context(self._runtime, host, port, tls_cert_sha256)
+                tls = await pinned_context(self._runtime, host, port, tls_cert_sha256)
+                if len(self._pins) >= PINS_KEPT:
+                    del self._pins[next(iter(self._pins))]  # the oldest: peers come and go
+                self._pins[peer] = tls
         token = trio.lowlevel.current_trio_token()
         ours = GrpcFrameStream(self._runtime, token, address)
         opened: asyncio.Future[None] | None = None
@@ -653,6 +656,7 @@ class GrpcConnector:
 
 
 SPARE_SECONDS = 30.0  # a spare connection nobody took is closed after this long
+PINS_KEPT = 256  # pinned TLS contexts kept, one per peer and pin
 
 
 @attrs.frozen
