@@ -30,6 +30,7 @@ SmolLM2 itself, for a machine that has no copy of the demo model and cannot fetc
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import statistics
@@ -77,26 +78,29 @@ LANES = ("whole", "grpc", "relay", "head_alone", "tail_alone")
 LANES_1_CORE = ("whole_1core", "grpc_1core_each", "head_alone_1core", "tail_alone_1core")
 
 
+async def _echo(stream: Any) -> None:
+    """Send back every frame until the seam ends."""
+    from noderuntime.transport import TransportError
+
+    with contextlib.suppress(TransportError):
+        while True:
+            await stream.send(await stream.receive())
+
+
 async def _round_trips(kind: str, size: int, count: int) -> list[float]:
     from tests.test_transports import seam
 
     payload = os.urandom(size)
     times = []
-    async with seam(kind) as (client, server):
-
-        async def echo() -> None:
-            while True:
-                await server.send(await server.receive())
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(echo)
-            for i in range(count + 5):
-                started = time.perf_counter()
-                await client.send(payload)
-                await client.receive()
-                if i >= 5:  # warm-up
-                    times.append(time.perf_counter() - started)
-            nursery.cancel_scope.cancel()
+    async with seam(kind) as (client, server), trio.open_nursery() as nursery:
+        nursery.start_soon(_echo, server)
+        for i in range(count + 5):
+            started = time.perf_counter()
+            await client.send(payload)
+            await client.receive()
+            if i >= 5:  # warm-up
+                times.append(time.perf_counter() - started)
+        nursery.cancel_scope.cancel()
     return times
 
 
@@ -109,7 +113,6 @@ async def _seam_opens(count: int, tmp: Path) -> dict[str, Any]:
     """
     from noderuntime.identity import self_signed
     from noderuntime.noderun import server_tls
-    from noderuntime.transport import FrameStream, TransportError
     from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer
 
     payload = os.urandom(DECODE_FRAME)
@@ -118,19 +121,12 @@ async def _seam_opens(count: int, tmp: Path) -> dict[str, Any]:
         f"{mode}_{kind}": [] for mode in ("plain", "tls") for kind in ("new_connection", "spare_connection")
     }
 
-    async def echo(stream: FrameStream) -> None:
-        try:
-            while True:
-                await stream.send(await stream.receive())
-        except TransportError:
-            pass
-
     runtime = AsyncioThread()
     async with trio.open_nursery() as nursery:
         servers = []
         try:
             for mode in ("plain", "tls"):
-                server = GrpcServer(runtime, lambda stream: nursery.start_soon(echo, stream), max_frame_bytes=1 << 20)
+                server = GrpcServer(runtime, lambda stream: nursery.start_soon(_echo, stream), max_frame_bytes=1 << 20)
                 servers.append(server)
                 tls = server_tls(cert.cert, cert.key) if mode == "tls" else None
                 address = f"127.0.0.1:{await server.start('127.0.0.1', 0, tls)}"

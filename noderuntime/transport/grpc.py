@@ -537,7 +537,6 @@ class GrpcConnector:
             assert opened is not None
             channel = self._take_spare(peer) or self._new_channel(peer, tls)
             self._channels.add(channel)
-            self._keep_spare(peer, tls)
             call = None
             clean = False
             try:
@@ -548,6 +547,8 @@ class GrpcConnector:
                     await asyncio.wait_for(stream.send_request(), self._timeout)
                     if not opened.done():
                         opened.set_result(None)
+                    # the peer answers: worth a spare (a dead one would only fail it again)
+                    self._keep_spare(peer, tls)
                     await _pump(stream, ours, self._limit, client=True)
                 clean = True
             except BaseException as exc:
