@@ -11,9 +11,12 @@
    process with no network at all (the same engine, recipe and threads). Bytes per token
    counted on the wire between the shards. Goals: gRPC >= 0.90x, relay >= 0.85x. The same
    again with each shard process pinned to its own core, against the whole model on one.
-3. Where a route's extra time per token goes, in three parts that add up to it: the two
-   ranges alone back to back against the whole model, the shards' decode ticks inside
-   the route against the ranges alone, and the time between the ticks.
+   And the whole model served by one node process to the same client: a route with no
+   seam between shards, to tell what the seam costs from what serving costs.
+3. Where a route's extra time per token goes, in four parts that add up to it: the two
+   ranges alone back to back against the whole model; the engine's own calls inside the
+   route's nodes against the ranges alone; the rest of each tick (the round trip to the
+   engine's worker thread); and the time between the ticks.
 4. What one thread wake-up costs on this machine: a trio task's round trip to a worker
    thread and to the asyncio loop's thread (the two crossings a gRPC route makes for
    every tick and every seam direction), each after a few milliseconds of idling, as
@@ -36,6 +39,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +78,8 @@ ROUNDS = 5
 WAKE_IDLE = 0.003  # seconds a thread sleeps before it is woken: about one shard's decode tick
 SWEEP_BYTES = 64 << 20  # about what one decode tick of a shard reads
 # the decode tok/s lanes, each run `repeats` times; ratios are between medians
-LANES = ("whole", "grpc", "relay", "head_alone", "tail_alone")
+LANES = ("whole", "one_node", "grpc", "relay", "head_alone", "tail_alone")
+GAP_PARTS = ("split", "engine_slower", "worker_round_trip", "between_ticks")
 LANES_1_CORE = ("whole_1core", "grpc_1core_each", "head_alone_1core", "tail_alone_1core")
 
 
@@ -255,8 +260,18 @@ def _engine_decode(model: str, new_tokens: int, threads: int = 2, layers: tuple[
     return new_tokens / seconds
 
 
-async def _route_rate(cluster: Any, dialer: Any, new_tokens: int, ticks: list[list[float]] | None = None) -> float:
-    """One session's decode tok/s; appends each shard's mean decode tick (ms) to ``ticks``."""
+async def _route_rate(
+    cluster: Any,
+    dialer: Any,
+    new_tokens: int,
+    ticks: list[list[float]] | None = None,
+    engine: list[list[float]] | None = None,
+) -> float:
+    """One session's decode tok/s.
+
+    Appends each shard's mean decode tick (ms) to ``ticks``, and the part of it spent in
+    the engine's own call to ``engine``; the rest is the worker thread's round trip.
+    """
     from noderuntime.client import GenerationRequest, open_route_generation
 
     session = os.urandom(16)
@@ -278,12 +293,11 @@ async def _route_rate(cluster: Any, dialer: Any, new_tokens: int, ticks: list[li
                 before = [(await cluster.status(i))["batcher"] for i in range(len(cluster.hops))]
     if ticks is not None:
         after = [(await cluster.status(i))["batcher"] for i in range(len(cluster.hops))]
-        ticks.append(
-            [
-                (b["busy_seconds"] - a["busy_seconds"]) / (b["ticks"] - a["ticks"]) * 1e3
-                for a, b in zip(before, after, strict=True)
-            ]
-        )
+        for out, key in ((ticks, "busy_seconds"), (engine, "engine_seconds")):
+            if out is not None:
+                out.append(
+                    [(b[key] - a[key]) / (b["ticks"] - a["ticks"]) * 1e3 for a, b in zip(before, after, strict=True)]
+                )
     return (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
 
 
@@ -314,6 +328,7 @@ async def _pinned_lanes(model: Path, cuts: list[int], new_tokens: int, repeats: 
     rates: dict[str, Any] = {"whole_1core": [], "grpc_1core_each": [], "head_alone_1core": [], "tail_alone_1core": []}
     head, tail = (cuts[0], cuts[1]), (cuts[1], cuts[2])
     ticks: list[list[float]] = []
+    engine: list[list[float]] = []
     prefix = [["taskset", "-c", "0"], ["taskset", "-c", "1"]]
     with (
         tempfile.TemporaryDirectory() as tmp,
@@ -323,40 +338,48 @@ async def _pinned_lanes(model: Path, cuts: list[int], new_tokens: int, repeats: 
             await _route_rate(direct, dialer, 8)
             for _ in range(repeats):
                 rates["whole_1core"].append(await trio.to_thread.run_sync(_engine_on_one_core, str(model), new_tokens))
-                rates["grpc_1core_each"].append(await _route_rate(direct, dialer, new_tokens, ticks))
+                rates["grpc_1core_each"].append(await _route_rate(direct, dialer, new_tokens, ticks, engine))
                 for name, layers in (("head_alone_1core", head), ("tail_alone_1core", tail)):
                     rates[name].append(
                         await trio.to_thread.run_sync(_engine_on_one_core, str(model), new_tokens, layers)
                     )
             rates["decode_tick_ms"] = ticks
+            rates["decode_engine_ms"] = engine
     return rates
 
 
 async def _lanes(model: Path, cuts: list[int], new_tokens: int, repeats: int) -> dict[str, list[float]]:
-    """Whole model, gRPC route, relay route and each range alone, interleaved run by run (the machine is noisy)."""
+    """Whole model, gRPC route, relay route and each range alone, interleaved run by run (the machine is noisy).
+
+    ``one_node`` is the whole model served by one node process to the same client: a route
+    with no seam between shards, which pays the client's seam and the node's threads only.
+    """
     from noderuntime.dialer import open_dialer
     from tests.clusters import running_cluster
 
-    rates: dict[str, Any] = {"whole": [], "grpc": [], "relay": [], "head_alone": [], "tail_alone": []}
+    rates: dict[str, Any] = {k: [] for k in LANES}
     head, tail = (cuts[0], cuts[1]), (cuts[1], cuts[2])
-    grpc_ticks: list[list[float]] = []
-    relay_ticks: list[list[float]] = []
+    ticks: dict[str, list[list[float]]] = {k: [] for k in ("one_node", "grpc", "relay")}
+    engine: dict[str, list[list[float]]] = {k: [] for k in ("one_node", "grpc", "relay")}
     with (
         tempfile.TemporaryDirectory() as tmp,
         running_cluster(model, cuts, Path(tmp) / "grpc", slots=4, threads=2) as direct,
         running_cluster(model, cuts, Path(tmp) / "relay", relay_only=[1], slots=4, threads=2) as relayed,
+        running_cluster(model, [cuts[0], cuts[-1]], Path(tmp) / "one", slots=4, threads=2) as single,
     ):
+        routes = {"one_node": single, "grpc": direct, "relay": relayed}
         async with open_dialer() as dialer:
-            await _route_rate(direct, dialer, 8)  # warm-up: connections, page cache
-            await _route_rate(relayed, dialer, 8)
+            for cluster in routes.values():
+                await _route_rate(cluster, dialer, 8)  # warm-up: connections, page cache
             for _ in range(repeats):
                 rates["whole"].append(await trio.to_thread.run_sync(_engine_decode, str(model), new_tokens))
-                rates["grpc"].append(await _route_rate(direct, dialer, new_tokens, grpc_ticks))
-                rates["relay"].append(await _route_rate(relayed, dialer, new_tokens, relay_ticks))
+                for name, cluster in routes.items():
+                    rates[name].append(await _route_rate(cluster, dialer, new_tokens, ticks[name], engine[name]))
                 for name, layers in (("head_alone", head), ("tail_alone", tail)):
                     rates[name].append(await trio.to_thread.run_sync(_engine_decode, str(model), new_tokens, 2, layers))
-            rates["grpc_decode_tick_ms"] = grpc_ticks
-            rates["relay_decode_tick_ms"] = relay_ticks
+            for name in routes:
+                rates[f"{name}_decode_tick_ms"] = ticks[name]
+                rates[f"{name}_decode_engine_ms"] = engine[name]
     return rates
 
 
@@ -447,6 +470,10 @@ def _main(args: Any, tmp: Path) -> int:
         "route_relay_decode_tok_s": demo["relay_decode_tok_s"],
         "route_grpc_over_whole": demo["grpc_over_whole"],
         "route_relay_over_whole": demo["relay_over_whole"],
+        "one_node_decode_tok_s": demo["one_node_decode_tok_s"],
+        "one_node_over_whole": demo["one_node_over_whole"],
+        "route_grpc_over_one_node": demo["grpc_over_one_node"],
+        "route_relay_over_one_node": demo["relay_over_one_node"],
         "seam_bytes_per_decode_token": _seam_bytes_per_token(str(model)),
         "route_grpc_ms_per_token": 1e3 / demo["grpc_decode_tok_s"],
         "route_grpc_decode_tick_ms_head_tail": demo["decode_tick_ms_head_tail"]["grpc"],
@@ -456,6 +483,7 @@ def _main(args: Any, tmp: Path) -> int:
         "route_gap_ms_per_token": demo["gap_ms_per_token"],
         "where_the_gap_goes_ms": demo["where_the_gap_goes_ms"],
         "decode_tick_ms_head_tail": demo["decode_tick_ms_head_tail"],
+        "decode_engine_ms_head_tail": demo["decode_engine_ms_head_tail"],
         "alone_decode_tok_s": demo["alone_decode_tok_s"],
         "pinned_one_core_per_process": demo["pinned_one_core_per_process"],
         "goal_grpc_0_90": demo["grpc_over_whole"] >= 0.90,
@@ -516,6 +544,7 @@ def _main(args: Any, tmp: Path) -> int:
         parts = lane["where_the_gap_goes_ms"]
         for name, rate, ratio, key in (
             ("whole model, one process", lane["whole_decode_tok_s"], 1.0, None),
+            ("whole model, one node", lane["one_node_decode_tok_s"], lane["one_node_over_whole"], "one_node"),
             ("2 shards over gRPC", lane["grpc_decode_tok_s"], lane["grpc_over_whole"], "grpc"),
             ("2 shards over the relay", lane["relay_decode_tok_s"], lane["relay_over_whole"], "relay"),
             ("whole model, 1 core", pinned["whole_model_1_core_decode_tok_s"], 1.0, None),
@@ -526,10 +555,10 @@ def _main(args: Any, tmp: Path) -> int:
                 "grpc_pinned",
             ),
         ):
-            gap = [parts[key][k] for k in ("split", "ticks_grow", "between_ticks")] if key else ["", "", ""]
+            gap = [parts[key][k] for k in GAP_PARTS] if key else [""] * len(GAP_PARTS)
             rows.append([f"{label}: {name}", rate, ratio, *gap])
     print()
-    print(_common.table(["lane", "decode tok/s", "vs whole", "+ms split", "+ms ticks grow", "+ms between ticks"], rows))
+    print(_common.table(["lane", "decode tok/s", "vs whole", *(f"+ms {k.replace('_', ' ')}" for k in GAP_PARTS)], rows))
     per_token = _seam_bytes_per_token(str(model))["total"]
     print(f"\nseam bytes per decode token: {per_token:.0f}\nwrote {path} and {png}")
     return 0
@@ -541,28 +570,40 @@ def _route_figures(
     """Medians and ratios of one model's lanes, with its pinned lanes run after them."""
     pinned = trio.run(_pinned_lanes, model, cuts, new_tokens, repeats)
     med = {k: statistics.median(v) for k, v in (rates | pinned).items() if k in LANES + LANES_1_CORE}
-    whole, grpc, relay = med["whole"], med["grpc"], med["relay"]
+    whole, one, grpc, relay = med["whole"], med["one_node"], med["grpc"], med["relay"]
     whole_1, grpc_1 = med["whole_1core"], med["grpc_1core_each"]
-    ticks = {
-        "grpc": _median_ticks(rates["grpc_decode_tick_ms"]),
-        "relay": _median_ticks(rates["relay_decode_tick_ms"]),
-        "grpc_pinned": _median_ticks(pinned["decode_tick_ms"]),
-    }
-    alone = {
+    ticks = {k: _median_ticks(rates[f"{k}_decode_tick_ms"]) for k in ("one_node", "grpc", "relay")}
+    ticks["grpc_pinned"] = _median_ticks(pinned["decode_tick_ms"])
+    engine = {k: _median_ticks(rates[f"{k}_decode_engine_ms"]) for k in ("one_node", "grpc", "relay")}
+    engine["grpc_pinned"] = _median_ticks(pinned["decode_engine_ms"])
+    alone: dict[str, Sequence[float]] = {
+        "one_node": (whole,),
         "grpc": (med["head_alone"], med["tail_alone"]),
         "relay": (med["head_alone"], med["tail_alone"]),
         "grpc_pinned": (med["head_alone_1core"], med["tail_alone_1core"]),
     }
-    routes = {"grpc": (grpc, whole), "relay": (relay, whole), "grpc_pinned": (grpc_1, whole_1)}
+    routes = {
+        "one_node": (one, whole),
+        "grpc": (grpc, whole),
+        "relay": (relay, whole),
+        "grpc_pinned": (grpc_1, whole_1),
+    }
     return {
         "whole_decode_tok_s": whole,
+        "one_node_decode_tok_s": one,
         "grpc_decode_tok_s": grpc,
         "relay_decode_tok_s": relay,
+        "one_node_over_whole": one / whole,
         "grpc_over_whole": grpc / whole,
         "relay_over_whole": relay / whole,
+        "grpc_over_one_node": grpc / one,
+        "relay_over_one_node": relay / one,
         "gap_ms_per_token": {k: 1e3 / route - 1e3 / w for k, (route, w) in routes.items()},
-        "where_the_gap_goes_ms": {k: _gap_parts(route, w, alone[k], ticks[k]) for k, (route, w) in routes.items()},
+        "where_the_gap_goes_ms": {
+            k: _gap_parts(route, w, alone[k], ticks[k], engine[k]) for k, (route, w) in routes.items()
+        },
         "decode_tick_ms_head_tail": ticks,
+        "decode_engine_ms_head_tail": engine,
         "alone_decode_tok_s": {
             "head": med["head_alone"],
             "tail": med["tail_alone"],
@@ -579,18 +620,24 @@ def _route_figures(
     }
 
 
-def _gap_parts(route: float, whole: float, alone: tuple[float, float], ticks: list[float]) -> dict[str, float]:
-    """Split a route's extra time per token into three parts that add up to it.
+def _gap_parts(
+    route: float, whole: float, alone: Sequence[float], ticks: list[float], engine: list[float]
+) -> dict[str, float]:
+    """Split a route's extra time per token into four parts that add up to it.
 
-    ``split``: the two ranges each run alone, back to back, against the whole model;
-    ``ticks_grow``: the shards' decode ticks inside the route against the ranges alone
-    (other work on the same cores: the other process, Python, the client);
-    ``between_ticks``: the rest of the token's time (seams, thread hops, sessions).
+    ``split``: the ranges each run alone, back to back, against the whole model;
+    ``engine_slower``: the engine's own calls inside the route's nodes against the ranges
+    alone (other work on the same cores while a tick runs: the client, the other process,
+    the node's own threads; and caches the other shard evicted);
+    ``worker_round_trip``: the ticks outside the engine call, mostly the hop to the worker
+    thread and back;
+    ``between_ticks``: the rest of the token's time (seams, the event loops, sessions).
     """
     alone_ms = sum(1e3 / rate for rate in alone)
     return {
         "split": alone_ms - 1e3 / whole,
-        "ticks_grow": sum(ticks) - alone_ms,
+        "engine_slower": sum(engine) - alone_ms,
+        "worker_round_trip": sum(ticks) - sum(engine),
         "between_ticks": 1e3 / route - sum(ticks),
     }
 
@@ -603,12 +650,16 @@ def _plot(path: Path, demo: dict[str, Any], larger: dict[str, Any], demo_label: 
     cores = os.cpu_count()
     return _common.plot(
         path.with_suffix(".png"),
-        f"2-shard route vs whole model ({demo_label}, then a 1B-shape model)",
+        f"route vs whole model in one process ({demo_label}, then a 1B-shape model)",
         "whole model's decode time per token (ms)",
         "route decode tok/s / whole model's",
         {
             f"gRPC, 2 threads per shard, {cores} cores": (shared_ms, [lane["grpc_over_whole"] for lane in lanes]),
             f"relay, 2 threads per shard, {cores} cores": (shared_ms, [lane["relay_over_whole"] for lane in lanes]),
+            f"whole model in one node (no seam between shards), {cores} cores": (
+                shared_ms,
+                [lane["one_node_over_whole"] for lane in lanes],
+            ),
             "gRPC, 1 core per shard": (
                 pinned_ms,
                 [lane["pinned_one_core_per_process"]["route_over_whole"] for lane in lanes],

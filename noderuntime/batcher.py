@@ -112,6 +112,7 @@ class BatcherStatistics:
     last_tick_seconds: float
     recent_tick_seconds: float
     busy_seconds: float
+    engine_seconds: float  # inside the engine's own call: busy_seconds less the thread hop and batch assembly
     failed_batches: int
 
 
@@ -151,6 +152,7 @@ class Batcher:
         self._last_seconds = 0.0
         self._recent = 0.0
         self._busy = 0.0
+        self._engine_seconds = 0.0
         self._failed = 0
 
     # --- called by sessions
@@ -223,6 +225,7 @@ class Batcher:
             last_tick_seconds=self._last_seconds,
             recent_tick_seconds=self._recent,
             busy_seconds=self._busy,
+            engine_seconds=self._engine_seconds,
             failed_batches=self._failed,
         )
 
@@ -286,6 +289,7 @@ class Batcher:
             elapsed = time.perf_counter() - started
             self._busy += elapsed
         self._tick += 1
+        self._engine_seconds += result.seconds
         self._rows += len(rows)
         self._decode_rows += plan.n_decode
         self._last_rows = len(rows)
