@@ -16,11 +16,12 @@ import ipaddress
 import logging
 import os
 import ssl
-from typing import Any
+import time
+from typing import Any, cast
 
 import attrs
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
+from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
 
 from noderuntime.identity import verify
 from noderuntime.telemetry import RelayMetrics, exposition
@@ -35,6 +36,10 @@ from noderuntime.transport.websocket import (
 from relay import messages as m
 
 log = logging.getLogger(__name__)
+
+# how long a new connection may take to send its upgrade request; past it the websocket
+# server closes the connection
+CONNECT_TIMEOUT = 10.0
 
 
 @attrs.define(eq=False)
@@ -54,9 +59,10 @@ class RelayLimits:
 
     Anyone can make a node key, so control connections are capped (``max_nodes``), and
     connections that have not yet proved anything (a key, a ticket, a pair) are capped
-    per source address and in all, so that one host cannot hold the relay's sockets
-    with handshakes it never finishes. Proven connections do not count against the
-    per-address cap: a gateway or a node behind NAT carries many sessions from one address.
+    per source address and in all, from the moment they are accepted, so that one host
+    cannot hold the relay's sockets with handshakes it never finishes, or never even
+    starts. Proven connections do not count against the per-address cap: a gateway or a
+    node behind NAT carries many sessions from one address.
     """
 
     max_nodes: int = 1024
@@ -71,6 +77,14 @@ class RelayLimits:
         for name, value in attrs.asdict(self).items():
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+def _connection_key(address: object, port: int) -> tuple[str, int]:
+    """One TCP connection's key, the same whether read from the socket or from the websocket request."""
+    try:
+        return str(ipaddress.ip_address(str(address))), port
+    except ValueError:
+        return str(address), port
 
 
 def _source(remote: object) -> str:
@@ -115,6 +129,7 @@ class RelayStatistics:
 
     nodes_connected: int
     handshakes_open: int  # connections that have not yet shown a key, ticket or pair
+    upgrades_awaited: int  # of those, connections whose websocket upgrade request has not arrived
     pairs_pending: int
     pairs_active: int
     pairs_total: int
@@ -146,15 +161,21 @@ class Relay:
         self._forwarded = 0
         self._refused: collections.Counter[str] = collections.Counter()
         self._handshakes: collections.Counter[str] = collections.Counter()  # by source address; "" = all
+        # accepted connections whose upgrade request has not arrived, by (address, port), in
+        # the order they came: each with the time after which the server has surely closed it
+        self._arriving: dict[tuple[str, int], tuple[float, _Handshake]] = {}
+        self.connect_timeout = CONNECT_TIMEOUT
         self._node_host: dict[bytes, str] = {}  # where each connected node's control connection comes from
         self._nodes_by_host: collections.Counter[str] = collections.Counter()
         self.metrics = RelayMetrics()
 
     def statistics(self) -> RelayStatistics:
         """An immutable snapshot."""
+        self._expire_arrivals()
         return RelayStatistics(
             len(self.nodes),
             self._handshakes[""],
+            len(self._arriving),
             len(self._pending),
             self._active,
             self._total,
@@ -173,15 +194,56 @@ class Relay:
         except (ConnectionClosed, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.debug("a relay connection ended early: %r", exc)
 
-    async def _handle(self, request: WebSocketRequest) -> None:
-        host = _source(request.remote)
+    def admit(self, address: str, port: int) -> tuple[int, str] | None:
+        """Count a newly accepted connection among the unproven ones, before it says anything.
+
+        Returns the HTTP status and reason to refuse it with when its address, or the
+        relay, already holds its share of unproven connections; ``None`` when admitted.
+        """
+        self._expire_arrivals()
+        host = _source(address)
+        refusal = self._over_handshake_caps(host)
+        if refusal is not None:
+            self._count_refusal(refusal[2], refusal[1])
+            return refusal[0], refusal[1]
+        key = _connection_key(address, port)
+        earlier = self._arriving.pop(key, None)
+        if earlier is not None:  # its port is in use again, so that connection is gone
+            earlier[1].release()
+        deadline = time.monotonic() + self.connect_timeout + 1.0
+        self._arriving[key] = (deadline, _Handshake(self._handshakes, host))
+        return None
+
+    def _expire_arrivals(self) -> None:
+        # the websocket server closes a connection that sent no upgrade request within
+        # connect_timeout, without calling the handler; its count ends by the deadline
+        now = time.monotonic()
+        while self._arriving:
+            key, (deadline, handshake) = next(iter(self._arriving.items()))
+            if deadline > now:
+                break
+            del self._arriving[key]
+            handshake.release()
+
+    def _over_handshake_caps(self, host: str) -> tuple[int, str, str] | None:
         if self._handshakes[host] >= self.limits.max_handshakes_per_host:
-            await self._reject(request, 429, "too many unfinished handshakes from this address", "host_handshakes")
-            return
+            return 429, "too many unfinished handshakes from this address", "host_handshakes"
         if self._handshakes[""] >= self.limits.max_handshakes:
-            await self._reject(request, 503, "too many unfinished handshakes", "handshakes")
-            return
-        handshake = _Handshake(self._handshakes, host)
+            return 503, "too many unfinished handshakes", "handshakes"
+        return None
+
+    async def _handle(self, request: WebSocketRequest) -> None:
+        remote = request.remote
+        arrived = self._arriving.pop(_connection_key(getattr(remote, "address", ""), getattr(remote, "port", -1)), None)
+        if arrived is not None:
+            handshake = arrived[1]
+        else:  # served by a listener that did not admit it: count it now
+            host = _source(remote)
+            refusal = self._over_handshake_caps(host)
+            if refusal is not None:
+                await self._reject(request, *refusal)
+                return
+            handshake = _Handshake(self._handshakes, host)
         try:
             path = request.path
             if path == "/control":
@@ -378,24 +440,98 @@ class Relay:
             scope.cancel()
 
 
+# refused connections answered with an HTTP status at once; past this many, closed unanswered
+ANSWERED_REFUSALS = 64
+
+
+class _AdmittingListener(trio.abc.Listener[trio.abc.Stream]):
+    """Passes on only the connections the relay admits; refuses the rest at once."""
+
+    def __init__(
+        self, inner: trio.SocketListener, relay: Relay, tls: ssl.SSLContext | None, nursery: trio.Nursery
+    ) -> None:
+        self._inner = inner
+        self._relay = relay
+        self._tls = tls
+        self._nursery = nursery
+        self._answering = 0
+
+    async def accept(self) -> trio.abc.Stream:
+        while True:
+            stream = await self._inner.accept()
+            try:
+                address, port, *_ = stream.socket.getpeername()
+            except OSError:  # reset before we looked
+                await trio.aclose_forcefully(stream)
+                continue
+            refusal = self._relay.admit(address, port)
+            if refusal is None:
+                if self._tls is None:
+                    return stream
+                return trio.SSLStream(stream, self._tls, server_side=True)
+            # over TLS an answer would first need the peer's handshake, which a flood never finishes
+            if self._tls is None and self._answering < ANSWERED_REFUSALS:
+                self._answering += 1
+                self._nursery.start_soon(self._answer, stream, *refusal)
+            else:
+                await trio.aclose_forcefully(stream)
+
+    async def _answer(self, stream: trio.SocketStream, status: int, reason: str) -> None:
+        body = reason.encode() + b"\n"
+        try:
+            with trio.move_on_after(1.0):
+                await stream.send_all(
+                    b"HTTP/1.1 %d %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                    % (status, reason.encode(), len(body), body)
+                )
+                await stream.send_eof()
+                # read the request to its end: closing with it unread would reset the connection
+                # and could discard the answer before the peer reads it
+                while await stream.receive_some(4096):
+                    pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        finally:
+            self._answering -= 1
+            await trio.aclose_forcefully(stream)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+@attrs.frozen
+class Listening:
+    """Where a relay listens."""
+
+    host: str
+    port: int
+
+
 async def serve(
     relay: Relay,
     host: str,
     port: int,
     *,
     tls: ssl.SSLContext | None = None,
-    task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    task_status: trio.TaskStatus[Listening] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until cancelled; reports the websocket server (with its bound port) when listening."""
-    await serve_websocket(
-        relay.handle,
-        host,
-        port,
-        tls,
-        message_queue_size=MESSAGE_QUEUE,
-        max_message_size=MAX_MESSAGE_BYTES,
-        receive_buffer_size=RECEIVE_BUFFER_BYTES,
-        connect_timeout=10,
-        disconnect_timeout=5,
-        task_status=task_status,
-    )
+    """Serve until cancelled; reports where it listens (with the bound port) once it does.
+
+    ``connect_timeout``: how long a new connection may take to send its upgrade request.
+    """
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    relay.connect_timeout = connect_timeout
+    async with trio.open_nursery() as nursery:
+        server = WebSocketServer(
+            relay.handle,
+            # trio-websocket's annotation names trio's two listener types; it serves any trio Listener
+            cast(Any, [_AdmittingListener(listener, relay, tls, nursery) for listener in listeners]),
+            message_queue_size=MESSAGE_QUEUE,
+            max_message_size=MAX_MESSAGE_BYTES,
+            receive_buffer_size=RECEIVE_BUFFER_BYTES,
+            connect_timeout=connect_timeout,
+            disconnect_timeout=5,
+        )
+        await nursery.start(server.run)
+        task_status.started(Listening(host, listeners[0].socket.getsockname()[1]))

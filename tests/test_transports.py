@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import ssl
@@ -24,6 +25,10 @@ from relay.server import Relay, RelayLimits, serve
 from tests.linkproxy import LinkProxy
 
 KINDS = ["memory", "grpc", "relay"]
+UPGRADE = (
+    "GET {} HTTP/1.1\r\nHost: relay\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+)
 
 
 @asynccontextmanager
@@ -401,20 +406,62 @@ async def test_relay_caps_the_nodes_one_address_holds() -> None:
 async def test_a_connection_reset_before_its_upgrade_is_answered_ends_only_itself() -> None:
     issuer, node = Identity.generate(), Identity.generate()
     relay = Relay(TicketVerifier([issuer.node_id]))
-    upgrade = (
-        "GET {} HTTP/1.1\r\nHost: relay\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-        "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
-    )
     async with trio.open_nursery() as nursery:
-        server = await nursery.start(serve, relay, "127.0.0.1", 0)
+        server = await nursery.start(functools.partial(serve, relay, "127.0.0.1", 0, connect_timeout=1.0))
         for path in ("/control", "/dial", "/accept/x", "/nowhere") * 5:
             with socket.socket() as raw:
                 raw.connect(("127.0.0.1", server.port))
-                raw.sendall(upgrade.format(path).encode())
+                raw.sendall(UPGRADE.format(path).encode())
                 raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
         await trio.sleep(0.5)
         assert await _control_answer(f"ws://127.0.0.1:{server.port}", node) == 0  # still serving
-        assert relay.statistics().handshakes_open == 0
+        # one reset before its request was read counts as unproven until the connect timeout
+        await _until(lambda: relay.statistics().handshakes_open == 0, 5)
+        nursery.cancel_scope.cancel()
+
+
+async def _answer_from(address: str, port: int, request: bytes) -> bytes:
+    """Send ``request`` from the local ``address`` to the relay; what it answers before closing."""
+    sock = trio.socket.socket()
+    await sock.bind((address, 0))
+    await sock.connect(("127.0.0.1", port))
+    async with trio.SocketStream(sock) as stream:
+        await stream.send_all(request)
+        answer = b""
+        with trio.move_on_after(2):
+            while b"\r\n\r\n" not in answer and (data := await stream.receive_some(4096)):
+                answer += data
+    return answer
+
+
+async def test_connections_that_never_send_their_upgrade_hold_only_their_address_share() -> None:
+    from trio_websocket import ConnectionRejected, open_websocket_url
+
+    issuer, node = Identity.generate(), Identity.generate()
+    relay = Relay(TicketVerifier([issuer.node_id]), limits=RelayLimits(max_handshakes_per_host=3))
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(functools.partial(serve, relay, "127.0.0.1", 0, connect_timeout=1.0))
+        url = f"ws://127.0.0.1:{server.port}"
+        silent = [await trio.open_tcp_stream("127.0.0.1", server.port) for _ in range(3)]
+        await _until(lambda: relay.statistics().upgrades_awaited == 3)
+        # they hold this address's share: the next connection gets a clear status before it says anything
+        with pytest.raises(ConnectionRejected) as rejected:
+            async with open_websocket_url(url + "/control"):
+                pass
+        assert rejected.value.status_code == 429
+        assert relay.statistics().refused == {"host_handshakes": 1}
+        # another address is served meanwhile
+        assert (await _answer_from("127.0.0.2", server.port, UPGRADE.format("/nowhere").encode())).startswith(
+            b"HTTP/1.1 404"
+        )
+        # the relay closes them at its connect timeout, and their share returns
+        for stream in silent:
+            with trio.fail_after(5):
+                assert await stream.receive_some(1) == b""
+            await stream.aclose()
+        await _until(lambda: relay.statistics().handshakes_open == 0, 5)
+        assert relay.statistics().upgrades_awaited == 0
+        assert await _control_answer(url, node) == 0
         nursery.cancel_scope.cancel()
 
 
