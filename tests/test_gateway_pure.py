@@ -80,6 +80,20 @@ def test_options_this_gateway_does_not_implement_are_refused(options: dict[str, 
         ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, **options})
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {}}]},
+        {"role": "assistant", "content": "", "function_call": {"name": "f", "arguments": "{}"}},
+    ],
+)
+def test_past_tool_calls_in_messages_are_refused_not_dropped(message: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError, match="not supported"):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [*MESSAGES, message]})
+    plain = {k: v for k, v in message.items() if k not in ("tool_calls", "function_call")}
+    ChatCompletionRequest.model_validate({"model": "m", "messages": [*MESSAGES, {**plain, "tool_calls": []}]})
+
+
 # --- chat prompts: control tokens come from the template only
 
 

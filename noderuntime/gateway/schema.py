@@ -48,6 +48,18 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = Field(default=None)
     name: str | None = Field(default=None, max_length=256)
 
+    @model_validator(mode="after")
+    def _refuse_calls(self) -> ChatMessage:
+        # tools are not served, and a past call dropped from the prompt would change what
+        # the model reads without a word to the client
+        extra = self.model_extra or {}
+        for key in ("tool_calls", "function_call"):
+            if extra.get(key) not in (None, [], {}):
+                raise PydanticCustomError(
+                    "unsupported", "{param} in messages is not supported by this gateway", {"param": key}
+                )
+        return self
+
     def text(self) -> str:
         """The content as plain text."""
         if self.content is None:
