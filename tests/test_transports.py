@@ -219,6 +219,24 @@ async def _until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
             await trio.sleep(0.01)
 
 
+async def test_grpc_keepalive_finds_a_link_cut_long_after_the_connection_opened(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from noderuntime.transport import grpc
+
+    monkeypatch.setattr(grpc, "KEEPALIVE_SECONDS", 0.2)
+    monkeypatch.setattr(grpc, "KEEPALIVE_TIMEOUT", 0.5)
+    async with grpc_peer() as (connector, port, streams), link_proxy(port) as proxy:
+        client = await connector.open(f"127.0.0.1:{proxy.port}")
+        await client.send(b"hello")
+        server = await streams.receive()
+        assert await server.receive() == b"hello"
+        await trio.sleep(1.5)  # several pings answered on an idle seam
+        proxy.mode = "stall"  # the link goes dark: no reset, no end, nothing
+        with trio.fail_after(3), pytest.raises(TransportError):
+            await client.receive()
+
+
 async def test_grpc_tls_pins_the_certificate_the_route_names(tmp_path: Path) -> None:
     files = self_signed(tmp_path / "a")
     other = self_signed(tmp_path / "b")

@@ -51,13 +51,20 @@ CLOSE_GRACE = 2.0  # seconds a closed stream waits for the peer to end its side 
 _T = TypeVar("_T")
 
 
+KEEPALIVE_SECONDS = 10.0  # a connection pings its peer this often, idle or not
+KEEPALIVE_TIMEOUT = 20.0  # and closes when a ping goes unanswered this long
+
+
 def _config() -> Configuration:
-    # keepalive finds a dead peer (a hung host, a cut link) even on an idle seam
+    # keepalive finds a dead peer (a hung host, a cut link) even on an idle seam or spare
     return Configuration(
-        _keepalive_time=10.0,
-        _keepalive_timeout=20.0,
+        _keepalive_time=KEEPALIVE_SECONDS,
+        _keepalive_timeout=KEEPALIVE_TIMEOUT,
         _keepalive_permit_without_calls=True,
         _http2_max_pings_without_data=0,
+        # grpclib sends no ping within this long of its last one, whether or not data
+        # flowed since; at its default (300 s) a connection pings once and then goes blind
+        _http2_min_sent_ping_interval_without_data=KEEPALIVE_SECONDS / 2,
     )
 
 
