@@ -465,18 +465,20 @@ class _AdmittingListener(trio.abc.Listener[trio.abc.Stream]):
                 await trio.aclose_forcefully(stream)
                 continue
             refusal = self._relay.admit(address, port)
+            wrapped: trio.abc.Stream = stream
+            if self._tls is not None:
+                wrapped = trio.SSLStream(stream, self._tls, server_side=True)
             if refusal is None:
-                if self._tls is None:
-                    return stream
-                return trio.SSLStream(stream, self._tls, server_side=True)
-            # over TLS an answer would first need the peer's handshake, which a flood never finishes
-            if self._tls is None and self._answering < ANSWERED_REFUSALS:
+                return wrapped
+            # a client that gets no answer waits out its own connect timeout; a flood gets
+            # only this many answers at a time (each within a second), the rest are closed
+            if self._answering < ANSWERED_REFUSALS:
                 self._answering += 1
-                self._nursery.start_soon(self._answer, stream, *refusal)
+                self._nursery.start_soon(self._answer, wrapped, *refusal)
             else:
                 await trio.aclose_forcefully(stream)
 
-    async def _answer(self, stream: trio.SocketStream, status: int, reason: str) -> None:
+    async def _answer(self, stream: trio.abc.Stream, status: int, reason: str) -> None:
         body = reason.encode() + b"\n"
         try:
             with trio.move_on_after(1.0):
@@ -484,7 +486,8 @@ class _AdmittingListener(trio.abc.Listener[trio.abc.Stream]):
                     b"HTTP/1.1 %d %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
                     % (status, reason.encode(), len(body), body)
                 )
-                await stream.send_eof()
+                if isinstance(stream, trio.abc.HalfCloseableStream):
+                    await stream.send_eof()
                 # read the request to its end: closing with it unread would reset the connection
                 # and could discard the answer before the peer reads it
                 while await stream.receive_some(4096):

@@ -452,6 +452,35 @@ async def _answer_from(address: str, port: int, request: bytes) -> bytes:
     return answer
 
 
+async def test_a_relay_over_tls_serves_and_answers_connections_over_its_caps(tmp_path: Path) -> None:
+    from trio_websocket import ConnectionRejected, open_websocket_url
+
+    files = self_signed(tmp_path / "relay")
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(files.cert, files.key)
+    trusting = ssl.create_default_context(cafile=str(files.cert))
+    trusting.check_hostname = False
+    relay = Relay(TicketVerifier([Identity.generate().node_id]), limits=RelayLimits(max_handshakes_per_host=1))
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(functools.partial(serve, relay, "127.0.0.1", 0, tls=tls))
+        url = f"wss://127.0.0.1:{server.port}"
+        with pytest.raises(ConnectionRejected) as rejected:
+            async with open_websocket_url(url + "/nowhere", trusting):
+                pass
+        assert rejected.value.status_code == 404  # the handler answered over TLS
+        await _until(lambda: relay.statistics().handshakes_open == 0)
+        silent = await trio.open_tcp_stream("127.0.0.1", server.port)
+        await _until(lambda: relay.statistics().upgrades_awaited == 1)
+        # over its address's share: a clear status over TLS too, before the request is read
+        with trio.fail_after(5), pytest.raises(ConnectionRejected) as rejected:
+            async with open_websocket_url(url + "/nowhere", trusting):
+                pass
+        assert rejected.value.status_code == 429
+        assert relay.statistics().refused == {"host_handshakes": 1}
+        await silent.aclose()
+        nursery.cancel_scope.cancel()
+
+
 async def test_connections_that_never_send_their_upgrade_hold_only_their_address_share() -> None:
     from trio_websocket import ConnectionRejected, open_websocket_url
 
