@@ -164,7 +164,6 @@ class Relay:
         # accepted connections whose upgrade request has not arrived, by (address, port), in
         # the order they came: each with the time after which the server has surely closed it
         self._arriving: dict[tuple[str, int], tuple[float, _Handshake]] = {}
-        self.connect_timeout = CONNECT_TIMEOUT
         self._node_host: dict[bytes, str] = {}  # where each connected node's control connection comes from
         self._nodes_by_host: collections.Counter[str] = collections.Counter()
         self.metrics = RelayMetrics()
@@ -194,25 +193,29 @@ class Relay:
         except (ConnectionClosed, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.debug("a relay connection ended early: %r", exc)
 
-    def admit(self, address: str, port: int) -> tuple[int, str] | None:
+    def admit(self, address: str, port: int, *, connect_timeout: float) -> tuple[int, str] | None:
         """Count a newly accepted connection among the unproven ones, before it says anything.
 
         Returns the HTTP status and reason to refuse it with when its address, or the
         relay, already holds its share of unproven connections; ``None`` when admitted.
+        ``connect_timeout``: how long the server waits for its upgrade request.
         """
         self._expire_arrivals()
         host = _source(address)
-        refusal = self._over_handshake_caps(host)
-        if refusal is not None:
-            self._count_refusal(refusal[2], refusal[1])
-            return refusal[0], refusal[1]
-        key = _connection_key(address, port)
-        earlier = self._arriving.pop(key, None)
-        if earlier is not None:  # its port is in use again, so that connection is gone
-            earlier[1].release()
-        deadline = time.monotonic() + self.connect_timeout + 1.0
-        self._arriving[key] = (deadline, _Handshake(self._handshakes, host))
-        return None
+        if self._handshakes[host] >= self.limits.max_handshakes_per_host:
+            status, reason, kind = 429, "too many unfinished handshakes from this address", "host_handshakes"
+        elif self._handshakes[""] >= self.limits.max_handshakes:
+            status, reason, kind = 503, "too many unfinished handshakes", "handshakes"
+        else:
+            key = _connection_key(address, port)
+            earlier = self._arriving.pop(key, None)
+            if earlier is not None:  # its port is in use again, so that connection is gone
+                earlier[1].release()
+            deadline = time.monotonic() + connect_timeout + 1.0
+            self._arriving[key] = (deadline, _Handshake(self._handshakes, host))
+            return None
+        self._count_refusal(kind, reason)
+        return status, reason
 
     def _expire_arrivals(self) -> None:
         # the websocket server closes a connection that sent no upgrade request within
@@ -225,25 +228,11 @@ class Relay:
             del self._arriving[key]
             handshake.release()
 
-    def _over_handshake_caps(self, host: str) -> tuple[int, str, str] | None:
-        if self._handshakes[host] >= self.limits.max_handshakes_per_host:
-            return 429, "too many unfinished handshakes from this address", "host_handshakes"
-        if self._handshakes[""] >= self.limits.max_handshakes:
-            return 503, "too many unfinished handshakes", "handshakes"
-        return None
-
     async def _handle(self, request: WebSocketRequest) -> None:
         remote = request.remote
         arrived = self._arriving.pop(_connection_key(getattr(remote, "address", ""), getattr(remote, "port", -1)), None)
-        if arrived is not None:
-            handshake = arrived[1]
-        else:  # served by a listener that did not admit it: count it now
-            host = _source(remote)
-            refusal = self._over_handshake_caps(host)
-            if refusal is not None:
-                await self._reject(request, *refusal)
-                return
-            handshake = _Handshake(self._handshakes, host)
+        # serve's listener admitted it; only a handler served some other way counts it here
+        handshake = arrived[1] if arrived is not None else _Handshake(self._handshakes, _source(remote))
         try:
             path = request.path
             if path == "/control":
@@ -261,12 +250,6 @@ class Relay:
         self._refused[kind] += 1
         self.metrics.refused.labels(kind).inc()
         log.info("relay refused a connection: %s", reason)
-
-    async def _reject(self, request: WebSocketRequest, status: int, reason: str, kind: str) -> None:
-        """Refuse before the upgrade, with an HTTP status."""
-        self._count_refusal(kind, reason)
-        with trio.move_on_after(1.0):
-            await request.reject(status, body=reason.encode() + b"\n")
 
     async def metrics_exposition(self) -> tuple[int, str, bytes]:
         """The ``/metrics`` response."""
@@ -448,13 +431,22 @@ class _AdmittingListener(trio.abc.Listener[trio.abc.Stream]):
     """Passes on only the connections the relay admits; refuses the rest at once."""
 
     def __init__(
-        self, inner: trio.SocketListener, relay: Relay, tls: ssl.SSLContext | None, nursery: trio.Nursery
+        self,
+        inner: trio.SocketListener,
+        relay: Relay,
+        tls: ssl.SSLContext | None,
+        nursery: trio.Nursery,
+        connect_timeout: float,
     ) -> None:
         self._inner = inner
         self._relay = relay
         self._tls = tls
         self._nursery = nursery
+        self._connect_timeout = connect_timeout
         self._answering = 0
+
+    def _wrap(self, stream: trio.SocketStream) -> trio.abc.Stream:
+        return stream if self._tls is None else trio.SSLStream(stream, self._tls, server_side=True)
 
     async def accept(self) -> trio.abc.Stream:
         while True:
@@ -464,17 +456,14 @@ class _AdmittingListener(trio.abc.Listener[trio.abc.Stream]):
             except OSError:  # reset before we looked
                 await trio.aclose_forcefully(stream)
                 continue
-            refusal = self._relay.admit(address, port)
-            wrapped: trio.abc.Stream = stream
-            if self._tls is not None:
-                wrapped = trio.SSLStream(stream, self._tls, server_side=True)
+            refusal = self._relay.admit(address, port, connect_timeout=self._connect_timeout)
             if refusal is None:
-                return wrapped
+                return self._wrap(stream)
             # a client that gets no answer waits out its own connect timeout; a flood gets
             # only this many answers at a time (each within a second), the rest are closed
             if self._answering < ANSWERED_REFUSALS:
                 self._answering += 1
-                self._nursery.start_soon(self._answer, wrapped, *refusal)
+                self._nursery.start_soon(self._answer, self._wrap(stream), *refusal)
             else:
                 await trio.aclose_forcefully(stream)
 
@@ -524,12 +513,11 @@ async def serve(
     ``connect_timeout``: how long a new connection may take to send its upgrade request.
     """
     listeners = await trio.open_tcp_listeners(port, host=host)
-    relay.connect_timeout = connect_timeout
     async with trio.open_nursery() as nursery:
         server = WebSocketServer(
             relay.handle,
             # trio-websocket's annotation names trio's two listener types; it serves any trio Listener
-            cast(Any, [_AdmittingListener(listener, relay, tls, nursery) for listener in listeners]),
+            cast(Any, [_AdmittingListener(listener, relay, tls, nursery, connect_timeout) for listener in listeners]),
             message_queue_size=MESSAGE_QUEUE,
             max_message_size=MAX_MESSAGE_BYTES,
             receive_buffer_size=RECEIVE_BUFFER_BYTES,
