@@ -222,8 +222,9 @@ def label_package(source: Path) -> None:
 
 def build_wheel(python: str, out_dir: Path) -> Path:
     """Build the patched wheel into ``out_dir`` and return its path."""
-    sdist = fetch_sdist(python)
+    # first: pip prepares the sdist's metadata even to download it, with this backend
     subprocess.run([python, "-m", "pip", "install", "--quiet", *BUILD_REQUIREMENTS], check=True)
+    sdist = fetch_sdist(python)
     with tempfile.TemporaryDirectory(prefix="nr-llama-build-") as tmp:
         with tarfile.open(sdist) as tar:
             tar.extractall(tmp, filter="data")
