@@ -34,6 +34,8 @@ def test_installed_kernels_carry_this_patch_series() -> None:
     assert info["patch_hash"] == build.patch_hash()
     assert info["llama_cpp_python"] == build.local_version()
     assert info["llama_cpp_commit"] == build.LLAMA_CPP_COMMIT
+    # and was built with today's flags for this CPU: bootstrap reinstalls on any difference
+    assert build.installed_marker(sys.executable) == json.loads(json.dumps(build.marker()))
 
 
 def test_stock_llama_cpp_python_is_refused_with_build_instructions(tmp_path: Path) -> None:
