@@ -223,6 +223,13 @@ async def _wake_ups(count: int) -> dict[str, Any]:
     }
 
 
+def _in_process_recipe(threads: int) -> Any:
+    """The recipe of the lanes that run the engine in this process (whole, chained, alone)."""
+    from noderuntime.engine import Recipe
+
+    return Recipe(n_threads=threads, n_ctx_per_seq=512, n_seq_max=4, n_batch=512, n_ubatch=512)
+
+
 def _engine_decode(model: str, new_tokens: int, threads: int = 2, layers: tuple[int, int] | None = None) -> float:
     """Decode tok/s of the whole model, or of one layer range alone, in this process with no network.
 
@@ -230,9 +237,9 @@ def _engine_decode(model: str, new_tokens: int, threads: int = 2, layers: tuple[
     their values); the tail samples as the whole model does.
     """
     from noderuntime.artifacts import LayerRange
-    from noderuntime.engine import Recipe, Rows, SamplingParams, ShardEngine
+    from noderuntime.engine import Rows, SamplingParams, ShardEngine
 
-    recipe = Recipe(n_threads=threads, n_ctx_per_seq=512, n_seq_max=4, n_batch=512, n_ubatch=512)
+    recipe = _in_process_recipe(threads)
     rng = np.random.default_rng(0)
     with ShardEngine(model, recipe, None if layers is None else LayerRange(*layers)) as engine:
         chain = engine.new_sampler(SamplingParams()) if engine.is_tail else None
@@ -271,9 +278,9 @@ def _chained_decode(model: str, new_tokens: int, cuts: list[int], threads: int =
     turns in the caches as two shards' do on one machine.
     """
     from noderuntime.artifacts import LayerRange
-    from noderuntime.engine import Recipe, Rows, SamplingParams, ShardEngine
+    from noderuntime.engine import Rows, SamplingParams, ShardEngine
 
-    recipe = Recipe(n_threads=threads, n_ctx_per_seq=512, n_seq_max=4, n_batch=512, n_ubatch=512)
+    recipe = _in_process_recipe(threads)
     with (
         ShardEngine(model, recipe, LayerRange(cuts[0], cuts[1])) as head,
         ShardEngine(model, recipe, LayerRange(cuts[1], cuts[2])) as tail,
