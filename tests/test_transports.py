@@ -285,6 +285,28 @@ async def test_grpc_a_second_seam_to_a_peer_starts_on_a_connection_made_in_advan
             await stream.aclose()
 
 
+async def test_grpc_a_spare_on_a_link_gone_dark_is_not_handed_out() -> None:
+    async with grpc_peer() as (connector, port, streams), link_proxy(port) as proxy:
+        address = f"127.0.0.1:{proxy.port}"
+        first = await connector.open(address)
+        first_remote = await streams.receive()
+        await _until(lambda: proxy.connections == 2)  # the seam's connection, then a spare
+        proxy.mode = "stall"  # the links go dark: no reset, no end, nothing
+        with trio.fail_after(3):
+            second = await connector.open(address)
+        # the spare did not answer its PING: the seam went over a connection of its own
+        assert connector.spares_dropped == 1
+        await _until(lambda: proxy.connections >= 3)
+        proxy.mode = "pass"
+        await second.send(b"s" * 70_000)
+        with trio.fail_after(5):
+            remote = await streams.receive()
+            assert await remote.receive() == b"s" * 70_000
+        assert proxy.bytes_up[2] > 70_000 > proxy.bytes_up[1]
+        for stream in (first, first_remote, second, remote):
+            await stream.aclose()
+
+
 async def test_grpc_spare_connections_are_closed_with_the_connector() -> None:
     async with grpc_peer() as (connector, port, _), link_proxy(port) as proxy:
         seam_ = await connector.open(f"127.0.0.1:{proxy.port}")

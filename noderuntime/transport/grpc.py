@@ -508,8 +508,14 @@ class GrpcConnector:
     connected and unused, for every peer it opened a seam to in the last
     ``SPARE_SECONDS``: the next seam to that peer takes it and starts with its first
     frame, and a new spare is connected in the background. A spare whose peer went away
-    is noticed by the connection itself (reset, end of stream, or keepalive) and never
-    handed out. A pinned certificate is fetched once per peer and pin, not per seam.
+    is noticed by the connection itself when the peer said so (reset, end of stream) or
+    keepalive gave up on it; a link cut silently looks alive for up to
+    ``KEEPALIVE_SECONDS + KEEPALIVE_TIMEOUT``, so a spare must also answer a PING within
+    ``SPARE_PROBE_SECONDS`` before it is handed out. One round trip is what a new plain
+    connection's handshake costs too, and a spare that does not answer is dropped for a
+    new connection, which fails fast on a dead host (and the node falls back to the
+    relay) instead of a seam that stalls. A pinned certificate is fetched once per peer
+    and pin, not per seam.
     """
 
     def __init__(self, runtime: AsyncioThread, *, max_frame_bytes: int, connect_timeout: float = 5.0) -> None:
@@ -521,6 +527,7 @@ class GrpcConnector:
         self._connecting: dict[_Peer, asyncio.Task[None]] = {}  # spares on their way; asyncio thread only
         self._pins: dict[_Peer, ssl.SSLContext] = {}  # trio thread only
         self._closed = False
+        self.spares_dropped = 0  # spares found dead when a seam wanted them
 
     async def open(
         self, address: str, *, tls_cert_sha256: bytes = b"", stream_seconds: float | None = None
@@ -542,7 +549,7 @@ class GrpcConnector:
 
         async def run() -> None:
             assert opened is not None
-            channel = self._take_spare(peer) or self._new_channel(peer, tls)
+            channel = await self._take_spare(peer) or self._new_channel(peer, tls)
             self._channels.add(channel)
             call = None
             clean = False
@@ -619,12 +626,16 @@ class GrpcConnector:
     def _new_channel(self, peer: _Peer, tls: ssl.SSLContext | None) -> Channel:
         return Channel(peer.host, peer.port, ssl=tls, codec=_FrameCodec(), config=_config())
 
-    def _take_spare(self, peer: _Peer) -> Channel | None:
+    async def _take_spare(self, peer: _Peer) -> Channel | None:
         spare = self._spares.pop(peer, None)
         if spare is None:
             return None
         spare.expiry.cancel()
-        if not spare.channel._connected:  # the peer reset or ended it, or keepalive gave up on it
+        # not connected: the peer reset or ended it, or keepalive gave up on it
+        if not spare.channel._connected or not await _answers_ping(
+            spare.channel, min(SPARE_PROBE_SECONDS, self._timeout)
+        ):
+            self.spares_dropped += 1
             _close_channel(spare.channel, abort=True)
             return None
         return spare.channel
@@ -664,6 +675,7 @@ class GrpcConnector:
 
 
 SPARE_SECONDS = 30.0  # a spare connection nobody took is closed after this long
+SPARE_PROBE_SECONDS = 1.0  # a spare must answer a PING this soon to carry a seam
 PINS_KEPT = 256  # pinned TLS contexts kept, one per peer and pin
 
 
@@ -690,6 +702,33 @@ def _close_channel(channel: Channel, *, abort: bool) -> None:
     if abort and transport is not None:
         transport.abort()
     channel.close()
+
+
+async def _answers_ping(channel: Channel, seconds: float) -> bool:
+    """Whether the peer at the other end of ``channel`` acknowledges a PING within ``seconds``."""
+    # grpclib has no public PING; its connection reports each acknowledgement to
+    # ``ping_ack_process`` (its keepalive's, too: an answer to either proves the link)
+    connection = getattr(getattr(channel, "_protocol", None), "connection", None)
+    if connection is None:
+        return False
+    acked = asyncio.get_running_loop().create_future()
+
+    def ack() -> None:
+        type(connection).ping_ack_process(connection)
+        if not acked.done():
+            acked.set_result(None)
+
+    connection.ping_ack_process = ack
+    try:
+        connection._connection.ping(struct.pack("!Q", id(acked) & 0xFFFF_FFFF_FFFF_FFFF))
+        connection.flush()
+        await asyncio.wait_for(acked, seconds)
+    except Exception:  # noqa: BLE001 - no answer, or the connection broke meanwhile: either way, not this one
+        return False
+    finally:
+        with contextlib.suppress(AttributeError):
+            del connection.ping_ack_process
+    return True
 
 
 def _quiet(task: asyncio.Task[None]) -> None:
