@@ -108,6 +108,8 @@ class LinkProxy:
                 data = await src.receive_some(size)
                 if not data:
                     break
+                while self.mode == "stall":  # it went dark while we waited: what came stays here
+                    await trio.sleep(0.05)
                 if index is not None:
                     self.bytes_up[index] += len(data)  # counted before the target can see it
                 await dst.send_all(data)

@@ -631,10 +631,15 @@ class GrpcConnector:
         if spare is None:
             return None
         spare.expiry.cancel()
-        # not connected: the peer reset or ended it, or keepalive gave up on it
-        if not spare.channel._connected or not await _answers_ping(
-            spare.channel, min(SPARE_PROBE_SECONDS, self._timeout)
-        ):
+        try:
+            # not connected: the peer reset or ended it, or keepalive gave up on it
+            alive = spare.channel._connected and await _answers_ping(
+                spare.channel, min(SPARE_PROBE_SECONDS, self._timeout)
+            )
+        except BaseException:  # the seam was cancelled while it waited: nobody holds the spare now
+            _close_channel(spare.channel, abort=True)
+            raise
+        if not alive:
             self.spares_dropped += 1
             _close_channel(spare.channel, abort=True)
             return None
