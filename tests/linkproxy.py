@@ -101,15 +101,12 @@ class LinkProxy:
     ) -> None:
         try:
             while True:
-                if self.mode == "stall":
-                    await trio.sleep(0.05)
-                    continue
+                await self._hold_while_dark()
                 size = PIECE if self.mode == "trickle" else 65536
                 data = await src.receive_some(size)
                 if not data:
                     break
-                while self.mode == "stall":  # it went dark while we waited: what came stays here
-                    await trio.sleep(0.05)
+                await self._hold_while_dark()  # it went dark while we waited: what came stays here
                 if index is not None:
                     self.bytes_up[index] += len(data)  # counted before the target can see it
                 await dst.send_all(data)
@@ -118,3 +115,7 @@ class LinkProxy:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         done.cancel()
+
+    async def _hold_while_dark(self) -> None:
+        while self.mode == "stall":
+            await trio.sleep(0.05)
