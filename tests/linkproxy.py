@@ -6,6 +6,9 @@ runs trio in a thread of the test process, and its mode can be switched at any t
 - ``pass``: forward everything;
 - ``stall``: stop reading either side (the sender's window fills, as on a dead link);
 - ``trickle``: forward ``rate`` bytes per second in small pieces.
+
+:meth:`LinkProxy.cut` goes further, for good: open links stall and new connections are
+refused, as when the host behind the link drops off the network.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class LinkProxy:
         self.connections = 0
         self.bytes_up: list[int] = []  # client -> target bytes, per connection in order of arrival
         self._links: set[trio.CancelScope] = set()
+        self._listeners: list[trio.SocketListener] = []
         self._token: trio.lowlevel.TrioToken | None = None
         self._scope: trio.CancelScope | None = None
         self._ready = threading.Event()
@@ -58,6 +62,16 @@ class LinkProxy:
         for scope in self._links:
             scope.cancel()
 
+    def cut(self) -> None:
+        """Stall every open link and refuse new connections from now on (no reset, no end)."""
+        self.mode = "stall"
+        if self._token is not None:
+            trio.from_thread.run(self._stop_listening, trio_token=self._token)
+
+    async def _stop_listening(self) -> None:
+        for listener in self._listeners:
+            await listener.aclose()
+
     def close(self) -> None:
         """Stop the proxy and drop every connection (idempotent)."""
         if self._token is not None and self._scope is not None:
@@ -69,10 +83,20 @@ class LinkProxy:
         with trio.CancelScope() as scope:
             self._scope = scope
             self._token = trio.lowlevel.current_trio_token()
-            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-            self.port = listeners[0].socket.getsockname()[1]
+            self._listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            self.port = self._listeners[0].socket.getsockname()[1]
             self._ready.set()
-            await trio.serve_listeners(self._handle, listeners)
+            async with trio.open_nursery() as nursery:
+                for listener in self._listeners:
+                    nursery.start_soon(self._accept, listener, nursery)
+
+    async def _accept(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except trio.ClosedResourceError:
+                return  # cut: the links already open stay, stalled
+            nursery.start_soon(self._handle, stream)
 
     async def _handle(self, client: trio.SocketStream) -> None:
         if self.target is None:
