@@ -15,12 +15,25 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import AsyncIterator
 from typing import Literal
 
 import trio
 
 Mode = Literal["pass", "stall", "trickle"]
 PIECE = 64
+
+
+@contextlib.asynccontextmanager
+async def link_proxy(port: int) -> AsyncIterator[LinkProxy]:
+    """A proxy in front of loopback ``port``, started and stopped from trio."""
+    proxy = LinkProxy()
+    proxy.target = port
+    await trio.to_thread.run_sync(proxy.start)  # its own trio, in its own thread
+    try:
+        yield proxy
+    finally:
+        await trio.to_thread.run_sync(proxy.close)
 
 
 class LinkProxy:

@@ -14,7 +14,7 @@ from noderuntime.dialer import open_dialer
 from protocol import StatusCode
 
 from .clusters import Cluster, running_cluster
-from .linkproxy import LinkProxy
+from .linkproxy import link_proxy
 from .test_node_core import requests, solo_greedy
 
 pytestmark = pytest.mark.slow
@@ -68,10 +68,7 @@ async def test_tls_with_a_pinned_certificate_and_fallback_to_the_relay(smollm2: 
 
 async def test_a_spare_connection_to_a_host_gone_dark_gives_way_to_the_relay(smollm2: Path, tmp_path: Path) -> None:
     with running_cluster(smollm2, [0, 15, 30], tmp_path, with_relay=True) as cluster:
-        proxy = LinkProxy()
-        proxy.target = int(cluster.hops[1].address.rsplit(":", 1)[1])
-        await trio.to_thread.run_sync(proxy.start)
-        try:
+        async with link_proxy(int(cluster.hops[1].address.rsplit(":", 1)[1])) as proxy:
             request = requests(1, seed=5)[0]
             expected = await trio.to_thread.run_sync(solo_greedy, smollm2, request)
             # the head reaches the second hop through the proxy, and keeps a spare connection to it
@@ -88,8 +85,6 @@ async def test_a_spare_connection_to_a_host_gone_dark_gives_way_to_the_relay(smo
             seams = (await cluster.status(0))["seams"]
             assert (seams["dead_spares_dropped"], seams["fallbacks"]) == (1, 1)
             await cluster.wait_idle()
-        finally:
-            await trio.to_thread.run_sync(proxy.close)
 
 
 @pytest.mark.parametrize("relayed", [False, True], ids=["grpc", "relay"])

@@ -22,7 +22,7 @@ from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from protocol import Hop, Span, StatusCode
 from relay.server import Relay, RelayLimits, serve
-from tests.linkproxy import LinkProxy
+from tests.linkproxy import LinkProxy, link_proxy
 
 KINDS = ["memory", "grpc", "relay"]
 UPGRADE = (
@@ -199,18 +199,6 @@ async def test_grpc_refuses_an_oversized_frame_before_buffering_it() -> None:
         assert info.value.code == StatusCode.RESOURCE_EXHAUSTED
         with trio.fail_after(10), pytest.raises(TransportError):
             await client.receive()
-
-
-@asynccontextmanager
-async def link_proxy(port: int) -> AsyncIterator[LinkProxy]:
-    """A TCP proxy in front of ``port`` that counts connections and the bytes sent on each."""
-    proxy = LinkProxy()
-    proxy.target = port
-    await trio.to_thread.run_sync(proxy.start)  # its own trio, in its own thread
-    try:
-        yield proxy
-    finally:
-        await trio.to_thread.run_sync(proxy.close)
 
 
 async def _until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
