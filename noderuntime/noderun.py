@@ -322,6 +322,7 @@ def node_status(node: Node, node_id: bytes, listener: RelayListener | None, conn
                 "direct": getattr(connector, "direct_attempts", 0),
                 "relay": getattr(connector, "relay_attempts", 0),
                 "fallbacks": getattr(connector, "fallbacks", 0),
+                "spares": getattr(getattr(connector, "grpc", None), "spares", 0),
                 "dead_spares_dropped": getattr(getattr(connector, "grpc", None), "spares_dropped", 0),
             },
         }

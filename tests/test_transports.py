@@ -235,7 +235,7 @@ async def test_grpc_tls_pins_the_certificate_the_route_names(tmp_path: Path) -> 
         await client.send(b"over tls")
         assert await (await streams.receive()).receive() == b"over tls"
         # the certificate was fetched once (one connection), the seam has one and a spare waits
-        await _until(lambda: proxy.connections == 3)
+        await _until(lambda: proxy.connections == 3 and connector.spares == 1)
         again = await connector.open(address, tls_cert_sha256=files.cert_sha256)
         await again.send(b"pinned before")
         assert await (await streams.receive()).receive() == b"pinned before"
@@ -254,7 +254,8 @@ async def test_grpc_a_second_seam_to_a_peer_starts_on_a_connection_made_in_advan
     async with grpc_peer() as (connector, port, streams), link_proxy(port) as proxy:
         address = f"127.0.0.1:{proxy.port}"
         first = await connector.open(address)
-        await _until(lambda: proxy.connections == 2)  # the seam's connection, then a spare
+        # the seam's connection, then a spare (the connector holds it once it has connected)
+        await _until(lambda: proxy.connections == 2 and connector.spares == 1)
         second = await connector.open(address)
         await second.send(b"s" * 70_000)
         remote = [await streams.receive(), await streams.receive()]
@@ -278,7 +279,8 @@ async def test_grpc_a_spare_on_a_link_gone_dark_is_not_handed_out() -> None:
         address = f"127.0.0.1:{proxy.port}"
         first = await connector.open(address)
         first_remote = await streams.receive()
-        await _until(lambda: proxy.connections == 2)  # the seam's connection, then a spare
+        # the seam's connection, then a spare (the connector holds it once it has connected)
+        await _until(lambda: proxy.connections == 2 and connector.spares == 1)
         proxy.mode = "stall"  # the links go dark: no reset, no end, nothing
         with trio.fail_after(3):
             second = await connector.open(address)

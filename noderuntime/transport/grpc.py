@@ -529,6 +529,11 @@ class GrpcConnector:
         self._closed = False
         self.spares_dropped = 0  # spares found dead when a seam wanted them
 
+    @property
+    def spares(self) -> int:
+        """Spare connections held now, connected and unused (a snapshot, readable from any thread)."""
+        return len(self._spares)
+
     async def open(
         self, address: str, *, tls_cert_sha256: bytes = b"", stream_seconds: float | None = None
     ) -> GrpcFrameStream:
