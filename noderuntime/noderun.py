@@ -298,6 +298,8 @@ def probe_handler(node: Node) -> Any:
 def node_status(node: Node, node_id: bytes, listener: RelayListener | None, connector: Any) -> Any:
     """The producer of a node's ``/status`` document."""
 
+    grpc = getattr(connector, "grpc", None)  # a relay-only node has none
+
     async def status() -> dict[str, Any]:
         stats = node.statistics()
         return {
@@ -322,8 +324,8 @@ def node_status(node: Node, node_id: bytes, listener: RelayListener | None, conn
                 "direct": getattr(connector, "direct_attempts", 0),
                 "relay": getattr(connector, "relay_attempts", 0),
                 "fallbacks": getattr(connector, "fallbacks", 0),
-                "spares": getattr(getattr(connector, "grpc", None), "spares", 0),
-                "dead_spares_dropped": getattr(getattr(connector, "grpc", None), "spares_dropped", 0),
+                "spares": getattr(grpc, "spares", 0),
+                "dead_spares_dropped": getattr(grpc, "spares_dropped", 0),
             },
         }
 
