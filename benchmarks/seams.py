@@ -25,7 +25,11 @@
    every tick and every seam direction), each after a few milliseconds of idling, as
    between two decode ticks, and again after reading 64 MiB, as a tick reads a shard's
    weights and leaves the caches cold for the code that runs next.
-5. All of it again on a random-weight model of Llama-3.2-1B's shape (Q4_0, written for
+5. Where one decode token's time goes, step by step: the nodes of a gRPC route and of a
+   relay route record their timelines (:mod:`noderuntime.timeline`), and each token is
+   followed from the tail's tick through the seams, both nodes' threads, the sessions,
+   the batchers and the engines back to the tail's next tick.
+6. All of it again on a random-weight model of Llama-3.2-1B's shape (Q4_0, written for
    the run), whose token costs about three times SmolLM2's: which parts stay fixed and
    which grow with the model.
 
@@ -78,6 +82,7 @@ DEMO_SHAPE: dict[str, Any] = {
     "rope_freq_base": 100000.0,
 }
 ROUNDS = 5
+TIMELINE_REPEATS = 3  # generations per route with the nodes' timelines on
 WAKE_IDLE = 0.003  # seconds a thread sleeps before it is woken: about one shard's decode tick
 SWEEP_BYTES = 64 << 20  # about what one decode tick of a shard reads
 # the decode tok/s lanes, each run `repeats` times; ratios are between medians
@@ -437,6 +442,192 @@ async def _lanes(model: Path, cuts: list[int], new_tokens: int, repeats: int) ->
     return rates
 
 
+# A decode token's way round a 2-shard route, as (shard, stage) in the timeline, from the
+# tail's tick to the tail's next tick, with what each step between two stages is.
+_ARRIVAL = {
+    "grpc": "grpclib sends; the wire; the peer's asyncio thread wakes, reads HTTP/2",
+    "relay": "the websocket to the relay, the relay, the websocket from it",
+}
+
+
+def _token_path(transport: str) -> list[tuple[str, str, str]]:
+    """The stages of one token on a 2-shard route over ``transport``: (shard, stage, what led to it)."""
+    path: list[tuple[str, str, str]] = [("tail", "tick.finished", "")]
+    for shard, seam_out, peer, seam_in in (("tail", "up", "head", "down"), ("head", "down", "tail", "up")):
+        path.append((shard, f"{seam_out}.sent", "session: the tick's rows become a frame"))
+        if transport == "grpc":
+            # grpclib's send returns after the peer may already have read the frame: the way
+            # goes on from the start of the send ("written" is measured beside it)
+            path.append((shard, f"grpc.{_grpc_side(shard)}.writing", "to the asyncio thread"))
+            path.append((peer, f"grpc.{_grpc_side(peer)}.read", _ARRIVAL[transport]))
+            path.append((peer, f"{seam_in}.received", "to the trio thread"))
+        else:
+            path.append((peer, f"{seam_in}.received", _ARRIVAL[transport]))
+        path += [
+            (peer, f"{seam_in}.decoded", "frame decoded, checked"),
+            (peer, "step.submitted", "session: the event becomes a step"),
+            (peer, "tick.started", "batcher: step to tick"),
+            (peer, "engine.started", "to the worker thread"),
+            (peer, "engine.finished", "the engine"),
+            (peer, "tick.finished", "back to the trio thread"),
+        ]
+    return path
+
+
+def _grpc_side(shard: str) -> str:
+    # the head dials the tail: the head's end of their seam is the gRPC client
+    return "client" if shard == "head" else "server"
+
+
+def token_stages(records: list[dict[str, Any]], transport: str, windows: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    """Median time of each step of a decode token round a 2-shard route, from the nodes' timelines.
+
+    ``records`` are the node processes' timelines (:func:`noderuntime.timeline.read`);
+    ``windows`` are the (start, end) ``perf_counter_ns`` of each generation measured.
+    Each token is followed stage by stage, taking for each the first record of it after
+    the stage before; a token whose way cannot be followed to the end within its
+    generation is left out.
+    """
+    shards: dict[str, list[tuple[str, int]]] = {}
+    for record in records:
+        argv = record["argv"]
+        if "--layers" in argv:
+            start = int(argv[argv.index("--layers") + 1].split(":")[0])
+            shards["head" if start == 0 else "tail"] = [(stage, ns) for stage, ns, _thread in record["events"]]
+    path = _token_path(transport)
+    steps: list[list[float]] = [[] for _ in path[1:]]
+    totals: list[float] = []
+    for since, until in windows:
+        times: dict[tuple[str, str], list[int]] = {}
+        for shard, events in shards.items():
+            for stage, ns in events:
+                if since <= ns <= until:
+                    times.setdefault((shard, stage), []).append(ns)
+        for spent in _follow(times, path):
+            for i, us in enumerate(spent):
+                steps[i].append(us)
+            totals.append(sum(spent))
+    sends = {}
+    if transport == "grpc":
+        for shard, events in shards.items():
+            side = _grpc_side(shard)
+            started: int | None = None
+            spent = []
+            for stage, ns in events:
+                if stage == f"grpc.{side}.writing":
+                    started = ns
+                elif stage == f"grpc.{side}.written" and started is not None:
+                    spent.append((ns - started) / 1e3)
+                    started = None
+            if spent:
+                sends[shard] = statistics.median(spent)
+    return {
+        "tokens": len(totals),
+        "token_us": statistics.median(totals) if totals else None,
+        "steps": [
+            {"shard": shard, "stage": stage, "what": what, "us": statistics.median(us)}
+            for (shard, stage, what), us in zip(path[1:], steps, strict=True)
+            if us
+        ],
+        "grpclib_send_us": sends,
+    }
+
+
+def _follow(times: dict[tuple[str, str], list[int]], path: list[tuple[str, str, str]]) -> list[list[float]]:
+    """Each token's time (µs) from one stage of ``path`` to the next, through one generation's stages."""
+    cursor = dict.fromkeys(times, 0)
+
+    def next_after(key: tuple[str, str], ns: int) -> int | None:
+        series = times.get(key, [])
+        i = cursor.get(key, 0)
+        while i < len(series) and series[i] < ns:
+            i += 1
+        cursor[key] = i
+        return series[i] if i < len(series) else None
+
+    tokens: list[list[float]] = []
+    start = next_after(path[0][:2], 0)
+    while start is not None:
+        at, spent = start, []
+        for shard, stage, _ in path[1:]:
+            found = next_after((shard, stage), at)
+            if found is None:
+                return tokens  # the generation ended on the way
+            spent.append((found - at) / 1e3)
+            at = found
+        tokens.append(spent)
+        start = at  # the tail's tick that ends one token starts the next
+    return tokens
+
+
+async def _timelines(model: Path, cuts: list[int], new_tokens: int, repeats: int) -> dict[str, Any]:
+    """Where one decode token's time goes on a 2-shard route over gRPC and over the relay.
+
+    The node processes record their timelines (``NODERUNTIME_TIMELINE``); each route runs
+    ``repeats`` generations of ``new_tokens``, taking turns.
+    """
+    from noderuntime import timeline
+    from noderuntime.dialer import open_dialer
+    from tests.clusters import running_cluster
+
+    windows: dict[str, list[tuple[int, int]]] = {"grpc": [], "relay": []}
+    rates: dict[str, list[float]] = {"grpc": [], "relay": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        records = {k: Path(tmp) / k for k in windows}
+        for directory in records.values():
+            directory.mkdir()
+        with (
+            running_cluster(
+                model, cuts, Path(tmp) / "grpc-nodes", slots=4, threads=2, env={timeline.ENV: str(records["grpc"])}
+            ) as direct,
+            running_cluster(
+                model,
+                cuts,
+                Path(tmp) / "relay-nodes",
+                relay_only=[1],
+                slots=4,
+                threads=2,
+                env={timeline.ENV: str(records["relay"])},
+            ) as relayed,
+        ):
+            routes = {"grpc": direct, "relay": relayed}
+            async with open_dialer() as dialer:
+                for cluster in routes.values():
+                    await _route_rate(cluster, dialer, 8)
+                for _ in range(repeats):
+                    for name, cluster in routes.items():
+                        since = time.perf_counter_ns()
+                        rates[name].append(await _route_rate(cluster, dialer, new_tokens))
+                        windows[name].append((since, time.perf_counter_ns()))
+        # the nodes have exited and written their timelines
+        return {
+            name: token_stages(timeline.read(records[name]), name, windows[name])
+            | {"decode_tok_s": statistics.median(rates[name])}
+            for name in windows
+        }
+
+
+def _stage_table(stages: dict[str, Any]) -> str:
+    """The gRPC and relay routes' steps side by side, in the token's order; a step one lacks is blank."""
+    rows: list[list[Any]] = [[s["shard"], s["what"], round(s["us"]), ""] for s in stages["grpc"]["steps"]]
+    keys = [(s["shard"], s["stage"], s["what"]) for s in stages["grpc"]["steps"]]
+    pending: list[tuple[tuple[str, str, str], list[Any]]] = []  # the relay's own steps, until the next shared one
+    for step in stages["relay"]["steps"]:
+        key = (step["shard"], step["stage"], step["what"])
+        if key not in keys:
+            pending.append((key, [step["shard"], step["what"], "", round(step["us"])]))
+            continue
+        at = keys.index(key)
+        keys[at:at] = [k for k, _ in pending]
+        rows[at:at] = [row for _, row in pending]
+        rows[at + len(pending)][3] = round(step["us"])
+        pending = []
+    rows += [row for _, row in pending]
+    tokens = [stages[k]["token_us"] for k in ("grpc", "relay")]
+    rows.append(["", "one token", *(round(us) if us is not None else "" for us in tokens)])
+    return _common.table(["shard", "step (to the stage)", "gRPC µs", "relay µs"], rows)
+
+
 def _seam_bytes_per_token(model: str) -> dict[str, float]:
     """Bytes on the seam per decode token, from the frames the codec writes."""
     from protocol import Activations, FrameEncoder, Header, Identity, NamedTensor, Phase, Span, Tokens
@@ -496,6 +687,7 @@ def _main(args: Any, tmp: Path) -> int:
     demo = _route_figures(
         trio.run(_lanes, model, DEMO_CUTS, new_tokens, repeats), model, DEMO_CUTS, new_tokens, repeats
     )
+    demo["token_stages"] = trio.run(_timelines, model, DEMO_CUTS, new_tokens, TIMELINE_REPEATS)
     larger_tokens = 16 if args.quick else 64
     larger_repeats = 2 if args.quick else 7
     larger_path = synth.write_llama(
@@ -508,6 +700,7 @@ def _main(args: Any, tmp: Path) -> int:
         larger_tokens,
         larger_repeats,
     )
+    larger["token_stages"] = trio.run(_timelines, larger_path, LARGER_CUTS, larger_tokens, TIMELINE_REPEATS)
     larger |= {
         "shape": LARGER_SHAPE,
         "quant": "Q4_0",
@@ -546,6 +739,7 @@ def _main(args: Any, tmp: Path) -> int:
         "route_relay_over_chained": demo["relay_over_chained"],
         "goal_grpc_0_90": demo["goal_grpc_0_90"],
         "goal_relay_0_85": demo["goal_relay_0_85"],
+        "token_stages_us": demo["token_stages"],
         "raw": demo["raw"],
         "larger_model": larger,
     }
@@ -618,6 +812,9 @@ def _main(args: Any, tmp: Path) -> int:
             rows.append([f"{label}: {name}", rate, ratio, *gap])
     print()
     print(_common.table(["lane", "decode tok/s", "vs whole", *(f"+ms {k.replace('_', ' ')}" for k in GAP_PARTS)], rows))
+    for label, lane in ((demo_label, demo), ("1B-shape", larger)):
+        print(f"\n{label}: where one decode token's time goes (median µs, {TIMELINE_REPEATS} generations)")
+        print(_stage_table(lane["token_stages"]))
     per_token = _seam_bytes_per_token(str(model))["total"]
     print(f"\nseam bytes per decode token: {per_token:.0f}\nwrote {path} and {png}")
     return 0

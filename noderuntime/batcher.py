@@ -24,6 +24,7 @@ import attrs
 import numpy as np
 import trio
 
+from noderuntime import timeline
 from noderuntime.leases import LeaseManager
 from noderuntime.scheduler import ReadyStep, schedule
 from noderuntime.steps import Rows, StepResult
@@ -164,6 +165,7 @@ class Batcher:
         if not 0 < request.n_rows <= self.max_batch_tokens:
             raise ValueError(f"a step has 1 to {self.max_batch_tokens} rows, not {request.n_rows}")
         work = _Work(request)
+        timeline.mark("step.submitted")
         self._waiting.append(work)
         self._wake.set()
         try:
@@ -274,8 +276,10 @@ class Batcher:
         self._running = True
         self._idle = trio.Event()
         started = time.perf_counter()
+        timeline.mark("tick.started")
         try:
             result = await self._runner(functools.partial(self.engine.run, rows, samplers=samplers or None))
+            timeline.mark("tick.finished")
         except Exception as exc:  # noqa: BLE001 - an engine failure fails this batch's sessions, not the node
             self._failed += 1
             log.error("batch of %d rows failed: %s", len(rows), exc)
@@ -334,4 +338,12 @@ class Batcher:
 
 async def _in_thread(call: Callable[[], StepResult]) -> StepResult:
     # one batch at a time, off the event loop: llama_decode blocks for milliseconds
-    return await trio.to_thread.run_sync(call)
+    return await trio.to_thread.run_sync(_marked, call)
+
+
+def _marked(call: Callable[[], StepResult]) -> StepResult:
+    timeline.mark("engine.started")
+    try:
+        return call()
+    finally:
+        timeline.mark("engine.finished")

@@ -191,7 +191,7 @@ async def open_generation(
     session_id = session_id or os.urandom(16)
     identity = Identity(request.request_id, session_id, epoch, artifact, recipe, Span())
     endpoint = SeamEndpoint(identity, Direction.DOWNSTREAM, peer_shard=hops[0].layers)
-    conn = SeamConnection(stream, endpoint, limits)
+    conn = SeamConnection(stream, endpoint, limits, label="client")
     generation = Generation(conn, session_id, epoch)
     try:
         await conn.send(

@@ -212,7 +212,7 @@ class Node:
 
     async def handle_stream(self, stream: FrameStream) -> None:
         """Admit the session the stream opens, and serve it to its end."""
-        conn = SeamConnection(stream, limits=self.config.limits, on_frame=self.count_frame)
+        conn = SeamConnection(stream, limits=self.config.limits, on_frame=self.count_frame, label="up")
         try:
             with trio.fail_after(self.config.idle_timeout):
                 first = await conn.receive()

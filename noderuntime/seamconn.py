@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import trio
 
+from noderuntime import timeline
 from noderuntime.transport import FrameStream, StreamBroken, StreamClosed, TransportError
 from protocol import (
     Event,
@@ -38,8 +39,12 @@ class SeamConnection:
         endpoint: SeamEndpoint | None = None,
         limits: Limits = Limits(),
         on_frame: Callable[[str, str, int], None] | None = None,
+        label: str = "seam",
     ) -> None:
-        """``on_frame(transport, direction, bytes)`` is called for every frame (telemetry)."""
+        """``on_frame(transport, direction, bytes)`` is called for every frame (telemetry).
+
+        ``label`` names the seam in the timeline (``up``, ``down``, ``client``).
+        """
         self.stream = stream
         self.transport = getattr(stream, "kind", "unknown")
         self._on_frame = on_frame
@@ -52,6 +57,7 @@ class SeamConnection:
         self.frames_received = 0
         self._closed = False
         self._broken = False
+        self._stages = (f"{label}.sent", f"{label}.received", f"{label}.decoded")
 
     async def send(self, event: Event) -> None:
         """Check ``event`` against the state machine, encode it and send its frames."""
@@ -61,6 +67,7 @@ class SeamConnection:
         if self.endpoint is not None:
             self.endpoint.send(event)
         frames = self._encoder.encode(event)
+        timeline.mark(self._stages[0])
         sent = 0
         try:
             for frame in frames:
@@ -82,6 +89,7 @@ class SeamConnection:
         """The next event the peer sent (retries of the last step are skipped)."""
         while True:
             frame = await self.stream.receive()
+            timeline.mark(self._stages[1])
             self.bytes_received += len(frame)
             self.frames_received += 1
             if self._on_frame is not None:
@@ -89,6 +97,7 @@ class SeamConnection:
             event = self._decoder.receive(frame)
             if event is None:
                 continue  # a chunk of a larger step
+            timeline.mark(self._stages[2])
             if self.endpoint is None:
                 return event
             accepted = self.endpoint.receive(event)

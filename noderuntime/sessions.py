@@ -257,7 +257,9 @@ class RouteSession:
             )
             return False
         endpoint = SeamEndpoint(self.identity, Direction.DOWNSTREAM, peer_shard=self.next_hop.layers)
-        self.downstream = SeamConnection(stream, endpoint, self.node.config.limits, on_frame=self.node.count_frame)
+        self.downstream = SeamConnection(
+            stream, endpoint, self.node.config.limits, on_frame=self.node.count_frame, label="down"
+        )
         forward = attrs.evolve(self.open_route, header=endpoint.header(Phase.PREFILL))
         try:
             await self.downstream.send(forward)

@@ -145,11 +145,13 @@ def running_cluster(
     relay_host: str = "127.0.0.1",
     relay_url_for: Sequence[str] | None = None,
     threads: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> Iterator[Cluster]:
     """Start a relay (when needed) and one node process per range; stop them all on exit.
 
     ``prefix``/``hosts`` run node i under a command prefix (``ip netns exec H``) bound to
-    an address; ``relay_url_for`` gives each node the relay URL it can reach.
+    an address; ``relay_url_for`` gives each node the relay URL it can reach; ``env`` is
+    added to the nodes' environment.
     """
     issuer = Identity.generate()
     key = issuer.node_id.hex()
@@ -194,7 +196,7 @@ def running_cluster(
                 args += ["--relay", relay_url_for[i] if relay_url_for else relay_info["url"]]
             if i in tls:
                 args += ["--tls-self-signed"]
-            process = ManagedProcess(f"node{i}", args, prefix=prefix[i] if prefix else ())
+            process = ManagedProcess(f"node{i}", args, env=env, prefix=prefix[i] if prefix else ())
             process.launch()
             processes.append(process)
         infos = [p.wait_ready(90) for p in processes]

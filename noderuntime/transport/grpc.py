@@ -40,6 +40,7 @@ from grpclib.config import Configuration
 from grpclib.encoding.base import CodecBase
 from grpclib.server import Server
 
+from noderuntime import timeline
 from noderuntime.transport.base import FrameStream, StreamBroken, StreamClosed, TransportError
 from protocol import StatusCode
 
@@ -367,6 +368,8 @@ def _trailer_status(grpc_stream: Any, peer: str) -> StreamBroken | None:
 
 async def _pump(grpc_stream: Any, ours: GrpcFrameStream, limit: int, *, client: bool) -> None:
     """Move frames both ways until our side ends (then end the HTTP/2 stream) or the peer does."""
+    side = "client" if client else "server"
+    stages = (f"grpc.{side}.read", f"grpc.{side}.writing", f"grpc.{side}.written")
 
     async def read() -> None:
         try:
@@ -374,6 +377,7 @@ async def _pump(grpc_stream: Any, ours: GrpcFrameStream, limit: int, *, client: 
                 await grpc_stream.recv_initial_metadata()
             while True:
                 frame = await _recv_bounded(grpc_stream, limit)
+                timeline.mark(stages[0])
                 if frame is None:
                     # the peer is done with the seam: our sends end too (a seam closes as a whole)
                     ours.outbound.finish(StreamClosed(f"{ours.peer} ended the seam"))
@@ -411,7 +415,9 @@ async def _pump(grpc_stream: Any, ours: GrpcFrameStream, limit: int, *, client: 
                 frame = None
             if frame is None:
                 break
+            timeline.mark(stages[1])
             await grpc_stream.send_message(frame)
+            timeline.mark(stages[2])
         if client:
             await grpc_stream.end()
 

@@ -1,0 +1,79 @@
+"""The opt-in timeline: what it records in one process, and a decode token followed round a real route."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.seams import token_stages
+from noderuntime import timeline
+from noderuntime.client import GenerationRequest
+from noderuntime.dialer import open_dialer
+
+from .clusters import running_cluster
+
+
+def test_stages_are_recorded_only_while_on_in_order_with_their_thread(tmp_path: Path) -> None:
+    timeline.stop()
+    timeline.mark("before")
+    assert timeline.events() == []
+    timeline.start(limit=3)
+    try:
+        timeline.mark("a")
+        worker = threading.Thread(target=timeline.mark, args=("b",), name="worker")
+        worker.start()
+        worker.join()
+        timeline.mark("c")
+        stages = timeline.events()
+        assert [(s, t) for s, _, t in stages] == [("a", "MainThread"), ("b", "worker"), ("c", "MainThread")]
+        assert [ns for _, ns, _ in stages] == sorted(ns for _, ns, _ in stages)
+        timeline.mark("d")  # bounded: the oldest goes
+        assert [s for s, _, _ in timeline.events()] == ["b", "c", "d"]
+        timeline.write(tmp_path / f"timeline-{os.getpid()}.json")
+        (tmp_path / "other.json").write_text("{}")  # not a timeline: not read
+        (record,) = timeline.read(tmp_path)
+        assert record["pid"] == os.getpid() and [s for s, _, _ in record["events"]] == ["b", "c", "d"]
+    finally:
+        timeline.stop()
+    assert timeline.events() == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["grpc", "relay"])
+async def test_every_decode_token_is_followed_round_a_two_process_route(
+    tiny_model: Path, tmp_path: Path, transport: str
+) -> None:
+    records = tmp_path / "timelines"
+    records.mkdir()
+    new_tokens = 12
+    relay_only = [1] if transport == "relay" else []
+    with running_cluster(
+        tiny_model, [0, 2, 4], tmp_path, relay_only=relay_only, env={timeline.ENV: str(records)}
+    ) as cluster:
+        async with open_dialer() as dialer:
+            await cluster.generate(dialer, GenerationRequest((1, 2, 3), 4))
+            since = time.perf_counter_ns()
+            tokens = await cluster.generate(dialer, GenerationRequest((5, 6, 7, 8), new_tokens))
+            until = time.perf_counter_ns()
+        assert len(tokens) == new_tokens
+    # the nodes wrote their timelines as they exited
+    stages = token_stages(timeline.read(records), transport, [(since, until)])
+    # the prompt's tail tick starts the first token's way; the last token's way stops at the
+    # head, which runs no step for a finished generation
+    assert stages["tokens"] == new_tokens - 1
+    steps = stages["steps"]
+    crossing = 4 if transport == "grpc" else 2
+    assert len(steps) == 2 * (crossing + 6)
+    assert [(s["shard"], s["stage"]) for s in steps][-1] == ("tail", "tick.finished")
+    assert all(s["us"] >= 0 for s in steps)
+    engine = [s["us"] for s in steps if s["stage"] == "engine.finished"]
+    assert len(engine) == 2 and all(us > 0 for us in engine)
+    assert stages["token_us"] > sum(engine)
+    if transport == "grpc":
+        assert set(stages["grpclib_send_us"]) == {"head", "tail"}
+    else:
+        assert stages["grpclib_send_us"] == {}
