@@ -25,7 +25,7 @@ import numpy as np
 import trio
 
 from noderuntime import timeline
-from noderuntime.leases import LeaseManager
+from noderuntime.leases import LeaseManager, SlotState
 from noderuntime.scheduler import ReadyStep, schedule
 from noderuntime.steps import Rows, StepResult
 
@@ -253,14 +253,24 @@ class Batcher:
                 await self._wake.wait()
             # Let every session that is already runnable hand in its step before we plan:
             # sessions woken by the last batch resubmit within two scheduler passes, and
-            # without this they would drift into alternating batches of one.
-            for _ in range(GATHER_PASSES):
-                await trio.lowlevel.checkpoint()
+            # without this they would drift into alternating batches of one. When every
+            # leased sequence has handed in its step there is nobody to wait for (a lone
+            # session's decode step: each pass is tens of microseconds of its token).
+            if not self._all_steps_in():
+                for _ in range(GATHER_PASSES):
+                    await trio.lowlevel.checkpoint()
             while self._running:  # an exclusive call holds the engine
                 await self._idle.wait()
             self._apply_retirements()
             if self._waiting:
                 await self._run_one_batch()
+
+    def _all_steps_in(self) -> bool:
+        """Whether every leased sequence has a step waiting (False with none leased)."""
+        leased = self.leases.leased
+        if leased == 0 or len(self._waiting) < leased:
+            return False
+        return sum(self.leases.state(w.request.seq_id) is SlotState.LEASED for w in self._waiting) == leased
 
     async def _run_one_batch(self) -> None:
         by_seq = {w.request.seq_id: w for w in self._waiting}

@@ -71,6 +71,7 @@ class LeaseManager:
         self._leases: dict[int, Lease] = {}
         self._reserved = 0
         self._refused = 0
+        self._leased = 0  # slots in SlotState.LEASED
 
     def acquire(self, tokens: int) -> Lease | None:
         """A lease for a session that will hold up to ``tokens`` positions, or None if full."""
@@ -81,11 +82,17 @@ class LeaseManager:
             if state is SlotState.FREE:
                 lease = Lease(seq_id, tokens, self)
                 self._state[seq_id] = SlotState.LEASED
+                self._leased += 1
                 self._leases[seq_id] = lease
                 self._reserved += tokens
                 return lease
         self._refused += 1
         return None
+
+    @property
+    def leased(self) -> int:
+        """Slots leased to sessions now (not counting those draining)."""
+        return self._leased
 
     def fits(self, tokens: int) -> bool:
         """Whether a session of ``tokens`` positions could ever be admitted here."""
@@ -94,6 +101,7 @@ class LeaseManager:
     def _drain(self, lease: Lease) -> None:
         if self._leases.get(lease.seq_id) is lease and self._state[lease.seq_id] is SlotState.LEASED:
             self._state[lease.seq_id] = SlotState.DRAINING
+            self._leased -= 1
 
     def free(self, seq_id: int) -> None:
         """The KV of a draining slot is gone: the slot can be leased again. Idempotent."""
@@ -110,7 +118,7 @@ class LeaseManager:
         """An immutable snapshot."""
         return LeaseStatistics(
             slots_total=self.n_slots,
-            slots_leased=sum(s is SlotState.LEASED for s in self._state),
+            slots_leased=self._leased,
             slots_draining=sum(s is SlotState.DRAINING for s in self._state),
             kv_budget_tokens=self.kv_budget_tokens,
             kv_reserved_tokens=self._reserved,

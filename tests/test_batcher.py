@@ -99,6 +99,34 @@ async def test_steps_arriving_during_a_run_are_taken_at_the_next_tick(
     assert results[1] - t0 == pytest.approx(0.020) and results[2] - t0 == pytest.approx(0.020)
 
 
+async def test_a_tick_waits_briefly_for_leased_sessions_that_have_not_handed_in_a_step(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    batcher, engine, leases = make()
+    first, second = leases.acquire(100), leases.acquire(100)
+    assert first is not None and second is not None
+
+    async def late(seq: int) -> None:
+        for _ in range(2):  # runnable in the same instant, two scheduler passes later
+            await trio.lowlevel.checkpoint()
+        await batcher.step(request(seq, 0, 1))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batcher.run)
+        async with trio.open_nursery() as sessions:
+            sessions.start_soon(batcher.step, request(first.seq_id, 0, 1))
+            sessions.start_soon(late, second.seq_id)
+        # with every leased session's step in, nothing is waited for: the unleased step
+        # that comes two passes later runs in a tick of its own
+        async with trio.open_nursery() as sessions:
+            sessions.start_soon(batcher.step, request(first.seq_id, 1, 1))
+            sessions.start_soon(batcher.step, request(second.seq_id, 1, 1))
+            sessions.start_soon(late, 5)
+        nursery.cancel_scope.cancel()
+    assert engine.batches[0] == [(first.seq_id, 1), (second.seq_id, 1)]
+    assert engine.batches[1:] == [[(first.seq_id, 1), (second.seq_id, 1)], [(5, 1)]]
+
+
 async def test_decode_steps_share_a_tick_and_prefill_chunks_run_alone(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
