@@ -29,7 +29,10 @@
    relay route record their timelines (:mod:`noderuntime.timeline`), and each token is
    followed from the tail's tick through the seams, both nodes' threads, the sessions,
    the batchers and the engines back to the tail's next tick.
-6. All of it again on a random-weight model of Llama-3.2-1B's shape (Q4_0, written for
+6. What idling alone costs the engine, part of why its calls run slower inside a route
+   than chained: each range's call back to back, and after idling as long as the other
+   range's call takes, in one process with nothing else running.
+7. All of it again on a random-weight model of Llama-3.2-1B's shape (Q4_0, written for
    the run), whose token costs about three times SmolLM2's: which parts stay fixed and
    which grow with the model.
 
@@ -41,6 +44,7 @@ SmolLM2 itself, for a machine that has no copy of the demo model and cannot fetc
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing as mp
 import os
 import statistics
@@ -273,6 +277,62 @@ def _engine_decode(model: str, new_tokens: int, threads: int = 2, layers: tuple[
         if chain is not None:
             chain.close()
     return new_tokens / seconds
+
+
+def _engine_after_idle(model: str, cuts: list[int], calls: int, rounds: int = 3) -> dict[str, Any]:
+    """Each range's decode call back to back, and after idling as long as the other range's call takes.
+
+    That idle is what a shard of a 2-shard route does while the other one computes a token,
+    here with no network, no other process and no other thread. Bursts of each kind take
+    turns ``rounds`` times; medians of the calls (ms).
+    """
+    from noderuntime.artifacts import LayerRange
+    from noderuntime.engine import Rows, SamplingParams, ShardEngine
+
+    recipe = _in_process_recipe(2)
+    rng = np.random.default_rng(0)
+    names = ("head", "tail")
+    times: dict[str, dict[str, list[float]]] = {n: {"back_to_back": [], "after_idle": []} for n in names}
+    with contextlib.ExitStack() as stack:
+        engines = {
+            name: stack.enter_context(ShardEngine(model, recipe, LayerRange(a, b)))
+            for name, (a, b) in zip(names, itertools.pairwise(cuts), strict=True)
+        }
+        chain = engines["tail"].new_sampler(SamplingParams())
+        stack.callback(chain.close)
+        position = dict.fromkeys(names, 0)
+
+        def call(name: str) -> float:
+            engine = engines[name]
+            n = 1 if position[name] else 40
+            start = position[name]
+            rows = Rows(
+                np.zeros(n, np.int32),
+                np.arange(start, start + n, dtype=np.int32),
+                np.arange(n) == n - 1,
+                tokens=np.full(n, 100, np.int32) if engine.is_head else None,
+                hidden=None if engine.is_head else (rng.standard_normal((n, engine.n_embd)) * 0.1).astype(np.float32),
+            )
+            started = time.perf_counter()
+            engine.run(rows, samplers={n - 1: chain} if engine.is_tail else None)
+            position[name] += n
+            return time.perf_counter() - started
+
+        for name in names:
+            for _ in range(4):  # the prompt, then warm calls
+                call(name)
+        for _ in range(rounds):
+            for name, other in (names, names[::-1]):
+                times[name]["back_to_back"] += [call(name) for _ in range(calls)]
+                idle = statistics.median(times[other]["back_to_back"] or times[name]["back_to_back"])
+                for _ in range(calls):
+                    time.sleep(idle)
+                    times[name]["after_idle"].append(call(name))
+    out: dict[str, Any] = {
+        name: {kind: statistics.median(v) * 1e3 for kind, v in kinds.items()} for name, kinds in times.items()
+    }
+    out["extra_ms_per_token"] = sum(out[n]["after_idle"] - out[n]["back_to_back"] for n in names)
+    return out
 
 
 def _chained_decode(model: str, new_tokens: int, cuts: list[int], threads: int = 2) -> tuple[float, list[float]]:
@@ -729,6 +789,7 @@ def _main(args: Any, tmp: Path) -> int:
         "whole_model_ms_per_token": 1e3 / demo["whole_decode_tok_s"],
         "route_gap_ms_per_token": demo["gap_ms_per_token"],
         "where_the_gap_goes_ms": demo["where_the_gap_goes_ms"],
+        "engine_after_idle_ms": demo["engine_after_idle_ms"],
         "decode_tick_ms_head_tail": demo["decode_tick_ms_head_tail"],
         "decode_engine_ms_head_tail": demo["decode_engine_ms_head_tail"],
         "alone_decode_tok_s": demo["alone_decode_tok_s"],
@@ -813,6 +874,14 @@ def _main(args: Any, tmp: Path) -> int:
     print()
     print(_common.table(["lane", "decode tok/s", "vs whole", *(f"+ms {k.replace('_', ' ')}" for k in GAP_PARTS)], rows))
     for label, lane in ((demo_label, demo), ("1B-shape", larger)):
+        idle = lane["engine_after_idle_ms"]
+        print(
+            f"\n{label}: one engine call back to back / after idling one other range's call, in one process: "
+            f"head {idle['head']['back_to_back']:.2f} / {idle['head']['after_idle']:.2f} ms, "
+            f"tail {idle['tail']['back_to_back']:.2f} / {idle['tail']['after_idle']:.2f} ms "
+            f"(+{idle['extra_ms_per_token']:.2f} ms a token)"
+        )
+    for label, lane in ((demo_label, demo), ("1B-shape", larger)):
         print(f"\n{label}: where one decode token's time goes (median µs, {TIMELINE_REPEATS} generations)")
         print(_stage_table(lane["token_stages"]))
     per_token = _seam_bytes_per_token(str(model))["total"]
@@ -825,6 +894,7 @@ def _route_figures(
 ) -> dict[str, Any]:
     """Medians and ratios of one model's lanes, with its pinned lanes run after them."""
     pinned = trio.run(_pinned_lanes, model, cuts, new_tokens, repeats)
+    after_idle = _engine_after_idle(str(model), cuts, max(8, new_tokens // 4))
     med = {k: statistics.median(v) for k, v in (rates | pinned).items() if k in LANES + LANES_1_CORE}
     whole, one, grpc, relay = med["whole"], med["one_node"], med["grpc"], med["relay"]
     whole_1, grpc_1 = med["whole_1core"], med["grpc_1core_each"]
@@ -871,6 +941,8 @@ def _route_figures(
         },
         "decode_tick_ms_head_tail": ticks,
         "decode_engine_ms_head_tail": engine,
+        # part of engine_slower: a shard's call after idling while the other computes
+        "engine_after_idle_ms": after_idle,
         "alone_decode_tok_s": {
             "head": med["head_alone"],
             "tail": med["tail_alone"],
