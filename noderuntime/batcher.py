@@ -2,7 +2,7 @@
 
 Sessions hand it one step at a time (:meth:`Batcher.step`) and wait for the result.
 Each tick the batcher takes every ready step, asks the scheduler for a plan, runs the
-plan as one batch in a worker thread (one at a time: llama.cpp calls on a context
+plan as one batch in the engine's thread (one at a time: llama.cpp calls on a context
 must not overlap) and hands each session its rows. When nothing is ready it sleeps
 until the first step arrives, so an idle node adds no latency; steps that arrive
 during a run are taken at the next tick.
@@ -25,6 +25,7 @@ import numpy as np
 import trio
 
 from noderuntime import timeline
+from noderuntime.enginethread import EngineThread
 from noderuntime.leases import LeaseManager, SlotState
 from noderuntime.scheduler import ReadyStep, schedule
 from noderuntime.steps import Rows, StepResult
@@ -127,15 +128,21 @@ class Batcher:
         *,
         max_batch_tokens: int,
         on_tick: Callable[[int, int, float], None] | None = None,
-        runner: Callable[[Callable[[], StepResult]], Awaitable[StepResult]] | None = None,
+        runner: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
     ) -> None:
         """``on_tick(rows, decode_rows, seconds)`` is called after every batch (telemetry).
 
-        ``runner`` runs a batch: by default in a worker thread; timing tests pass one that
-        advances a fake clock instead.
+        ``runner`` runs a call that touches the engine (a batch, or an :meth:`exclusive`
+        call) off the event loop: pass the :class:`EngineThread` that loaded the engine;
+        by default the batcher starts one of its own. Timing tests pass one that advances
+        a fake clock instead.
         """
         self.engine = engine
-        self._runner = runner or _in_thread
+        self._own_thread: EngineThread | None = None
+        if runner is None:
+            self._own_thread = EngineThread()
+            runner = self._own_thread.run
+        self._runner = runner
         self.leases = leases
         self.max_batch_tokens = max_batch_tokens
         # equal prefill chunks share a tick only within one ubatch (see scheduler)
@@ -208,7 +215,7 @@ class Batcher:
         self._running = True
         self._idle = trio.Event()
         try:
-            return await trio.to_thread.run_sync(fn)
+            return await self._runner(fn)
         finally:
             self._running = False
             self._idle.set()
@@ -245,7 +252,14 @@ class Batcher:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The batcher loop; runs until cancelled."""
-        task_status.started()
+        try:
+            task_status.started()
+            await self._loop()
+        finally:
+            if self._own_thread is not None:
+                self._own_thread.close()
+
+    async def _loop(self) -> None:
         while True:
             self._apply_retirements()
             if not self._waiting:
@@ -288,7 +302,7 @@ class Batcher:
         started = time.perf_counter()
         timeline.mark("tick.started")
         try:
-            result = await self._runner(functools.partial(self.engine.run, rows, samplers=samplers or None))
+            result = await self._runner(functools.partial(_marked, self.engine.run, rows, samplers or None))
             timeline.mark("tick.finished")
         except Exception as exc:  # noqa: BLE001 - an engine failure fails this batch's sessions, not the node
             self._failed += 1
@@ -346,14 +360,9 @@ class Batcher:
         ), samplers
 
 
-async def _in_thread(call: Callable[[], StepResult]) -> StepResult:
-    # one batch at a time, off the event loop: llama_decode blocks for milliseconds
-    return await trio.to_thread.run_sync(_marked, call)
-
-
-def _marked(call: Callable[[], StepResult]) -> StepResult:
+def _marked(run: Callable[..., StepResult], rows: Rows, samplers: Mapping[int, Any] | None) -> StepResult:
     timeline.mark("engine.started")
     try:
-        return call()
+        return run(rows, samplers=samplers)
     finally:
         timeline.mark("engine.finished")

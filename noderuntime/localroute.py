@@ -6,6 +6,7 @@ by tests and benchmarks of the node core.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import os
@@ -18,6 +19,7 @@ import trio
 from noderuntime.artifacts import LayerRange, inspect
 from noderuntime.client import GenerationRequest, open_generation
 from noderuntime.engine import Recipe, ShardEngine
+from noderuntime.enginethread import EngineThread
 from noderuntime.node import Node, NodeConfig
 from noderuntime.transport import FrameStream, TransportError, memory_stream_pair
 from protocol import Encoding, Hop, OpenRoute, Span, UsageRecord
@@ -99,9 +101,12 @@ async def open_local_route(
     info = inspect(model)
     ranges = [LayerRange(a, b) for a, b in itertools.pairwise(cuts)]
     engines: list[ShardEngine] = []
+    threads: list[EngineThread] = []
     try:
         for layers in ranges:
-            engine = await trio.to_thread.run_sync(ShardEngine, model, recipe, layers)
+            thread = EngineThread(f"engine {layers.start}:{layers.end}")
+            threads.append(thread)
+            engine = await thread.run(functools.partial(ShardEngine, model, recipe, layers))
             engines.append(engine)
         network = InProcessNetwork(buffer)
         artifact = bytes.fromhex(info.fingerprint)
@@ -120,7 +125,7 @@ async def open_local_route(
                 idle_timeout=idle_timeout,
                 encoding=encoding,
             )
-            node = Node(engine, config, node_id_for(i, layers), network)
+            node = Node(engine, config, node_id_for(i, layers), network, engine_thread=threads[i])
             network.add(node)
             nodes.append(node)
         hops = tuple(Hop(n.node_id, n.config.layers) for n in nodes)
@@ -132,3 +137,5 @@ async def open_local_route(
     finally:
         for engine in engines:
             engine.close()
+        for thread in threads:
+            thread.close()

@@ -22,6 +22,7 @@ import trio
 from noderuntime import admission
 from noderuntime.admission import ProbeAnswer
 from noderuntime.batcher import Batcher, BatcherStatistics
+from noderuntime.enginethread import EngineThread
 from noderuntime.leases import LeaseManager, LeaseStatistics
 from noderuntime.seamconn import SeamConnection
 from noderuntime.sessions import RouteSession, SessionKey, deadline_from_unix_ms
@@ -129,7 +130,9 @@ class Node:
         *,
         ticket_check: TicketCheck | None = None,
         signer: Callable[[bytes], bytes] | None = None,
+        engine_thread: EngineThread | None = None,
     ) -> None:
+        """``engine_thread`` is the thread that loaded ``engine``; its batches run there too."""
         self.engine = engine
         self.engine_n_embd = engine.n_embd
         self.config = config
@@ -140,7 +143,11 @@ class Node:
         self.leases = LeaseManager(config.n_slots, config.ctx_per_seq)
         self.metrics = NodeMetrics()
         self.batcher = Batcher(
-            engine, self.leases, max_batch_tokens=config.max_batch_tokens, on_tick=self.metrics.on_tick
+            engine,
+            self.leases,
+            max_batch_tokens=config.max_batch_tokens,
+            on_tick=self.metrics.on_tick,
+            runner=engine_thread.run if engine_thread is not None else None,
         )
         self.sessions: dict[SessionKey, RouteSession] = {}
         self._nursery: trio.Nursery | None = None

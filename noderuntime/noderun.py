@@ -23,6 +23,7 @@ import trio
 from noderuntime import admission, artifacts, identity, memplan
 from noderuntime.artifacts import LayerRange
 from noderuntime.engine import Recipe, ShardEngine
+from noderuntime.enginethread import EngineThread
 from noderuntime.httpserve import Routes, json_handler, serve_http
 from noderuntime.ledger import Ledger
 from noderuntime.network import NetworkConnector, ticket_check
@@ -93,34 +94,41 @@ async def run_node(
     issuer_keys = opts.issuer_keys
     if opts.tracker and not issuer_keys:
         issuer_keys = (await _tracker_issuer_key(opts.tracker),)
-    if opts.backend == "transformers":
-        info, recipe, engine = await trio.to_thread.run_sync(_torch_engine, opts)
-        layers = engine.layers
-    else:
-        info = artifacts.inspect(opts.model)
-        layers = opts.layers or info.layer_range
-        recipe = Recipe(
-            n_threads=opts.threads,
-            n_ctx_per_seq=opts.ctx_per_session,
-            n_seq_max=opts.slots,
-            n_batch=opts.batch,
-            n_ubatch=opts.batch,
-            flash_attn="on" if opts.flash_attn == "on" else "off",
-            use_mmap=opts.mmap,
-        )
-        if opts.memory_limit is not None:
-            recipe = memplan.capped(recipe)
-            limit = opts.memory_limit
-            planned = await trio.to_thread.run_sync(lambda: memplan.check(opts.model, layers, recipe, limit))
-            log.info("layers %s will hold %s of the %s limit", layers, planned.describe(), memplan.human(limit))
-        engine = await trio.to_thread.run_sync(
-            lambda: ShardEngine(opts.model, recipe, layers, expected_fingerprint=opts.expected_fingerprint)
-        )
+    # every call that touches the engine runs on this one thread (see enginethread)
+    engine_thread = EngineThread()
+    try:
+        if opts.backend == "transformers":
+            info, recipe, engine = await engine_thread.run(functools.partial(_torch_engine, opts))
+            layers = engine.layers
+        else:
+            info = artifacts.inspect(opts.model)
+            layers = opts.layers or info.layer_range
+            recipe = Recipe(
+                n_threads=opts.threads,
+                n_ctx_per_seq=opts.ctx_per_session,
+                n_seq_max=opts.slots,
+                n_batch=opts.batch,
+                n_ubatch=opts.batch,
+                flash_attn="on" if opts.flash_attn == "on" else "off",
+                use_mmap=opts.mmap,
+            )
+            if opts.memory_limit is not None:
+                recipe = memplan.capped(recipe)
+                limit = opts.memory_limit
+                planned = await trio.to_thread.run_sync(lambda: memplan.check(opts.model, layers, recipe, limit))
+                log.info("layers %s will hold %s of the %s limit", layers, planned.describe(), memplan.human(limit))
+            engine = await engine_thread.run(
+                lambda: ShardEngine(opts.model, recipe, layers, expected_fingerprint=opts.expected_fingerprint)
+            )
+    except BaseException:
+        engine_thread.close()
+        raise
     try:
         # timed before the node admits anything: the shard has the cores to itself
-        capability = await trio.to_thread.run_sync(admission.measure, engine)
+        capability = await engine_thread.run(functools.partial(admission.measure, engine))
     except BaseException:
         engine.close()
+        engine_thread.close()
         raise
     log.info(
         "measured layers %s: prefill %.2f ms/token, decode %s",
@@ -156,6 +164,7 @@ async def run_node(
                 NetworkConnector(grpc_connector, RelayDialer(nursery)),
                 ticket_check=ticket_check(verifier, me.node_id),
                 signer=lambda body: me.sign(b"noderuntime-usage-v1", body),
+                engine_thread=engine_thread,
             )
             node.capability = capability.to_json()
             await nursery.start(node.run)
@@ -238,6 +247,7 @@ async def run_node(
             await grpc_connector.close()
         runtime.close()
         engine.close()
+        engine_thread.close()
 
 
 def _torch_engine(opts: NodeOptions) -> tuple[artifacts.ArtifactInfo, Any, Any]:

@@ -61,7 +61,11 @@ async def test_every_decode_token_is_followed_round_a_two_process_route(
             until = time.perf_counter_ns()
         assert len(tokens) == new_tokens
     # the nodes wrote their timelines as they exited
-    stages = token_stages(timeline.read(records), transport, [(since, until)])
+    nodes = [r for r in timeline.read(records) if "--layers" in r["argv"]]
+    assert len(nodes) == 2
+    for record in nodes:  # every batch of a node ran on its one engine thread
+        assert {thread for stage, _, thread in record["events"] if stage.startswith("engine.")} == {"engine"}
+    stages = token_stages(nodes, transport, [(since, until)])
     # the prompt's tail tick starts the first token's way; the last token's way stops at the
     # head, which runs no step for a finished generation
     assert stages["tokens"] == new_tokens - 1

@@ -1,0 +1,75 @@
+"""The one thread that runs an engine's blocking calls, for trio tasks.
+
+llama.cpp's CPU backend runs each graph on an OpenMP team that belongs to the calling
+thread, and the team's threads stay parked in that thread's pool after the call. A
+second thread that calls the engine gets a team of its own, and once a process holds
+more OpenMP threads than the machine has cores, libgomp throttles the spinning in its
+barriers: every op's barrier goes to sleep in the kernel. On a 2-core machine a decode
+ran 1.7-2.4x slower from a second thread while the first one merely lived on. So every
+call that touches an engine (loading, measuring, each batch, probes) goes to one
+long-lived thread per engine, not to whichever thread ``trio.to_thread`` has free; this
+also spares a tick the thread cache's own bookkeeping.
+
+Calls run one at a time in the order they come. Like ``trio.to_thread.run_sync``, a
+call cannot be abandoned: a caller cancelled meanwhile still gets its call's result, and
+meets the cancellation at its next checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import outcome
+import trio
+
+_T = TypeVar("_T")
+
+
+class EngineThread:
+    """Runs blocking calls on one thread of its own; started on first use, ended by :meth:`close`."""
+
+    def __init__(self, name: str = "engine") -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Callable[[outcome.Outcome[Any]], None]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    async def run(self, fn: Callable[[], _T]) -> _T:
+        """Call ``fn()`` on this thread and return what it returns (or raise what it raises)."""
+        if self._closed:
+            raise RuntimeError(f"the {self.name} thread is closed")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+            self._thread.start()
+        token = trio.lowlevel.current_trio_token()
+        task = trio.lowlevel.current_task()
+
+        def deliver(result: outcome.Outcome[Any]) -> None:
+            with contextlib.suppress(trio.RunFinishedError):  # nobody is left to tell
+                token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._jobs.put((fn, deliver))
+        # the call cannot be stopped once queued: refuse to abort, so a cancellation waits for it
+        result: _T = await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+        return result
+
+    def close(self) -> None:
+        """Let the thread end after the calls already queued; idempotent, does not wait."""
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, deliver = job
+            deliver(outcome.capture(fn))
