@@ -50,9 +50,9 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import trio
@@ -60,6 +60,7 @@ import trio
 from benchmarks import _common
 
 NAME = "seams"
+_T = TypeVar("_T")
 DECODE_FRAME = 2442
 PREFILL_FRAME = 256 * 576 * 4 + 300
 DEMO_CUTS = [0, 15, 30]
@@ -417,19 +418,29 @@ async def _route_rate(
     return (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
 
 
-def _pinned_engine(conn: Any, model: str, new_tokens: int, layers: tuple[int, int] | None) -> None:
+def _pinned_decode(model: str, new_tokens: int, layers: tuple[int, int] | None) -> float:
     os.sched_setaffinity(0, {0})
-    conn.send(_engine_decode(model, new_tokens, 1, layers))
+    return _engine_decode(model, new_tokens, 1, layers)
 
 
 def _engine_on_one_core(model: str, new_tokens: int, layers: tuple[int, int] | None = None) -> float:
+    return _in_fresh_process(_pinned_decode, model, new_tokens, layers)
+
+
+def _send_result(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    conn.send(fn(*args))
+
+
+def _in_fresh_process(fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` in a new process: an OpenMP team this process keeps on another thread
+    would throttle the engine's barriers there (see noderuntime.enginethread)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_pinned_engine, args=(child, model, new_tokens, layers))
+    proc = ctx.Process(target=_send_result, args=(child, fn, args))
     proc.start()
-    rate: float = parent.recv()
+    result: _T = parent.recv()
     proc.join()
-    return rate
+    return result
 
 
 def _median_ticks(ticks: list[list[float]]) -> list[float]:
@@ -894,7 +905,7 @@ def _route_figures(
 ) -> dict[str, Any]:
     """Medians and ratios of one model's lanes, with its pinned lanes run after them."""
     pinned = trio.run(_pinned_lanes, model, cuts, new_tokens, repeats)
-    after_idle = _engine_after_idle(str(model), cuts, max(8, new_tokens // 4))
+    after_idle = _in_fresh_process(_engine_after_idle, str(model), cuts, max(8, new_tokens // 4))
     med = {k: statistics.median(v) for k, v in (rates | pinned).items() if k in LANES + LANES_1_CORE}
     whole, one, grpc, relay = med["whole"], med["one_node"], med["grpc"], med["relay"]
     whole_1, grpc_1 = med["whole_1core"], med["grpc_1core_each"]
