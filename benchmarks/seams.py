@@ -17,10 +17,10 @@
    ranges chained in one process (a route with nothing between its shards, each range's
    weights evicting the other's from the caches as on one machine) against the whole
    model; the engine's own calls inside the route's nodes against those chained calls;
-   the rest of each tick (the round trip to the engine's worker thread); and the time
+   the rest of each tick (the round trip to the engine thread); and the time
    between the ticks. Each range alone, over and over, shows what a shard gains on a
    machine of its own: its weights stay in the caches.
-4. What one thread wake-up costs on this machine: a trio task's round trip to a worker
+4. What one thread wake-up costs on this machine: a trio task's round trip to the engine
    thread and to the asyncio loop's thread (the two crossings a gRPC route makes for
    every tick and every seam direction), each after a few milliseconds of idling, as
    between two decode ticks, and again after reading 64 MiB, as a tick reads a shard's
@@ -178,22 +178,24 @@ async def _seam_opens(count: int, tmp: Path) -> dict[str, Any]:
 
 
 async def _wake_ups(count: int) -> dict[str, Any]:
-    """Round trips from a trio task to a sleeping worker thread and to the sleeping asyncio thread.
+    """Round trips from a trio task to a sleeping engine thread and to the sleeping asyncio thread.
 
     Each is timed after an idle pause, and again after that pause plus a read of
     ``SWEEP_BYTES``, as a decode tick reads a shard's weights: the caches then hold
-    weights, not the interpreter's code and data.
+    weights, not the interpreter's code and data. The engine thread is what a node's
+    batches go to; ``trio.to_thread``, what they went to before, is timed beside it.
     """
+    from noderuntime.enginethread import EngineThread
     from noderuntime.transport.grpc import AsyncioThread
 
     async def nothing() -> None:
         return None
 
     sweep = np.ones(SWEEP_BYTES // 8)
-    times: dict[str, list[float]] = {
-        k: [] for k in ("worker", "worker_awake", "worker_cold", "asyncio", "asyncio_cold")
-    }
+    kinds = ("worker", "worker_awake", "worker_cold", "to_thread", "asyncio", "asyncio_cold")
+    times: dict[str, list[float]] = {k: [] for k in kinds}
     runtime = AsyncioThread()
+    engine_thread = EngineThread()
     try:
         for _ in range(count):
             for cold in (False, True):
@@ -201,12 +203,16 @@ async def _wake_ups(count: int) -> dict[str, Any]:
                 if cold:
                     sweep.sum()
                 started = time.perf_counter()
-                await trio.to_thread.run_sync(int)
+                await engine_thread.run(int)
                 times["worker_cold" if cold else "worker"].append(time.perf_counter() - started)
                 if not cold:
                     started = time.perf_counter()
-                    await trio.to_thread.run_sync(int)  # the same thread again, still awake
+                    await engine_thread.run(int)  # the same thread again, still awake
                     times["worker_awake"].append(time.perf_counter() - started)
+                    await trio.sleep(WAKE_IDLE)
+                    started = time.perf_counter()
+                    await trio.to_thread.run_sync(int)
+                    times["to_thread"].append(time.perf_counter() - started)
                 await trio.sleep(WAKE_IDLE)
                 if cold:
                     sweep.sum()
@@ -215,6 +221,7 @@ async def _wake_ups(count: int) -> dict[str, Any]:
                 times["asyncio_cold" if cold else "asyncio"].append(time.perf_counter() - started)
     finally:
         runtime.close()
+        engine_thread.close()
     us = {k: statistics.median(v) * 1e6 for k, v in times.items()}
     return {
         "idle_before_each_ms": WAKE_IDLE * 1e3,
@@ -222,10 +229,11 @@ async def _wake_ups(count: int) -> dict[str, Any]:
         "worker_thread_round_trip_us": us["worker"],
         "worker_thread_round_trip_awake_us": us["worker_awake"],
         "worker_thread_round_trip_after_sweep_us": us["worker_cold"],
+        "to_thread_round_trip_us": us["to_thread"],
         "asyncio_thread_round_trip_us": us["asyncio"],
         "asyncio_thread_round_trip_after_sweep_us": us["asyncio_cold"],
-        # per decode token of a 2-shard gRPC route: each shard's tick goes to the engine's
-        # worker and back, and each seam direction crosses trio -> asyncio in the sender
+        # per decode token of a 2-shard gRPC route: each shard's tick goes to the engine
+        # thread and back, and each seam direction crosses trio -> asyncio in the sender
         # and asyncio -> trio in the receiver
         "grpc_route_thread_round_trips_per_token": {"worker": 2, "asyncio": 2},
         "grpc_route_thread_wake_ups_ms_per_token": (2 * us["worker"] + 2 * us["asyncio"]) / 1e3,
@@ -387,7 +395,7 @@ async def _route_rate(
     """One session's decode tok/s.
 
     Appends each shard's mean decode tick (ms) to ``ticks``, and the part of it spent in
-    the engine's own call to ``engine``; the rest is the worker thread's round trip.
+    the engine's own call to ``engine``; the rest is the engine thread's round trip.
     """
     from noderuntime.client import GenerationRequest, open_route_generation
 
@@ -538,7 +546,7 @@ def _token_path(transport: str) -> list[tuple[str, str, str]]:
             (peer, f"{seam_in}.decoded", "frame decoded, checked"),
             (peer, "step.submitted", "session: the event becomes a step"),
             (peer, "tick.started", "batcher: step to tick"),
-            (peer, "engine.started", "to the worker thread"),
+            (peer, "engine.started", "to the engine thread"),
             (peer, "engine.finished", "the engine"),
             (peer, "tick.finished", "back to the trio thread"),
         ]
@@ -853,8 +861,9 @@ def _main(args: Any, tmp: Path) -> int:
         f"{opens['tls_new_connection_p50_ms']:.2f} and {opens['tls_spare_connection_p50_ms']:.2f} ms"
     )
     print(
-        f"\nthread wake-ups after {WAKE_IDLE * 1e3:.0f} ms idle: worker round trip "
-        f"{wake_ups['worker_thread_round_trip_us']:.0f} µs, asyncio round trip "
+        f"\nthread wake-ups after {WAKE_IDLE * 1e3:.0f} ms idle: engine thread round trip "
+        f"{wake_ups['worker_thread_round_trip_us']:.0f} µs (trio.to_thread "
+        f"{wake_ups['to_thread_round_trip_us']:.0f} µs), asyncio round trip "
         f"{wake_ups['asyncio_thread_round_trip_us']:.0f} µs "
         f"({wake_ups['worker_thread_round_trip_after_sweep_us']:.0f} and "
         f"{wake_ups['asyncio_thread_round_trip_after_sweep_us']:.0f} µs after reading "
@@ -982,7 +991,7 @@ def _gap_parts(
     ``engine_slower``: the engine's own calls inside the route's nodes against those (other
     work on the same cores while a tick runs: the client, the other process, the node's
     own threads);
-    ``worker_round_trip``: the ticks outside the engine call, mostly the hop to the worker
+    ``worker_round_trip``: the ticks outside the engine call, mostly the hop to the engine
     thread and back;
     ``between_ticks``: the rest of the token's time (seams, the event loops, sessions).
     """
