@@ -94,6 +94,9 @@ async def run_node(
     issuer_keys = opts.issuer_keys
     if opts.tracker and not issuer_keys:
         issuer_keys = (await _tracker_issuer_key(opts.tracker),)
+    # bad certificate files fail here, before the model loads
+    tls = server_tls(opts.tls_cert, opts.tls_key) if opts.tls_cert and opts.tls_key else None
+    pin = identity.TlsFiles(opts.tls_cert, opts.tls_key).cert_sha256 if opts.tls_cert and opts.tls_key else b""
     # every call that touches the engine runs on this one thread (see enginethread)
     engine_thread = EngineThread()
     try:
@@ -137,8 +140,6 @@ async def run_node(
         ", ".join(f"{t:.2f} ms at batch {b}" for b, t in capability.decode_ms),
     )
     limits = Limits()
-    tls = server_tls(opts.tls_cert, opts.tls_key) if opts.tls_cert and opts.tls_key else None
-    pin = identity.TlsFiles(opts.tls_cert, opts.tls_key).cert_sha256 if opts.tls_cert and opts.tls_key else b""
     runtime = AsyncioThread()
     grpc_connector = GrpcConnector(runtime, max_frame_bytes=limits.max_frame_bytes)
     server: GrpcServer | None = None
