@@ -10,6 +10,7 @@ import logging
 import os
 import platform
 import shlex
+import ssl
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -261,6 +262,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
         files = self_signed(Path(args.data_dir))
         tls_cert, tls_key = files.cert, files.key
+    if tls_cert is not None and tls_key is not None:
+        _server_tls(tls_cert, tls_key)  # refused here, before anything loads
     opts = noderun.NodeOptions(
         model=model,
         layers=args.layers,
@@ -286,6 +289,16 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return noderun.main_node(opts)
 
 
+def _server_tls(cert: Path, key: Path) -> ssl.SSLContext:
+    """A TLS server context from PEM files; a :class:`CliError` saying why they cannot be used."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert, key)
+    except OSError as exc:  # missing, unreadable, not PEM, a key that is not the certificate's (SSLError)
+        raise CliError(f"cannot use --tls-cert {cert} with --tls-key {key}: {exc}") from None
+    return context
+
+
 def _cmd_relay(args: argparse.Namespace) -> int:
     from noderuntime import noderun
     from noderuntime.transport.grpc import parse_address
@@ -297,10 +310,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     if args.tls_cert or args.tls_key:
         if not (args.tls_cert and args.tls_key):
             raise CliError("--tls-cert and --tls-key go together")
-        import ssl
-
-        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        tls.load_cert_chain(args.tls_cert, args.tls_key)
+        tls = _server_tls(args.tls_cert, args.tls_key)
     from relay.server import RelayLimits
 
     limits = RelayLimits(
