@@ -256,6 +256,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             raise CliError("--memory-limit plans llama.cpp's buffers; the transformers backend does not take it")
     elif model.is_dir():
         raise CliError(f"{model} is a directory; give a GGUF file, or --backend transformers for safetensors")
+    _check_data_dir(Path(args.data_dir))
     tls_cert, tls_key = args.tls_cert, args.tls_key
     if args.tls_self_signed:
         from noderuntime.identity import self_signed
@@ -287,6 +288,16 @@ def _cmd_up(args: argparse.Namespace) -> int:
         backend=args.backend,
     )
     return noderun.main_node(opts)
+
+
+def _check_data_dir(data_dir: Path) -> None:
+    """Read (or make) the key in ``data_dir`` now: a :class:`CliError` if the directory or key is unusable."""
+    from noderuntime.identity import IdentityError, load_or_create
+
+    try:
+        load_or_create(data_dir)
+    except (OSError, IdentityError) as exc:
+        raise CliError(f"cannot use --data-dir {data_dir}: {exc}") from None
 
 
 def _server_tls(cert: Path, key: Path) -> ssl.SSLContext:
@@ -333,6 +344,7 @@ def _cmd_tracker(args: argparse.Namespace) -> int:
     from noderuntime import noderun
 
     data_dir = Path(args.data_dir)
+    _check_data_dir(data_dir)
     import trio
 
     trio.run(

@@ -20,7 +20,7 @@ import trio
 
 from noderuntime.client import GenerationRequest, RouteError
 from noderuntime.dialer import open_dialer
-from noderuntime.identity import Identity, self_signed
+from noderuntime.identity import Identity, load_or_create, self_signed
 from noderuntime.signing import sign
 from noderuntime.tickets import issue
 from noderuntime.transport import StreamBroken
@@ -267,3 +267,25 @@ def test_unusable_tls_files_are_a_clear_error(
     )
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(f"noderuntime: error: cannot use --tls-cert {cert}")
+
+
+@pytest.mark.parametrize("command", ["up", "tracker"])
+@pytest.mark.parametrize("problem", ["not a directory", "a damaged key"])
+def test_an_unusable_data_directory_is_a_clear_error(
+    command: str, problem: str, tiny_model: Path, tmp_path: Path, python: str, cli_env: dict[str, str]
+) -> None:
+    data_dir = tmp_path / "data"
+    if problem == "not a directory":
+        data_dir.write_text("a file\n")
+    else:
+        load_or_create(data_dir)  # a key made as a node makes it, then damaged
+        (key_file,) = data_dir.iterdir()
+        key_file.write_text("not a key\n")
+    args = ["--listen", "127.0.0.1:0", "--data-dir", str(data_dir)]
+    if command == "up":
+        args += ["--model", str(tiny_model), "--layers", "0:2", "--issuer-key", "00" * 32]
+    done = subprocess.run(
+        [python, "-m", "noderuntime", command, *args], capture_output=True, text=True, env=cli_env, timeout=60
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(f"noderuntime: error: cannot use --data-dir {data_dir}")
