@@ -342,9 +342,11 @@ def _url(text: str) -> str:
 
 def _cmd_tracker(args: argparse.Namespace) -> int:
     from noderuntime import noderun
+    from noderuntime.admission import ProbeReferences
 
     data_dir = Path(args.data_dir)
     _check_data_dir(data_dir)
+    ProbeReferences.load(tuple(args.probe_references))  # read now: a bad file is an error before anything starts
     import trio
 
     trio.run(
@@ -376,6 +378,9 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         if not where and model_id not in models.KNOWN_MODELS:
             model_id = path.stem
         served.append((model_id, path))
+    from noderuntime.ledger import Ledger
+
+    Ledger(args.ledger)  # made (or checked) now: an unusable path is an error before anything starts
     opts = noderun.GatewayOptions(
         tracker=args.tracker,
         listen=args.listen,

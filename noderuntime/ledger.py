@@ -8,6 +8,7 @@ kept, flagged with the reason, and never counted. SQLite, one connection per wri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -82,14 +83,22 @@ def check(record: UsageRecord, *, request_id: str, hops: Sequence[Hop]) -> Check
     return CheckedRecord(record, fields, True, "")
 
 
+class LedgerError(ValueError):
+    """The ledger file cannot be opened or made."""
+
+
 class Ledger:
     """An SQLite ledger file."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        """Open the ledger at ``path``, made with its tables if new; :class:`LedgerError` if it cannot be."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._connect() as db:
-            db.executescript(SCHEMA)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.closing(self._connect()) as db, db:
+                db.executescript(SCHEMA)
+        except (OSError, sqlite3.Error) as exc:  # a directory in the way, no permission, not an SQLite file
+            raise LedgerError(f"cannot use the ledger {self.path}: {exc}") from None
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, timeout=30)
@@ -175,8 +184,7 @@ class Ledger:
 def show(path: str, *, as_json: bool = False) -> int:
     """``noderuntime usage --ledger PATH``."""
     if not Path(path).exists():
-        print(f"noderuntime: error: no ledger at {path}")
-        return 1
+        raise LedgerError(f"no ledger at {path}")
     totals = Ledger(path).totals()
     if as_json:
         print(json.dumps(totals, indent=2))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ import trio
 
 from noderuntime.client import GenerationRequest, RouteError
 from noderuntime.dialer import open_dialer
-from noderuntime.identity import Identity, load_or_create, self_signed
+from noderuntime.identity import Identity
 from noderuntime.signing import sign
 from noderuntime.tickets import issue
 from noderuntime.transport import StreamBroken
@@ -244,48 +243,3 @@ async def test_a_node_cannot_speak_for_another_at_the_tracker() -> None:
             assert response.status_code == 403, (path, response.text)
         nursery.cancel_scope.cancel()
     assert victim.node_id not in tracker.state.nodes
-
-
-@pytest.mark.parametrize("command", ["up", "relay"])
-@pytest.mark.parametrize("problem", ["missing", "not PEM", "another certificate's key"])
-def test_unusable_tls_files_are_a_clear_error(
-    command: str, problem: str, tiny_model: Path, tmp_path: Path, python: str, cli_env: dict[str, str]
-) -> None:
-    files, other = self_signed(tmp_path / "a"), self_signed(tmp_path / "b")
-    cert, key = files.cert, files.key
-    if problem == "missing":
-        cert = tmp_path / "nowhere.crt"
-    elif problem == "not PEM":
-        cert.write_text("not a certificate\n")
-    else:
-        key = other.key
-    args = ["--listen", "127.0.0.1:0", "--issuer-key", "00" * 32, "--tls-cert", str(cert), "--tls-key", str(key)]
-    if command == "up":
-        args += ["--model", str(tiny_model), "--layers", "0:2", "--data-dir", str(tmp_path / "node")]
-    done = subprocess.run(
-        [python, "-m", "noderuntime", command, *args], capture_output=True, text=True, env=cli_env, timeout=60
-    )
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.strip().splitlines()[-1].startswith(f"noderuntime: error: cannot use --tls-cert {cert}")
-
-
-@pytest.mark.parametrize("command", ["up", "tracker"])
-@pytest.mark.parametrize("problem", ["not a directory", "a damaged key"])
-def test_an_unusable_data_directory_is_a_clear_error(
-    command: str, problem: str, tiny_model: Path, tmp_path: Path, python: str, cli_env: dict[str, str]
-) -> None:
-    data_dir = tmp_path / "data"
-    if problem == "not a directory":
-        data_dir.write_text("a file\n")
-    else:
-        load_or_create(data_dir)  # a key made as a node makes it, then damaged
-        (key_file,) = data_dir.iterdir()
-        key_file.write_text("not a key\n")
-    args = ["--listen", "127.0.0.1:0", "--data-dir", str(data_dir)]
-    if command == "up":
-        args += ["--model", str(tiny_model), "--layers", "0:2", "--issuer-key", "00" * 32]
-    done = subprocess.run(
-        [python, "-m", "noderuntime", command, *args], capture_output=True, text=True, env=cli_env, timeout=60
-    )
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.strip().splitlines()[-1].startswith(f"noderuntime: error: cannot use --data-dir {data_dir}")

@@ -1,0 +1,92 @@
+"""Bad input to a command (files, directories, flags) ends it with one clear error line, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from noderuntime.identity import load_or_create, self_signed
+
+
+def _run(python: str, cli_env: dict[str, str], *argv: str) -> str:
+    """The command's last stderr line, after checking it failed with status 1 and no traceback."""
+    done = subprocess.run([python, "-m", "noderuntime", *argv], capture_output=True, text=True, env=cli_env, timeout=60)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    return done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("command", ["up", "relay"])
+@pytest.mark.parametrize("problem", ["missing", "not PEM", "another certificate's key"])
+def test_unusable_tls_files_are_a_clear_error(
+    command: str, problem: str, tiny_model: Path, tmp_path: Path, python: str, cli_env: dict[str, str]
+) -> None:
+    files, other = self_signed(tmp_path / "a"), self_signed(tmp_path / "b")
+    cert, key = files.cert, files.key
+    if problem == "missing":
+        cert = tmp_path / "nowhere.crt"
+    elif problem == "not PEM":
+        cert.write_text("not a certificate\n")
+    else:
+        key = other.key
+    args = ["--listen", "127.0.0.1:0", "--issuer-key", "00" * 32, "--tls-cert", str(cert), "--tls-key", str(key)]
+    if command == "up":
+        args += ["--model", str(tiny_model), "--layers", "0:2", "--data-dir", str(tmp_path / "node")]
+    assert _run(python, cli_env, command, *args).startswith(f"noderuntime: error: cannot use --tls-cert {cert}")
+
+
+@pytest.mark.parametrize("command", ["up", "tracker"])
+@pytest.mark.parametrize("problem", ["not a directory", "a damaged key"])
+def test_an_unusable_data_directory_is_a_clear_error(
+    command: str, problem: str, tiny_model: Path, tmp_path: Path, python: str, cli_env: dict[str, str]
+) -> None:
+    data_dir = tmp_path / "data"
+    if problem == "not a directory":
+        data_dir.write_text("a file\n")
+    else:
+        load_or_create(data_dir)  # a key made as a node makes it, then damaged
+        (key_file,) = data_dir.iterdir()
+        key_file.write_text("not a key\n")
+    args = ["--listen", "127.0.0.1:0", "--data-dir", str(data_dir)]
+    if command == "up":
+        args += ["--model", str(tiny_model), "--layers", "0:2", "--issuer-key", "00" * 32]
+    assert _run(python, cli_env, command, *args).startswith(f"noderuntime: error: cannot use --data-dir {data_dir}")
+
+
+@pytest.mark.parametrize("problem", ["missing", "not JSON"])
+def test_unreadable_probe_references_stop_the_tracker_at_once(
+    problem: str, tmp_path: Path, python: str, cli_env: dict[str, str]
+) -> None:
+    references = tmp_path / "refs.json"
+    if problem == "not JSON":
+        references.write_text("{ not json\n")
+    line = _run(
+        python,
+        cli_env,
+        *("tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "tracker")),
+        *("--probe-references", str(references)),
+    )
+    assert line.startswith(f"noderuntime: error: cannot read probe references {references}")
+
+
+@pytest.mark.parametrize("command", ["usage", "gateway"])
+@pytest.mark.parametrize("problem", ["not a database", "under a file"])
+def test_an_unusable_ledger_is_a_clear_error(
+    command: str, problem: str, tiny_model: Path, tmp_path: Path, python: str, cli_env: dict[str, str]
+) -> None:
+    ledger = tmp_path / "ledger.sqlite"
+    if problem == "not a database":
+        ledger.write_bytes(b"this is not an SQLite file, it only has the name of one" * 4)
+    else:
+        (tmp_path / "file").write_text("in the way\n")
+        ledger = tmp_path / "file" / "ledger.sqlite"
+    args = ["usage", "--ledger", str(ledger)]
+    if command == "gateway":
+        args = ["gateway", "--listen", "127.0.0.1:0", "--tracker", "http://127.0.0.1:9", "--model", str(tiny_model)]
+        args += ["--ledger", str(ledger)]
+    line = _run(python, cli_env, *args)
+    if command == "usage" and problem == "under a file":
+        assert line == f"noderuntime: error: no ledger at {ledger}"
+    else:
+        assert line.startswith(f"noderuntime: error: cannot use the ledger {ledger}")
