@@ -764,7 +764,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return func(args)
     except KeyboardInterrupt:
         return 130
-    except (CliError, artifacts.ArtifactError, models.ModelError, ValueError, RuntimeError) as exc:
+    except (CliError, artifacts.ArtifactError, models.ModelError, ValueError, RuntimeError, OSError) as exc:
+        # OSError: a path given on the command line that cannot be read or written
+        if args.verbose:
+            logging.getLogger(__name__).debug("the error in full", exc_info=True)
         print(f"noderuntime: error: {exc}", file=sys.stderr)
         return 1
 

@@ -90,3 +90,20 @@ def test_an_unusable_ledger_is_a_clear_error(
         assert line == f"noderuntime: error: no ledger at {ledger}"
     else:
         assert line.startswith(f"noderuntime: error: cannot use the ledger {ledger}")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("shard", "split", "{model}", "--ranges", "0:2,2:4", "--out", "{blocked}"),
+        ("probe", "reference", "--model", "{model}", "--ranges", "0:2", "--seeds", "1", "--out", "{blocked}/refs.json"),
+    ],
+    ids=["shard split", "probe reference"],
+)
+def test_an_output_path_that_cannot_be_written_is_a_clear_error(
+    argv: tuple[str, ...], tiny_model: Path, tmp_path: Path, python: str, cli_env: dict[str, str]
+) -> None:
+    blocked = tmp_path / "a file"
+    blocked.write_text("in the way\n")
+    line = _run(python, cli_env, *(a.format(model=tiny_model, blocked=blocked) for a in argv))
+    assert line.startswith("noderuntime: error: [Errno ") and str(blocked) in line
