@@ -10,7 +10,7 @@ call that touches an engine (loading, measuring, each batch, probes) goes to one
 long-lived thread per engine, not to whichever thread ``trio.to_thread`` has free; this
 also spares a tick the thread cache's own bookkeeping.
 
-Calls run one at a time in the order they come. Like ``trio.to_thread.run_sync``, a
+Calls run one at a time, in the order their callers take turns. Like ``trio.to_thread.run_sync``, a
 call cannot be abandoned: a caller cancelled meanwhile still gets its call's result, and
 meets the cancellation at its next checkpoint.
 """
@@ -34,37 +34,40 @@ class EngineThread:
 
     def __init__(self, name: str = "engine") -> None:
         self.name = name
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Callable[[outcome.Outcome[Any]], None]] | None] = (
-            queue.SimpleQueue()
+        # one call in the thread's hands at a time, and the sentinel that ends it: callers
+        # beyond that wait for the turn in trio, not in this queue
+        self._jobs: queue.Queue[tuple[Callable[[], Any], Callable[[outcome.Outcome[Any]], None]] | None] = queue.Queue(
+            maxsize=2
         )
+        self._turn = trio.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
 
     async def run(self, fn: Callable[[], _T]) -> _T:
         """Call ``fn()`` on this thread and return what it returns (or raise what it raises)."""
-        if self._closed:
-            raise RuntimeError(f"the {self.name} thread is closed")
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
-            self._thread.start()
-        token = trio.lowlevel.current_trio_token()
-        task = trio.lowlevel.current_task()
+        async with self._turn:
+            if self._closed:
+                raise RuntimeError(f"the {self.name} thread is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+                self._thread.start()
+            token = trio.lowlevel.current_trio_token()
+            task = trio.lowlevel.current_task()
 
-        def deliver(result: outcome.Outcome[Any]) -> None:
-            with contextlib.suppress(trio.RunFinishedError):  # nobody is left to tell
-                token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+            def deliver(result: outcome.Outcome[Any]) -> None:
+                with contextlib.suppress(trio.RunFinishedError):  # nobody is left to tell
+                    token.run_sync_soon(trio.lowlevel.reschedule, task, result)
 
-        await trio.lowlevel.checkpoint_if_cancelled()
-        self._jobs.put((fn, deliver))
-        # the call cannot be stopped once queued: refuse to abort, so a cancellation waits for it
-        result: _T = await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+            self._jobs.put_nowait((fn, deliver))
+            # the call cannot be stopped once handed over: refuse to abort, so a cancellation waits for it
+            result: _T = await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
         return result
 
     def close(self) -> None:
-        """Let the thread end after the calls already queued; idempotent, does not wait."""
+        """Let the thread end after the call it has, if any; idempotent, does not wait."""
         if not self._closed:
             self._closed = True
-            self._jobs.put(None)
+            self._jobs.put_nowait(None)
 
     def _serve(self) -> None:
         while True:
