@@ -10,7 +10,6 @@ import logging
 import os
 import platform
 import shlex
-import ssl
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -256,15 +255,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
             raise CliError("--memory-limit plans llama.cpp's buffers; the transformers backend does not take it")
     elif model.is_dir():
         raise CliError(f"{model} is a directory; give a GGUF file, or --backend transformers for safetensors")
-    _check_data_dir(Path(args.data_dir))
     tls_cert, tls_key = args.tls_cert, args.tls_key
     if args.tls_self_signed:
         from noderuntime.identity import self_signed
 
         files = self_signed(Path(args.data_dir))
         tls_cert, tls_key = files.cert, files.key
-    if tls_cert is not None and tls_key is not None:
-        _server_tls(tls_cert, tls_key)  # refused here, before anything loads
     opts = noderun.NodeOptions(
         model=model,
         layers=args.layers,
@@ -290,26 +286,6 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return noderun.main_node(opts)
 
 
-def _check_data_dir(data_dir: Path) -> None:
-    """Read (or make) the key in ``data_dir`` now: a :class:`CliError` if the directory or key is unusable."""
-    from noderuntime.identity import IdentityError, load_or_create
-
-    try:
-        load_or_create(data_dir)
-    except (OSError, IdentityError) as exc:
-        raise CliError(f"cannot use --data-dir {data_dir}: {exc}") from None
-
-
-def _server_tls(cert: Path, key: Path) -> ssl.SSLContext:
-    """A TLS server context from PEM files; a :class:`CliError` saying why they cannot be used."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        context.load_cert_chain(cert, key)
-    except OSError as exc:  # missing, unreadable, not PEM, a key that is not the certificate's (SSLError)
-        raise CliError(f"cannot use --tls-cert {cert} with --tls-key {key}: {exc}") from None
-    return context
-
-
 def _cmd_relay(args: argparse.Namespace) -> int:
     from noderuntime import noderun
     from noderuntime.transport.grpc import parse_address
@@ -321,7 +297,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     if args.tls_cert or args.tls_key:
         if not (args.tls_cert and args.tls_key):
             raise CliError("--tls-cert and --tls-key go together")
-        tls = _server_tls(args.tls_cert, args.tls_key)
+        tls = noderun.server_tls(args.tls_cert, args.tls_key, alpn=())  # websockets: HTTP/1.1
     from relay.server import RelayLimits
 
     limits = RelayLimits(
@@ -342,11 +318,8 @@ def _url(text: str) -> str:
 
 def _cmd_tracker(args: argparse.Namespace) -> int:
     from noderuntime import noderun
-    from noderuntime.admission import ProbeReferences
 
     data_dir = Path(args.data_dir)
-    _check_data_dir(data_dir)
-    ProbeReferences.load(tuple(args.probe_references))  # read now: a bad file is an error before anything starts
     import trio
 
     trio.run(
@@ -378,9 +351,6 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         if not where and model_id not in models.KNOWN_MODELS:
             model_id = path.stem
         served.append((model_id, path))
-    from noderuntime.ledger import Ledger
-
-    Ledger(args.ledger)  # made (or checked) now: an unusable path is an error before anything starts
     opts = noderun.GatewayOptions(
         tracker=args.tracker,
         listen=args.listen,
@@ -764,12 +734,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return func(args)
     except KeyboardInterrupt:
         return 130
-    except (CliError, artifacts.ArtifactError, models.ModelError, ValueError, RuntimeError, OSError) as exc:
-        # OSError: a path given on the command line that cannot be read or written
-        if args.verbose:
-            logging.getLogger(__name__).debug("the error in full", exc_info=True)
-        print(f"noderuntime: error: {exc}", file=sys.stderr)
+    except _INPUT_ERRORS as exc:
+        return _report(exc, args.verbose)
+    except BaseExceptionGroup as group:
+        # a server that refuses its input while starting raises from inside its nursery
+        matched, rest = group.split(_INPUT_ERRORS)
+        if matched is None or rest is not None:
+            raise
+        for leaf in _leaves(matched):
+            _report(leaf, args.verbose)
         return 1
+
+
+# What bad input raises (OSError: a path given on the command line that cannot be read or
+# written): one error line each, exit status 1; the traceback only in the --verbose log.
+_INPUT_ERRORS = (CliError, artifacts.ArtifactError, models.ModelError, ValueError, RuntimeError, OSError)
+
+
+def _report(exc: BaseException, verbose: bool) -> int:
+    if verbose:
+        logging.getLogger(__name__).debug("the error in full", exc_info=exc)
+    print(f"noderuntime: error: {exc}", file=sys.stderr)
+    return 1
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    return [
+        leaf for exc in group.exceptions for leaf in (_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    ]
 
 
 if __name__ == "__main__":

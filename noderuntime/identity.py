@@ -23,7 +23,7 @@ from cryptography.x509.oid import NameOID
 KEY_FILE = "node.key"
 
 
-class IdentityError(Exception):
+class IdentityError(ValueError):
     """A key or certificate could not be loaded or made."""
 
 
@@ -73,22 +73,25 @@ def verify(node_id: bytes, domain: bytes, message: bytes, signature: bytes) -> b
 def load_or_create(data_dir: str | os.PathLike[str]) -> Identity:
     """The identity in ``data_dir``, created (0600) on first use."""
     directory = Path(data_dir)
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / KEY_FILE
-    if path.exists():
-        try:
-            key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-        except (ValueError, TypeError) as exc:
-            raise IdentityError(f"{path} is not a readable private key: {exc}") from None
-        if not isinstance(key, Ed25519PrivateKey):
-            raise IdentityError(f"{path} holds a {type(key).__name__}, not an Ed25519 key")
-        return Identity(key)
-    identity = Identity.generate()
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(identity.private_pem())
-    os.replace(tmp, path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            try:
+                key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+            except (ValueError, TypeError) as exc:
+                raise IdentityError(f"{path} is not a readable private key: {exc}") from None
+            if not isinstance(key, Ed25519PrivateKey):
+                raise IdentityError(f"{path} holds a {type(key).__name__}, not an Ed25519 key")
+            return Identity(key)
+        identity = Identity.generate()
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(identity.private_pem())
+        os.replace(tmp, path)
+    except OSError as exc:  # a file in the way, no permission, a full disk
+        raise IdentityError(f"cannot keep a key in {directory}: {exc}") from None
     return identity
 
 

@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,11 +68,19 @@ class NodeOptions:
     backend: str = "llama.cpp"  # or "transformers": a safetensors directory run by torchengine
 
 
-def server_tls(cert: Path, key: Path) -> ssl.SSLContext:
-    """A TLS server context for HTTP/2."""
+class TlsFilesError(ValueError):
+    """A certificate and key that cannot serve TLS."""
+
+
+def server_tls(cert: Path, key: Path, *, alpn: Sequence[str] = ("h2",)) -> ssl.SSLContext:
+    """A TLS server context (for HTTP/2 unless ``alpn`` says otherwise); :class:`TlsFilesError` if unusable."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert, key)
-    context.set_alpn_protocols(["h2"])
+    try:
+        context.load_cert_chain(cert, key)
+    except OSError as exc:  # missing, unreadable, not PEM, a key that is not the certificate's (SSLError)
+        raise TlsFilesError(f"cannot use the certificate {cert} with the key {key}: {exc}") from None
+    if alpn:
+        context.set_alpn_protocols(list(alpn))
     return context
 
 
