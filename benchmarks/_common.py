@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import platform
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 RESULTS = Path(__file__).resolve().parent / "results"
+_T = TypeVar("_T")
 
 
 def parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -121,6 +123,26 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _send_result(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    conn.send(fn(*args))
+
+
+def in_fresh_process(fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` in a new (spawned) process; its return value comes back pickled.
+
+    For engine lanes: llama.cpp's OpenMP team belongs to the thread that runs a graph and
+    stays parked after it, and two teams in one process throttle each other's barriers
+    (see noderuntime.enginethread), so each measurement starts from a clean process.
+    """
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_send_result, args=(child, fn, args))
+    proc.start()
+    result: _T = parent.recv()
+    proc.join()
+    return result
 
 
 def percentile(values: Sequence[float], q: float) -> float:

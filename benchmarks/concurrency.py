@@ -19,7 +19,6 @@ tokens of a session (p50/p95). Goal: node >= 0.90 x engine at every concurrency.
 from __future__ import annotations
 
 import itertools
-import multiprocessing as mp
 import statistics
 import time
 from pathlib import Path
@@ -109,24 +108,12 @@ async def _route_lane(model: str, cuts: list[int], sessions: int, new_tokens: in
     return _summarize(arrivals)
 
 
-def _lane_main(conn: Any, lane: str, model: str, n_layer: int, sessions: int, new_tokens: int) -> None:
+def _lane_main(lane: str, model: str, n_layer: int, sessions: int, new_tokens: int) -> dict[str, float]:
     if lane == "engine":
         result = _engine_lane(model, sessions, new_tokens)
     else:
         cuts = [0, n_layer] if lane == "node" else [0, n_layer // 2, n_layer]
         result = trio.run(_route_lane, model, cuts, sessions, new_tokens)
-    conn.send(result)
-
-
-def _in_subprocess(lane: str, model: str, n_layer: int, sessions: int, new_tokens: int) -> dict[str, float]:
-    # A fresh process per measurement: llama.cpp's OpenMP team belongs to the thread that
-    # first runs it, and two teams in one process slow each other down.
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_lane_main, args=(child, lane, model, n_layer, sessions, new_tokens))
-    proc.start()
-    result: dict[str, float] = parent.recv()
-    proc.join()
     return result
 
 
@@ -145,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(repeats):
         for n in levels:  # lanes alternate at each level: the same machine state for all three
             for lane in runs:
-                runs[lane][n].append(_in_subprocess(lane, model, info.n_layer, n, new_tokens))
+                runs[lane][n].append(_common.in_fresh_process(_lane_main, lane, model, info.n_layer, n, new_tokens))
     figures: dict[str, Any] = {}
     for lane, per_level in runs.items():
         figures[lane] = {

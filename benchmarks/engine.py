@@ -11,7 +11,6 @@ measured side by side on the same (shared, noisy) machine.
 from __future__ import annotations
 
 import itertools
-import multiprocessing as mp
 import resource
 import statistics
 import time
@@ -32,7 +31,7 @@ def _recipe() -> Any:
     return Recipe(n_threads=2, n_ctx_per_seq=1024, n_seq_max=16, n_batch=512, n_ubatch=512, flash_attn="off")
 
 
-def _lane(conn: Any, model: str, cuts: list[int], prefill_tokens: int, decode_steps: int) -> None:
+def _lane(model: str, cuts: list[int], prefill_tokens: int, decode_steps: int) -> dict[str, float]:
     from noderuntime.artifacts import LayerRange
     from noderuntime.engine import Rows, ShardEngine
 
@@ -91,16 +90,6 @@ def _lane(conn: Any, model: str, cuts: list[int], prefill_tokens: int, decode_st
     figures["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     for engine in engines:
         engine.close()
-    conn.send(figures)
-
-
-def _measure(model: str, cuts: list[int], prefill_tokens: int, decode_steps: int) -> dict[str, float]:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_lane, args=(child, model, cuts, prefill_tokens, decode_steps))
-    proc.start()
-    figures: dict[str, float] = parent.recv()
-    proc.join()
     return figures
 
 
@@ -117,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, float]]] = {lane: [] for lane in lanes}
     for _ in range(repeats):
         for lane, cuts in lanes.items():  # alternate lanes: both see the same machine state
-            runs[lane].append(_measure(str(model), cuts, prefill_tokens, decode_steps))
+            runs[lane].append(_common.in_fresh_process(_lane, str(model), cuts, prefill_tokens, decode_steps))
     figures: dict[str, Any] = {}
     for lane, results in runs.items():
         figures[lane] = {key: statistics.median(r[key] for r in results) for key in results[0]}

@@ -45,14 +45,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import multiprocessing as mp
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import trio
@@ -60,7 +59,6 @@ import trio
 from benchmarks import _common
 
 NAME = "seams"
-_T = TypeVar("_T")
 DECODE_FRAME = 2442
 PREFILL_FRAME = 256 * 576 * 4 + 300
 DEMO_CUTS = [0, 15, 30]
@@ -432,23 +430,7 @@ def _pinned_decode(model: str, new_tokens: int, layers: tuple[int, int] | None) 
 
 
 def _engine_on_one_core(model: str, new_tokens: int, layers: tuple[int, int] | None = None) -> float:
-    return _in_fresh_process(_pinned_decode, model, new_tokens, layers)
-
-
-def _send_result(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    conn.send(fn(*args))
-
-
-def _in_fresh_process(fn: Callable[..., _T], *args: Any) -> _T:
-    """``fn(*args)`` in a new process: an OpenMP team this process keeps on another thread
-    would throttle the engine's barriers there (see noderuntime.enginethread)."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_send_result, args=(child, fn, args))
-    proc.start()
-    result: _T = parent.recv()
-    proc.join()
-    return result
+    return _common.in_fresh_process(_pinned_decode, model, new_tokens, layers)
 
 
 def _median_ticks(ticks: list[list[float]]) -> list[float]:
@@ -914,7 +896,7 @@ def _route_figures(
 ) -> dict[str, Any]:
     """Medians and ratios of one model's lanes, with its pinned lanes run after them."""
     pinned = trio.run(_pinned_lanes, model, cuts, new_tokens, repeats)
-    after_idle = _in_fresh_process(_engine_after_idle, str(model), cuts, max(8, new_tokens // 4))
+    after_idle = _common.in_fresh_process(_engine_after_idle, str(model), cuts, max(8, new_tokens // 4))
     med = {k: statistics.median(v) for k, v in (rates | pinned).items() if k in LANES + LANES_1_CORE}
     whole, one, grpc, relay = med["whole"], med["one_node"], med["grpc"], med["relay"]
     whole_1, grpc_1 = med["whole_1core"], med["grpc_1core_each"]
