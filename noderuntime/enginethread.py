@@ -10,9 +10,9 @@ call that touches an engine (loading, measuring, each batch, probes) goes to one
 long-lived thread per engine, not to whichever thread ``trio.to_thread`` has free; this
 also spares a tick the thread cache's own bookkeeping.
 
-Calls run one at a time, in the order their callers take turns. Like ``trio.to_thread.run_sync``, a
-call cannot be abandoned: a caller cancelled meanwhile still gets its call's result, and
-meets the cancellation at its next checkpoint.
+Calls run one at a time, in the order their callers take turns. Like
+``trio.to_thread.run_sync``, a call cannot be abandoned: a caller cancelled meanwhile
+still gets its call's result, and meets the cancellation at its next checkpoint.
 """
 
 from __future__ import annotations
