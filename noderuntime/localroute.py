@@ -97,17 +97,20 @@ async def open_local_route(
     encoding: Encoding = Encoding.F32,
     buffer: int = 4,
 ) -> AsyncIterator[LocalRoute]:
-    """Load one engine per range and serve them as nodes until the block ends."""
+    """Load one engine per range and serve them as nodes until the block ends.
+
+    Every engine runs on one shared thread: each thread that calls llama.cpp keeps an
+    OpenMP team of its own, and two teams in one process oversubscribe the cores and
+    throttle every barrier (see :mod:`noderuntime.enginethread`). The ranges take turns,
+    as they would have to on one machine's cores anyway.
+    """
     info = inspect(model)
     ranges = [LayerRange(a, b) for a, b in itertools.pairwise(cuts)]
     engines: list[ShardEngine] = []
-    threads: list[EngineThread] = []
+    thread = EngineThread("engines")
     try:
         for layers in ranges:
-            thread = EngineThread(f"engine {layers.start}:{layers.end}")
-            threads.append(thread)
-            engine = await thread.run(functools.partial(ShardEngine, model, recipe, layers))
-            engines.append(engine)
+            engines.append(await thread.run(functools.partial(ShardEngine, model, recipe, layers)))
         network = InProcessNetwork(buffer)
         artifact = bytes.fromhex(info.fingerprint)
         recipe_fp = bytes.fromhex(recipe.fingerprint(info.quant))
@@ -125,7 +128,7 @@ async def open_local_route(
                 idle_timeout=idle_timeout,
                 encoding=encoding,
             )
-            node = Node(engine, config, node_id_for(i, layers), network, engine_thread=threads[i])
+            node = Node(engine, config, node_id_for(i, layers), network, engine_thread=thread)
             network.add(node)
             nodes.append(node)
         hops = tuple(Hop(n.node_id, n.config.layers) for n in nodes)
@@ -137,5 +140,4 @@ async def open_local_route(
     finally:
         for engine in engines:
             engine.close()
-        for thread in threads:
-            thread.close()
+        thread.close()
