@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
+from noderuntime import untrusted
 from noderuntime.identity import Identity, verify
 from noderuntime.steps import Rows
 
@@ -97,7 +98,7 @@ class Capability:
                 compute_bytes=int(memory["compute"]),
                 threads=int(data["threads"]),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # int(1e999) overflows
             raise AdmissionError(f"capability figures are malformed: {exc}") from None
         times = [capability.prefill_ms_per_token, *(t for _, t in decode)]
         if not decode or len(decode) > 16 or any(b < 1 or b > 4096 for b, _ in decode):
@@ -192,11 +193,12 @@ def check_capability(
     try:
         body = str(record["body"])
         signature = bytes.fromhex(str(record["signature"]))
-        fields = json.loads(body)
     except (KeyError, TypeError, ValueError):
         raise AdmissionError("capability must be {'body': JSON text, 'signature': hex}") from None
-    if not isinstance(fields, dict):
-        raise AdmissionError("capability body must be a JSON object")
+    try:
+        fields = untrusted.json_object(body, "capability body")
+    except ValueError as exc:
+        raise AdmissionError(str(exc)) from None
     if not verify(node_id, CAPABILITY_DOMAIN, body.encode(), signature):
         raise AdmissionError("capability signature does not verify with the node's key")
     claims = {"node_id": node_id.hex(), "artifact": artifact, "layers": list(layers), "recipe": recipe}
@@ -226,7 +228,7 @@ class ProbeAnswer:
         """Parse an answer; :class:`AdmissionError` if malformed."""
         try:
             answer = cls(int(data["seed"]), str(data["digest"]), tuple(float(x) for x in data["sketch"]))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise AdmissionError(f"probe answer is malformed: {exc}") from None
         if len(answer.sketch) != PROBE_ROWS * SKETCH_DIM or len(answer.digest) != 64:
             raise AdmissionError("probe answer has the wrong shape")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sqlite3
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from typing import Any
 
 import attrs
 
+from noderuntime import untrusted
 from noderuntime.identity import verify
 from protocol import Hop, UsageRecord
 
@@ -65,21 +67,27 @@ class CheckedRecord:
 def check(record: UsageRecord, *, request_id: str, hops: Sequence[Hop]) -> CheckedRecord:
     """Verify one record against its signature, the request and the route."""
     try:
-        fields = json.loads(record.body)
-        if not isinstance(fields, dict):
-            raise ValueError("not an object")
-    except ValueError:
-        return CheckedRecord(record, {}, False, "body is not a JSON object")
+        fields = untrusted.json_object(record.body, "body")
+    except ValueError as exc:
+        return CheckedRecord(record, {}, False, str(exc))
     if not verify(record.node_id, USAGE_DOMAIN, record.body, record.signature):
         return CheckedRecord(record, fields, False, "signature does not verify")
     if fields.get("node_id") != record.node_id.hex():
         return CheckedRecord(record, fields, False, "record names another node")
     if fields.get("request_id") != request_id:
         return CheckedRecord(record, fields, False, "record is for another request")
-    on_route = {(h.node_id.hex(), h.layers.start, h.layers.end) for h in hops}
-    layers = fields.get("layers") or [None, None]
-    if (fields["node_id"], layers[0], layers[1]) not in on_route:
+    layers = fields.get("layers")
+    if not any(h.node_id == record.node_id and [h.layers.start, h.layers.end] == layers for h in hops):
         return CheckedRecord(record, fields, False, "node or layers not on the request's route")
+    # the ledger sums these: a signed record is still the node's word, so each must be a count
+    try:
+        for key in ("prefill_tokens", "decode_tokens", "bytes_in", "bytes_out"):
+            untrusted.integer(fields.get(key), key)
+        compute_ms = fields.get("compute_ms")
+        if isinstance(compute_ms, bool) or not isinstance(compute_ms, int | float) or not 0 <= compute_ms < math.inf:
+            raise ValueError(f"compute_ms must be a finite non-negative number, not {compute_ms!r:.40}")
+    except ValueError as exc:
+        return CheckedRecord(record, {}, False, str(exc))
     return CheckedRecord(record, fields, True, "")
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 
+from noderuntime import untrusted
 from noderuntime.identity import Identity, verify
 from protocol import Hop, Span, StatusCode
 
@@ -91,15 +92,18 @@ def decode(data: bytes, trusted_issuers: Iterable[bytes]) -> Ticket:
     if len(body) != length or len(signature) != 64:
         raise TicketError("malformed session ticket", StatusCode.UNAUTHENTICATED)
     try:
-        fields = json.loads(body)
+        fields = untrusted.json_object(body, "session ticket")
         issuer = bytes.fromhex(fields["iss"])
         ticket = Ticket(
             issuer=issuer,
             session_id=bytes.fromhex(fields["sid"]),
-            epoch=int(fields["epoch"]),
+            epoch=untrusted.integer(fields["epoch"], "epoch"),
             artifact=bytes.fromhex(fields["artifact"]),
-            hops=tuple((bytes.fromhex(n), int(a), int(b)) for n, a, b in fields["hops"]),
-            expires_unix_ms=int(fields["exp"]),
+            hops=tuple(
+                (bytes.fromhex(n), untrusted.integer(a, "layer"), untrusted.integer(b, "layer"))
+                for n, a, b in fields["hops"]
+            ),
+            expires_unix_ms=untrusted.integer(fields["exp"], "expiry"),
         )
     except (ValueError, KeyError, TypeError):
         raise TicketError("malformed session ticket", StatusCode.UNAUTHENTICATED) from None

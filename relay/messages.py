@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from noderuntime import untrusted
+
 CONTROL_DOMAIN = b"noderuntime-relay-control-v1"
 
 CLOSE_NORMAL = 1000
@@ -57,10 +59,10 @@ def load(message: str | bytes, expect: str) -> dict[str, Any]:
     if not isinstance(message, str) or len(message) > MAX_CONTROL_BYTES:
         raise ControlError("expected a short text control message")
     try:
-        data = json.loads(message)
-    except json.JSONDecodeError:
-        raise ControlError("control message is not JSON") from None
-    if not isinstance(data, dict) or data.get("type") != expect:
+        data = untrusted.json_object(message, "control message")
+    except ValueError as exc:
+        raise ControlError(str(exc)) from None
+    if data.get("type") != expect:
         raise ControlError(f"expected a {expect!r} message")
     return data
 

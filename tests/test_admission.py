@@ -109,11 +109,26 @@ def test_a_capability_record_verifies_only_for_its_node_and_shard() -> None:
             "threads": 1,
         },
         {"prefill_ms_per_token": 1, "decode_ms": [1, 2], "memory_bytes": {}, "threads": 1},
+        # JSON's 1e999 parses as infinity, which int() cannot take
+        json.loads(
+            '{"prefill_ms_per_token": 1, "decode_ms": {"1": 2}, "threads": 1e999,'
+            ' "memory_bytes": {"weights": 1, "kv": 1, "compute": 1}}'
+        ),
     ],
 )
 def test_nonsense_figures_are_refused(figures: dict[str, Any]) -> None:
     with pytest.raises(AdmissionError):
         Capability.from_json(figures)
+
+
+@pytest.mark.parametrize("body", ["[" * 20_000, "1e999", '{"node_id": 1e999'])
+def test_a_capability_body_that_breaks_parsers_is_refused(body: str) -> None:
+    me = Identity.generate()
+    record = {"body": body, "signature": me.sign(admission.CAPABILITY_DOMAIN, body.encode()).hex()}
+    with pytest.raises(AdmissionError):
+        admission.check_capability(record, node_id=me.node_id, artifact="ab" * 32, layers=(0, 30), recipe="0" * 16)
+    with pytest.raises(AdmissionError):
+        ProbeAnswer.from_json(json.loads('{"seed": 1e999, "digest": "", "sketch": []}'))
 
 
 def test_the_tracker_costs_and_caps_nodes_by_what_they_measured() -> None:

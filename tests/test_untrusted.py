@@ -1,0 +1,106 @@
+"""JSON that peers write (tickets, relay control messages, usage records) is refused, typed, however built."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from noderuntime import tickets
+from noderuntime.identity import Identity
+from noderuntime.ledger import USAGE_DOMAIN, Ledger, check
+from protocol import Hop, Span, UsageRecord
+from relay import messages as m
+
+# each breaks a parser that only expects ValueError: RecursionError, int(inf), a non-object
+HOSTILE = ["[" * 5000, '{"epoch": 1e999}', "1e999", '"text"', "[1, 2]", "{" + '"a":' * 3000 + "1"]
+
+
+def _ticket_with_body(body: bytes, issuer: Identity) -> bytes:
+    return tickets.MAGIC + struct.pack(">H", len(body)) + body + issuer.sign(tickets.DOMAIN, body)
+
+
+@pytest.mark.parametrize("body", HOSTILE)
+def test_a_ticket_whose_body_breaks_parsers_is_refused(body: str) -> None:
+    issuer = Identity.generate()  # signed by the trusted issuer, even: the body itself is refused
+    with pytest.raises(tickets.TicketError) as refused:
+        tickets.decode(_ticket_with_body(body.encode(), issuer), [issuer.node_id])
+    assert "malformed" in str(refused.value)
+
+
+def test_a_ticket_whose_numbers_are_not_integers_is_refused() -> None:
+    issuer = Identity.generate()
+    good = json.loads(
+        tickets.issue(issuer, session_id=bytes(16), epoch=1, artifact=bytes(32), hops=[Hop(bytes(32), Span(0, 30))])[
+            6:-64
+        ]
+    )
+    assert tickets.decode(_ticket_with_body(json.dumps(good).encode(), issuer), [issuer.node_id]).epoch == 1
+    for key, value in [("epoch", 1e300), ("epoch", True), ("exp", "5"), ("epoch", -1), ("hops", [["00", 0, 1.5]])]:
+        body = json.dumps({**good, key: value}).encode()
+        with pytest.raises(tickets.TicketError):
+            tickets.decode(_ticket_with_body(body, issuer), [issuer.node_id])
+
+
+@pytest.mark.parametrize("text", [*HOSTILE, "[" * (m.MAX_CONTROL_BYTES - 10)])
+def test_a_relay_control_message_that_breaks_parsers_is_a_control_error(text: str) -> None:
+    with pytest.raises(m.ControlError):
+        m.load(text, "dial")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"layers": {"a": 1}},
+        {"layers": 5},
+        {"layers": [[0], [30]]},
+        {"decode_tokens": {"x": 1}},
+        {"decode_tokens": 2**70},
+        {"bytes_in": -1},
+        {"compute_ms": "fast"},
+        {"compute_ms": None},
+    ],
+)
+def test_a_signed_usage_record_with_nonsense_fields_is_flagged_and_ledgered(
+    change: dict[str, object], tmp_path: object
+) -> None:
+    node = Identity.generate()
+    hops = [Hop(node.node_id, Span(0, 30))]
+    fields = {
+        "node_id": node.node_id.hex(),
+        "request_id": "r1",
+        "layers": [0, 30],
+        "prefill_tokens": 5,
+        "decode_tokens": 3,
+        "compute_ms": 1.5,
+        "bytes_in": 10,
+        "bytes_out": 20,
+    }
+    sound = json.dumps(fields).encode()
+    assert check(UsageRecord(sound, node.node_id, node.sign(USAGE_DOMAIN, sound)), request_id="r1", hops=hops).valid
+    body = json.dumps({**fields, **change}).encode()
+    verdict = check(UsageRecord(body, node.node_id, node.sign(USAGE_DOMAIN, body)), request_id="r1", hops=hops)
+    assert not verdict.valid and verdict.problem
+    ledger = Ledger(f"{tmp_path}/ledger.sqlite")
+    ledger.append(
+        request_id="r1",
+        model="m",
+        artifact="ab" * 32,
+        created=0.0,
+        prompt_tokens=5,
+        completion_tokens=3,
+        finish_reason="stop",
+        records=[verdict],
+    )
+    assert ledger.totals()["flagged"] == [
+        {"request_id": "r1", "node_id": node.node_id.hex(), "problem": verdict.problem}
+    ]
+
+
+@pytest.mark.parametrize("body", HOSTILE)
+def test_a_usage_record_body_that_breaks_parsers_is_flagged(body: str) -> None:
+    node = Identity.generate()
+    record = UsageRecord(body.encode(), node.node_id, node.sign(USAGE_DOMAIN, body.encode()))
+    verdict = check(record, request_id="r1", hops=[Hop(node.node_id, Span(0, 30))])
+    assert not verdict.valid
