@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from noderuntime.client import GenerationRequest, RouteError
 from noderuntime.dialer import open_dialer
 from noderuntime.identity import Identity
 from noderuntime.signing import sign
-from noderuntime.tickets import issue
+from noderuntime.tickets import MAGIC, issue
 from noderuntime.transport import StreamBroken
 from noderuntime.transport.relay_client import RelayDialer
 from protocol import Hop, Span, StatusCode
@@ -208,6 +209,51 @@ async def test_a_relay_control_connection_must_prove_the_key_it_claims(cluster: 
             await ws.get_message()
     assert closed.value.reason is not None and closed.value.reason.code == messages.CLOSE_UNAUTHENTICATED
     assert await _attempt(cluster, cluster.ticket(session := os.urandom(16)), session) == StatusCode.OK
+
+
+async def test_bytes_that_break_json_parsers_end_one_connection_not_the_node_or_the_relay(cluster: Cluster) -> None:
+    """Deep nesting raises RecursionError and 1e999 overflows int(): neither is a ValueError."""
+    from trio_websocket import ConnectionClosed, open_websocket_url
+
+    from relay import messages
+
+    assert cluster.relay_info is not None
+    url = cluster.relay_info["url"]
+    nested = "[" * 3000  # a ticket must fit a 4096-byte OpenRoute field
+    for path in ("/dial", "/control"):
+        async with open_websocket_url(url + path) as ws:
+            if path == "/control":
+                messages.load(await ws.get_message(), "challenge")
+            await ws.send_message(nested)
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.get_message()
+        assert closed.value.reason is not None and closed.value.reason.code == messages.CLOSE_POLICY
+    overflowing = b'{"artifact":"00","epoch":1e999,"exp":1,"hops":[],"iss":"00","sid":"00"}'
+    for body in (nested.encode(), overflowing):
+        ticket = MAGIC + struct.pack(">H", len(body)) + body + bytes(64)
+        assert await _attempt(cluster, ticket, os.urandom(16)) == StatusCode.UNAUTHENTICATED
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(StreamBroken) as refused:
+                await RelayDialer(nursery).dial(
+                    url, cluster.hops[1].node_id, session_id=bytes(16), epoch=0, ticket=ticket
+                )
+        assert refused.value.code == StatusCode.PERMISSION_DENIED
+    session = os.urandom(16)
+    assert await _attempt(cluster, cluster.ticket(session), session) == StatusCode.OK
+    await cluster.wait_idle()
+
+
+async def test_a_route_plan_naming_undialable_addresses_fails_the_session_not_the_node(cluster: Cluster) -> None:
+    """Tickets bind node ids and layers, not addresses: whatever a plan names, the head survives it."""
+    head, tail = cluster.hops
+    for address, relay in [("no-port", ""), ("", "http://relay:1"), ("host:99999", "ws://[::1")]:
+        hops = (head, Hop(tail.node_id, tail.layers, address, relay))
+        session = os.urandom(16)
+        code = await _attempt(cluster, cluster.ticket(session, hops=hops), session, hops=hops)
+        assert code == StatusCode.UNAVAILABLE, (address, relay, code)  # the route failed: another may serve
+    session = os.urandom(16)
+    assert await _attempt(cluster, cluster.ticket(session), session) == StatusCode.OK
+    await cluster.wait_idle()
 
 
 async def test_a_node_cannot_speak_for_another_at_the_tracker() -> None:

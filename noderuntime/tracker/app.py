@@ -22,13 +22,14 @@ import logging
 import os
 import random
 import time
+import urllib.parse
 from typing import Any
 
 import trio
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from noderuntime import tickets
 from noderuntime.admission import AdmissionError, ProbeAnswer, ProbeReferences, check_capability, compare
@@ -56,12 +57,43 @@ class Registration(BaseModel):
     n_layer: int = Field(gt=0, le=4096)
     layers: tuple[int, int]
     recipe: str = Field(pattern=r"^[0-9a-f]{16}$")
-    address: str = Field(default="", max_length=300)
-    relay: str = Field(default="", max_length=300)
+    address: str = Field(default="", max_length=300)  # HOST:PORT for direct seams, or none
+    relay: str = Field(default="", max_length=300)  # ws:// or wss:// URL of the relay it listens through
     tls_cert_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
     slots: int = Field(gt=0, le=4096)
     ctx_per_session: int = Field(gt=0, le=1 << 22)
     capability: dict[str, str]  # {"body": signed JSON text, "signature": hex}
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        # peers dial what routes name: a malformed address would fail every route through the node
+        if value and not _dialable(value):
+            raise ValueError("address must be HOST:PORT (or [IPv6]:PORT) with a port in 1..65535")
+        return value
+
+    @field_validator("relay")
+    @classmethod
+    def _relay(cls, value: str) -> str:
+        if value and not _relay_url(value):
+            raise ValueError("relay must be a ws:// or wss:// URL with a host")
+        return value
+
+
+def _dialable(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return bool(sep and host) and port.isdigit() and 0 < int(port) < 65536 and host.isprintable() and " " not in host
+
+
+def _relay_url(url: str) -> bool:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # raises ValueError when out of range
+    except ValueError:
+        return False
+    return parts.scheme in ("ws", "wss") and bool(parts.hostname) and port != 0
 
 
 class Heartbeat(BaseModel):

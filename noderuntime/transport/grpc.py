@@ -544,7 +544,10 @@ class GrpcConnector:
         self, address: str, *, tls_cert_sha256: bytes = b"", stream_seconds: float | None = None
     ) -> GrpcFrameStream:
         """A new seam stream to ``host:port`` (TLS pinned to a certificate hash when given)."""
-        host, port = parse_address(address)
+        try:
+            host, port = parse_address(address)
+        except ValueError as exc:  # the address came from a route plan: the peer's word
+            raise StreamBroken(f"cannot dial the next hop: {exc}", StatusCode.INVALID_ARGUMENT) from None
         peer = _Peer(host, port, tls_cert_sha256)
         tls = None
         if tls_cert_sha256:

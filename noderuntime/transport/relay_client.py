@@ -39,6 +39,8 @@ async def _connect(nursery: trio.Nursery, url: str, tls: ssl.SSLContext | None) 
         )
     except (OSError, HandshakeError, trio.TooSlowError) as exc:
         raise StreamBroken(f"cannot reach the relay at {url}: {exc}", StatusCode.UNAVAILABLE) from None
+    except ValueError as exc:  # not a ws:// or wss:// URL; a route plan's relay is the peer's word
+        raise StreamBroken(f"cannot dial the relay {url!r}: {exc}", StatusCode.INVALID_ARGUMENT) from None
 
 
 async def _expect_paired(ws: WebSocketConnection, url: str) -> None:
