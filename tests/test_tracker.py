@@ -8,6 +8,7 @@ import random
 import time
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -19,7 +20,7 @@ from noderuntime.signing import sign
 from noderuntime.tickets import TicketVerifier
 from noderuntime.tracker.app import Tracker
 from noderuntime.tracker.client import TrackerError, TrackerLink, request_route
-from noderuntime.tracker.state import NodeRecord, NoRoute, TrackerState, all_routes
+from noderuntime.tracker.state import MAX_ROUTES, NodeRecord, NoRoute, TrackerState, all_routes
 
 ARTIFACT = "ab" * 32
 
@@ -77,6 +78,20 @@ def test_routes_are_contiguous_covers_of_one_recipe() -> None:
     ]
     routes = {tuple(r.node_id[:1].decode() for r in route) for route in all_routes(records, 30)}
     assert routes == {("a", "b"), ("c", "d"), ("a", "e", "d")}
+
+
+def test_a_maze_of_dead_ends_is_not_searched_and_a_layer_count_in_the_minority_joins_no_route() -> None:
+    # two nodes per boundary up to layer 29 and none serving the last: 2**29 partial paths
+    maze = [node(f"m{i}{k}", (i, i + 1)) for i in range(29) for k in "ab"]
+    with pytest.raises(NoRoute):
+        state_with(*maze).choose(ARTIFACT, 10)
+    # finished by one node, the maze holds 2**29 routes: the search stops at the cap
+    assert len(all_routes([*maze, node("z", (29, 30))], 30)) == MAX_ROUTES
+    # a node that claims the artifact has 20 layers would be a whole route by itself
+    liar = attrs.evolve(node("l", (0, 20)), n_layer=20)
+    state = state_with(liar, node("a", (0, 10)), node("b", (10, 30)))
+    assert {tuple(n.node_id[:1] for n in state.choose(ARTIFACT, 10).nodes) for _ in range(10)} == {(b"a", b"b")}
+    assert state.artifacts()[ARTIFACT]["n_layer"] == 30
 
 
 def test_full_nodes_are_avoided_and_all_full_is_told_apart_from_no_route() -> None:
@@ -200,6 +215,43 @@ async def test_api_authenticates_nodes_and_issues_verifiable_tickets() -> None:
         with pytest.raises(TrackerError) as none:
             await request_route(client, url, "cd" * 32, 100, api_key="gw-secret")
         assert none.value.status == 503
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"address": "no-port"},
+        {"address": "host:0"},
+        {"address": "host:70000"},
+        {"address": ":7000"},
+        {"relay": "http://relay:1"},
+        {"relay": "ws://"},
+        {"relay": "ws://relay:99999"},
+        {"capability": {"body": "[" * 20_000, "signature": "00"}},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+async def test_a_registration_that_peers_could_not_use_is_refused_and_the_tracker_serves_on(
+    change: dict[str, Any],
+) -> None:
+    """What routes hand to peers must be dialable; JSON that breaks parsers is a 4xx, not a crash."""
+    tracker = Tracker(Identity.generate(), expire_after=2.0)
+    me = Identity.generate()
+    async with trio.open_nursery() as nursery, httpx.AsyncClient() as client:
+        url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
+
+        async def register(body: dict[str, Any]) -> int:
+            data = json.dumps(body).encode()
+            headers = sign(me, "POST", "/v1/nodes/register", data, int(time.time() * 1000))
+            response = await client.post(
+                url + "/v1/nodes/register", content=data, headers={**headers, "content-type": "application/json"}
+            )
+            return response.status_code
+
+        assert await register(_registration(me, **change)) in (400, 422)
+        assert me.node_id not in tracker.state.nodes
+        assert await register(_registration(me, address="[::1]:7000", relay="wss://relay.example:443/")) == 200
         nursery.cancel_scope.cancel()
 
 

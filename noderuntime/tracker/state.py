@@ -16,6 +16,7 @@ answered its known-answer probe correctly.
 
 from __future__ import annotations
 
+import collections
 import random
 from collections.abc import Iterable, Sequence
 
@@ -184,12 +185,13 @@ class TrackerState:
         out: dict[str, dict[str, object]] = {}
         for artifact in {r.artifact for r in self.nodes.values()}:
             nodes = self.nodes_of(artifact)
-            routable = bool(all_routes(self._eligible(artifact, 1, exclude=()), nodes[0].n_layer))
+            n_layer = layer_count(nodes)
+            eligible = [r for r in self._eligible(artifact, 1, exclude=()) if r.n_layer == n_layer]
             out[artifact] = {
                 "name": nodes[0].model_name,
-                "n_layer": nodes[0].n_layer,
+                "n_layer": n_layer,
                 "nodes": len(nodes),
-                "routable": routable,
+                "routable": bool(all_routes(eligible, n_layer)),
             }
         return out
 
@@ -210,8 +212,8 @@ class TrackerState:
         candidates = self._eligible(artifact, tokens, exclude)
         if not candidates:
             raise NoRoute(f"no node serves artifact {artifact[:16]}… for {tokens} tokens", full=False)
-        n_layer = candidates[0].n_layer
-        routes = all_routes(candidates, n_layer)
+        n_layer = layer_count(candidates)
+        routes = all_routes([c for c in candidates if c.n_layer == n_layer], n_layer)
         if not routes:
             raise NoRoute(f"the nodes of artifact {artifact[:16]}… do not cover its {n_layer} layers", full=False)
         free = [r for r in routes if all(node.has_room(self.step_budget_ms) for node in r)]
@@ -224,32 +226,55 @@ class TrackerState:
         return RouteChoice(tuple(route), cost)
 
 
+def layer_count(nodes: Sequence[NodeRecord]) -> int:
+    """The layer count of the artifact ``nodes`` serve: the one most of them report.
+
+    An artifact has one; a node that claims another (its word against theirs) joins no
+    route, so it cannot offer a route that stops short of the last layer.
+    """
+    return collections.Counter(node.n_layer for node in nodes).most_common(1)[0][0]
+
+
 def route_cost(route: Sequence[NodeRecord]) -> float:
     """Estimated milliseconds per decode step along ``route``."""
     return sum(node.estimated_step_ms() + node.seam_ms() for node in route)
 
 
 def all_routes(nodes: Sequence[NodeRecord], n_layer: int) -> list[list[NodeRecord]]:
-    """Every chain of nodes (one recipe) covering ``[0, n_layer)`` contiguously (capped)."""
+    """Every chain of nodes (one recipe) covering ``[0, n_layer)`` contiguously (capped).
+
+    Only boundaries from which the recipe's nodes still reach ``n_layer`` are followed, so
+    the work is bounded by the routes found: a registered maze of dead ends (two nodes
+    per boundary, the last layer never served) would otherwise cost 2**boundaries.
+    """
     by_start: dict[int, list[NodeRecord]] = {}
     for node in nodes:
-        by_start.setdefault(node.layers[0], []).append(node)
+        if 0 <= node.layers[0] < node.layers[1] <= n_layer:
+            by_start.setdefault(node.layers[0], []).append(node)
+    # (boundary, recipe) pairs from which that recipe's nodes reach n_layer; a node's end
+    # lies above its start, so walking the starts downwards settles each pair once
+    viable: set[tuple[int, str]] = set()
+    for start in sorted(by_start, reverse=True):
+        for node in by_start[start]:
+            if node.layers[1] == n_layer or (node.layers[1], node.recipe) in viable:
+                viable.add((start, node.recipe))
+
     routes: list[list[NodeRecord]] = []
 
-    def extend(path: list[NodeRecord], at: int) -> None:
+    def extend(path: list[NodeRecord], at: int, recipe: str) -> None:
         if len(routes) >= MAX_ROUTES:
             return
         if at == n_layer:
             routes.append(list(path))
             return
         for node in by_start.get(at, []):
-            if path and node.recipe != path[0].recipe:
-                continue  # every hop of a route runs the same recipe
-            if node.layers[1] <= at:
-                continue
+            if node.recipe != recipe or not (node.layers[1] == n_layer or (node.layers[1], recipe) in viable):
+                continue  # every hop of a route runs the same recipe, and dead ends are skipped
             path.append(node)
-            extend(path, node.layers[1])
+            extend(path, node.layers[1], recipe)
             path.pop()
 
-    extend([], 0)
+    for recipe in sorted({n.recipe for n in by_start.get(0, [])}):
+        if (0, recipe) in viable:
+            extend([], 0, recipe)
     return routes
