@@ -13,6 +13,7 @@ import collections
 import functools
 import itertools
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -24,7 +25,7 @@ from noderuntime.admission import ProbeAnswer
 from noderuntime.batcher import Batcher, BatcherStatistics
 from noderuntime.enginethread import EngineThread
 from noderuntime.leases import LeaseManager, LeaseStatistics
-from noderuntime.seamconn import SeamConnection
+from noderuntime.seamconn import NOTICE_TIMEOUT, SeamConnection
 from noderuntime.sessions import RouteSession, SessionKey, deadline_from_unix_ms
 from noderuntime.steps import SamplingParams
 from noderuntime.telemetry import NodeMetrics, SessionLog, exposition
@@ -101,9 +102,17 @@ class NodeConfig:
     encoding: Encoding = Encoding.F32
     limits: Limits = Limits()
 
+    max_opening: int = 64  # streams that have not yet opened a session
+    open_timeout: float = 10.0  # for a new stream's OpenRoute
+
     def __attrs_post_init__(self) -> None:
         if not 0 < self.prefill_chunk <= self.max_batch_tokens:
             raise ValueError("prefill_chunk must lie in 1..max_batch_tokens")
+        for name in ("idle_timeout", "max_session_seconds", "open_timeout"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a positive number of seconds")
+        if self.max_opening < 1:
+            raise ValueError("max_opening must be at least 1")
 
 
 @attrs.frozen
@@ -154,6 +163,8 @@ class Node:
         self._opened = 0
         self._ended: collections.Counter[str] = collections.Counter()
         self._refused = 0
+        self._opening = 0  # accepted streams that have not yet opened a session
+        self._stopping = False
         self.ready = trio.Event()
         self._probe_lock = trio.Lock()
         self.capability: dict[str, Any] | None = None  # measured at start (noderun), shown in /status
@@ -162,23 +173,57 @@ class Node:
 
     async def run(self, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled; sessions still running are ended and their KV released."""
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self.batcher.run)
-            self._nursery = nursery
-            self.ready.set()
-            task_status.started(self)
-            try:
-                await trio.sleep_forever()
-            finally:
-                self._nursery = None
-                for session in list(self.sessions.values()):
-                    session.cancel("node_stopped", StatusCode.UNAVAILABLE, "the node is stopping")
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.batcher.run)
+                self._nursery = nursery
+                self.ready.set()
+                task_status.started(self)
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    self._stopping = True
+                    for session in list(self.sessions.values()):
+                        session.cancel("node_stopped", StatusCode.UNAVAILABLE, "the node is stopping")
+        finally:
+            self._nursery = None
 
     def accept(self, stream: FrameStream) -> None:
-        """Serve an incoming seam stream in the node's nursery (synchronous)."""
-        if self._nursery is None:
-            raise RuntimeError("the node is not running")
-        self._nursery.start_soon(self.handle_stream, stream)
+        """Serve an incoming seam stream in the node's nursery (synchronous).
+
+        Never raises: transports call it from callbacks that must not fail. A stream that
+        arrives while the node stops, or while too many streams have yet to open a
+        session, is refused with UNAVAILABLE; one that arrives before the node runs or
+        after it stopped is dropped, and its transport closes it.
+        """
+        if self._stopping:
+            refusal = "the node is stopping"
+        elif self._opening >= self.config.max_opening:
+            refusal = f"{self._opening} streams are already opening sessions here"
+        else:
+            if self._spawn(self._handle_accepted, stream):
+                self._opening += 1
+            return
+        self.metrics.admissions_refused.labels(StatusCode.UNAVAILABLE.name).inc()
+        log.info("refused a seam: %s", refusal)
+        self._spawn(self._refuse_stream, stream, refusal)
+
+    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> bool:
+        try:
+            if self._nursery is not None:
+                self._nursery.start_soon(fn, *args)
+                return True
+        except RuntimeError:  # the nursery closed an instant before ``_nursery`` was cleared
+            pass
+        # not started, or stopped: its transports close what they still hold
+        log.info("dropped a seam that arrived while the node was not running")
+        return False
+
+    @staticmethod
+    async def _refuse_stream(stream: FrameStream, refusal: str) -> None:
+        # shielded: a stopping node's nursery is cancelled, and the peer should still hear why
+        with trio.CancelScope(shield=True), trio.move_on_after(NOTICE_TIMEOUT):
+            await stream.abort(StatusCode.UNAVAILABLE, refusal)
 
     async def connect(self, hop: Hop, open_route: OpenRoute) -> FrameStream:
         """A stream to the next hop, through this node's connector."""
@@ -219,20 +264,39 @@ class Node:
 
     async def handle_stream(self, stream: FrameStream) -> None:
         """Admit the session the stream opens, and serve it to its end."""
-        conn = SeamConnection(stream, limits=self.config.limits, on_frame=self.count_frame, label="up")
+        session = await self._open_session(stream)
+        if session is not None:
+            await self._serve_session(session)
+
+    async def _handle_accepted(self, stream: FrameStream) -> None:
         try:
-            with trio.fail_after(self.config.idle_timeout):
+            session = await self._open_session(stream)
+        finally:
+            self._opening -= 1
+        if session is not None:
+            await self._serve_session(session)
+
+    async def _open_session(self, stream: FrameStream) -> RouteSession | None:
+        """The session ``stream`` opens, admitted; ``None`` when it was refused or went away.
+
+        Until a session is admitted the stream may hold one frame at a time: a chunked
+        step that would have the node buffer megabytes for nobody is refused.
+        """
+        limits = self.config.limits
+        conn = SeamConnection(stream, limits=attrs.evolve(limits, max_chunks=1), on_frame=self.count_frame, label="up")
+        try:
+            with trio.fail_after(self.config.open_timeout):
                 first = await conn.receive()
         except ProtocolError as exc:
             # no session yet, so no identity to address an Error frame to: the status goes in the stream's end
             log.info("refused a seam before it opened a session: %s", exc)
             self.metrics.admissions_refused.labels(exc.code.name).inc()
             await conn.abort(exc)
-            return
+            return None
         except (TransportError, trio.TooSlowError) as exc:
             log.info("dropped a seam before it opened a session: %s", exc)
             await conn.aclose()
-            return
+            return None
         if not isinstance(first, OpenRoute):
             await self._refuse(
                 conn,
@@ -242,18 +306,22 @@ class Node:
                     StatusCode.FAILED_PRECONDITION,
                 ),
             )
-            return
+            return None
         try:
             index = self._check_route(first)
             if self.ticket_check is not None:
                 await self.ticket_check(first, index)
         except ProtocolError as exc:
             await self._refuse(conn, first.header.identity, exc)
-            return
+            return None
         session = self._admit(first, index, conn)
         if isinstance(session, ProtocolError):
             await self._refuse(conn, first.header.identity, session)
-            return
+            return None
+        conn.set_limits(limits)
+        return session
+
+    async def _serve_session(self, session: RouteSession) -> None:
         self.sessions[session.key] = session
         self._opened += 1
         self.metrics.sessions_opened.inc()

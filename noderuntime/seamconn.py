@@ -59,6 +59,11 @@ class SeamConnection:
         self._broken = False
         self._stages = (f"{label}.sent", f"{label}.received", f"{label}.decoded")
 
+    def set_limits(self, limits: Limits) -> None:
+        """Bound what this connection sends and accepts by ``limits`` from now on."""
+        self._encoder.limits = limits
+        self._decoder.limits = limits
+
     async def send(self, event: Event) -> None:
         """Check ``event`` against the state machine, encode it and send its frames."""
         if self._broken:

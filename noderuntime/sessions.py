@@ -329,16 +329,10 @@ class RouteSession:
         while True:
             try:
                 event = await self.downstream.receive()
+                if isinstance(event, Tokens):
+                    self._check_tokens(event)
             except RemoteProtocolError as exc:
-                await self.downstream.fail(exc, self.node.node_id)
-                self._finish(
-                    SessionEnd(
-                        "protocol_error",
-                        StatusCode.UNAVAILABLE,
-                        f"the next hop broke the protocol: {exc.message}",
-                        tell_upstream=True,
-                    )
-                )
+                await self._protocol_failure_down(exc)
                 return
             except TransportError:
                 self._finish(
@@ -422,6 +416,14 @@ class RouteSession:
                 if received.finished or not received.token_ids:
                     return  # wait for Release from the client in the upstream loop
                 next_token = received.token_ids[-1]
+                if position >= self.lease.tokens:  # the tail should have finished the generation
+                    await self._protocol_failure_down(
+                        RemoteProtocolError(
+                            f"a token for position {position}, past the {self.lease.tokens} this session reserved",
+                            StatusCode.OUT_OF_RANGE,
+                        )
+                    )
+                    return
             token = await self._step(
                 position, tokens=np.array([next_token], np.int32), sample=self.is_tail, decode=True
             )
@@ -442,6 +444,15 @@ class RouteSession:
                 RemoteProtocolError(
                     f"hidden_states of shape {hidden.shape} for {len(positions)} positions and n_embd "
                     f"{self.node.engine_n_embd}"
+                )
+            )
+            return False
+        if len(positions) > self.node.config.max_batch_tokens:
+            await self._protocol_failure_up(
+                RemoteProtocolError(
+                    f"a step of {len(positions)} positions; this node takes at most "
+                    f"{self.node.config.max_batch_tokens} at a time",
+                    StatusCode.RESOURCE_EXHAUSTED,
                 )
             )
             return False
@@ -582,6 +593,31 @@ class RouteSession:
                 SessionEnd("downstream_closed", StatusCode.UNAVAILABLE, "the next hop went away", tell_upstream=True)
             )
             return False
+
+    def _check_tokens(self, event: Tokens) -> None:
+        """Tokens from downstream must be in the vocabulary (llama.cpp would fail the
+        head's whole batch) and must not take the session past its reservation."""
+        n_vocab = self.node.engine.n_vocab
+        if not all(0 <= t < n_vocab for t in event.token_ids):
+            raise RemoteProtocolError(f"token ids outside the vocabulary of {n_vocab}", StatusCode.OUT_OF_RANGE)
+        if event.token_ids and not event.finished and event.header.positions.end >= self.lease.tokens:
+            raise RemoteProtocolError(
+                f"an unfinished generation at position {event.header.positions.end}, past the "
+                f"{self.lease.tokens} this session reserved",
+                StatusCode.OUT_OF_RANGE,
+            )
+
+    async def _protocol_failure_down(self, error: ProtocolError) -> None:
+        assert self.downstream is not None
+        await self.downstream.fail(error, self.node.node_id)
+        self._finish(
+            SessionEnd(
+                "protocol_error",
+                StatusCode.UNAVAILABLE,
+                f"the next hop broke the protocol: {error.message}",
+                tell_upstream=True,
+            )
+        )
 
     async def _protocol_failure_up(self, error: ProtocolError) -> None:
         await self.upstream.fail(error, self.node.node_id)

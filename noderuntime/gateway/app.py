@@ -348,6 +348,11 @@ class Gateway:
             event: Tokens | None = first
             while event is not None:
                 for token in event.token_ids:
+                    if not 0 <= token < model.vocab.n_vocab:  # the route's word, not a known piece
+                        bad = RouteError(
+                            f"the route sent token id {token}, outside the vocabulary", StatusCode.INTERNAL
+                        )
+                        raise _route_error(bad)
                     produced += 1
                     if token in request.stop_token_ids and event.finished:
                         continue  # the end-of-turn token itself is not text

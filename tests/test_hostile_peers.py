@@ -1,0 +1,192 @@
+"""A route member that breaks the protocol fails its own session only; the node serves on.
+
+Real shard nodes on real llama.cpp engines, in one process: the peers here are the test,
+speaking encoded frames over in-memory streams as a hostile node would over the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+import trio
+
+from noderuntime.client import GenerationRequest, RouteError, open_generation
+from noderuntime.engine import Recipe
+from noderuntime.localroute import LocalRoute, open_local_route
+from noderuntime.seamconn import SeamConnection
+from noderuntime.transport import FrameStream, StreamBroken, TransportError, memory_stream_pair
+from protocol import (
+    Activations,
+    Direction,
+    Error,
+    Event,
+    FrameEncoder,
+    Hop,
+    Identity,
+    Limits,
+    NamedTensor,
+    OpenRoute,
+    Phase,
+    Sampling,
+    SeamEndpoint,
+    Span,
+    StatusCode,
+    Tokens,
+)
+
+pytestmark = pytest.mark.slow
+
+RECIPE = Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=4, n_batch=256, n_ubatch=256)
+PROMPT = (1, 504, 3937, 260, 2)
+FAKE_TAIL = b"\xee" * 32
+
+
+@pytest.fixture
+async def route(smollm2: Path) -> AsyncIterator[LocalRoute]:
+    async with open_local_route(smollm2, [0, 15, 30], RECIPE) as running:
+        yield running
+
+
+async def _idle(route: LocalRoute) -> None:
+    with trio.fail_after(10):
+        while any(await route.kv_cells_used()) or any(n.sessions for n in route.nodes):
+            await trio.sleep(0.05)
+
+
+async def _as_head_toward_the_tail(route: LocalRoute, max_tokens: int) -> tuple[SeamConnection, SeamEndpoint]:
+    """A seam to the tail, opened as the head of ``route`` would open it."""
+    head, tail = route.hops
+    identity = Identity("hostile", os.urandom(16), 0, route.artifact, route.recipe, head.layers)
+    endpoint = SeamEndpoint(identity, Direction.DOWNSTREAM, peer_shard=tail.layers)
+    conn = SeamConnection(await route.network.connect(tail), endpoint)
+    await conn.send(OpenRoute(endpoint.header(Phase.PREFILL), route.hops, Sampling(), PROMPT, max_tokens, (), 0, b""))
+    return conn, endpoint
+
+
+async def test_a_step_larger_than_a_batch_is_refused_with_its_status(route: LocalRoute) -> None:
+    conn, endpoint = await _as_head_toward_the_tail(route, max_tokens=400)  # reserves 405 positions
+    rows = RECIPE.n_batch + 44  # within the reservation, beyond what one batch takes
+    hidden = np.zeros((rows, route.nodes[1].engine_n_embd), np.float32)
+    await conn.send(Activations(endpoint.header(Phase.PREFILL, Span(0, rows)), (NamedTensor("hidden_states", hidden),)))
+    with trio.fail_after(10):
+        refusal = await conn.receive()
+    assert isinstance(refusal, Error) and refusal.code == StatusCode.RESOURCE_EXHAUSTED, refusal
+    await conn.aclose()
+    await _idle(route)
+    assert len((await route.generate(GenerationRequest(PROMPT, 4))).tokens) == 4
+
+
+async def test_a_chunked_step_before_any_session_is_refused(route: LocalRoute) -> None:
+    """Before admission a stream may not make the node hold the chunks of a large step."""
+    identity = Identity("hostile", os.urandom(16), 0, route.artifact, route.recipe, Span(0, 15))
+    hidden = np.zeros((64, route.nodes[1].engine_n_embd), np.float32)
+    step = Activations(
+        SeamEndpoint(identity, Direction.DOWNSTREAM).header(Phase.PREFILL, Span(0, 64)),
+        (NamedTensor("hidden_states", hidden),),
+    )
+    frames = FrameEncoder(Limits(max_frame_bytes=16 << 10)).encode(step)
+    assert len(frames) > 1
+    stream = await route.network.connect(route.hops[1])
+    await stream.send(frames[0])
+    with trio.fail_after(5), pytest.raises(StreamBroken) as refused:
+        await stream.receive()
+    assert refused.value.code == StatusCode.INVALID_ARGUMENT
+    assert "chunk" in str(refused.value)
+
+
+async def test_streams_that_never_open_a_session_are_bounded(route: LocalRoute) -> None:
+    head = route.nodes[0]
+    idle = [await route.network.connect(route.hops[0]) for _ in range(head.config.max_opening)]
+    one_more = await route.network.connect(route.hops[0])
+    with trio.fail_after(5), pytest.raises(StreamBroken) as refused:
+        await one_more.receive()
+    assert refused.value.code == StatusCode.UNAVAILABLE
+    for stream in idle:
+        await stream.aclose()
+    with trio.fail_after(5):
+        while head._opening:
+            await trio.sleep(0.02)
+    assert len((await route.generate(GenerationRequest(PROMPT, 4))).tokens) == 4
+
+
+class _HostileTail:
+    """Takes the head's session and answers its prefill with one bad Tokens frame."""
+
+    def __init__(self, nursery: trio.Nursery, answer: tuple[int, int, bool]) -> None:
+        self.node_id = FAKE_TAIL
+        self._nursery: trio.Nursery | None = nursery  # what the in-process network checks
+        self.answer = answer  # (token id, position, finished)
+        self.told: list[Event] = []
+
+    def accept(self, stream: FrameStream) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(self._serve, stream)
+
+    async def _serve(self, stream: FrameStream) -> None:
+        conn = SeamConnection(stream)
+        opening = await conn.receive()
+        assert isinstance(opening, OpenRoute)
+        ident = opening.header.identity
+        endpoint = SeamEndpoint(attrs.evolve(ident, shard=Span(15, 30)), Direction.UPSTREAM, peer_shard=ident.shard)
+        endpoint.receive(opening)
+        conn.endpoint = endpoint
+        while True:
+            step = await conn.receive()
+            if isinstance(step, Activations) and step.header.positions.end == len(opening.prompt_tokens):
+                break
+        token, position, finished = self.answer
+        await conn.send(Tokens(endpoint.header(Phase.DECODE, Span(position, position + 1)), (token,), finished))
+        with trio.move_on_after(5), contextlib.suppress(TransportError):
+            while True:
+                self.told.append(await conn.receive())  # until the head ends the seam
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [(10**6, len(PROMPT), False), (-1 & 0x7FFFFFFF, len(PROMPT), False), (42, len(PROMPT) + 2, False)],
+    ids=["beyond-the-vocabulary", "huge-id", "past-the-reservation"],
+)
+async def test_bad_tokens_from_the_next_hop_fail_that_session_only(
+    route: LocalRoute, answer: tuple[int, int, bool]
+) -> None:
+    hops = (route.hops[0], Hop(FAKE_TAIL, Span(15, 30)))
+    innocent = GenerationRequest(PROMPT, 24)
+    expected = (await route.generate(innocent)).tokens
+    async with trio.open_nursery() as nursery:
+        hostile = _HostileTail(nursery, answer)
+        route.network.nodes[FAKE_TAIL] = hostile  # type: ignore[assignment]
+        results: list[tuple[int, ...]] = []
+
+        async def run_innocent() -> None:
+            results.append((await route.generate(innocent)).tokens)
+
+        nursery.start_soon(run_innocent)
+        stream, theirs = memory_stream_pair()
+        route.nodes[0].accept(theirs)
+        request = GenerationRequest(PROMPT, 2)  # reserves len(PROMPT) + 2 positions
+        with trio.fail_after(20), pytest.raises(RouteError) as failed:
+            async with open_generation(stream, hops, request, artifact=route.artifact, recipe=route.recipe) as gen:
+                while await gen.next() is not None:
+                    pass
+        assert failed.value.code == StatusCode.UNAVAILABLE
+        assert "broke the protocol" in str(failed.value)
+    # the head told the hostile tail why it ended the session, and the innocent session
+    # batched beside it on the head ran to its end
+    assert [type(e) for e in hostile.told] == [Error] and hostile.told[0].code == StatusCode.OUT_OF_RANGE
+    assert results == [expected]
+    await _idle(route)
+
+
+async def test_a_stream_that_arrives_when_the_node_is_not_running_is_dropped_not_raised(smollm2: Path) -> None:
+    """Transports hand streams over from callbacks that must not fail (one ends the trio run)."""
+    async with open_local_route(smollm2, [0, 30], RECIPE) as running:
+        node = running.nodes[0]
+    ours, theirs = memory_stream_pair()
+    node.accept(theirs)
+    await ours.aclose()
