@@ -571,6 +571,13 @@ def _read_cold(field: int, header: Header, body: bytes, limits: Limits) -> Event
     return Usage(header, tuple(UsageRecord(r.body, r.node_id, r.signature) for r in message.records))
 
 
+def _at_most(value: int, limit: int, what: str) -> int:
+    # the sampler allocates a window this long: a bound keeps a peer from asking for gigabytes
+    if value > limit:
+        raise RemoteProtocolError(f"{what} {value} exceeds {limit}", StatusCode.OUT_OF_RANGE)
+    return value
+
+
 def _open_route(header: Header, m: Any, limits: Limits) -> OpenRoute:
     if not 0 < len(m.hops) <= limits.max_hops:
         raise RemoteProtocolError(f"route plan has {len(m.hops)} hops; 1 to {limits.max_hops} allowed")
@@ -595,7 +602,7 @@ def _open_route(header: Header, m: Any, limits: Limits) -> OpenRoute:
         repeat_penalty=_finite(s.repeat_penalty, "repeat_penalty", 0.0, 100.0) if s.repeat_penalty else 1.0,
         frequency_penalty=_finite(s.frequency_penalty, "frequency_penalty", -100.0, 100.0),
         presence_penalty=_finite(s.presence_penalty, "presence_penalty", -100.0, 100.0),
-        penalty_last_n=s.penalty_last_n,
+        penalty_last_n=_at_most(s.penalty_last_n, limits.max_tokens, "penalty_last_n"),
     )
     return OpenRoute(
         header,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import attrs
 import crc32c
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from protocol import (
     Phase,
     Release,
     RemoteProtocolError,
+    Sampling,
     Span,
     StatusCode,
     Tokens,
@@ -194,6 +196,19 @@ def test_a_frame_over_the_limit_is_refused_on_both_sides() -> None:
     with pytest.raises(RemoteProtocolError) as remote:
         FrameDecoder(limits).receive(frame)
     assert remote.value.code == StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_penalty_window_longer_than_a_prompt_may_be_is_refused() -> None:
+    """The tail's sampler allocates the window: 2**31 tokens would be 8 GiB."""
+    limits = Limits()
+    fits = attrs.evolve(h.open_route(), sampling=Sampling(penalty_last_n=limits.max_tokens, repeat_penalty=1.5))
+    (frame,) = FrameEncoder().encode(fits)
+    assert FrameDecoder(limits).receive(frame) == fits
+    huge = attrs.evolve(fits, sampling=Sampling(penalty_last_n=2**31 - 1, repeat_penalty=1.5))
+    (frame,) = FrameEncoder().encode(huge)
+    with pytest.raises(RemoteProtocolError) as refused:
+        FrameDecoder(limits).receive(frame)
+    assert refused.value.code == StatusCode.OUT_OF_RANGE and "penalty_last_n" in str(refused.value)
 
 
 def test_lossy_encodings_refuse_non_finite_values() -> None:
