@@ -7,6 +7,7 @@ import ctypes
 import itertools
 import json
 import logging
+import math
 import os
 import platform
 import shlex
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from noderuntime import artifacts, models
+from noderuntime.cluster import ProcessError
+from noderuntime.steps import EngineError
 
 
 class CliError(Exception):
@@ -36,6 +39,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < math.inf:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {text}")
     return value
 
 
@@ -562,7 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", type=Path, help="PEM certificate for the gRPC listener")
     p.add_argument("--tls-key", type=Path, help="PEM key for the gRPC listener")
     p.add_argument("--tls-self-signed", action="store_true", help="make (once) and use a self-signed certificate")
-    p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds a session may make no progress")
+    p.add_argument("--idle-timeout", type=_seconds, default=60.0, help="seconds a session may make no progress")
     p.add_argument("--http", type=_listen_address, default="127.0.0.1:0", help="HOST:PORT of /status (port 0: any)")
     p.add_argument("--tracker", type=_url, help="register with this tracker (and trust its session tickets)")
     p.add_argument(
@@ -583,7 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=str(_default_data_dir().with_name("tracker")), help="where its key lives")
     p.add_argument("--api-key", type=_api_key, help="require this bearer key for route requests (the gateway's)")
     p.add_argument(
-        "--expire-after", type=float, default=10.0, help="seconds without heartbeat before a node is dropped"
+        "--expire-after", type=_seconds, default=10.0, help="seconds without heartbeat before a node is dropped"
     )
     p.add_argument(
         "--probe-references",
@@ -593,7 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="reference answers (from `noderuntime probe reference`); shards they cover must pass; repeatable",
     )
     p.add_argument("--require-probe", action="store_true", help="admit no shard the references do not cover")
-    p.add_argument("--probe-interval", type=float, default=600.0, help="seconds between probes of a node")
+    p.add_argument("--probe-interval", type=_seconds, default=600.0, help="seconds between probes of a node")
     p.add_argument(
         "--probe-tolerance", type=float, default=1e-3, help="relative error a probe answer may have when not exact"
     )
@@ -612,10 +625,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", type=_api_key, action="append", default=[], help="accepted client bearer key; repeatable"
     )
     p.add_argument("--tracker-key", help="bearer key for the tracker's route requests")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take")
+    p.add_argument("--request-timeout", type=_seconds, default=600.0, help="seconds a request may take")
     p.add_argument("--ctx", type=_positive_int, help="context per session the nodes offer (default: the model's)")
     p.add_argument(
-        "--queue-timeout", type=float, default=10.0, help="seconds a request waits for a free route before 429"
+        "--queue-timeout", type=_seconds, default=10.0, help="seconds a request waits for a free route before 429"
     )
     p.add_argument(
         "--ledger",
@@ -747,8 +760,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # What bad input raises (OSError: a path given on the command line that cannot be read or
-# written): one error line each, exit status 1; the traceback only in the --verbose log.
-_INPUT_ERRORS = (CliError, artifacts.ArtifactError, models.ModelError, ValueError, RuntimeError, OSError)
+# written; EngineError: a model llama.cpp cannot load; ProcessError: a child that did not
+# start): one error line each, exit status 1; the traceback only in the --verbose log. Not
+# RuntimeError as such, so that a defect still shows its traceback.
+_INPUT_ERRORS = (
+    CliError,
+    artifacts.ArtifactError,
+    models.ModelError,
+    EngineError,
+    ProcessError,
+    ValueError,
+    OSError,
+)
 
 
 def _report(exc: BaseException, verbose: bool) -> int:

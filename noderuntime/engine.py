@@ -28,7 +28,7 @@ import numpy as np
 
 from noderuntime import artifacts
 from noderuntime.artifacts import ArtifactError, ArtifactInfo, LayerRange
-from noderuntime.steps import Rows, SamplingParams, StepResult
+from noderuntime.steps import EngineError, Rows, SamplingParams, StepResult
 
 __all__ = [
     "EngineError",
@@ -51,10 +51,6 @@ _BUILD_HINT = (
     "build and install it with `python3 kernels_patch/build.py --python <venv>/bin/python --install` "
     "(or run `make test`, which does it)"
 )
-
-
-class EngineError(RuntimeError):
-    """The shard could not be loaded or a batch could not be run."""
 
 
 class PatchMissingError(EngineError):

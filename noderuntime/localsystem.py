@@ -22,7 +22,7 @@ import attrs
 import platformdirs
 
 from noderuntime import admission, artifacts, models
-from noderuntime.cluster import ManagedProcess
+from noderuntime.cluster import ManagedProcess, ProcessError
 
 
 @attrs.define
@@ -52,7 +52,7 @@ def _wait_routable(tracker_url: str, artifact: str, timeout: float = 60.0) -> No
         except OSError:
             pass
         time.sleep(0.2)
-    raise RuntimeError("the nodes did not register a complete route with the tracker in time")
+    raise ProcessError("the nodes did not register a complete route with the tracker in time")
 
 
 def start(

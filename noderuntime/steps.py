@@ -6,6 +6,10 @@ import attrs
 import numpy as np
 
 
+class EngineError(RuntimeError):
+    """The shard could not be loaded or a batch could not be run."""
+
+
 @attrs.frozen(eq=False)
 class Rows:
     """One batch of rows to run. Arrays are parallel; exactly one of tokens / hidden is set."""

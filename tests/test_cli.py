@@ -112,3 +112,24 @@ def test_an_output_path_that_cannot_be_written_is_a_clear_error(
     blocked.write_text("in the way\n")
     line = _run(python, cli_env, *(a.format(model=tiny_model, blocked=blocked) for a in argv))
     assert line.startswith("noderuntime: error: [Errno ") and str(blocked) in line
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "soon"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("up", "--model", "m.gguf", "--layers", "0:1", "--idle-timeout"),
+        ("tracker", "--expire-after"),
+        ("gateway", "--model", "m.gguf", "--tracker", "http://t", "--queue-timeout"),
+    ],
+    ids=["up", "tracker", "gateway"],
+)
+def test_a_seconds_flag_takes_a_positive_finite_number(
+    argv: tuple[str, ...], value: str, python: str, cli_env: dict[str, str]
+) -> None:
+    """A negative or NaN timeout used to start a node that then died on its first stream."""
+    done = subprocess.run(
+        [python, "-m", "noderuntime", *argv, value], capture_output=True, text=True, env=cli_env, timeout=60
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"{argv[-1]}: expected a" in done.stderr.splitlines()[-1]
