@@ -6,9 +6,11 @@ second thread that calls the engine gets a team of its own, and once a process h
 more OpenMP threads than the machine has cores, libgomp throttles the spinning in its
 barriers: every op's barrier goes to sleep in the kernel. On a 2-core machine a decode
 ran 1.7-2.4x slower from a second thread while the first one merely lived on. So every
-call that touches an engine (loading, measuring, each batch, probes) goes to one
-long-lived thread per engine, not to whichever thread ``trio.to_thread`` has free; this
-also spares a tick the thread cache's own bookkeeping.
+call that runs a graph (loading, which warms the context up; measuring; each batch;
+probes) goes to one long-lived thread per engine, not to whichever thread
+``trio.to_thread`` has free; this also spares a tick the thread cache's own bookkeeping.
+Calls that run no graph (removing a sequence's KV between batches, making or freeing a
+sampler) stay on the trio thread.
 
 Calls run one at a time, in the order their callers take turns. Like
 ``trio.to_thread.run_sync``, a call cannot be abandoned: a caller cancelled meanwhile
