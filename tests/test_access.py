@@ -246,7 +246,14 @@ async def test_bytes_that_break_json_parsers_end_one_connection_not_the_node_or_
 async def test_a_route_plan_naming_undialable_addresses_fails_the_session_not_the_node(cluster: Cluster) -> None:
     """Tickets bind node ids and layers, not addresses: whatever a plan names, the head survives it."""
     head, tail = cluster.hops
-    for address, relay in [("no-port", ""), ("", "http://relay:1"), ("host:99999", "ws://[::1")]:
+    long_label = "a" * 64  # the resolver raises UnicodeError (a ValueError, not an OSError)
+    for address, relay in [
+        ("no-port", ""),
+        ("", "http://relay:1"),
+        ("host:99999", "ws://[::1"),
+        (f"{long_label}:7000", ""),
+        ("", f"ws://{long_label}:1"),
+    ]:
         hops = (head, Hop(tail.node_id, tail.layers, address, relay))
         session = os.urandom(16)
         code = await _attempt(cluster, cluster.ticket(session, hops=hops), session, hops=hops)

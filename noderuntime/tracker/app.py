@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, field_validator
 
-from noderuntime import tickets
+from noderuntime import tickets, untrusted
 from noderuntime.admission import AdmissionError, ProbeAnswer, ProbeReferences, check_capability, compare
 from noderuntime.httpserve import BodyLimit
 from noderuntime.identity import Identity
@@ -81,10 +81,11 @@ class Registration(BaseModel):
 
 
 def _dialable(address: str) -> bool:
-    host, sep, port = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return bool(sep and host) and port.isdigit() and 0 < int(port) < 65536 and host.isprintable() and " " not in host
+    try:
+        untrusted.host_port(address)
+    except ValueError:
+        return False
+    return True
 
 
 def _relay_url(url: str) -> bool:

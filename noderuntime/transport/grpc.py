@@ -40,7 +40,7 @@ from grpclib.config import Configuration
 from grpclib.encoding.base import CodecBase
 from grpclib.server import Server
 
-from noderuntime import timeline
+from noderuntime import timeline, untrusted
 from noderuntime.transport.base import FrameStream, StreamBroken, StreamClosed, TransportError
 from protocol import StatusCode
 
@@ -265,6 +265,8 @@ class GrpcFrameStream:
         self.inbound = _Pipe(runtime.loop, token, trio_to_aio=False)
         self.task: asyncio.Task[None] | None = None  # the asyncio task that owns the HTTP/2 stream
         self._closed = False
+        # the pipe keeps one waiting producer; a closing notice may race a blocked data send
+        self._sending = trio.Lock()
 
     async def send(self, frame: bytes) -> None:
         """Send one frame (waits while the peer is not reading)."""
@@ -272,7 +274,14 @@ class GrpcFrameStream:
             raise StreamClosed("the seam is closed")
         if self.inbound._end is not None and not isinstance(self.inbound._end, StreamClosed):
             raise self.inbound._end
-        await self.outbound.put(frame)
+        try:
+            self._sending.acquire_nowait()  # the usual case, and no checkpoint on the hot path
+        except trio.WouldBlock:
+            await self._sending.acquire()
+        try:
+            await self.outbound.put(frame)
+        finally:
+            self._sending.release()
 
     async def receive(self) -> bytes:
         """The next frame from the peer."""
@@ -605,6 +614,7 @@ class GrpcConnector:
         except (
             TimeoutError,
             OSError,
+            ValueError,  # a name the resolver refuses (UnicodeError), whatever parse_address let through
             grpclib.exceptions.GRPCError,
             grpclib.exceptions.ProtocolError,
             grpclib.exceptions.StreamTerminatedError,
@@ -760,10 +770,7 @@ def parse_address(address: str, *, listen: bool = False) -> tuple[str, int]:
 
     A listen address may use port 0 (any free port).
     """
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not (0 if listen else 1) <= int(port) < 65536:
-        raise ValueError(f"expected HOST:PORT, got {address!r}")
-    return host.strip("[]"), int(port)
+    return untrusted.host_port(address, listen=listen)
 
 
 async def pinned_context(runtime: AsyncioThread, host: str, port: int, cert_sha256: bytes) -> ssl.SSLContext:
@@ -792,7 +799,7 @@ async def pinned_context(runtime: AsyncioThread, host: str, port: int, cert_sha2
 
     try:
         der = await runtime.call(fetch)
-    except (TimeoutError, OSError, ssl.SSLError) as exc:
+    except (TimeoutError, OSError, ssl.SSLError, ValueError) as exc:  # ValueError: a name the resolver refuses
         raise StreamBroken(f"TLS handshake with {host}:{port} failed: {exc}", StatusCode.UNAVAILABLE) from None
     if hashlib.sha256(der).digest() != cert_sha256:
         raise StreamBroken(
