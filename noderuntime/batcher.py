@@ -288,7 +288,11 @@ class Batcher:
 
     async def _run_one_batch(self) -> None:
         by_seq = {w.request.seq_id: w for w in self._waiting}
-        ready = [ReadyStep(w.request.seq_id, w.request.n_rows, w.request.decode) for w in self._waiting]
+        # a "decode" step is one row: the scheduler counts decode steps, not rows, against the budget
+        ready = [
+            ReadyStep(w.request.seq_id, w.request.n_rows, w.request.decode and w.request.n_rows == 1)
+            for w in self._waiting
+        ]
         plan = schedule(ready, self.max_batch_tokens, self._tick, group_rows=self._group_rows)
         # Rows in increasing sequence order: with one KV stream per sequence, llama.cpp puts
         # only consecutive increasing sequence ids into one ubatch (split_equal, sequential),

@@ -26,7 +26,7 @@ from noderuntime.batcher import Batcher, BatcherStatistics
 from noderuntime.enginethread import EngineThread
 from noderuntime.leases import LeaseManager, LeaseStatistics
 from noderuntime.seamconn import NOTICE_TIMEOUT, SeamConnection
-from noderuntime.sessions import RouteSession, SessionKey, deadline_from_unix_ms
+from noderuntime.sessions import RouteSession, SessionEnd, SessionKey, deadline_from_unix_ms
 from noderuntime.steps import SamplingParams
 from noderuntime.telemetry import NodeMetrics, SessionLog, exposition
 from noderuntime.transport import FrameStream, TransportError
@@ -329,6 +329,11 @@ class Node:
         end = None
         try:
             end = await session.run()
+        except Exception:
+            # a defect met in one session: run() has released its KV and told its peers,
+            # and the node serves on; the traceback goes to the log
+            session.log.exception("failed on a defect")
+            end = SessionEnd("defect", StatusCode.INTERNAL, "the node failed this session")
         finally:
             self.sessions.pop(session.key, None)
             reason = end.reason if end is not None else "node_stopped"

@@ -465,6 +465,9 @@ class RouteSession:
             )
             return False
         decode = event.header.phase == Phase.DECODE
+        if decode and len(positions) != 1:
+            await self._protocol_failure_up(RemoteProtocolError(f"a decode step of {len(positions)} positions"))
+            return False
         prompt_len = len(self.open_route.prompt_tokens)
         sample = self.is_tail and positions.end >= prompt_len
         result = await self._step(positions.start, hidden=hidden, sample=sample, decode=decode)
@@ -575,7 +578,7 @@ class RouteSession:
         try:
             await self.upstream.send(event)
             return True
-        except TransportError:
+        except (TransportError, ProtocolError):  # ProtocolError: the seam closed under a failure meanwhile
             self._finish(
                 SessionEnd("upstream_closed", StatusCode.CANCELLED, "the upstream peer went away", tell_downstream=True)
             )
@@ -588,7 +591,7 @@ class RouteSession:
         try:
             await self.downstream.send(event)
             return True
-        except TransportError:
+        except (TransportError, ProtocolError):
             self._finish(
                 SessionEnd("downstream_closed", StatusCode.UNAVAILABLE, "the next hop went away", tell_upstream=True)
             )
@@ -607,9 +610,11 @@ class RouteSession:
                 StatusCode.OUT_OF_RANGE,
             )
 
+    # Both failures end the session before telling the peer: the notice is sent shielded,
+    # and meanwhile no other task of the session may send on a seam that is closing.
+
     async def _protocol_failure_down(self, error: ProtocolError) -> None:
         assert self.downstream is not None
-        await self.downstream.fail(error, self.node.node_id)
         self._finish(
             SessionEnd(
                 "protocol_error",
@@ -618,10 +623,11 @@ class RouteSession:
                 tell_upstream=True,
             )
         )
+        await self.downstream.fail(error, self.node.node_id)
 
     async def _protocol_failure_up(self, error: ProtocolError) -> None:
-        await self.upstream.fail(error, self.node.node_id)
         self._finish(SessionEnd("protocol_error", error.code, error.message, tell_downstream=True))
+        await self.upstream.fail(error, self.node.node_id)
 
 
 class _Failed:

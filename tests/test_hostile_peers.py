@@ -82,6 +82,18 @@ async def test_a_step_larger_than_a_batch_is_refused_with_its_status(route: Loca
     assert len((await route.generate(GenerationRequest(PROMPT, 4))).tokens) == 4
 
 
+async def test_a_decode_step_of_several_rows_is_refused(route: LocalRoute) -> None:
+    """The scheduler counts decode steps as one row each: a longer one could overfill a batch."""
+    conn, endpoint = await _as_head_toward_the_tail(route, max_tokens=16)
+    hidden = np.zeros((3, route.nodes[1].engine_n_embd), np.float32)
+    await conn.send(Activations(endpoint.header(Phase.DECODE, Span(0, 3)), (NamedTensor("hidden_states", hidden),)))
+    with trio.fail_after(10):
+        refusal = await conn.receive()
+    assert isinstance(refusal, Error) and refusal.code == StatusCode.INVALID_ARGUMENT, refusal
+    await conn.aclose()
+    await _idle(route)
+
+
 async def test_a_chunked_step_before_any_session_is_refused(route: LocalRoute) -> None:
     """Before admission a stream may not make the node hold the chunks of a large step."""
     identity = Identity("hostile", os.urandom(16), 0, route.artifact, route.recipe, Span(0, 15))
