@@ -98,6 +98,7 @@ class Generation:
                 self.finished = True
                 self.finish_reason = event.finish_reason
             return event
+        self.failed = True  # a broken head: do not wait on it for usage records
         raise RouteError(f"unexpected {type(event).__name__} from the head", StatusCode.INTERNAL)
 
     async def _receive(self) -> object:

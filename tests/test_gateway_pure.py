@@ -17,10 +17,12 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 
 from noderuntime.chat import ChatTemplate
+from noderuntime.client import RouteError
 from noderuntime.engine import Vocab
-from noderuntime.gateway.app import ApiError, ApiKeys, Gateway, ServedModel
+from noderuntime.gateway.app import ApiError, ApiKeys, Gateway, ServedModel, _route_error
 from noderuntime.gateway.schema import ChatCompletionRequest, CompletionRequest
 from noderuntime.gateway.textstream import TextStream
+from protocol import StatusCode
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -288,6 +290,24 @@ async def test_the_api_key_is_checked_before_anything_else(gateway: httpx.AsyncC
         assert (await gateway.get("/v1/models", headers=headers)).status_code == 401
     assert (await gateway.post("/v1/chat/completions", content=b"{not json", headers=KEY)).status_code == 400
     assert (await gateway.get("/metrics")).status_code == 200  # the operator's, not the API's
+
+
+async def test_request_metrics_name_the_route_not_the_path_asked_for(gateway: httpx.AsyncClient) -> None:
+    """Anyone may send any path; a label per path would be a series kept for good."""
+    for path in ("/v1/x-made-up-1", "/v1/models/made-up-2", "/v1/models/m"):
+        await gateway.get(path)  # no key: 401
+        await gateway.get(path, headers=KEY)
+    metrics = (await gateway.get("/metrics")).text
+    assert "made-up" not in metrics
+    assert 'endpoint="/v1/models/{model_id:path}",status="200"' in metrics
+    assert 'endpoint="unmatched",status="401"' in metrics
+
+
+def test_what_a_route_reports_is_never_the_clients_fault() -> None:
+    """The gateway checked the request itself: a route that calls it invalid is wrong or hostile."""
+    for code in (StatusCode.INVALID_ARGUMENT, StatusCode.OUT_OF_RANGE, StatusCode.INTERNAL):
+        assert _route_error(RouteError("no", code)).status == 503
+    assert _route_error(RouteError("no", StatusCode.DEADLINE_EXCEEDED)).status == 504
 
 
 async def test_one_model_can_be_asked_for_by_id(gateway: httpx.AsyncClient) -> None:

@@ -44,6 +44,7 @@ from protocol import Sampling, StatusCode, Tokens
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
+DEADLINE_GRACE_SECONDS = 5.0  # beyond a request's deadline, for the route's own word on it
 _UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|list|dict|.*\[.*\])$")
 MAX_BODY = 8 << 20  # a request body: far above any prompt that fits a context
 # A request without max_tokens asks for a route with room for at least this many tokens
@@ -311,11 +312,14 @@ class Gateway:
                             epoch=grant.epoch,
                         )
                     )
-                    first = await gen.next()
+                    with trio.fail_after(_time_left(request)):
+                        first = await gen.next()
+                except trio.TooSlowError:
+                    raise _silent_route() from None
                 except RouteError as exc:
                     error = _route_error(exc)
-                    if exc.code in (StatusCode.INVALID_ARGUMENT, StatusCode.OUT_OF_RANGE, StatusCode.DEADLINE_EXCEEDED):
-                        raise error from None
+                    if exc.code == StatusCode.DEADLINE_EXCEEDED and time.time() * 1000 >= request.deadline_unix_ms:
+                        raise error from None  # the request's own time is up: no route could serve it now
                     self.counters["retries"] += 1
                     self.metrics.route_retries.labels(exc.code.name).inc()
                     if exc.code == StatusCode.RESOURCE_EXHAUSTED:
@@ -364,7 +368,10 @@ class Gateway:
                 if text.stopped or event.finished:
                     break
                 try:
-                    event = await gen.next()
+                    with trio.fail_after(_time_left(request)):
+                        event = await gen.next()
+                except trio.TooSlowError:
+                    raise _silent_route() from None
                 except RouteError as exc:
                     # tokens already went out: no retry, a typed error in their place
                     raise _route_error(exc) from None
@@ -425,7 +432,10 @@ class Gateway:
         async def count(request: Request, call_next: Any) -> Any:
             response = await call_next(request)
             if request.url.path.startswith("/v1/"):
-                self.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+                # by the route that matched, never the raw path: anyone may send any path,
+                # and each label value is a series the process keeps for good
+                route = getattr(request.scope.get("route"), "path", "")
+                self.metrics.requests.labels(route or "unmatched", str(response.status_code)).inc()
             return response
 
         @app.get("/metrics", include_in_schema=False)
@@ -636,6 +646,7 @@ class Gateway:
             # headers are gone: report in the stream, as OpenAI does
             self.counters["errors"] += 1
             self.metrics.errors.labels(exc.code or exc.kind).inc()
+            finished = True  # ended by the route, counted as an error: the client did not leave
             yield b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
@@ -674,13 +685,23 @@ def _describe(grant: RouteGrant) -> list[dict[str, Any]]:
     ]
 
 
+def _time_left(request: GenerationRequest) -> float:
+    # the nodes end a session at its deadline and say so; this bounds a route gone silent
+    # (a head that accepted and hung, a relay host that vanished) on the gateway's side
+    return max(0.0, request.deadline_unix_ms / 1000 - time.time()) + DEADLINE_GRACE_SECONDS
+
+
+def _silent_route() -> ApiError:
+    return ApiError(504, "the route went silent past the request's deadline", "timeout", "deadline_exceeded")
+
+
 def _route_error(exc: RouteError) -> ApiError:
+    # Never a 400: the gateway checked the request before any route saw it, so a route
+    # that calls it invalid (or out of range) is wrong or hostile, and another may serve it.
     if exc.code == StatusCode.RESOURCE_EXHAUSTED:
         return ApiError(429, f"every route is busy: {exc}", "rate_limit_error", "routes_full")
     if exc.code == StatusCode.DEADLINE_EXCEEDED:
         return ApiError(504, f"the request timed out: {exc}", "timeout", "deadline_exceeded")
-    if exc.code in (StatusCode.INVALID_ARGUMENT, StatusCode.OUT_OF_RANGE):
-        return ApiError(400, str(exc))
     return ApiError(503, f"the route failed: {exc}", "service_unavailable", "route_failed")
 
 
