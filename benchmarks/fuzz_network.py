@@ -7,9 +7,12 @@ gateway), all real processes on loopback:
 
 - **gRPC seams** of the head node: streams of random bytes; ``OpenRoute`` frames with
   a real ticket, mutated; a valid ``OpenRoute`` followed by mutated, random or
-  out-of-place frames (which start a real session first);
+  out-of-place frames (which start a real session first); well-formed ``OpenRoute``
+  frames built to break what reads them (:data:`HOSTILE_OPENINGS`: ticket bodies that
+  nest deeply or overflow an integer, next hops no resolver takes, a sampler window of
+  2**31 tokens); the first chunk of a large step before any session;
 - **relay** websocket paths (``/control``, ``/dial``, ``/accept/…``, unknown): random
-  text and binary messages and mutated control messages;
+  text and binary messages, mutated control messages, and JSON nested to break a parser;
 - **tracker API** bodies: random and mutated JSON, bad signatures, oversized bodies,
   and schemathesis cases from its OpenAPI document;
 - **gateway HTTP** bodies: random bytes, mutated requests, oversized bodies, and
@@ -28,12 +31,14 @@ import collections
 import json
 import os
 import random
+import struct
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any, cast
 
+import attrs
 import httpx
 import trio
 from trio_websocket import ConnectionClosed, HandshakeError, open_websocket_url
@@ -68,6 +73,15 @@ from protocol import (
 )
 
 NAME = "fuzz_network"
+# well-formed OpenRoute frames whose content once crashed a node (each found by review)
+HOSTILE_OPENINGS = (
+    "ticket_nested",
+    "ticket_overflow",
+    "next_hop_long_label",
+    "next_hop_no_port",
+    "next_hop_http_relay",
+    "penalty_window",
+)
 REPLY_SECONDS = 3.0
 GRPC_PARALLEL = 12  # seam streams in flight at once
 
@@ -109,10 +123,28 @@ async def _route(http: httpx.AsyncClient, tracker: str, artifact: str) -> dict[s
     raise RuntimeError(f"no route: {response.text}")
 
 
-def _open_route_frames(route: dict[str, Any], artifact: str) -> tuple[list[bytes], SeamEndpoint, FrameEncoder]:
+def _open_route_frames(
+    route: dict[str, Any], artifact: str, hostile: str = ""
+) -> tuple[list[bytes], SeamEndpoint, FrameEncoder]:
+    """A valid OpenRoute for ``route`` or, with ``hostile``, one that is well-formed but
+    built to break what reads it (see :data:`HOSTILE_OPENINGS`)."""
     hops = tuple(
         Hop(bytes.fromhex(h["node_id"]), Span(*h["layers"]), h["address"], h["relay"], b"") for h in route["hops"]
     )
+    ticket = bytes.fromhex(route["ticket"])
+    sampling = Sampling()
+    if hostile.startswith("ticket_"):  # the issuer's signature cannot be forged: the body is parsed first
+        body = {"ticket_nested": b"[" * 3000, "ticket_overflow": b'{"epoch":1e999,"exp":1e999}'}[hostile]
+        ticket = b"NRT1" + struct.pack(">H", len(body)) + body + bytes(64)
+    elif hostile.startswith("next_hop_"):  # the ticket binds node ids and layers, not addresses
+        address, relay = {
+            "next_hop_long_label": ("a" * 64 + ":7000", ""),
+            "next_hop_no_port": ("no-port", ""),
+            "next_hop_http_relay": ("", "http://relay:1"),
+        }[hostile]
+        hops = (*hops[:-1], attrs.evolve(hops[-1], address=address, relay=relay))
+    elif hostile == "penalty_window":
+        sampling = Sampling(repeat_penalty=1.1, penalty_last_n=2**31 - 1)
     identity = Identity(
         "fuzz", bytes.fromhex(route["session_id"]), 0, bytes.fromhex(artifact), bytes.fromhex(route["recipe"]), Span()
     )
@@ -121,12 +153,12 @@ def _open_route_frames(route: dict[str, Any], artifact: str) -> tuple[list[bytes
     opening = OpenRoute(
         endpoint.header(Phase.PREFILL),
         hops,
-        Sampling(),
+        sampling,
         (1, 2, 3, 4, 5, 6, 7, 8),
         4,
         (),
         0,
-        bytes.fromhex(route["ticket"]),
+        ticket,
     )
     endpoint.send(opening)
     return encoder.encode(opening), endpoint, encoder
@@ -153,11 +185,31 @@ async def _fuzz_grpc(address: str, tracker: str, artifact: str, count: int, rng:
         async with httpx.AsyncClient(timeout=10) as http, trio.open_nursery() as nursery:
             for _ in range(count):
                 kind = rng.choice(
-                    ("random", "mutated_open", "open_then_mutated", "open_then_random", "open_then_wrong")
+                    (
+                        "random",
+                        "mutated_open",
+                        "open_then_mutated",
+                        "open_then_random",
+                        "open_then_wrong",
+                        "hostile_open",
+                        "chunked_first",
+                    )
                 )
+                if kind == "hostile_open":
+                    kind = f"hostile_open:{rng.choice(HOSTILE_OPENINGS)}"
                 kinds[kind] += 1
                 if kind == "random":
                     frames = [rng.randbytes(rng.choice((0, 1, 7, 64, 1000, 70000))) for _ in range(rng.randint(1, 3))]
+                elif kind.startswith("hostile_open:"):
+                    route = await _route(http, tracker, artifact)
+                    frames, _, _ = _open_route_frames(route, artifact, kind.removeprefix("hostile_open:"))
+                elif kind == "chunked_first":  # the first chunk of a large step, before any session
+                    _, endpoint, _ = _open_route_frames(await _route(http, tracker, artifact), artifact)
+                    array = np.zeros((64, 576), np.float32)
+                    step = Activations(
+                        endpoint.header(Phase.PREFILL, Span(0, 64)), (NamedTensor("hidden_states", array),)
+                    )
+                    frames = FrameEncoder(Limits(max_frame_bytes=16 << 10)).encode(step)[:1]
                 else:
                     opening, endpoint, encoder = _open_route_frames(await _route(http, tracker, artifact), artifact)
                     if kind == "mutated_open":
@@ -225,7 +277,9 @@ def _relay_message(rng: random.Random) -> str | bytes:
         {"type": "paired"},
         {"type": "incoming", "pair": "ab"},
     ]
-    choice = rng.randrange(5)
+    choice = rng.randrange(6)
+    if choice == 5:  # JSON that ends a parser with RecursionError, or a number int() cannot take
+        return rng.choice(("[" * rng.randint(1000, 16000), '{"type": "dial", "epoch": 1e999}'))
     if choice == 0:
         return rng.randbytes(rng.randint(0, 2000))
     if choice == 1:
