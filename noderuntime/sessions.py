@@ -140,6 +140,7 @@ class RouteSession:
         self._tokens_in: trio.MemorySendChannel[Tokens] | None = None
         self._last_activity = trio.current_time()
         self._awaiting_downstream = False  # activations sent, their tokens not yet back
+        self._sends_up = 0  # sends to the previous hop under way (one that lasts waits for it to read)
         self._released = False
         self._driver_scope = trio.CancelScope()
         self._driver_done = trio.Event()
@@ -275,7 +276,11 @@ class RouteSession:
         while True:
             await trio.sleep(max(0.05, idle / 4))
             if trio.current_time() - self._last_activity > idle:
-                if self._awaiting_downstream:
+                if self._sends_up:
+                    # the previous hop (or the client behind it) stopped reading: not the next hop's fault,
+                    # though its tokens wait behind the blocked send
+                    code, message = StatusCode.DEADLINE_EXCEEDED, f"the previous hop read nothing for {idle:.0f} s"
+                elif self._awaiting_downstream:
                     # a hung or cut-off next hop: the route failed, not the request (it may be retried)
                     code, message = StatusCode.UNAVAILABLE, f"the next hop made no progress for {idle:.0f} s"
                 else:
@@ -575,6 +580,7 @@ class RouteSession:
         return self.downstream.endpoint
 
     async def _send_up(self, event: Event) -> bool:
+        self._sends_up += 1
         try:
             await self.upstream.send(event)
             return True
@@ -583,6 +589,8 @@ class RouteSession:
                 SessionEnd("upstream_closed", StatusCode.CANCELLED, "the upstream peer went away", tell_downstream=True)
             )
             return False
+        finally:
+            self._sends_up -= 1
 
     async def _send_down(self, event: Event) -> bool:
         assert self.downstream is not None

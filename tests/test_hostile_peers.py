@@ -7,6 +7,7 @@ speaking encoded frames over in-memory streams as a hostile node would over the 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -202,3 +203,29 @@ async def test_a_stream_that_arrives_when_the_node_is_not_running_is_dropped_not
     ours, theirs = memory_stream_pair()
     node.accept(theirs)
     await ours.aclose()
+
+
+async def test_a_client_that_stops_reading_times_out_without_blaming_the_next_hop(
+    smollm2: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its tokens back up into the head, whose watchdog names the previous hop, not the next.
+
+    (The client cannot be told: it reads nothing. The blame shows in the nodes' logs and
+    metrics, where an operator looks for the hop at fault.)
+    """
+    caplog.set_level(logging.INFO, logger="noderuntime")
+    async with open_local_route(smollm2, [0, 15, 30], RECIPE, idle_timeout=1.0) as running:
+        stream = await running.network.connect(running.hops[0])
+        request = GenerationRequest(PROMPT, 200)
+        with trio.fail_after(20), pytest.raises(RouteError):
+            async with open_generation(
+                stream, running.hops, request, artifact=running.artifact, recipe=running.recipe
+            ) as gen:
+                await trio.sleep(4)  # reads nothing while the route produces
+                while await gen.next() is not None:
+                    pass
+        await _idle(running)
+    # the head blames the client; the tail, waiting for a next step, saw no progress
+    ended = [r.getMessage() for r in caplog.records if "ended: idle" in r.getMessage()]
+    assert any("the previous hop read nothing" in line for line in ended), ended
+    assert not any("next hop" in line for line in ended), ended
