@@ -279,11 +279,12 @@ class Node:
     async def _open_session(self, stream: FrameStream) -> RouteSession | None:
         """The session ``stream`` opens, admitted; ``None`` when it was refused or went away.
 
-        Until a session is admitted the stream may hold one frame at a time: a chunked
-        step that would have the node buffer megabytes for nobody is refused.
+        Until a session is admitted the stream may hold one frame of one tensor at a time:
+        a chunked step that would have the node buffer megabytes for nobody is refused.
         """
         limits = self.config.limits
-        conn = SeamConnection(stream, limits=attrs.evolve(limits, max_chunks=1), on_frame=self.count_frame, label="up")
+        opening = attrs.evolve(limits, max_chunks=1, max_tensors=1)
+        conn = SeamConnection(stream, limits=opening, on_frame=self.count_frame, label="up")
         try:
             with trio.fail_after(self.config.open_timeout):
                 first = await conn.receive()
@@ -318,7 +319,9 @@ class Node:
         if isinstance(session, ProtocolError):
             await self._refuse(conn, first.header.identity, session)
             return None
-        conn.set_limits(limits)
+        # a step holds at most a batch of hidden states: no tensor need be larger
+        widest = self.config.max_batch_tokens * self.engine_n_embd * 4
+        conn.set_limits(attrs.evolve(limits, max_tensor_bytes=min(limits.max_tensor_bytes, widest)))
         return session
 
     async def _serve_session(self, session: RouteSession) -> None:

@@ -279,8 +279,8 @@ class FrameDecoder:
         except ProtocolError:
             self._pending = None
             raise
-        except (ValueError, TypeError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:
-            # a defect in our own checks must still reach the peer as a typed error
+        except Exception as exc:  # noqa: BLE001 - whatever the bytes make a check or a parser raise
+            # a defect in our own checks must still reach the peer as a typed error, never the node
             self._pending = None
             raise RemoteProtocolError(f"malformed frame: {type(exc).__name__}: {exc}") from None
 
@@ -540,6 +540,70 @@ def _finite(value: float, what: str, low: float = -math.inf, high: float = math.
     return value
 
 
+# The shapes of the cold messages, checked on the wire before the generated parser sees
+# them: that parser takes a field of the wrong wire type as whatever it reads (an int
+# where a message belongs), and builds every repeated element before a limit could apply.
+# field number -> (wire types allowed, nested shape, the Limits attribute that caps its count)
+_Shape = dict[int, tuple[frozenset[int], "_Shape | None", str]]
+_V, _L, _F = frozenset({wire.VARINT}), frozenset({wire.LEN}), frozenset({wire.I32})
+_PACKABLE = frozenset({wire.VARINT, wire.LEN})  # a repeated scalar, packed or not
+_SPAN_SHAPE: _Shape = {1: (_V, None, ""), 2: (_V, None, "")}
+_HOP_SHAPE: _Shape = {
+    1: (_L, None, ""),
+    2: (_L, None, ""),
+    3: (_L, None, ""),
+    4: (_L, _SPAN_SHAPE, ""),
+    5: (_L, None, ""),
+}
+_SAMPLING_SHAPE: _Shape = {n: (_F if n in (1, 3, 4, 6, 7, 8) else _V, None, "") for n in range(1, 10)}
+_RECORD_SHAPE: _Shape = {1: (_L, None, ""), 2: (_L, None, ""), 3: (_L, None, "")}
+_COLD_SHAPES: dict[int, _Shape] = {
+    _OPEN_ROUTE: {
+        1: (_L, _HOP_SHAPE, "max_hops"),
+        2: (_L, _SAMPLING_SHAPE, ""),
+        3: (_PACKABLE, None, "max_tokens"),
+        4: (_V, None, ""),
+        5: (_PACKABLE, None, "max_tokens"),
+        6: (_V, None, ""),
+        7: (_L, None, ""),
+    },
+    _RELEASE: {1: (_L, None, "")},
+    _CANCEL: {1: (_L, None, "")},
+    _ERROR: {1: (_V, None, ""), 2: (_L, None, ""), 3: (_L, None, "")},
+    _CREDIT: {1: (_V, None, "")},
+    _USAGE: {1: (_L, _RECORD_SHAPE, "max_records")},
+}
+_MAX_OTHER_FIELDS = 64  # occurrences of singular and unknown fields in one message
+
+
+def _check_shape(buf: bytes, start: int, end: int, shape: _Shape, limits: Limits, what: str) -> None:
+    counts: dict[int, int] = {}
+    others = 0
+    for number, wire_type, a, b in wire.fields(buf, start, end):
+        spec = shape.get(number)
+        if spec is None or not spec[2]:
+            others += 1
+            if others > _MAX_OTHER_FIELDS:
+                raise RemoteProtocolError(
+                    f"{what} has more than {_MAX_OTHER_FIELDS} fields", StatusCode.RESOURCE_EXHAUSTED
+                )
+            if spec is None:
+                continue  # unknown: skipped, as proto3 asks
+        wire_types, nested, limit = spec
+        if wire_type not in wire_types:
+            raise RemoteProtocolError(f"{what}.{number} has wire type {wire_type}")
+        if nested is not None:
+            _check_shape(buf, a, b, nested, limits, f"{what}.{number}")
+        if limit:
+            counts[number] = counts.get(number, 0) + (
+                wire.count_varints(buf, a, b) if wire_type == wire.LEN and nested is None else 1
+            )
+            if counts[number] > getattr(limits, limit):
+                raise RemoteProtocolError(
+                    f"{what}.{number} has more than {getattr(limits, limit)} elements", StatusCode.RESOURCE_EXHAUSTED
+                )
+
+
 def _read_cold(field: int, header: Header, body: bytes, limits: Limits) -> Event:
     message_type: Any = {
         _OPEN_ROUTE: pb.OpenRoute,
@@ -549,6 +613,7 @@ def _read_cold(field: int, header: Header, body: bytes, limits: Limits) -> Event
         _CREDIT: pb.Credit,
         _USAGE: pb.Usage,
     }[field]
+    _check_shape(body, 0, len(body), _COLD_SHAPES[field], limits, message_type.__name__)
     try:
         message: Any = message_type.parse(body)
     except Exception as exc:  # noqa: BLE001 - a third-party parser on untrusted bytes: any failure is the peer's

@@ -13,12 +13,15 @@ and never allocate more than the input's size.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from protocol.errors import RemoteProtocolError, StatusCode
 
 VARINT, I64, LEN, I32 = 0, 1, 2, 5
 _UINT32_MAX = 0xFFFFFFFF
 _UINT64_MAX = 0xFFFFFFFFFFFFFFFF
 _SMALL = [bytes([i]) for i in range(128)]
+_LOW_BYTES = bytes(range(128))
 
 
 def varint(value: int) -> bytes:
@@ -78,14 +81,13 @@ def read_varint(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
             raise RemoteProtocolError("malformed protobuf: varint longer than ten bytes")
 
 
-def fields(buf: bytes | memoryview, pos: int, end: int) -> list[tuple[int, int, int, int]]:
-    """Every field in ``buf[pos:end]`` as (number, wire type, value or start, end).
+def fields(buf: bytes | memoryview, pos: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """Every field in ``buf[pos:end]``, one at a time, as (number, wire type, value or start, end).
 
     For varints the third item is the value and the fourth is unused; for
-    length-delimited fields they are the slice bounds. Fixed-width fields are
-    skipped (none of the hot messages has one).
+    length-delimited and fixed-width fields they are the slice bounds. Lazy, so that a
+    reader may stop at a limit before the fields of a large input are all listed.
     """
-    out = []
     while pos < end:
         key, pos = read_varint(buf, pos, end)
         number, wire_type = key >> 3, key & 7
@@ -93,25 +95,25 @@ def fields(buf: bytes | memoryview, pos: int, end: int) -> list[tuple[int, int, 
             raise RemoteProtocolError("malformed protobuf: field number 0")
         if wire_type == VARINT:
             value, pos = read_varint(buf, pos, end)
-            out.append((number, VARINT, value, 0))
-        elif wire_type == LEN:
-            length, pos = read_varint(buf, pos, end)
-            stop = pos + length
-            if stop > end:
-                raise RemoteProtocolError(
-                    f"malformed protobuf: field {number} declares {length} bytes, {end - pos} remain"
-                )
-            out.append((number, LEN, pos, stop))
-            pos = stop
-        elif wire_type == I64:
-            pos += 8
-        elif wire_type == I32:
-            pos += 4
+            yield number, VARINT, value, 0
+            continue
+        if wire_type == LEN:
+            length, start = read_varint(buf, pos, end)
+        elif wire_type in (I64, I32):
+            length, start = (8 if wire_type == I64 else 4), pos
         else:
             raise RemoteProtocolError(f"malformed protobuf: wire type {wire_type} is not supported")
+        pos = start + length
         if pos > end:
-            raise RemoteProtocolError("malformed protobuf: truncated fixed-width field")
-    return out
+            raise RemoteProtocolError(
+                f"malformed protobuf: field {number} declares {length} bytes, {end - start} remain"
+            )
+        yield number, wire_type, start, pos
+
+
+def count_varints(buf: bytes | memoryview, start: int, end: int) -> int:
+    """How many varints a packed field holds (each ends in the one byte below 0x80)."""
+    return end - start - len(bytes(buf[start:end]).translate(None, _LOW_BYTES))
 
 
 def expect(wire_type: int, want: int, number: int, message: str) -> None:

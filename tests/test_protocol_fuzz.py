@@ -25,6 +25,7 @@ from protocol import (
     StatusCode,
     Usage,
     UsageRecord,
+    wire,
 )
 from protocol._generated.noderuntime.seam import v1 as pb
 
@@ -189,3 +190,50 @@ def test_valid_seed_frames_decode() -> None:
     (frame,) = ENC.encode(bad)
     with pytest.raises(RemoteProtocolError, match="without a name"):
         FrameDecoder(LIMITS).receive(frame)
+
+
+def _cold_frame(field: int, body: bytes) -> bytes:
+    """A frame with a correct checksum around any body of a cold message (``field`` in Frame)."""
+    header = bytes(h.reference_header(h.header(1), crc32c.crc32c(body)))
+    return wire.len_field(1, header) + wire.len_field(field, body)
+
+
+COLD_SEEDS = {
+    2: bytes(pb.Frame.parse(ENC.encode(h.open_route())[0]).open_route),
+    5: bytes(pb.Release(reason="done")),
+    7: bytes(pb.Error(code=13, message="x", node_id=b"n" * 32)),
+    8: bytes(pb.Credit(frames=4)),
+    9: bytes(pb.Usage(records=[pb.UsageRecord(body=b"{}", node_id=b"n" * 32, signature=b"s" * 64)])),
+}
+
+
+@pytest.mark.parametrize(
+    ("field", "body"),
+    [
+        (2, b"\x08\x01"),  # OpenRoute.hops as a varint
+        (2, b"\x10\x05"),  # OpenRoute.sampling as a varint
+        (2, bytes(pb.OpenRoute(hops=[pb.Hop(node_id=b"n")])) + b"\x0a\x02\x20\x07"),  # Hop.layers as a varint
+        (2, b"\x3d\x00\x00\x00\x00"),  # OpenRoute.ticket as a fixed32
+        (9, b"\x08\x03"),  # Usage.records as a varint
+        (8, b"\x0a\x01a"),  # Credit.frames as bytes
+        (2, b"\x1a" + wire.varint(400_000) + b"\x01" * 400_000),  # 400,000 packed prompt tokens
+        (2, b"\x0a\x00" * 100_000),  # 100,000 empty hops
+        (9, b"\x0a\x00" * 100_000),  # 100,000 empty usage records
+        (7, b"\xf8\x01\x00" * 100_000),  # 100,000 unknown fields
+    ],
+)
+def test_cold_bodies_of_the_wrong_shape_are_refused_before_they_are_built(field: int, body: bytes) -> None:
+    """The generated parser takes a wrong wire type as whatever it reads, and builds every element first."""
+    with pytest.raises(RemoteProtocolError) as refused:
+        FrameDecoder(Limits()).receive(_cold_frame(field, body))
+    assert isinstance(refused.value.code, StatusCode)
+
+
+@FUZZ
+@given(st.sampled_from(sorted(COLD_SEEDS)), st.data())
+def test_mutated_cold_bodies_with_valid_checksums(field: int, data: st.DataObject) -> None:
+    body = bytearray(COLD_SEEDS[field])
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(body)))
+        body[at : at + data.draw(st.integers(0, 3))] = data.draw(st.binary(max_size=4))
+    _decode_all([_cold_frame(field, bytes(body))])
