@@ -161,6 +161,16 @@ def _scalar(gguf: ggufio.GGUFFile, key: str, default: Any = None) -> Any:
     return field.value()
 
 
+def _integer(gguf: ggufio.GGUFFile, key: str, default: int | None, path: Path) -> int | None:
+    """An integer metadata value; :class:`ArtifactError` when the file stores another type."""
+    value = _scalar(gguf, key)
+    if value is None:
+        return default
+    if type(value) is not int:  # a string, a float (inf even), a bool: int() would raise untyped
+        raise ArtifactError(f"{path}: metadata {key} is {value!r:.40}, not an integer")
+    return value
+
+
 def _array_len(gguf: ggufio.GGUFFile, key: str) -> int:
     field = gguf.fields.get(key)
     return field.count if field is not None and field.type == ggufio.ARRAY else 0
@@ -220,23 +230,23 @@ def inspect(path: str | os.PathLike[str], *, verify: bool = True) -> ArtifactInf
     fields = _identity_fields(gguf)
     index = _tensor_index(gguf)
     file_fingerprint = _fingerprint(fields, index)
-    start = _scalar(gguf, SHARD_START_KEY)
-    end = _scalar(gguf, SHARD_END_KEY)
+    start = _integer(gguf, SHARD_START_KEY, None, path)
+    end = _integer(gguf, SHARD_END_KEY, None, path)
     if start is None and end is None:
         layer_range, fingerprint = LayerRange(0, n_layer), file_fingerprint
     else:
         try:
-            layer_range = LayerRange(int(start if start is not None else 0), int(end if end is not None else n_layer))
+            layer_range = LayerRange(start if start is not None else 0, end if end is not None else n_layer)
             layer_range.check_within(n_layer)
         except ValueError as exc:
             raise ArtifactError(f"{path}: {exc}") from None
         fingerprint = _scalar(gguf, PARENT_FINGERPRINT_KEY, "")
         if verify:
             _verify_slice(path, gguf, fields, index, layer_range, n_layer)
-    file_type = _scalar(gguf, "general.file_type", -1)
+    file_type = _integer(gguf, "general.file_type", -1, path)
     types = {entry.ggml_type for entry in index if _BLOCK_RE.match(entry.name) and len(entry.shape) >= 2}
     quant = "+".join(sorted(GGMLQuantizationType(t).name for t in types)) if types else "unknown"
-    n_head = _scalar(gguf, f"{arch}.attention.head_count", 0)
+    n_head = _integer(gguf, f"{arch}.attention.head_count", 0, path)
     return ArtifactInfo(
         path=path,
         fingerprint=str(fingerprint),
@@ -245,11 +255,11 @@ def inspect(path: str | os.PathLike[str], *, verify: bool = True) -> ArtifactInf
         name=str(_scalar(gguf, "general.name", path.stem)),
         n_layer=n_layer,
         n_embd=n_embd,
-        n_vocab=_array_len(gguf, "tokenizer.ggml.tokens") or int(_scalar(gguf, f"{arch}.vocab_size", 0)),
-        n_head=int(n_head) if isinstance(n_head, int) else 0,
-        n_head_kv=int(_scalar(gguf, f"{arch}.attention.head_count_kv", n_head) or 0),
-        context_length=int(_scalar(gguf, f"{arch}.context_length", 0)),
-        file_type=int(file_type),
+        n_vocab=_array_len(gguf, "tokenizer.ggml.tokens") or _integer(gguf, f"{arch}.vocab_size", 0, path) or 0,
+        n_head=n_head or 0,
+        n_head_kv=_integer(gguf, f"{arch}.attention.head_count_kv", n_head, path) or 0,
+        context_length=_integer(gguf, f"{arch}.context_length", 0, path) or 0,
+        file_type=file_type if file_type is not None else -1,
         quant=quant,
         n_tensors=len(index),
         tensor_bytes=sum(entry.n_bytes for entry in index),
@@ -341,19 +351,23 @@ def split(
             ggufio.string_array_field(PARENT_INDEX_KEY, [entry.line() for entry in parent]),
         ]
         tensors = [t for t in gguf.tensors if tensor_belongs(t.name, layers, info.n_layer, tied)]
-        with (
-            model.open("rb") as source,
-            tqdm(
-                total=sum(t.n_bytes for t in tensors),
-                unit="B",
-                unit_scale=True,
-                desc=f"layers {layers}",
-                disable=not progress,
-            ) as bar,
-        ):
-            ggufio.write(
-                tmp, kept + extra, [(t, source) for t in tensors], alignment=gguf.alignment, progress=bar.update
-            )
+        try:
+            with (
+                model.open("rb") as source,
+                tqdm(
+                    total=sum(t.n_bytes for t in tensors),
+                    unit="B",
+                    unit_scale=True,
+                    desc=f"layers {layers}",
+                    disable=not progress,
+                ) as bar,
+            ):
+                ggufio.write(
+                    tmp, kept + extra, [(t, source) for t in tensors], alignment=gguf.alignment, progress=bar.update
+                )
+        except BaseException:  # a full disk, Ctrl-C: no half-written slice of gigabytes left behind
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, target)
         written.append(target)
     for path in written:

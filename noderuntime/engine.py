@@ -159,6 +159,9 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], kind: str
 
 
 FlashAttn = Literal["on", "off"]
+MAX_THREADS = 1024
+MAX_CONTEXT = 1 << 28  # KV cells of all sequences together: far beyond memory, well inside int32
+MAX_BATCH = 1 << 16
 
 
 @attrs.frozen
@@ -174,14 +177,18 @@ class Recipe:
     use_mmap: bool = True
 
     def __attrs_post_init__(self) -> None:
-        if self.n_threads < 1:
-            raise ValueError("n_threads must be at least 1")
+        # llama.cpp takes these as 32-bit integers, and ctypes truncates silently: an n_ctx of
+        # 2**32 reads as 0 there, which means "the model's own context", not what leases promise
+        if not 1 <= self.n_threads <= MAX_THREADS:
+            raise ValueError(f"n_threads must be between 1 and {MAX_THREADS}")
         if self.n_ctx_per_seq < 256 or self.n_ctx_per_seq % 256:
             raise ValueError("n_ctx_per_seq must be a positive multiple of 256 (llama.cpp pads to 256)")
         if not 1 <= self.n_seq_max <= 256:
             raise ValueError("n_seq_max must be between 1 and 256")
-        if self.n_ubatch < 1 or self.n_batch < self.n_ubatch:
-            raise ValueError("need 1 <= n_ubatch <= n_batch")
+        if self.n_ctx_per_seq * self.n_seq_max > MAX_CONTEXT:
+            raise ValueError(f"n_ctx_per_seq x n_seq_max must be at most {MAX_CONTEXT} cells")
+        if self.n_ubatch < 1 or self.n_batch < self.n_ubatch or self.n_batch > MAX_BATCH:
+            raise ValueError(f"need 1 <= n_ubatch <= n_batch <= {MAX_BATCH}")
         if self.flash_attn not in ("on", "off"):
             raise ValueError("flash_attn must be 'on' or 'off'")
 
@@ -524,6 +531,7 @@ class Vocab:
     """A model's tokenizer, loaded vocab-only (no weights): tokenize, detokenize, template."""
 
     def __init__(self, model_path: str | os.PathLike[str]) -> None:
+        self._model: Any = None  # so that a load that fails leaves nothing for close() to trip on
         try:
             self.info = artifacts.inspect(model_path)
         except ArtifactError as exc:
@@ -533,7 +541,7 @@ class Vocab:
         model = llama_cpp.llama_model_load_from_file(str(self.info.path).encode(), params)
         if not model:
             raise EngineError(f"llama.cpp could not load the vocabulary of {self.info.path}")
-        self._model: Any = model
+        self._model = model
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self.bos = int(llama_cpp.llama_vocab_bos(self._vocab))

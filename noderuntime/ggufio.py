@@ -208,9 +208,9 @@ def read(path: str | os.PathLike[str]) -> GGUFFile:
             fields[key] = Field(key, vtype, bytes(mm[start : cur.pos]), value_start - start, element, count)
         alignment = DEFAULT_ALIGNMENT
         if "general.alignment" in fields:
-            alignment = int(fields["general.alignment"].value())
-            if alignment <= 0 or alignment & (alignment - 1):
-                raise GGUFError(f"alignment {alignment} is not a power of two")
+            alignment = fields["general.alignment"].value()
+            if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+                raise GGUFError(f"alignment {alignment!r:.40} is not a power of two")
         infos = []
         for _ in range(n_tensors):
             name = cur.string()

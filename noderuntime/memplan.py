@@ -48,10 +48,10 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
     if match is None or match.group(2).upper() not in _UNITS:
         raise ValueError(f"not a size: {text!r} (try 2500000000, 2.5G or 2400MiB)")
-    value = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
-    if value <= 0:
-        raise ValueError(f"a size must be positive, not {text!r}")
-    return value
+    scaled = float(match.group(1)) * _UNITS[match.group(2).upper()]
+    if not 0 < scaled < 1 << 60:  # float() of 400 digits is inf, and int(inf) raises OverflowError
+        raise ValueError(f"a size must be positive and below an exbibyte, not {text!r:.40}")
+    return int(scaled)
 
 
 def human(n: int) -> str:

@@ -120,6 +120,39 @@ def test_corrupted_file_is_refused(tiny_model: Path, tmp_path: Path, damage: str
         artifacts.inspect(bad)
 
 
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("general.alignment", "32"),
+        ("general.alignment", float("inf")),
+        ("llama.context_length", "long"),
+        ("llama.context_length", float("inf")),
+        ("general.file_type", "Q4_1"),
+        ("llama.attention.head_count_kv", "two"),
+        ("shard.layer_start", float("inf")),
+    ],
+)
+def test_metadata_of_the_wrong_type_is_refused_by_name(key: str, value: str | float, tmp_path: Path) -> None:
+    """A string or a float where an integer belongs: int() would raise ValueError, or OverflowError on inf."""
+    from gguf import GGUFWriter
+
+    path = tmp_path / "m.gguf"
+    writer = GGUFWriter(path, "llama")
+    writer.add_block_count(2)
+    writer.add_embedding_length(8)
+    if isinstance(value, str):
+        writer.add_string(key, value)
+    else:
+        writer.add_float32(key, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ArtifactError) as refused:
+        artifacts.inspect(path)
+    assert str(path) in str(refused.value) and ("alignment" if "alignment" in key else key) in str(refused.value)
+
+
 def test_missing_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ArtifactError, match="not found"):
         artifacts.inspect(tmp_path / "absent.gguf")

@@ -133,3 +133,21 @@ def test_a_seconds_flag_takes_a_positive_finite_number(
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert f"{argv[-1]}: expected a" in done.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--ctx", str(1 << 29), "--slots", "8"), "n_ctx_per_seq x n_seq_max must be at most"),
+        (("--batch", str(1 << 20)), "n_batch <="),
+        (("--threads", str(1 << 31)), "n_threads must be between"),
+    ],
+    ids=["ctx", "batch", "threads"],
+)
+def test_sizes_that_llama_cpp_would_truncate_are_refused(
+    flags: tuple[str, ...], message: str, tiny_model: Path, tmp_path: Path, python: str, cli_env: dict[str, str]
+) -> None:
+    """ctypes cuts them to 32 bits: an n_ctx of 2**32 reached llama.cpp as 0."""
+    args = ["up", "--model", str(tiny_model), "--layers", "0:2", "--data-dir", str(tmp_path / "node"), *flags]
+    line = _run(python, cli_env, *args, "--issuer-key", "00" * 32, "--listen", "127.0.0.1:0")
+    assert message in line, line
