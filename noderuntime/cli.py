@@ -180,12 +180,13 @@ def _cmd_models_synth(args: argparse.Namespace) -> int:
 def _cmd_check_parity(args: argparse.Namespace) -> int:
     from noderuntime.engine import Recipe
     from noderuntime.parity import check_parity
+    from noderuntime.procchain import ChainError
 
     model = resolve_model(args.model)
     try:
         recipe = Recipe(n_threads=args.threads, n_ctx_per_seq=512, n_seq_max=2, flash_attn=args.flash_attn)
         report = check_parity(model, args.cuts, n_tokens=args.tokens, recipe=recipe)
-    except ValueError as exc:
+    except (ValueError, ChainError) as exc:  # ChainError: a model llama.cpp cannot cut, or a shard file
         raise CliError(str(exc)) from None
     if args.json:
         print(json.dumps(report, indent=2))
@@ -466,7 +467,8 @@ def _cmd_bench_verify(args: argparse.Namespace) -> int:
     command = shlex.join(["python", "-m", document["benchmark"], *document["args"], "--out", str(out)])
     print(f"rerun: {command}", flush=True)
     try:
-        comparison = contract.compare(document, contract.rerun(document, out))
+        # with --key the signature was checked against a key the caller trusts
+        comparison = contract.compare(document, contract.rerun(document, out, trusted_signer=args.key is not None))
     except contract.ContractError as exc:
         raise CliError(str(exc)) from None
     print(contract.comparison_table(comparison))

@@ -61,7 +61,12 @@ def canonical(obj: Any) -> bytes:
 
 def _is_number(value: Any) -> bool:
     # bool is an int subclass, but `true` is never a measurement
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer of hundreds of digits: no measurement is that large
+        return False
 
 
 def _check_path(path: Any, what: str) -> str:
@@ -327,8 +332,8 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ContractError(f"cannot read {os.fspath(path)}: {exc}") from None
     try:
         document = json.loads(text, parse_constant=_no_constants, object_pairs_hook=_no_duplicate_keys)
-    except json.JSONDecodeError as exc:
-        raise ContractError(f"{os.fspath(path)} is not JSON: {exc}") from None
+    except (json.JSONDecodeError, RecursionError, ValueError) as exc:  # ValueError: an integer of 4,300+ digits
+        raise ContractError(f"{os.fspath(path)} is not JSON this reads: {exc}") from None
     except ContractError as exc:
         raise ContractError(f"{os.fspath(path)}: {exc}") from None
     try:
@@ -390,14 +395,27 @@ def compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> Comparison:
     return Comparison(inputs=tuple(changed), thresholds=results, metrics=tuple(metrics))
 
 
-def rerun(document: Mapping[str, Any], out: Path) -> dict[str, Any]:
+def rerun(document: Mapping[str, Any], out: Path, *, trusted_signer: bool = False) -> dict[str, Any]:
     """Run the document's benchmark again with its arguments, writing to ``out``, and load what it wrote.
 
     The command is ``python -m <benchmark> <args...> --out <out>``; output goes to this process's
     stdout and stderr. ContractError if the benchmark fails or writes no contract.
+
+    The file names the module to run, so a module outside this project's ``benchmarks``
+    runs only when the caller vouched for the signer (``trusted_signer``: it checked the
+    signature against a key it trusts): otherwise any file could run any installed module.
     """
     thresholds(document)
-    command = [sys.executable, "-m", document["benchmark"], *document["args"], "--out", os.fspath(out)]
+    module = document["benchmark"]
+    if not trusted_signer and not re.fullmatch(r"benchmarks\.[a-z_][a-z0-9_]*", module):
+        raise ContractError(
+            f"a contract from an unnamed signer reruns one of this project's benchmarks, not {module!r:.60} "
+            "(give the signer's key to run it)"
+        )
+    args = document["args"]
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise ContractError("a contract's args must be a list of strings")
+    command = [sys.executable, "-m", module, *args, "--out", os.fspath(out)]
     # a stale file from an earlier run must not pass for this run's result
     out.unlink(missing_ok=True)
     # the child must import the benchmark from wherever this process could

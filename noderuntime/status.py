@@ -14,7 +14,12 @@ from noderuntime.tracker.state import NodeRecord, all_routes, route_cost
 def fetch(tracker: str) -> list[dict[str, Any]]:
     """The tracker's ``/v1/nodes``."""
     with urllib.request.urlopen(tracker.rstrip("/") + "/v1/nodes", timeout=10) as response:
-        nodes: list[dict[str, Any]] = json.loads(response.read())["nodes"]
+        try:
+            nodes: list[dict[str, Any]] = json.loads(response.read())["nodes"]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            raise ValueError(f"{tracker} did not answer /v1/nodes with a node list") from None
+    if not isinstance(nodes, list) or not all(isinstance(n, dict) for n in nodes):
+        raise ValueError(f"{tracker} did not answer /v1/nodes with a node list")
     return nodes
 
 
@@ -66,7 +71,12 @@ def _probe(node: dict[str, Any]) -> str:
 
 def routes(nodes: list[dict[str, Any]]) -> list[tuple[str, list[NodeRecord], float]]:
     """Every complete route per artifact, cheapest first."""
-    records = [_record(n) for n in nodes]
+    try:
+        records = [_record(n) for n in nodes]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # AdmissionError is a ValueError
+        raise ValueError(
+            f"the tracker's node list is not what this version reads: {type(exc).__name__}: {exc}"
+        ) from None
     out = []
     for artifact in sorted({r.artifact for r in records}):
         mine = [r for r in records if r.artifact == artifact and r.admitted]

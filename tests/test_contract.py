@@ -202,6 +202,27 @@ def test_load_refuses_non_contracts(tmp_path: Path) -> None:
         contract.load(path)
 
 
+def test_load_refuses_json_that_breaks_parsers(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text("[" * 100_000)  # RecursionError
+    with pytest.raises(ContractError, match="not JSON"):
+        contract.load(path)
+    path.write_text("9" * 5000)  # an integer past Python's digit limit: a ValueError of its own
+    with pytest.raises(ContractError, match="not JSON"):
+        contract.load(path)
+    huge = [{"id": "floor", "left": "decode.tokens_per_s", "op": ">=", "value": int("9" * 400)}]
+    path.write_text(json.dumps(document(thresholds=huge)))  # math.isfinite raises OverflowError on it
+    with pytest.raises(ContractError):
+        contract.load(path)
+
+
+@pytest.mark.parametrize("benchmark", ["pip", "os", "fake_bench"])
+def test_a_rerun_from_an_unnamed_signer_runs_only_this_projects_benchmarks(benchmark: str, tmp_path: Path) -> None:
+    """The file names the module: without this, a contract file could run anything installed."""
+    with pytest.raises(ContractError, match="reruns one of this project's benchmarks"):
+        contract.rerun(document(benchmark=benchmark), tmp_path / "out.json")
+
+
 def test_signing_key_is_made_once(tmp_path: Path) -> None:
     first = contract.signing_key(tmp_path / "bench")
     again = contract.signing_key(tmp_path / "bench")
@@ -333,10 +354,24 @@ def original(tmp_path: Path, fake_bench: ModuleType) -> Path:
     return path
 
 
+def _signer(tmp_path: Path) -> str:
+    """The fake benchmark's public key: a rerun of a module outside ``benchmarks`` needs it named."""
+    return public_bytes(contract.signing_key(tmp_path / "key").public_key()).hex()
+
+
+def test_a_rerun_of_another_module_needs_its_signer_named(
+    tmp_path: Path, fake_bench: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = original(tmp_path, fake_bench)
+    assert main(["bench", "verify", str(path), "--rerun"]) == 1
+    assert "give the signer's key to run it" in capsys.readouterr().err
+    assert not (tmp_path / "result.rerun.json").exists()
+
+
 def test_cli_rerun_reproduces(tmp_path: Path, fake_bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
     path = original(tmp_path, fake_bench)
     (tmp_path / "figures.json").write_text('{"speed": 140}')
-    assert main(["bench", "verify", str(path), "--rerun"]) == 0
+    assert main(["bench", "verify", str(path), "--rerun", "--key", _signer(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert (tmp_path / "result.rerun.json").exists()
     speed_line = next(line for line in out.splitlines() if line.startswith("speed"))
@@ -350,11 +385,11 @@ def test_cli_rerun_detects_regressions(
     path = original(tmp_path, fake_bench)
     (tmp_path / "figures.json").write_text('{"speed": 80}')
     (tmp_path / "input.bin").write_bytes(b"other data")
-    assert main(["bench", "verify", str(path), "--rerun"]) == 1
+    assert main(["bench", "verify", str(path), "--rerun", "--key", _signer(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "input data differs" in out
     assert out.rstrip().endswith("rerun: FAIL")
 
     (tmp_path / "figures.json").write_text('{"crash": true}')
-    assert main(["bench", "verify", str(path), "--rerun"]) == 1
+    assert main(["bench", "verify", str(path), "--rerun", "--key", _signer(tmp_path)]) == 1
     assert "failed with exit code 3" in capsys.readouterr().err
