@@ -110,11 +110,26 @@ def _read_header(path: Path) -> tuple[dict[str, Any], int]:
             raise EngineError(f"{path} is not a safetensors file (header of {size} bytes)")
         try:
             header = json.loads(f.read(size))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # bad UTF-8 and JSONDecodeError are ValueErrors
             raise EngineError(f"{path} has a malformed safetensors header: {exc}") from None
     if not isinstance(header, dict):
         raise EngineError(f"{path} has a malformed safetensors header")
     header.pop("__metadata__", None)
+    data_bytes = path.stat().st_size - 8 - size
+    for name, entry in header.items():
+        # the offsets steer reads of a multi-gigabyte file: an end before its start would read it all
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("dtype"), str)
+            or not isinstance(entry.get("shape"), list)
+            or not all(type(d) is int and d >= 0 for d in entry["shape"])
+            or not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_bytes
+        ):
+            raise EngineError(f"{path}: safetensors entry {name!r:.80} is malformed or points outside the file")
     return header, 8 + size
 
 
@@ -325,11 +340,14 @@ class TorchEngine:
 
         state: dict[str, torch.Tensor] = {}
         for file in _weight_files(directory):
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
-                    local = self._wanted(name)
-                    if local is not None:
-                        state[local] = f.get_tensor(name)
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    for name in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                        local = self._wanted(name)
+                        if local is not None:
+                            state[local] = f.get_tensor(name)
+            except Exception as exc:  # noqa: BLE001 - SafetensorError derives from Exception only
+                raise EngineError(f"{file} cannot be read as safetensors: {exc}") from None
         if not state:
             raise EngineError(f"{directory} holds no tensors of layers {self.layers}")
         self.dtype = next(iter(state.values())).dtype
@@ -342,9 +360,12 @@ class TorchEngine:
         for offset in range(len(self.layers)):
             if not any(k.startswith(f"blocks.{offset}.") for k in state):
                 raise EngineError(f"{directory} lacks the weights of layer {self.layers.start + offset}")
-        self.blocks.load_state_dict(
-            {k[len("blocks.") :]: v for k, v in state.items() if k.startswith("blocks.")}, strict=True, assign=True
-        )
+        try:
+            self.blocks.load_state_dict(
+                {k[len("blocks.") :]: v for k, v in state.items() if k.startswith("blocks.")}, strict=True, assign=True
+            )
+        except RuntimeError as exc:  # missing, unexpected or misshapen weights for the config
+            raise EngineError(f"{directory}: the weights do not fit its config.json: {exc}") from None
         self.embed = state.get("embed.weight")
         if self.is_head and self.embed is None:
             raise EngineError(f"{directory} lacks model.embed_tokens.weight")

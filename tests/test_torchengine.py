@@ -9,6 +9,9 @@ low bits: at most 1e-4 as well (5e-5 seen). The tests allow 1e-3.
 
 from __future__ import annotations
 
+import json
+import struct
+
 import numpy as np
 import pytest
 
@@ -146,6 +149,20 @@ def test_bad_input_gets_a_typed_error(built: dict[str, lanes.Lane], prompt_token
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(EngineError, match="safetensors"):
+        torchengine.TorchEngine(tmp_path, torchengine.TorchRecipe())
+    # headers whose entries would steer reads outside the file (an end before its start read it all)
+    for entry in (
+        {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]},
+        {"dtype": "F32", "shape": [1]},
+        {"dtype": "F32", "shape": [1], "data_offsets": [0, 1 << 40]},
+        {"dtype": "F32", "shape": ["1"], "data_offsets": [0, 4]},
+    ):
+        header = json.dumps({"model.embed_tokens.weight": entry}).encode()
+        (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+        with pytest.raises(EngineError, match="malformed or points outside"):
+            torchengine.TorchEngine(tmp_path, torchengine.TorchRecipe())
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 5000) + b"[" * 5000)
+    with pytest.raises(EngineError, match="malformed safetensors header"):
         torchengine.TorchEngine(tmp_path, torchengine.TorchRecipe())
 
 
