@@ -15,7 +15,7 @@ import re
 
 import attrs
 
-from noderuntime.artifacts import LayerRange
+from noderuntime.artifacts import LayerRange, inspect
 from noderuntime.engine import EngineError, Recipe, ShardEngine
 
 # What a node process holds besides llama.cpp's buffers: the interpreter, numpy,
@@ -129,6 +129,11 @@ def check(model: str | os.PathLike[str], layers: LayerRange, recipe: Recipe, lim
     wanted = needs(model, layers, recipe)
     if wanted.total <= limit:
         return wanted
+    info = inspect(model, verify=False)
+    if info.layer_range != LayerRange(0, info.n_layer):
+        # a shard file holds its range only: no shorter range of it can be tried, or served
+        message = f"layers {layers} need {wanted.describe()}, over the memory limit of {human(limit)}"
+        raise MemoryLimitError(f"{message}; cut a shorter shard from the whole model", wanted, None)
     fitting = widest_fit(model, layers.start, layers.end - 1, recipe, limit)
     if fitting is None:
         advice = (

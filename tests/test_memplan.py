@@ -44,6 +44,17 @@ def test_ranges_that_fit_pass_and_others_say_what_would(smollm2: Path) -> None:
         memplan.check(smollm2, LayerRange(0, 30), RECIPE, 64 << 20)
 
 
+def test_a_shard_file_over_the_limit_is_told_to_cut_a_shorter_shard(tiny_model: Path, tmp_path: Path) -> None:
+    """No shorter range of a shard file can be served, so none is tried (its load would refuse it)."""
+    from noderuntime import artifacts
+
+    (shard,) = artifacts.split(tiny_model, [LayerRange(0, 2)], tmp_path)
+    needed = memplan.needs(shard, LayerRange(0, 2), RECIPE).total
+    with pytest.raises(memplan.MemoryLimitError, match="cut a shorter shard") as caught:
+        memplan.check(shard, LayerRange(0, 2), RECIPE, needed - 1)
+    assert caught.value.fitting is None
+
+
 @pytest.mark.parametrize(
     ("text", "value"),
     [("1000", 1000), ("2.5G", 2_500_000_000), ("1GiB", 1 << 30), ("1536 MiB", 1536 << 20), ("64k", 64_000)],
