@@ -6,12 +6,14 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from noderuntime.transport.base import StreamBroken, StreamClosed
-from protocol import StatusCode
+from protocol import Limits, StatusCode
 from relay import messages as m
 
-# A prefill chunk plus its frame header must pass in one message; trio-websocket's
-# default (1 MiB) closes the connection with 1009 on a 1 MiB tensor.
-MAX_MESSAGE_BYTES = 16 << 20
+# One message carries one seam frame, and the encoder cuts every step into frames of at
+# most max_frame_bytes (trio-websocket's default of 1 MiB would close the connection on a
+# larger prefill chunk). No more: a relay holds up to this much, twice, for each
+# connection that has not yet proven anything.
+MAX_MESSAGE_BYTES = Limits().max_frame_bytes
 # The default 4 KiB receive buffer caps throughput at ~66 MB/s on this machine; 256 KiB reaches ~160.
 RECEIVE_BUFFER_BYTES = 256 << 10
 # One queued message per connection: the sender waits for the reader (backpressure).
