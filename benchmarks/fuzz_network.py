@@ -44,7 +44,7 @@ import trio
 from trio_websocket import ConnectionClosed, HandshakeError, open_websocket_url
 
 from benchmarks import _common
-from noderuntime import localsystem
+from noderuntime import localsystem, tickets
 from noderuntime.engine import Recipe
 from noderuntime.identity import Identity as NodeIdentity
 from noderuntime.signing import sign
@@ -73,7 +73,7 @@ from protocol import (
 )
 
 NAME = "fuzz_network"
-# well-formed OpenRoute frames whose content once crashed a node (each found by review)
+# well-formed OpenRoute frames whose content once crashed a node
 HOSTILE_OPENINGS = (
     "ticket_nested",
     "ticket_overflow",
@@ -135,7 +135,7 @@ def _open_route_frames(
     sampling = Sampling()
     if hostile.startswith("ticket_"):  # the issuer's signature cannot be forged: the body is parsed first
         body = {"ticket_nested": b"[" * 3000, "ticket_overflow": b'{"epoch":1e999,"exp":1e999}'}[hostile]
-        ticket = b"NRT1" + struct.pack(">H", len(body)) + body + bytes(64)
+        ticket = tickets.MAGIC + struct.pack(">H", len(body)) + body + bytes(64)
     elif hostile.startswith("next_hop_"):  # the ticket binds node ids and layers, not addresses
         address, relay = {
             "next_hop_long_label": ("a" * 64 + ":7000", ""),

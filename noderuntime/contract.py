@@ -33,6 +33,7 @@ from noderuntime import identity
 
 FORMAT_VERSION = 1
 SIGNATURE_DOMAIN = b"noderuntime-contract-v1"
+_ROOT = Path(__file__).resolve().parents[1]  # the project, whose benchmarks/ a contract may rerun
 REQUIRED_FIELDS = ("contract", "benchmark", "args", "inputs", "figures", "thresholds")
 
 # The comparison a threshold makes between its left figure and its right-hand side.
@@ -405,23 +406,25 @@ def rerun(document: Mapping[str, Any], out: Path, *, trusted_signer: bool = Fals
     runs only when the caller vouched for the signer (``trusted_signer``: it checked the
     signature against a key it trusts): otherwise any file could run any installed module.
     """
-    thresholds(document)
+    thresholds(document)  # checks the module name and the args too
     module = document["benchmark"]
-    if not trusted_signer and not re.fullmatch(r"benchmarks\.[a-z_][a-z0-9_]*", module):
-        raise ContractError(
-            f"a contract from an unnamed signer reruns one of this project's benchmarks, not {module!r:.60} "
-            "(give the signer's key to run it)"
-        )
-    args = document["args"]
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise ContractError("a contract's args must be a list of strings")
-    command = [sys.executable, "-m", module, *args, "--out", os.fspath(out)]
+    # the child must import the benchmark from wherever this process could
+    path, cwd = sys.path, None
+    if not trusted_signer:
+        name = re.fullmatch(r"benchmarks\.([a-z_][a-z0-9_]*)", module)
+        if name is None or not (_ROOT / "benchmarks" / f"{name.group(1)}.py").is_file():
+            raise ContractError(
+                f"a contract from an unnamed signer reruns one of this project's benchmarks, not {module!r:.60} "
+                "(give the signer's key to run it)"
+            )
+        # python -m puts its working directory first on the path: there, it finds this project's
+        path, cwd = [str(_ROOT), *sys.path], _ROOT
+    command = [sys.executable, "-m", module, *document["args"], "--out", os.fspath(out.resolve())]
     # a stale file from an earlier run must not pass for this run's result
     out.unlink(missing_ok=True)
-    # the child must import the benchmark from wherever this process could
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     try:
-        code = subprocess.run(command, env=env, check=False).returncode
+        code = subprocess.run(command, env=env, cwd=cwd, check=False).returncode
     except OSError as exc:
         raise ContractError(f"cannot run {document['benchmark']}: {exc}") from None
     if code != 0:

@@ -133,7 +133,8 @@ def check(model: str | os.PathLike[str], layers: LayerRange, recipe: Recipe, lim
     if info.layer_range != LayerRange(0, info.n_layer):
         # a shard file holds its range only: no shorter range of it can be tried, or served
         message = f"layers {layers} need {wanted.describe()}, over the memory limit of {human(limit)}"
-        raise MemoryLimitError(f"{message}; cut a shorter shard from the whole model", wanted, None)
+        advice = "lower --slots or --ctx, or cut a shorter shard from the whole model"
+        raise MemoryLimitError(f"{message}: {advice}", wanted, None)
     fitting = widest_fit(model, layers.start, layers.end - 1, recipe, limit)
     if fitting is None:
         advice = (

@@ -1,8 +1,8 @@
 """A shard node: one engine, its batcher and leases, and the route sessions it serves.
 
 :meth:`Node.run` opens the node's nursery and starts the batcher; every incoming seam
-stream is handled by :meth:`Node.handle_stream` in that nursery: it reads the first
-frame (an ``OpenRoute``), checks that the route names this node with its range,
+stream that :meth:`Node.accept` takes is served by a task in that nursery: it reads the
+first frame (an ``OpenRoute``), checks that the route names this node with its range,
 artifact and recipe, admits the session (or refuses at once, ``RESOURCE_EXHAUSTED``
 when full) and serves it as a :class:`~noderuntime.sessions.RouteSession` to its end.
 """
@@ -26,7 +26,7 @@ from noderuntime.batcher import Batcher, BatcherStatistics
 from noderuntime.enginethread import EngineThread
 from noderuntime.leases import LeaseManager, LeaseStatistics
 from noderuntime.seamconn import NOTICE_TIMEOUT, SeamConnection
-from noderuntime.sessions import RouteSession, SessionEnd, SessionKey, deadline_from_unix_ms
+from noderuntime.sessions import RouteSession, SessionKey, deadline_from_unix_ms
 from noderuntime.steps import SamplingParams
 from noderuntime.telemetry import NodeMetrics, SessionLog, exposition
 from noderuntime.transport import FrameStream, TransportError
@@ -262,12 +262,6 @@ class Node:
 
     # --- one incoming stream
 
-    async def handle_stream(self, stream: FrameStream) -> None:
-        """Admit the session the stream opens, and serve it to its end."""
-        session = await self._open_session(stream)
-        if session is not None:
-            await self._serve_session(session)
-
     async def _handle_accepted(self, stream: FrameStream) -> None:
         try:
             session = await self._open_session(stream)
@@ -333,10 +327,10 @@ class Node:
         try:
             end = await session.run()
         except Exception:
-            # a defect met in one session: run() has released its KV and told its peers,
-            # and the node serves on; the traceback goes to the log
+            # a defect met in one session: run() has released its KV and told its peers the
+            # node failed it, and the node serves on; the traceback goes to the log
             session.log.exception("failed on a defect")
-            end = SessionEnd("defect", StatusCode.INTERNAL, "the node failed this session")
+            end = session.end
         finally:
             self.sessions.pop(session.key, None)
             reason = end.reason if end is not None else "node_stopped"

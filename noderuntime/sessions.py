@@ -192,12 +192,14 @@ class RouteSession:
                     )
                 else:
                     self.end = SessionEnd("released")
-        except BaseException:
+        except BaseException as exc:
             if self.end is None:
+                # a defect met while serving (the node logs it and serves on), or the node stopping
+                defect = isinstance(exc, Exception)
                 self.end = SessionEnd(
-                    "node_stopped",
-                    StatusCode.UNAVAILABLE,
-                    "the node is stopping",
+                    "defect" if defect else "node_stopped",
+                    StatusCode.INTERNAL if defect else StatusCode.UNAVAILABLE,
+                    "the node failed this session" if defect else "the node is stopping",
                     tell_upstream=True,
                     tell_downstream=True,
                 )
@@ -294,8 +296,7 @@ class RouteSession:
             try:
                 event = await self.upstream.receive()
             except RemoteProtocolError as exc:
-                await self.upstream.fail(exc, self.node.node_id)
-                self._finish(SessionEnd("protocol_error", exc.code, exc.message, tell_downstream=True))
+                await self._protocol_failure_up(exc)
                 return
             except TransportError:
                 self._finish(
@@ -452,15 +453,6 @@ class RouteSession:
                 )
             )
             return False
-        if len(positions) > self.node.config.max_batch_tokens:
-            await self._protocol_failure_up(
-                RemoteProtocolError(
-                    f"a step of {len(positions)} positions; this node takes at most "
-                    f"{self.node.config.max_batch_tokens} at a time",
-                    StatusCode.RESOURCE_EXHAUSTED,
-                )
-            )
-            return False
         if positions.end > self.lease.tokens:
             await self._protocol_failure_up(
                 RemoteProtocolError(
@@ -584,7 +576,11 @@ class RouteSession:
         try:
             await self.upstream.send(event)
             return True
-        except (TransportError, ProtocolError):  # ProtocolError: the seam closed under a failure meanwhile
+        except ProtocolError:
+            if self.end is None:
+                raise  # our own misuse of the seam: a defect, not a peer that left
+            return False  # the seam closed under a failure meanwhile; the session is ending
+        except TransportError:
             self._finish(
                 SessionEnd("upstream_closed", StatusCode.CANCELLED, "the upstream peer went away", tell_downstream=True)
             )
@@ -599,7 +595,11 @@ class RouteSession:
         try:
             await self.downstream.send(event)
             return True
-        except (TransportError, ProtocolError):
+        except ProtocolError:
+            if self.end is None:
+                raise
+            return False
+        except TransportError:
             self._finish(
                 SessionEnd("downstream_closed", StatusCode.UNAVAILABLE, "the next hop went away", tell_upstream=True)
             )

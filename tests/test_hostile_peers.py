@@ -11,6 +11,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -71,6 +72,7 @@ async def _as_head_toward_the_tail(route: LocalRoute, max_tokens: int) -> tuple[
 
 
 async def test_a_step_larger_than_a_batch_is_refused_with_its_status(route: LocalRoute) -> None:
+    """Once a session is open its seam takes no tensor larger than a batch of hidden states."""
     conn, endpoint = await _as_head_toward_the_tail(route, max_tokens=400)  # reserves 405 positions
     rows = RECIPE.n_batch + 44  # within the reservation, beyond what one batch takes
     hidden = np.zeros((rows, route.nodes[1].engine_n_embd), np.float32)
@@ -78,6 +80,7 @@ async def test_a_step_larger_than_a_batch_is_refused_with_its_status(route: Loca
     with trio.fail_after(10):
         refusal = await conn.receive()
     assert isinstance(refusal, Error) and refusal.code == StatusCode.RESOURCE_EXHAUSTED, refusal
+    assert "exceeds" in refusal.message
     await conn.aclose()
     await _idle(route)
     assert len((await route.generate(GenerationRequest(PROMPT, 4))).tokens) == 4
@@ -93,6 +96,29 @@ async def test_a_decode_step_of_several_rows_is_refused(route: LocalRoute) -> No
     assert isinstance(refusal, Error) and refusal.code == StatusCode.INVALID_ARGUMENT, refusal
     await conn.aclose()
     await _idle(route)
+
+
+async def test_a_defect_met_in_one_session_fails_it_and_the_node_serves_on(
+    route: LocalRoute, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception no check foresaw ends its session with INTERNAL, told to both peers; not the node."""
+    batcher = route.nodes[1].batcher
+    real_step = batcher.step
+    calls = 0
+
+    async def step_with_a_defect(request: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a defect")
+        return await real_step(request)
+
+    monkeypatch.setattr(batcher, "step", step_with_a_defect)
+    with trio.fail_after(20), pytest.raises(RouteError) as failed:
+        await route.generate(GenerationRequest(PROMPT, 4))
+    assert failed.value.code == StatusCode.INTERNAL and "failed this session" in str(failed.value)
+    await _idle(route)
+    assert len((await route.generate(GenerationRequest(PROMPT, 4))).tokens) == 4
 
 
 async def test_a_chunked_step_before_any_session_is_refused(route: LocalRoute) -> None:

@@ -216,7 +216,7 @@ COLD_SEEDS = {
         (2, b"\x3d\x00\x00\x00\x00"),  # OpenRoute.ticket as a fixed32
         (9, b"\x08\x03"),  # Usage.records as a varint
         (8, b"\x0a\x01a"),  # Credit.frames as bytes
-        (2, b"\x1a" + wire.varint(400_000) + b"\x01" * 400_000),  # 400,000 packed prompt tokens
+        (2, bytes(pb.OpenRoute(hops=[pb.Hop(node_id=b"n")])) + b"\x1a" + wire.varint(400_000) + b"\x01" * 400_000),
         (2, b"\x0a\x00" * 100_000),  # 100,000 empty hops
         (9, b"\x0a\x00" * 100_000),  # 100,000 empty usage records
         (7, b"\xf8\x01\x00" * 100_000),  # 100,000 unknown fields
@@ -226,7 +226,7 @@ def test_cold_bodies_of_the_wrong_shape_are_refused_before_they_are_built(field:
     """The generated parser takes a wrong wire type as whatever it reads, and builds every element first."""
     with pytest.raises(RemoteProtocolError) as refused:
         FrameDecoder(Limits()).receive(_cold_frame(field, body))
-    assert isinstance(refused.value.code, StatusCode)
+    assert "has wire type" in refused.value.message or "has more than" in refused.value.message, refused.value
 
 
 @FUZZ

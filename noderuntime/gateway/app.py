@@ -318,8 +318,9 @@ class Gateway:
                     raise _silent_route() from None
                 except RouteError as exc:
                     error = _route_error(exc)
-                    if exc.code == StatusCode.DEADLINE_EXCEEDED and time.time() * 1000 >= request.deadline_unix_ms:
-                        raise error from None  # the request's own time is up: no route could serve it now
+                    if exc.code == StatusCode.DEADLINE_EXCEEDED and _time_left(request) <= DEADLINE_GRACE_SECONDS + 1:
+                        # the request's own time is (all but) up, by this clock or a node's running ahead
+                        raise error from None
                     self.counters["retries"] += 1
                     self.metrics.route_retries.labels(exc.code.name).inc()
                     if exc.code == StatusCode.RESOURCE_EXHAUSTED:
@@ -353,10 +354,12 @@ class Gateway:
             while event is not None:
                 for token in event.token_ids:
                     if not 0 <= token < model.vocab.n_vocab:  # the route's word, not a known piece
-                        bad = RouteError(
-                            f"the route sent token id {token}, outside the vocabulary", StatusCode.INTERNAL
+                        raise ApiError(
+                            503,
+                            f"the route failed: it sent token id {token}, outside the vocabulary",
+                            "service_unavailable",
+                            "route_failed",
                         )
-                        raise _route_error(bad)
                     produced += 1
                     if token in request.stop_token_ids and event.finished:
                         continue  # the end-of-turn token itself is not text

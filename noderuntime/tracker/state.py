@@ -212,7 +212,9 @@ class TrackerState:
         candidates = self._eligible(artifact, tokens, exclude)
         if not candidates:
             raise NoRoute(f"no node serves artifact {artifact[:16]}… for {tokens} tokens", full=False)
-        n_layer = layer_count(candidates)
+        # counted over every node of the artifact, as /v1/artifacts shows it: not over the
+        # candidates left after exclusions and full nodes, where a few could outvote the rest
+        n_layer = layer_count(self.nodes_of(artifact))
         routes = all_routes([c for c in candidates if c.n_layer == n_layer], n_layer)
         if not routes:
             raise NoRoute(f"the nodes of artifact {artifact[:16]}… do not cover its {n_layer} layers", full=False)
