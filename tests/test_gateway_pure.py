@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -399,3 +400,45 @@ async def test_the_key_check_lets_lifespan_events_through() -> None:
 
     await ApiKeys(app, ["sk-right"])({"type": "lifespan"}, None, None)
     assert seen == ["lifespan"]
+
+
+async def test_a_route_that_goes_silent_ends_in_a_504_soon_after_the_deadline(vocab: Vocab) -> None:
+    """A head that takes the seam and then says nothing: the gateway's own clock ends the request.
+
+    The tracker is real and grants a route to a node that registered; the head behind it
+    is this test, which accepts the stream and never answers.
+    """
+    from noderuntime.httpserve import serve_http
+    from noderuntime.identity import Identity
+    from noderuntime.signing import sign
+    from noderuntime.tracker.app import Tracker
+    from noderuntime.transport import memory_stream_pair
+
+    from .test_tracker import ARTIFACT, _registration
+
+    held = []
+
+    class SilentHead:
+        async def connect(self, hop: Any, open_route: Any) -> Any:
+            ours, theirs = memory_stream_pair()
+            held.append(theirs)  # kept open, never read from or written to
+            return ours
+
+    tracker, node = Tracker(Identity.generate(), expire_after=60.0), Identity.generate()
+    async with trio.open_nursery() as nursery, httpx.AsyncClient() as http:
+        url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
+        body = json.dumps(_registration(node)).encode()
+        headers = {
+            **sign(node, "POST", "/v1/nodes/register", body, int(time.time() * 1000)),
+            "content-type": "application/json",
+        }
+        assert (await http.post(url + "/v1/nodes/register", content=body, headers=headers)).status_code == 200
+        served = ServedModel("m", ARTIFACT, vocab, ChatTemplate(vocab.chat_template or ""), 0, 2048)
+        gw = Gateway([served], url, SilentHead(), request_timeout=1.0)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(gw.app), base_url="http://gw") as client:
+            with trio.fail_after(30):
+                answer = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4})
+        await gw.http.aclose()
+        nursery.cancel_scope.cancel()
+    assert answer.status_code == 504 and answer.json()["error"]["code"] == "deadline_exceeded", answer.text
+    assert held  # the route was granted and its head dialled
