@@ -153,6 +153,22 @@ def test_metadata_of_the_wrong_type_is_refused_by_name(key: str, value: str | fl
     assert str(path) in str(refused.value) and ("alignment" if "alignment" in key else key) in str(refused.value)
 
 
+def test_an_interrupted_split_leaves_no_partial_file(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk (or Ctrl-C) midway must not leave gigabytes of a half-written slice behind."""
+    from noderuntime import ggufio
+
+    def write_until_the_disk_fills(path: Path, *args: object, **kwargs: object) -> None:
+        Path(path).write_bytes(b"the first part of a slice")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ggufio, "write", write_until_the_disk_fills)
+    with pytest.raises(OSError, match="No space left"):
+        artifacts.split(tiny_model, [LayerRange(0, 2)], tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def test_missing_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ArtifactError, match="not found"):
         artifacts.inspect(tmp_path / "absent.gguf")
