@@ -631,8 +631,6 @@ def _read_cold(field: int, header: Header, body: bytes, limits: Limits) -> Event
         return Error(header, StatusCode.coerce(message.code), message.message, message.node_id)
     if field == _CREDIT:
         return Credit(header, message.frames)
-    if len(message.records) > limits.max_records:
-        raise RemoteProtocolError(f"more than {limits.max_records} usage records")
     return Usage(header, tuple(UsageRecord(r.body, r.node_id, r.signature) for r in message.records))
 
 
@@ -644,10 +642,8 @@ def _at_most(value: int, limit: int, what: str) -> int:
 
 
 def _open_route(header: Header, m: Any, limits: Limits) -> OpenRoute:
-    if not 0 < len(m.hops) <= limits.max_hops:
-        raise RemoteProtocolError(f"route plan has {len(m.hops)} hops; 1 to {limits.max_hops} allowed")
-    if len(m.prompt_tokens) > limits.max_tokens or len(m.stop_token_ids) > limits.max_tokens:
-        raise RemoteProtocolError("too many tokens in OpenRoute", StatusCode.RESOURCE_EXHAUSTED)
+    if not m.hops:  # the counts' upper bounds were checked on the wire (_check_shape)
+        raise RemoteProtocolError("route plan has no hops")
     hops = []
     for h in m.hops:
         layers = Span(h.layers.start, h.layers.end) if h.layers is not None else Span()
