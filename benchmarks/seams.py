@@ -35,6 +35,11 @@
 7. All of it again on a random-weight model of Llama-3.2-1B's shape (Q4_0, written for
    the run), whose token costs about three times SmolLM2's: which parts stay fixed and
    which grow with the model.
+8. The decode lanes of 2 and 3 (whole, chained, one node, gRPC, relay, each range alone)
+   once more on a random-weight model of Llama-3.1-8B's shape (Q4_0, 4.2 GiB), the size
+   of model a route exists for, where one token costs over ten times SmolLM2's. This
+   lane holds the model's weights in four processes at once (three clusters and this
+   one), so it runs only where the memory is free and records why when it is not.
 
 ``--demo-shape`` measures a random-weight model of SmolLM2's shape and quant in place of
 SmolLM2 itself, for a machine that has no copy of the demo model and cannot fetch one
@@ -73,6 +78,22 @@ LARGER_SHAPE: dict[str, Any] = {
     "rope_freq_base": 500000.0,
 }
 LARGER_CUTS = [0, 8, 16]
+# Llama-3.1-8B's shape (untied output, 128k vocabulary)
+LARGEST_SHAPE: dict[str, Any] = {
+    "n_layer": 32,
+    "n_embd": 4096,
+    "n_ff": 14336,
+    "n_head": 32,
+    "n_head_kv": 8,
+    "n_vocab": 128256,
+    "rope_freq_base": 500000.0,
+    "tied_output": False,
+}
+LARGEST_CUTS = [0, 16, 32]
+# llama.cpp repacks Q4_0 weights into memory of their own on CPUs with wide vectors, so each
+# process running a range holds it twice over (file pages and the repacked copy) while it
+# loads: the three clusters of the lanes and this process's own engine, plus the page cache
+LARGEST_MEMORY_FACTOR = 4.5
 # SmolLM2-135M's shape, for --demo-shape
 DEMO_SHAPE: dict[str, Any] = {
     "n_layer": 30,
@@ -770,6 +791,7 @@ def _main(args: Any, tmp: Path) -> int:
         "new_tokens": larger_tokens,
         "repeats": larger_repeats,
     }
+    largest = _largest_lanes(tmp, 8 if args.quick else 32, 2 if args.quick else 5)
     figures = {
         "hops": hops,
         "wake_ups": wake_ups,
@@ -804,6 +826,7 @@ def _main(args: Any, tmp: Path) -> int:
         "token_stages_us": demo["token_stages"],
         "raw": demo["raw"],
         "larger_model": larger,
+        "largest_model": largest,
     }
     info = artifacts.inspect(model)
     path = _common.out_path(NAME, args)
@@ -826,7 +849,7 @@ def _main(args: Any, tmp: Path) -> int:
         },
     )
     demo_label = "SmolLM2-135M shape" if args.demo_shape else "SmolLM2-135M"
-    png = _plot(path, demo, larger, demo_label)
+    png = _plot(path, demo, larger, largest, demo_label)
     print(
         _common.table(
             ["transport", "decode RTT p50 µs", "p95 µs", "prefill RTT p50 ms", "p95 ms"],
@@ -873,6 +896,20 @@ def _main(args: Any, tmp: Path) -> int:
         ):
             gap = [parts[key][k] for k in GAP_PARTS] if key else [""] * len(GAP_PARTS)
             rows.append([f"{label}: {name}", rate, ratio, *gap])
+    if "skipped" in largest:
+        rows.append(["8B-shape: skipped", largest["skipped"], "", *[""] * len(GAP_PARTS)])
+    else:
+        parts = largest["where_the_gap_goes_ms"]
+        for name, key in (
+            ("whole model, one process", None),
+            ("2 ranges chained, one process", "chained"),
+            ("whole model, one node", "one_node"),
+            ("2 shards over gRPC", "grpc"),
+            ("2 shards over the relay", "relay"),
+        ):
+            rate = largest[f"{key or 'whole'}_decode_tok_s"]
+            gap = [parts[key][k] for k in GAP_PARTS] if key in parts else [""] * len(GAP_PARTS)
+            rows.append([f"8B-shape: {name}", rate, rate / largest["whole_decode_tok_s"], *gap])
     print()
     print(_common.table(["lane", "decode tok/s", "vs whole", *(f"+ms {k.replace('_', ' ')}" for k in GAP_PARTS)], rows))
     for label, lane in ((demo_label, demo), ("1B-shape", larger)):
@@ -891,35 +928,83 @@ def _main(args: Any, tmp: Path) -> int:
     return 0
 
 
+def _largest_lanes(tmp: Path, new_tokens: int, repeats: int) -> dict[str, Any]:
+    """The decode lanes on a model of Llama-3.1-8B's shape, or why they were skipped."""
+    from noderuntime import synth
+
+    path = synth.write_llama(
+        tmp / "llama-8b-shape.gguf", synth.LlamaShape(**LARGEST_SHAPE), quant="Q4_0", name="seams-8b-shape"
+    )
+    try:
+        size = path.stat().st_size
+        needed, available = int(size * LARGEST_MEMORY_FACTOR), _memory_available()
+        if available < needed:
+            return {
+                "skipped": f"needs {needed / 2**30:.1f} GiB of available memory; this machine has "
+                f"{available / 2**30:.1f} GiB",
+                "shape": LARGEST_SHAPE,
+            }
+        figures = _rate_figures(trio.run(_lanes, path, LARGEST_CUTS, new_tokens, repeats))
+    finally:
+        path.unlink()
+    return figures | {
+        "shape": LARGEST_SHAPE,
+        "quant": "Q4_0",
+        "model_bytes": size,
+        "cuts": LARGEST_CUTS,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+    }
+
+
+def _memory_available() -> int:
+    """Bytes the kernel reckons it can give without swapping (``MemAvailable``)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def _route_figures(
     rates: dict[str, Any], model: Path, cuts: list[int], new_tokens: int, repeats: int
 ) -> dict[str, Any]:
     """Medians and ratios of one model's lanes, with its pinned lanes run after them."""
     pinned = trio.run(_pinned_lanes, model, cuts, new_tokens, repeats)
     after_idle = _common.in_fresh_process(_engine_after_idle, str(model), cuts, max(8, new_tokens // 4))
-    med = {k: statistics.median(v) for k, v in (rates | pinned).items() if k in LANES + LANES_1_CORE}
-    whole, one, grpc, relay = med["whole"], med["one_node"], med["grpc"], med["relay"]
+    figures = _rate_figures(rates)
+    med = {k: statistics.median(v) for k, v in pinned.items() if k in LANES_1_CORE}
     whole_1, grpc_1 = med["whole_1core"], med["grpc_1core_each"]
+    ticks = _median_ticks(pinned["decode_tick_ms"])
+    engine = _median_ticks(pinned["decode_engine_ms"])
+    # two shards pinned to a core each are held against each range alone on one core
+    reference = (1e3 / med["head_alone_1core"], 1e3 / med["tail_alone_1core"])
+    figures["gap_ms_per_token"]["grpc_pinned"] = 1e3 / grpc_1 - 1e3 / whole_1
+    figures["where_the_gap_goes_ms"]["grpc_pinned"] = _gap_parts(grpc_1, whole_1, reference, ticks, engine)
+    figures["decode_tick_ms_head_tail"]["grpc_pinned"] = ticks
+    figures["decode_engine_ms_head_tail"]["grpc_pinned"] = engine
+    # part of engine_slower: a shard's call after idling while the other computes
+    figures["engine_after_idle_ms"] = after_idle
+    figures["alone_decode_tok_s"] |= {"head_1_core": med["head_alone_1core"], "tail_1_core": med["tail_alone_1core"]}
+    figures["pinned_one_core_per_process"] = {
+        "whole_model_1_core_decode_tok_s": whole_1,
+        "route_grpc_1_core_per_shard_decode_tok_s": grpc_1,
+        "route_over_whole": grpc_1 / whole_1,
+        "raw": pinned,
+    }
+    return figures
+
+
+def _rate_figures(rates: dict[str, Any]) -> dict[str, Any]:
+    """Medians and ratios of one model's decode lanes (:func:`_lanes`)."""
+    med = {k: statistics.median(v) for k, v in rates.items() if k in LANES}
+    whole, one, grpc, relay = med["whole"], med["one_node"], med["grpc"], med["relay"]
     ticks = {k: _median_ticks(rates[f"{k}_decode_tick_ms"]) for k in ("one_node", "grpc", "relay")}
-    ticks["grpc_pinned"] = _median_ticks(pinned["decode_tick_ms"])
     engine = {k: _median_ticks(rates[f"{k}_decode_engine_ms"]) for k in ("one_node", "grpc", "relay")}
-    engine["grpc_pinned"] = _median_ticks(pinned["decode_engine_ms"])
     chained = _median_ticks(rates["chained_engine_ms"])
     # what each route's engine calls are held against (ms per token): the whole model for
-    # one node; the ranges chained in one process for two shards sharing this machine's
-    # caches; each range alone for two shards pinned to a core each
-    reference: dict[str, Sequence[float]] = {
-        "one_node": (1e3 / whole,),
-        "grpc": chained,
-        "relay": chained,
-        "grpc_pinned": (1e3 / med["head_alone_1core"], 1e3 / med["tail_alone_1core"]),
-    }
-    routes = {
-        "one_node": (one, whole),
-        "grpc": (grpc, whole),
-        "relay": (relay, whole),
-        "grpc_pinned": (grpc_1, whole_1),
-    }
+    # one node; the ranges chained in one process for two shards sharing this machine's caches
+    reference: dict[str, Sequence[float]] = {"one_node": (1e3 / whole,), "grpc": chained, "relay": chained}
+    routes = {"one_node": one, "grpc": grpc, "relay": relay}
     return {
         "whole_decode_tok_s": whole,
         "chained_decode_tok_s": med["chained"],
@@ -937,27 +1022,17 @@ def _route_figures(
         "relay_over_chained": relay / med["chained"],
         "goal_grpc_0_90": grpc / whole >= 0.90,
         "goal_relay_0_85": relay / whole >= 0.85,
-        "gap_ms_per_token": {k: 1e3 / route - 1e3 / w for k, (route, w) in routes.items()},
+        "gap_ms_per_token": {k: 1e3 / route - 1e3 / whole for k, route in routes.items()},
         "where_the_gap_goes_ms": {
-            k: _gap_parts(route, w, reference[k], ticks[k], engine[k]) for k, (route, w) in routes.items()
+            k: _gap_parts(route, whole, reference[k], ticks[k], engine[k]) for k, route in routes.items()
         },
         "decode_tick_ms_head_tail": ticks,
         "decode_engine_ms_head_tail": engine,
-        # part of engine_slower: a shard's call after idling while the other computes
-        "engine_after_idle_ms": after_idle,
         "alone_decode_tok_s": {
             "head": med["head_alone"],
             "tail": med["tail_alone"],
             # above 1: a range alone runs faster than inside the chain, its weights staying cached
             "chained_ms_over_alone_ms": sum(chained) / (1e3 / med["head_alone"] + 1e3 / med["tail_alone"]),
-            "head_1_core": med["head_alone_1core"],
-            "tail_1_core": med["tail_alone_1core"],
-        },
-        "pinned_one_core_per_process": {
-            "whole_model_1_core_decode_tok_s": whole_1,
-            "route_grpc_1_core_per_shard_decode_tok_s": grpc_1,
-            "route_over_whole": grpc_1 / whole_1,
-            "raw": pinned,
         },
         "raw": rates,
     }
@@ -986,15 +1061,17 @@ def _gap_parts(
     }
 
 
-def _plot(path: Path, demo: dict[str, Any], larger: dict[str, Any], demo_label: str) -> Path:
+def _plot(path: Path, demo: dict[str, Any], larger: dict[str, Any], largest: dict[str, Any], demo_label: str) -> Path:
     """Route / whole model against the whole model's time per token, one point per model."""
-    lanes = (demo, larger)
+    pinned_lanes = (demo, larger)
+    lanes = (*pinned_lanes, *(() if "skipped" in largest else (largest,)))
     shared_ms = [1e3 / lane["whole_decode_tok_s"] for lane in lanes]
-    pinned_ms = [1e3 / lane["pinned_one_core_per_process"]["whole_model_1_core_decode_tok_s"] for lane in lanes]
+    pinned_ms = [1e3 / lane["pinned_one_core_per_process"]["whole_model_1_core_decode_tok_s"] for lane in pinned_lanes]
     cores = os.cpu_count()
+    every_ms = shared_ms + pinned_ms
     return _common.plot(
         path.with_suffix(".png"),
-        f"route vs whole model in one process ({demo_label}, then a 1B-shape model)",
+        f"route vs whole model in one process ({demo_label}, 1B and 8B shapes)",
         "whole model's decode time per token (ms)",
         "route decode tok/s / whole model's",
         {
@@ -1004,13 +1081,14 @@ def _plot(path: Path, demo: dict[str, Any], larger: dict[str, Any], demo_label: 
                 shared_ms,
                 [lane["one_node_over_whole"] for lane in lanes],
             ),
-            "gRPC, 1 core per shard": (
+            "gRPC, 1 core per shard (SmolLM2 and 1B shape only)": (
                 pinned_ms,
-                [lane["pinned_one_core_per_process"]["route_over_whole"] for lane in lanes],
+                [lane["pinned_one_core_per_process"]["route_over_whole"] for lane in pinned_lanes],
             ),
-            "goal gRPC 0.90": ([min(shared_ms), max(pinned_ms)], [0.90, 0.90]),
-            "goal relay 0.85": ([min(shared_ms), max(pinned_ms)], [0.85, 0.85]),
+            "goal gRPC 0.90": ([min(every_ms), max(every_ms)], [0.90, 0.90]),
+            "goal relay 0.85": ([min(every_ms), max(every_ms)], [0.85, 0.85]),
         },
+        logx=True,
     )
 
 
