@@ -127,6 +127,35 @@ async def test_many_frames_both_ways_with_readers_that_stall_and_run_lose_nothin
 
 
 @pytest.mark.parametrize("kind", KINDS)
+async def test_two_tasks_sending_on_one_end_at_once_lose_nothing(kind: str) -> None:
+    """A session's token forwarding and its closing notice may send at the same moment.
+
+    The reader stalls so that both senders wait for room together, over and over.
+    """
+    count = 400
+    async with seam(kind) as (client, server):
+
+        async def send_all(tag: bytes) -> None:
+            for i in range(count):
+                await client.send(tag + i.to_bytes(4, "big") + bytes(4096))
+
+        got: dict[bytes, list[int]] = {b"a": [], b"b": []}
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_all, b"a")
+                nursery.start_soon(send_all, b"b")
+                for i in range(2 * count):
+                    if i % 50 == 0:
+                        await trio.sleep(0.01)
+                    frame = await server.receive()
+                    assert len(frame) == 5 + 4096
+                    got[frame[:1]].append(int.from_bytes(frame[1:5], "big"))
+        assert got == {b"a": list(range(count)), b"b": list(range(count))}
+        await client.aclose()
+        await server.aclose()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 async def test_closing_one_end_ends_the_other(kind: str) -> None:
     async with seam(kind) as (client, server):
         await client.send(b"last words")
