@@ -376,6 +376,42 @@ async def test_grpc_connect_failure_is_a_clear_unavailable() -> None:
         runtime.close()
 
 
+async def test_relay_ends_a_seam_that_sends_a_message_over_the_largest_frame_and_serves_on() -> None:
+    issuer, node = Identity.generate(), Identity.generate()
+    relay = Relay(TicketVerifier([issuer.node_id]))
+    accepted: trio.MemorySendChannel[FrameStream]
+    accepted, streams = trio.open_memory_channel[FrameStream](4)
+    largest = Limits().max_frame_bytes
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve, relay, "127.0.0.1", 0)
+        url = f"ws://127.0.0.1:{server.port}"
+        await nursery.start(RelayListener(url, node, accepted.send_nowait).run)
+        dialer = RelayDialer(nursery)
+
+        async def dial() -> tuple[FrameStream, FrameStream]:
+            session = os.urandom(16)
+            hops = [Hop(node.node_id, Span(0, 1))]
+            ticket = issue(issuer, session_id=session, epoch=0, artifact=b"a" * 32, hops=hops)
+            stream = await dialer.dial(url, node.node_id, session_id=session, epoch=0, ticket=ticket)
+            return stream, await streams.receive()
+
+        with trio.fail_after(10):
+            client, remote = await dial()
+            await client.send(os.urandom(largest + 1))
+            # the relay closes the sender's connection (1009) rather than assemble and forward
+            # the message: the node's end only hears that its peer left (4410)
+            with pytest.raises(StreamBroken, match="1009"):
+                await client.receive()
+            with pytest.raises(StreamBroken, match="4410"):
+                await remote.receive()
+            client, remote = await dial()
+            frame = os.urandom(largest)
+            await client.send(frame)
+            assert await remote.receive() == frame
+            await client.aclose()
+        nursery.cancel_scope.cancel()
+
+
 async def test_relay_authenticates_controls_and_pairs_only_ticket_holders() -> None:
     issuer, node, impostor = Identity.generate(), Identity.generate(), Identity.generate()
     relay = Relay(TicketVerifier([issuer.node_id]), accept_timeout=2)
