@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import trio
 
-from noderuntime.client import GenerationRequest, RouteError, open_generation
+from noderuntime.client import USAGE_TIMEOUT, GenerationRequest, RouteError, open_generation
 from noderuntime.engine import Recipe
 from noderuntime.localroute import LocalRoute, open_local_route
 from noderuntime.seamconn import SeamConnection
@@ -40,6 +40,7 @@ from protocol import (
     Span,
     StatusCode,
     Tokens,
+    Usage,
 )
 
 pytestmark = pytest.mark.slow
@@ -255,3 +256,34 @@ async def test_a_client_that_stops_reading_times_out_without_blaming_the_next_ho
     ended = [r.getMessage() for r in caplog.records if "ended: idle" in r.getMessage()]
     assert any("the previous hop read nothing" in line for line in ended), ended
     assert not any("next hop" in line for line in ended), ended
+
+
+async def test_a_head_that_answers_out_of_turn_fails_the_client_at_once() -> None:
+    """A head that sends usage records before any Release is broken: the client does not wait on it.
+
+    The client would otherwise release the session and wait for records a broken head may
+    never send, holding its caller (the gateway's request) for the usage timeout.
+    """
+    client_end, head_end = memory_stream_pair()
+    session, artifact, recipe = os.urandom(16), b"a" * 32, b"r" * 8
+    head_span = Span(0, 15)
+    request = GenerationRequest(PROMPT, 8)
+    endpoint = SeamEndpoint(Identity("", session, 0, artifact, recipe, head_span), Direction.UPSTREAM)
+    head = SeamConnection(head_end, endpoint)
+
+    async def broken_head() -> None:
+        assert isinstance(await head.receive(), OpenRoute)
+        await head.send(Usage(endpoint.header(Phase.RELEASE), ()))
+
+    with trio.fail_after(USAGE_TIMEOUT / 2):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(broken_head)
+            hops = (Hop(b"\x01" * 32, head_span),)
+            async with open_generation(
+                client_end, hops, request, artifact=artifact, recipe=recipe, session_id=session
+            ) as gen:
+                with pytest.raises(RouteError) as info:
+                    while await gen.next() is not None:
+                        pass
+                # and leaves the session normally, as a caller that goes on to another route does
+    assert info.value.code == StatusCode.INTERNAL and gen.failed
