@@ -941,9 +941,12 @@ def _largest_lanes(tmp: Path, new_tokens: int, repeats: int) -> dict[str, Any]:
     """The decode lanes on a model of Llama-3.1-8B's shape, or why they were skipped."""
     from noderuntime import synth
 
-    path = synth.write_llama(
-        tmp / "llama-8b-shape.gguf", synth.LlamaShape(**LARGEST_SHAPE), quant="Q4_0", name="seams-8b-shape"
-    )
+    try:
+        path = synth.write_llama(
+            tmp / "llama-8b-shape.gguf", synth.LlamaShape(**LARGEST_SHAPE), quant="Q4_0", name="seams-8b-shape"
+        )
+    except OSError as exc:  # a full disk, most likely: the figures of the other models still count
+        return {"skipped": f"cannot write the model: {exc}", "shape": LARGEST_SHAPE}
     try:
         size = path.stat().st_size
         needed, available = int(size * LARGEST_MEMORY_FACTOR), _memory_available()
@@ -1011,8 +1014,8 @@ def _rate_figures(rates: dict[str, Any]) -> dict[str, Any]:
     """Medians and ratios of one model's decode lanes (:func:`_lanes`)."""
     med = {k: statistics.median(v) for k, v in rates.items() if k in LANES}
     whole, one, grpc, relay = med["whole"], med["one_node"], med["grpc"], med["relay"]
-    ticks = {k: _median_ticks(rates[f"{k}_decode_tick_ms"]) for k in ("one_node", "grpc", "relay")}
-    engine = {k: _median_ticks(rates[f"{k}_decode_engine_ms"]) for k in ("one_node", "grpc", "relay")}
+    ticks = {k: _median_ticks(rates[f"{k}_decode_tick_ms"]) for k in ROUTES}
+    engine = {k: _median_ticks(rates[f"{k}_decode_engine_ms"]) for k in ROUTES}
     chained = _median_ticks(rates["chained_engine_ms"])
     # what each route's engine calls are held against (ms per token): the whole model for
     # one node; the ranges chained in one process for two shards sharing this machine's caches
