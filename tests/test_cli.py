@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import http.server
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -151,3 +153,43 @@ def test_sizes_that_llama_cpp_would_truncate_are_refused(
     args = ["up", "--model", str(tiny_model), "--layers", "0:2", "--data-dir", str(tmp_path / "node"), *flags]
     line = _run(python, cli_env, *args, "--issuer-key", "00" * 32, "--listen", "127.0.0.1:0")
     assert message in line, line
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"[" * 5000, "did not answer /v1/nodes with a node list"),
+        (b'{"nodes": {"a": 1}}', "did not answer /v1/nodes with a node list"),
+        (b'{"nodes": [{"node_id": 5}]}', "the tracker's node list is not what this version reads"),
+    ],
+    ids=["deep", "not a list", "not a node"],
+)
+def test_status_reports_a_tracker_answer_it_cannot_read_in_one_line(
+    body: bytes, message: str, python: str, cli_env: dict[str, str]
+) -> None:
+    """A tracker is a peer: whatever it answers, `status` says so in one line."""
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        done = subprocess.run(
+            [python, "-m", "noderuntime", "status", "--tracker", f"http://127.0.0.1:{server.server_address[1]}"],
+            capture_output=True,
+            text=True,
+            env=cli_env,
+            timeout=60,
+        )
+        server.shutdown()
+    output = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert len(output) == 1 and output[0].startswith("noderuntime: error:") and message in output[0], output
