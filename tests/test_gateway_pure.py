@@ -442,3 +442,67 @@ async def test_a_route_that_goes_silent_ends_in_a_504_soon_after_the_deadline(vo
         nursery.cancel_scope.cancel()
     assert answer.status_code == 504 and answer.json()["error"]["code"] == "deadline_exceeded", answer.text
     assert held  # the route was granted and its head dialled
+
+
+async def test_a_route_that_fails_mid_stream_is_counted_once_as_an_error(vocab: Vocab) -> None:
+    """After a token has gone out the error goes into the stream; it is not also a cancellation.
+
+    The tracker is real; the head behind the route it grants is this test, which answers
+    one token and then fails the session.
+    """
+    import attrs
+
+    from noderuntime.httpserve import serve_http
+    from noderuntime.identity import Identity
+    from noderuntime.seamconn import SeamConnection
+    from noderuntime.signing import sign
+    from noderuntime.tracker.app import Tracker
+    from noderuntime.transport import FrameStream, memory_stream_pair
+    from protocol import Direction, Error, OpenRoute, Phase, SeamEndpoint, Span, Tokens
+
+    from .test_tracker import ARTIFACT, _registration
+
+    token = vocab.tokenize(" hello", add_special=False)[0]
+
+    async def failing_head(stream: FrameStream, layers: Span) -> None:
+        conn = SeamConnection(stream)
+        opening = await conn.receive()
+        assert isinstance(opening, OpenRoute)
+        ident = opening.header.identity
+        endpoint = SeamEndpoint(attrs.evolve(ident, shard=layers), Direction.UPSTREAM, peer_shard=ident.shard)
+        endpoint.receive(opening)
+        conn.endpoint = endpoint
+        n = len(opening.prompt_tokens)
+        await conn.send(Tokens(endpoint.header(Phase.DECODE, Span(n, n + 1)), (token,)))
+        await conn.send(Error(endpoint.header(Phase.DECODE), StatusCode.INTERNAL, "a defect"))
+
+    tracker, node = Tracker(Identity.generate(), expire_after=60.0), Identity.generate()
+    async with trio.open_nursery() as nursery, httpx.AsyncClient() as http:
+
+        class Head:
+            async def connect(self, hop: Any, open_route: Any) -> Any:
+                ours, theirs = memory_stream_pair()
+                nursery.start_soon(failing_head, theirs, hop.layers)
+                return ours
+
+        url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
+        body = json.dumps(_registration(node)).encode()
+        headers = {
+            **sign(node, "POST", "/v1/nodes/register", body, int(time.time() * 1000)),
+            "content-type": "application/json",
+        }
+        assert (await http.post(url + "/v1/nodes/register", content=body, headers=headers)).status_code == 200
+        served = ServedModel("m", ARTIFACT, vocab, ChatTemplate(vocab.chat_template or ""), 0, 2048)
+        gw = Gateway([served], url, Head())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(gw.app), base_url="http://gw") as client:
+            with trio.fail_after(30):
+                answer = await client.post(
+                    "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True}
+                )
+        await gw.http.aclose()
+        nursery.cancel_scope.cancel()
+    events = [line.removeprefix("data: ") for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert answer.status_code == 200 and events[-1] == "[DONE]", answer.text
+    assert json.loads(events[0])["choices"][0]["text"] == " hello"
+    assert "error" in json.loads(events[-2]), events
+    assert (gw.counters["errors"], gw.counters["cancelled"], gw.counters["completed"]) == (1, 0, 0)
