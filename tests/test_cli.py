@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from noderuntime import artifacts
+from noderuntime.artifacts import LayerRange
 from noderuntime.identity import load_or_create, self_signed
 
 
@@ -193,3 +195,12 @@ def test_status_reports_a_tracker_answer_it_cannot_read_in_one_line(
     output = (done.stdout + done.stderr).strip().splitlines()
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert len(output) == 1 and output[0].startswith("noderuntime: error:") and message in output[0], output
+
+
+def test_parity_on_a_shard_file_is_a_clear_error(
+    tiny_model: Path, tmp_path: Path, python: str, cli_env: dict[str, str]
+) -> None:
+    """Its shard processes cannot load the layers the file lacks: one line, not a traceback."""
+    (shard,) = artifacts.split(tiny_model, [LayerRange(0, 2)], tmp_path)
+    line = _run(python, cli_env, "check", "parity", "--model", str(shard), "--cuts", "0,2,4")
+    assert line.startswith("noderuntime: error: shard 2:4 failed to load") and "holds layers 0:2" in line, line
