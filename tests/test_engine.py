@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import subprocess
@@ -202,3 +203,18 @@ def test_middle_shard_resides_in_well_under_half_the_memory(smollm2: Path, tmp_p
     assert shard["weights"] <= 0.45 * whole["weights"], (shard, whole)
     assert shard["kv"] <= 0.45 * whole["kv"], (shard, whole)
     assert shard["rss_growth"] <= 0.45 * whole["rss_growth"], (shard, whole)
+
+
+def test_a_vocabulary_that_fails_to_load_leaves_nothing_to_trip_on(tmp_path: Path) -> None:
+    """A typed error, and the half-made object's finalizer raises nothing of its own."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a model at all")
+    unraisable: list[object] = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        with pytest.raises(EngineError):
+            engine.Vocab(bad)
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert unraisable == []
