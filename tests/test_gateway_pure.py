@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -23,7 +25,9 @@ from noderuntime.engine import Vocab
 from noderuntime.gateway.app import ApiError, ApiKeys, Gateway, ServedModel, _route_error
 from noderuntime.gateway.schema import ChatCompletionRequest, CompletionRequest
 from noderuntime.gateway.textstream import TextStream
-from protocol import StatusCode
+from noderuntime.seamconn import SeamConnection
+from noderuntime.transport import FrameStream, memory_stream_pair
+from protocol import Direction, Error, OpenRoute, Phase, SeamEndpoint, Span, StatusCode, Tokens
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -402,79 +406,20 @@ async def test_the_key_check_lets_lifespan_events_through() -> None:
     assert seen == ["lifespan"]
 
 
-async def test_a_route_that_goes_silent_ends_in_a_504_soon_after_the_deadline(vocab: Vocab) -> None:
-    """A head that takes the seam and then says nothing: the gateway's own clock ends the request.
+@asynccontextmanager
+async def _gateway_over(
+    vocab: Vocab, head: Callable[[FrameStream, Span], Awaitable[None]], *, request_timeout: float = 600.0
+) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient]]:
+    """A gateway whose real tracker grants a route to one registered node; its head is ``head``.
 
-    The tracker is real and grants a route to a node that registered; the head behind it
-    is this test, which accepts the stream and never answers.
+    Each seam the gateway opens to the head runs ``head(stream, layers)`` as a task.
     """
     from noderuntime.httpserve import serve_http
     from noderuntime.identity import Identity
     from noderuntime.signing import sign
     from noderuntime.tracker.app import Tracker
-    from noderuntime.transport import memory_stream_pair
 
     from .test_tracker import ARTIFACT, _registration
-
-    held = []
-
-    class SilentHead:
-        async def connect(self, hop: Any, open_route: Any) -> Any:
-            ours, theirs = memory_stream_pair()
-            held.append(theirs)  # kept open, never read from or written to
-            return ours
-
-    tracker, node = Tracker(Identity.generate(), expire_after=60.0), Identity.generate()
-    async with trio.open_nursery() as nursery, httpx.AsyncClient() as http:
-        url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
-        body = json.dumps(_registration(node)).encode()
-        headers = {
-            **sign(node, "POST", "/v1/nodes/register", body, int(time.time() * 1000)),
-            "content-type": "application/json",
-        }
-        assert (await http.post(url + "/v1/nodes/register", content=body, headers=headers)).status_code == 200
-        served = ServedModel("m", ARTIFACT, vocab, ChatTemplate(vocab.chat_template or ""), 0, 2048)
-        gw = Gateway([served], url, SilentHead(), request_timeout=1.0)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(gw.app), base_url="http://gw") as client:
-            with trio.fail_after(30):
-                answer = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4})
-        await gw.http.aclose()
-        nursery.cancel_scope.cancel()
-    assert answer.status_code == 504 and answer.json()["error"]["code"] == "deadline_exceeded", answer.text
-    assert held  # the route was granted and its head dialled
-
-
-async def test_a_route_that_fails_mid_stream_is_counted_once_as_an_error(vocab: Vocab) -> None:
-    """After a token has gone out the error goes into the stream; it is not also a cancellation.
-
-    The tracker is real; the head behind the route it grants is this test, which answers
-    one token and then fails the session.
-    """
-    import attrs
-
-    from noderuntime.httpserve import serve_http
-    from noderuntime.identity import Identity
-    from noderuntime.seamconn import SeamConnection
-    from noderuntime.signing import sign
-    from noderuntime.tracker.app import Tracker
-    from noderuntime.transport import FrameStream, memory_stream_pair
-    from protocol import Direction, Error, OpenRoute, Phase, SeamEndpoint, Span, Tokens
-
-    from .test_tracker import ARTIFACT, _registration
-
-    token = vocab.tokenize(" hello", add_special=False)[0]
-
-    async def failing_head(stream: FrameStream, layers: Span) -> None:
-        conn = SeamConnection(stream)
-        opening = await conn.receive()
-        assert isinstance(opening, OpenRoute)
-        ident = opening.header.identity
-        endpoint = SeamEndpoint(attrs.evolve(ident, shard=layers), Direction.UPSTREAM, peer_shard=ident.shard)
-        endpoint.receive(opening)
-        conn.endpoint = endpoint
-        n = len(opening.prompt_tokens)
-        await conn.send(Tokens(endpoint.header(Phase.DECODE, Span(n, n + 1)), (token,)))
-        await conn.send(Error(endpoint.header(Phase.DECODE), StatusCode.INTERNAL, "a defect"))
 
     tracker, node = Tracker(Identity.generate(), expire_after=60.0), Identity.generate()
     async with trio.open_nursery() as nursery, httpx.AsyncClient() as http:
@@ -482,7 +427,7 @@ async def test_a_route_that_fails_mid_stream_is_counted_once_as_an_error(vocab: 
         class Head:
             async def connect(self, hop: Any, open_route: Any) -> Any:
                 ours, theirs = memory_stream_pair()
-                nursery.start_soon(failing_head, theirs, hop.layers)
+                nursery.start_soon(head, theirs, hop.layers)
                 return ours
 
         url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
@@ -493,16 +438,75 @@ async def test_a_route_that_fails_mid_stream_is_counted_once_as_an_error(vocab: 
         }
         assert (await http.post(url + "/v1/nodes/register", content=body, headers=headers)).status_code == 200
         served = ServedModel("m", ARTIFACT, vocab, ChatTemplate(vocab.chat_template or ""), 0, 2048)
-        gw = Gateway([served], url, Head())
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(gw.app), base_url="http://gw") as client:
-            with trio.fail_after(30):
-                answer = await client.post(
-                    "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True}
-                )
-        await gw.http.aclose()
-        nursery.cancel_scope.cancel()
+        gw = Gateway([served], url, Head(), request_timeout=request_timeout)
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(gw.app), base_url="http://gw") as client:
+                yield gw, client
+        finally:
+            await gw.http.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def _open_as_head(stream: FrameStream, layers: Span) -> tuple[SeamConnection, SeamEndpoint, OpenRoute]:
+    """Take a session's opening as the head of ``layers`` would."""
+    conn = SeamConnection(stream)
+    opening = await conn.receive()
+    assert isinstance(opening, OpenRoute)
+    ident = opening.header.identity
+    endpoint = SeamEndpoint(attrs.evolve(ident, shard=layers), Direction.UPSTREAM, peer_shard=ident.shard)
+    endpoint.receive(opening)
+    conn.endpoint = endpoint
+    return conn, endpoint, opening
+
+
+async def test_a_route_that_goes_silent_ends_in_a_504_soon_after_the_deadline(vocab: Vocab) -> None:
+    """A head that takes the seam and then says nothing: the gateway's own clock ends the request."""
+    held = []
+
+    async def silent_head(stream: FrameStream, layers: Span) -> None:
+        held.append(stream)  # kept open, never read from or written to
+
+    async with _gateway_over(vocab, silent_head, request_timeout=1.0) as (_, client):
+        with trio.fail_after(30):
+            answer = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4})
+    assert answer.status_code == 504 and answer.json()["error"]["code"] == "deadline_exceeded", answer.text
+    assert held  # the route was granted and its head dialled
+
+
+async def test_a_route_that_fails_mid_stream_is_counted_once_as_an_error(vocab: Vocab) -> None:
+    """After a token has gone out the error goes into the stream; it is not also a cancellation."""
+    token = vocab.tokenize(" hello", add_special=False)[0]
+
+    async def failing_head(stream: FrameStream, layers: Span) -> None:
+        conn, endpoint, opening = await _open_as_head(stream, layers)
+        n = len(opening.prompt_tokens)
+        await conn.send(Tokens(endpoint.header(Phase.DECODE, Span(n, n + 1)), (token,)))
+        await conn.send(Error(endpoint.header(Phase.DECODE), StatusCode.INTERNAL, "a defect"))
+
+    async with _gateway_over(vocab, failing_head) as (gw, client):
+        with trio.fail_after(30):
+            request = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True}
+            answer = await client.post("/v1/completions", json=request)
     events = [line.removeprefix("data: ") for line in answer.text.splitlines() if line.startswith("data: ")]
     assert answer.status_code == 200 and events[-1] == "[DONE]", answer.text
     assert json.loads(events[0])["choices"][0]["text"] == " hello"
     assert "error" in json.loads(events[-2]), events
     assert (gw.counters["errors"], gw.counters["cancelled"], gw.counters["completed"]) == (1, 0, 0)
+
+
+@pytest.mark.parametrize(("request_timeout", "retried"), [(30.0, True), (0.5, False)])
+async def test_a_route_timing_out_is_final_only_when_the_request_has_no_time_left(
+    vocab: Vocab, request_timeout: float, retried: bool
+) -> None:
+    """A node's clock may run ahead, or it may lie: while the request has time, another route may serve it."""
+
+    async def timed_out_head(stream: FrameStream, layers: Span) -> None:
+        conn, endpoint, _ = await _open_as_head(stream, layers)
+        await conn.send(Error(endpoint.header(Phase.PREFILL), StatusCode.DEADLINE_EXCEEDED, "too late"))
+
+    async with _gateway_over(vocab, timed_out_head, request_timeout=request_timeout) as (gw, client):
+        with trio.fail_after(30):
+            answer = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4})
+    assert (gw.counters["retries"] > 0) == retried, gw.counters
+    # retried, the only node is left out of the next route, and none is left
+    assert answer.status_code == (503 if retried else 504), answer.text
