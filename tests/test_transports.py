@@ -379,7 +379,6 @@ async def test_grpc_connect_failure_is_a_clear_unavailable() -> None:
 async def test_relay_ends_a_seam_that_sends_a_message_over_the_largest_frame_and_serves_on() -> None:
     issuer, node = Identity.generate(), Identity.generate()
     relay = Relay(TicketVerifier([issuer.node_id]))
-    accepted: trio.MemorySendChannel[FrameStream]
     accepted, streams = trio.open_memory_channel[FrameStream](4)
     largest = Limits().max_frame_bytes
     async with trio.open_nursery() as nursery:
