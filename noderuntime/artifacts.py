@@ -36,7 +36,7 @@ PARENT_INDEX_KEY = "noderuntime.parent.tensor_index"
 # Keys that describe how a file was cut, not what model it holds.
 _NON_IDENTITY_PREFIXES = ("shard.", "noderuntime.", "GGUF.")
 
-SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen3"})
+SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen3", "qwen3moe", "gemma3"})
 _FINGERPRINT_DOMAIN = b"noderuntime-artifact-v1\n"
 _SAMPLE_BYTES = 4096
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")

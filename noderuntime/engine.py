@@ -159,6 +159,8 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], kind: str
 
 
 FlashAttn = Literal["on", "off"]
+KvType = Literal["f16", "f32"]
+_KV_TYPES = {"f16": 1, "f32": 0}  # ggml_type values
 MAX_THREADS = 1024
 MAX_CONTEXT = 1 << 28  # KV cells of all sequences together: far beyond memory, well inside int32
 MAX_BATCH = 1 << 16
@@ -175,6 +177,15 @@ class Recipe:
     n_ubatch: int = 512
     flash_attn: FlashAttn = "off"
     use_mmap: bool = True
+    # llama.cpp's CPU repack (Q4_0, Q4_K, IQ4_NL, Q8_0 weights re-laid for its gemm) runs
+    # each full group of 4 batch rows through a gemm kernel and the rest through a gemv
+    # kernel whose sums differ in the last bits, so a row's result would depend on how
+    # many rows share its tick. Off keeps a session's output independent of who else is
+    # batched (tests/test_batch_invariance.py on Gemma 3 Q4_K_M fails with it on).
+    repack: bool = False
+    # f16 as llama.cpp defaults; f32 when a float32 route must match a float32 reference
+    # (Gate F's cross-implementation check: f16 keys alone move logits by up to 0.3)
+    kv_type: KvType = "f16"
 
     def __attrs_post_init__(self) -> None:
         # llama.cpp takes these as 32-bit integers, and ctypes truncates silently: an n_ctx of
@@ -191,6 +202,8 @@ class Recipe:
             raise ValueError(f"need 1 <= n_ubatch <= n_batch <= {MAX_BATCH}")
         if self.flash_attn not in ("on", "off"):
             raise ValueError("flash_attn must be 'on' or 'off'")
+        if self.kv_type not in _KV_TYPES:
+            raise ValueError(f"kv_type must be one of {', '.join(_KV_TYPES)}")
 
     def describe(self, quant: str) -> dict[str, Any]:
         """The recipe as published: kernels, quant, threads, backend, attention, ubatch."""
@@ -203,6 +216,8 @@ class Recipe:
             "backend": info["backend"],
             "flash_attn": self.flash_attn,
             "n_ubatch": self.n_ubatch,
+            "repack": self.repack,
+            "kv_type": self.kv_type,
         }
 
     def fingerprint(self, quant: str) -> str:
@@ -361,6 +376,7 @@ class ShardEngine:
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = 0
         mparams.no_alloc = dry_run
+        mparams.use_extra_bufts = self.recipe.repack
         # a dry run with a mapping aborts in llama.cpp; it reads no tensor data anyway
         mapped = self.recipe.use_mmap and not dry_run
         mparams.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP if mapped else llama_cpp.LLAMA_LOAD_MODE_NONE
@@ -395,6 +411,7 @@ class ShardEngine:
         cparams.n_threads = r.n_threads
         cparams.n_threads_batch = r.n_threads
         cparams.kv_unified = False  # one KV stream per sequence: sessions never see each other
+        cparams.type_k = cparams.type_v = _KV_TYPES[r.kv_type]
         cparams.flash_attn_type = (
             llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
             if r.flash_attn == "on"
