@@ -62,7 +62,7 @@ class Lane:
     """A model shape and the cap each node gets."""
 
     label: str
-    shape: synth.LlamaShape
+    shape: synth.ModelShape
     cap: int
     requests: int
     max_tokens: int
@@ -70,14 +70,14 @@ class Lane:
 
 QUICK = Lane(
     "3B-class (26 x 3072, Q4_0)",
-    synth.LlamaShape(n_layer=26, n_embd=3072, n_ff=8192, n_head=24, n_head_kv=8, n_vocab=32000),
+    synth.ModelShape(n_layer=26, n_embd=3072, n_ff=8192, n_head=24, n_head_kv=8, n_vocab=32000),
     1_000_000_000,
     requests=2,
     max_tokens=16,
 )
 FULL = Lane(
     "8B-class (Llama-3-8B shape, Q4_0)",
-    synth.LlamaShape(
+    synth.ModelShape(
         n_layer=32,
         n_embd=4096,
         n_ff=14336,
@@ -359,7 +359,7 @@ def main() -> None:
         model = args.keep_model or root / "model.gguf"
         started = time.monotonic()
         if not model.exists():
-            synth.write_llama(model, lane.shape, quant="Q4_0", name=f"fit-{lane.shape.n_layer}x{lane.shape.n_embd}")
+            synth.write_model(model, lane.shape, quant="Q4_0", name=f"fit-{lane.shape.n_layer}x{lane.shape.n_embd}")
         synth_seconds = time.monotonic() - started
         model_bytes = model.stat().st_size
         print(f"model: {lane.label}, {model_bytes / 1e9:.2f} GB in {synth_seconds:.0f} s", flush=True)

@@ -745,8 +745,8 @@ def _main(args: Any, tmp: Path) -> int:
     from noderuntime.engine import Recipe
 
     if args.demo_shape:
-        model = synth.write_llama(
-            tmp / "smollm2-shape.gguf", synth.LlamaShape(**DEMO_SHAPE), quant="Q4_1", embedding_quant="Q8_0"
+        model = synth.write_model(
+            tmp / "smollm2-shape.gguf", synth.ModelShape(**DEMO_SHAPE), quant="Q4_1", embedding_quant="Q8_0"
         )
     else:
         model = models.pull(models.DEMO_MODEL, progress=False)
@@ -781,8 +781,8 @@ def _main(args: Any, tmp: Path) -> int:
     demo["token_stages"] = trio.run(_timelines, model, DEMO_CUTS, new_tokens, TIMELINE_REPEATS)
     larger_tokens = 16 if args.quick else 64
     larger_repeats = 2 if args.quick else 7
-    larger_path = synth.write_llama(
-        tmp / "llama-1b-shape.gguf", synth.LlamaShape(**LARGER_SHAPE), quant="Q4_0", name="seams-1b-shape"
+    larger_path = synth.write_model(
+        tmp / "llama-1b-shape.gguf", synth.ModelShape(**LARGER_SHAPE), quant="Q4_0", name="seams-1b-shape"
     )
     larger = _route_figures(
         trio.run(_lanes, larger_path, LARGER_CUTS, larger_tokens, larger_repeats),
@@ -942,8 +942,8 @@ def _largest_lanes(tmp: Path, new_tokens: int, repeats: int) -> dict[str, Any]:
     from noderuntime import synth
 
     try:
-        path = synth.write_llama(
-            tmp / "llama-8b-shape.gguf", synth.LlamaShape(**LARGEST_SHAPE), quant="Q4_0", name="seams-8b-shape"
+        path = synth.write_model(
+            tmp / "llama-8b-shape.gguf", synth.ModelShape(**LARGEST_SHAPE), quant="Q4_0", name="seams-8b-shape"
         )
     except OSError as exc:  # a full disk, most likely: the figures of the other models still count
         return {"skipped": f"cannot write the model: {exc}", "shape": LARGEST_SHAPE}

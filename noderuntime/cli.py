@@ -152,26 +152,30 @@ def _cmd_models_synth(args: argparse.Namespace) -> int:
     from noderuntime import synth
 
     try:
-        shape = synth.LlamaShape(
+        shape = synth.ModelShape(
+            arch=args.arch,
             n_layer=args.layers,
             n_embd=args.embd,
             n_ff=args.ff,
             n_head=args.heads,
             n_head_kv=args.kv_heads,
             n_vocab=args.vocab,
+            head_dim=args.head_dim,
+            n_expert=args.experts,
+            n_expert_used=args.experts_used,
+            n_ff_expert=args.expert_ff,
             context_length=args.context,
+            tied_output=not args.untied_output,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    if args.arch != "llama":
-        raise CliError(f"only --arch llama is supported, not {args.arch!r}")
     with tqdm(unit="B", unit_scale=True, desc=f"synth {Path(args.out).name}", disable=args.quiet) as bar:
 
         def progress(done: int, total: int) -> None:
             bar.total = total
             bar.update(done - bar.n)
 
-        path = synth.write_llama(args.out, shape, quant=args.quant, seed=args.seed, progress=progress)
+        path = synth.write_model(args.out, shape, quant=args.quant, seed=args.seed, progress=progress)
     info = artifacts.inspect(path)
     print(f"{path}  {info.file_bytes / 1e9:.2f} GB  {info.n_layer} layers  fingerprint {info.fingerprint[:16]}")
     return 0
@@ -251,10 +255,10 @@ def _default_data_dir() -> Path:
 def _cmd_up(args: argparse.Namespace) -> int:
     from noderuntime import noderun
 
-    if args.model is None:
+    if args.model is None or args.local:
         from noderuntime import localsystem
 
-        return localsystem.main(args.listen or "127.0.0.1:8080", models.DEMO_MODEL)
+        return localsystem.main(args.listen or "127.0.0.1:8080", args.model or models.DEMO_MODEL)
     if args.listen is None and args.relay is None:
         raise CliError("a node needs --listen HOST:PORT, --relay URL, or both")
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -515,13 +519,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=models.DEMO_MODEL, help="a GGUF file or known model name")
     p.set_defaults(func=_cmd_models_lanes)
     p = model_cmds.add_parser("synth", help="write a random-weight model of any size")
-    p.add_argument("--arch", default="llama")
+    p.add_argument("--arch", default="llama", help="llama, qwen3 or qwen3moe")
     p.add_argument("--layers", type=_positive_int, required=True)
     p.add_argument("--embd", type=_positive_int, required=True)
     p.add_argument("--ff", type=_positive_int, required=True)
     p.add_argument("--heads", type=_positive_int, required=True)
     p.add_argument("--kv-heads", type=_positive_int, required=True)
     p.add_argument("--vocab", type=_positive_int, required=True)
+    p.add_argument("--head-dim", type=_positive_int, default=0, help="size of one head (default: embd / heads)")
+    p.add_argument("--experts", type=_positive_int, default=0, help="experts per layer (qwen3moe)")
+    p.add_argument("--experts-used", type=_positive_int, default=0, help="experts each token uses (qwen3moe)")
+    p.add_argument("--expert-ff", type=_positive_int, default=0, help="feed-forward length of one expert (qwen3moe)")
+    p.add_argument("--untied-output", action="store_true", help="an output head of its own, not the embedding")
     p.add_argument("--context", type=_positive_int, default=4096)
     p.add_argument("--quant", default="Q4_0", choices=["F32", "F16", "Q8_0", "Q4_0"])
     p.add_argument("--seed", type=int, default=0)
@@ -552,6 +561,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["llama.cpp", "transformers"],
         default="llama.cpp",
         help="the engine: llama.cpp on GGUF (default) or Transformers on safetensors (torch, CPU)",
+    )
+    p.add_argument(
+        "--local",
+        action="store_true",
+        help="run the whole system here for --model: tracker, relay, two shard nodes, gateway",
     )
     p.add_argument("--layers", type=_layers, help="layer range A:B this node serves (default: all of the file)")
     p.add_argument(

@@ -1,8 +1,9 @@
-"""``noderuntime up`` with no arguments: the whole system on this machine.
+"""``noderuntime up`` with no arguments (or ``up --local --model M``): the whole system on this machine.
 
-A tracker, a relay, two shard nodes of the demo model (the second one reachable only
-through the relay, as a node behind NAT would be) and the gateway, each its own
-process. Prints the base URL and a ``curl`` example; Ctrl-C stops everything.
+A tracker, a relay, two shard nodes of the model (the demo model by default; any known
+model or GGUF file; the second node reachable only through the relay, as a node behind
+NAT would be) and the gateway, each its own process. Prints the base URL and a ``curl``
+example; Ctrl-C stops everything.
 """
 
 from __future__ import annotations
@@ -55,6 +56,17 @@ def _wait_routable(tracker_url: str, artifact: str, timeout: float = 60.0) -> No
     raise ProcessError("the nodes did not register a complete route with the tracker in time")
 
 
+def _model_path(model: str, *, quiet: bool) -> tuple[Path, str]:
+    """A known model's pulled file and name, or a GGUF file and its stem as the served id."""
+    if model in models.KNOWN_MODELS:
+        return models.pull(model, progress=not quiet), model
+    path = Path(model)
+    if not path.is_file():
+        known = ", ".join(sorted(models.KNOWN_MODELS))
+        raise ProcessError(f"model {model!r} is neither a GGUF file nor a known model ({known})")
+    return path.resolve(), path.stem
+
+
 def start(
     *,
     model_name: str = models.DEMO_MODEL,
@@ -65,8 +77,11 @@ def start(
     ctx: int = 2048,
     quiet: bool = False,
 ) -> LocalSystem:
-    """Start the processes and wait until a route serves; the caller stops them."""
-    path = models.pull(model_name, progress=not quiet)
+    """Start the processes and wait until a route serves; the caller stops them.
+
+    ``model_name`` is a known model's name or a GGUF file's path.
+    """
+    path, model_id = _model_path(model_name, quiet=quiet)
     info = artifacts.inspect(path)
     cuts = cuts or (0, info.n_layer // 2, info.n_layer)
     # nodes on one machine share its cores: oversubscribed OpenMP teams stall each other
@@ -138,7 +153,7 @@ def start(
                 "--listen",
                 listen,
                 "--model",
-                model_name,
+                f"{model_id}={path}",
                 "--ctx",
                 str(ctx),
                 "--ledger",
@@ -149,7 +164,7 @@ def start(
         for process in reversed(processes):
             process.stop()
         raise
-    return LocalSystem(processes, gateway["url"], tracker["url"], model_name, root / "gateway" / "ledger.sqlite")
+    return LocalSystem(processes, gateway["url"], tracker["url"], model_id, root / "gateway" / "ledger.sqlite")
 
 
 def main(listen: str, model_name: str) -> int:

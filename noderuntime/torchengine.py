@@ -56,6 +56,7 @@ __all__ = [
     "cast_safetensors",
     "export_safetensors",
     "inspect",
+    "transformers_logits",
     "versions",
     "whole_model_greedy",
     "whole_model_logits",
@@ -639,3 +640,41 @@ def whole_model_greedy(
                 step = model(torch.tensor([[tokens[-1]]]), cache=step.cache, use_cache=True)
             out.append(tokens)
     return out
+
+
+# Config fields Transformers' GGUF loader does not read for these architectures, as
+# (GGUF key suffix, config field): without them it falls back to the config class's
+# defaults (Qwen3's head_dim of 128, Qwen3-MoE's expert width of 768) and fails on shapes.
+_GGUF_CONFIG_GAPS = {
+    "qwen3": (("attention.key_length", "head_dim"),),
+    "qwen3moe": (("attention.key_length", "head_dim"), ("expert_feed_forward_length", "moe_intermediate_size")),
+}
+
+
+def transformers_logits(gguf_path: Path, tokens: Sequence[int], *, threads: int = 2) -> np.ndarray:
+    """Logits of every position of ``tokens`` from Transformers' own model class for the file.
+
+    The weights come through Transformers' GGUF loader (dequantized to float32), so
+    ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` or ``Gemma3ForCausalLM`` compute the
+    architecture as Transformers implements it: the independent reference that Gate F's
+    cross-implementation check compares a route with.
+    """
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    reader = GGUFReader(gguf_path)
+    arch = str(reader.fields["general.architecture"].contents())
+    overrides = {
+        field: int(reader.fields[f"{arch}.{key}"].contents())
+        for key, field in _GGUF_CONFIG_GAPS.get(arch, ())
+        if f"{arch}.{key}" in reader.fields
+    }
+    torch.set_num_threads(threads)
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, **overrides
+    )
+    model.eval()
+    with torch.inference_mode():
+        out = model(torch.tensor([list(tokens)], dtype=torch.long))
+    result: np.ndarray = out.logits[0].float().numpy()
+    return result

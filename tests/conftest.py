@@ -11,7 +11,37 @@ import pytest
 
 from noderuntime import models, synth
 
-TINY_SHAPE = synth.LlamaShape(n_layer=4, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_vocab=320, context_length=1024)
+TINY_SHAPE = synth.ModelShape(n_layer=4, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_vocab=320, context_length=1024)
+# Qwen3-family shapes with their features: a head size that is not n_embd / n_head,
+# Q/K norms, an untied head (qwen3) or a tied one and 8 experts of which 2 are used (MoE)
+TINY_SHAPES = {
+    "qwen3": synth.ModelShape(
+        arch="qwen3",
+        n_layer=4,
+        n_embd=64,
+        n_ff=128,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=32,
+        n_vocab=512,
+        context_length=1024,
+        tied_output=False,
+    ),
+    "qwen3moe": synth.ModelShape(
+        arch="qwen3moe",
+        n_layer=4,
+        n_embd=64,
+        n_ff=192,
+        n_head=4,
+        n_head_kv=1,
+        head_dim=32,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_expert=32,
+        n_vocab=512,
+        context_length=1024,
+    ),
+}
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +53,23 @@ def smollm2() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-layer random Llama in Q8_0 (about 200 KB)."""
-    return synth.write_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", TINY_SHAPE, quant="Q8_0", seed=1)
+    return synth.write_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf", TINY_SHAPE, quant="Q8_0", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny random Qwen3 and Qwen3-MoE in Q8_0, by architecture name."""
+    folder = tmp_path_factory.mktemp("tiny-qwen")
+    return {
+        arch: synth.write_model(folder / f"{arch}.gguf", shape, quant="Q8_0", seed=5)
+        for arch, shape in TINY_SHAPES.items()
+    }
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> Path:
+    """Gemma 3 270M pretrained Q4_K_M (real weights), pulled and verified once per machine."""
+    return models.pull("gemma3-270m", progress=False)
 
 
 @pytest.fixture

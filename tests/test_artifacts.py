@@ -19,7 +19,7 @@ def test_fingerprint_is_stable_and_covers_weights(tiny_model: Path, tmp_path: Pa
     info = artifacts.inspect(tiny_model)
     assert info.fingerprint == artifacts.inspect(tiny_model).fingerprint
     assert (info.n_layer, info.n_embd, info.n_vocab, info.architecture) == (4, 64, 320, "llama")
-    same_shape_other_weights = synth.write_llama(tmp_path / "other.gguf", TINY_SHAPE, quant="Q8_0", seed=2)
+    same_shape_other_weights = synth.write_model(tmp_path / "other.gguf", TINY_SHAPE, quant="Q8_0", seed=2)
     assert artifacts.inspect(same_shape_other_weights).fingerprint != info.fingerprint
 
 
@@ -28,7 +28,7 @@ def test_synthetic_weights_are_centred_with_the_intended_spread(quant: str, tmp_
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    path = synth.write_llama(tmp_path / "m.gguf", TINY_SHAPE, quant=quant, seed=4)
+    path = synth.write_model(tmp_path / "m.gguf", TINY_SHAPE, quant=quant, seed=4)
     assert quant in artifacts.inspect(path).quant
     (tensor,) = (t for t in GGUFReader(path).tensors if t.name == "blk.0.ffn_gate.weight")
     weights = dequantize(tensor.data, tensor.tensor_type)
@@ -40,13 +40,13 @@ def test_synthetic_weights_are_centred_with_the_intended_spread(quant: str, tmp_
 def test_synthetic_embedding_can_have_its_own_quant(tmp_path: Path) -> None:
     from gguf import GGUFReader
 
-    path = synth.write_llama(tmp_path / "m.gguf", TINY_SHAPE, quant="Q4_1", embedding_quant="Q8_0")
+    path = synth.write_model(tmp_path / "m.gguf", TINY_SHAPE, quant="Q4_1", embedding_quant="Q8_0")
     types = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
     assert types["token_embd.weight"] == "Q8_0"
     assert types["blk.0.attn_q.weight"] == "Q4_1"
     assert artifacts.inspect(path).quant == "Q4_1"  # named by the blocks, as for a converted file
     with pytest.raises(ValueError, match="unsupported quant"):
-        synth.write_llama(tmp_path / "n.gguf", TINY_SHAPE, quant="Q4_1", embedding_quant="Q5_K")
+        synth.write_model(tmp_path / "n.gguf", TINY_SHAPE, quant="Q4_1", embedding_quant="Q5_K")
 
 
 def test_split_keeps_absolute_blocks_and_parent_fingerprint(tiny_model: Path, tmp_path: Path) -> None:
@@ -90,7 +90,7 @@ def test_edited_shard_weights_are_refused(tiny_model: Path, tmp_path: Path) -> N
 
 
 def test_shard_of_another_model_is_refused(tiny_model: Path, tmp_path: Path) -> None:
-    other = synth.write_llama(tmp_path / "other.gguf", TINY_SHAPE, quant="Q8_0", seed=3)
+    other = synth.write_model(tmp_path / "other.gguf", TINY_SHAPE, quant="Q8_0", seed=3)
     (path,) = artifacts.split(other, [LayerRange(0, 2)], tmp_path / "split")
     with pytest.raises(ArtifactError, match="belongs to artifact"):
         artifacts.verify_parent(artifacts.inspect(path), artifacts.inspect(tiny_model).fingerprint)

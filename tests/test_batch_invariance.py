@@ -28,10 +28,27 @@ from noderuntime.scheduler import BatchPlan
 from noderuntime.steps import Rows
 
 RECIPE = Recipe(n_threads=1, n_ctx_per_seq=1024, n_seq_max=6, n_batch=512, n_ubatch=512)
-LAYERS = LayerRange(10, 20)
 
 
 async def test_batched_steps_equal_the_same_steps_alone(smollm2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    await _check_batch_invariance(smollm2, LayerRange(10, 20), 576, monkeypatch)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
+async def test_batch_invariance_on_qwen3_family(
+    arch: str, tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await _check_batch_invariance(tiny_models[arch], LayerRange(1, 3), 64, monkeypatch)
+
+
+async def test_batch_invariance_on_gemma3(gemma3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # KV lengths pass the 512-token sliding window of five layers in six
+    await _check_batch_invariance(gemma3, LayerRange(3, 9), 640, monkeypatch)
+
+
+async def _check_batch_invariance(
+    model: Path, layers: LayerRange, n_embd: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     grouped: list[tuple[int, ...]] = []  # ticks that ran several prefill chunks (of one length) together
 
     def recording(*args: Any, **kwargs: Any) -> BatchPlan:
@@ -49,11 +66,11 @@ async def test_batched_steps_equal_the_same_steps_alone(smollm2: Path, monkeypat
         while length < 700:
             # a long prefill, then decode steps with more prefill chunks among them
             n = rng.choice((200, 256)) if length < 256 else rng.choice((1, 1, 1, 3, 17, 64, 200))
-            steps.append(np.random.default_rng([seq, length]).standard_normal((n, 576), dtype=np.float32))
+            steps.append(np.random.default_rng([seq, length]).standard_normal((n, n_embd), dtype=np.float32))
             length += n
         sessions.append(steps)
 
-    with ShardEngine(smollm2, RECIPE, LAYERS) as batched, ShardEngine(smollm2, RECIPE, LAYERS) as alone:
+    with ShardEngine(model, RECIPE, layers) as batched, ShardEngine(model, RECIPE, layers) as alone:
         expected = []
         for seq, steps in enumerate(sessions):
             start, outputs = 0, []
