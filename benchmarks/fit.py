@@ -1,11 +1,14 @@
 """Fit: a model about twice a node's memory cap, served by a route of capped nodes.
 
-    python -m benchmarks.fit [--quick] [--out PATH]
+    python -m benchmarks.fit [--quick] [--moe] [--out PATH]
 
 A random-weight Llama model is written straight in Q4_0 (``noderuntime models synth``):
 an 8B-class shape (Llama-3-8B's: 32 layers, 4096 wide, 14336 FFN, 32/8 heads, 128256
 vocabulary, 4.5 GB) with 2.5 GB caps, or with ``--quick`` a 3B-class shape
-(1.5 GB) with 1 GB caps. Every node process runs in its own cgroup with a hard
+(1.5 GB) with 1 GB caps. ``--moe`` runs a Qwen3-MoE of Qwen3-30B-A3B's per-layer
+shape instead (2048 wide, 128 experts of which 8 are used, expert FFN 768, 32/4 heads
+of 128, 151936 vocabulary, untied): 12 layers (4.6 GB) with 2.5 GB caps, or 5 layers
+(2.1 GB) with 1.2 GB caps with ``--quick``. Every node process runs in its own cgroup with a hard
 memory limit (v2 ``memory.max`` or v1 ``memory.limit_in_bytes``), so an overrun is
 an OOM kill, not a promise. The lane shows, in order:
 
@@ -90,6 +93,14 @@ FULL = Lane(
     2_500_000_000,
     requests=3,
     max_tokens=32,
+)
+
+
+MOE_QUICK = Lane(
+    "Qwen3-30B-A3B shape, 5 layers (Q4_0)", synth.qwen3_30b_a3b_shape(5), 1_200_000_000, requests=2, max_tokens=16
+)
+MOE_FULL = Lane(
+    "Qwen3-30B-A3B shape, 12 layers (Q4_0)", synth.qwen3_30b_a3b_shape(12), 2_500_000_000, requests=3, max_tokens=32
 )
 
 
@@ -347,9 +358,13 @@ def main() -> None:
     """Run the fit lane and write its JSON and PNG."""
     parser = _common.parser(NAME, __doc__ or "")
     parser.add_argument("--keep-model", type=Path, help="write (or reuse) the model here instead of a temp dir")
+    parser.add_argument("--moe", action="store_true", help="the Qwen3-30B-A3B-shape mixture of experts")
     args = parser.parse_args()
-    lane = QUICK if args.quick else FULL
+    lanes = {(False, False): FULL, (False, True): QUICK, (True, False): MOE_FULL, (True, True): MOE_QUICK}
+    lane = lanes[args.moe, args.quick]
     out = _common.out_path(NAME, args)
+    if args.moe and args.out is None:
+        out = out.with_name(out.name.replace("fit", "fit-moe", 1))
     reason = available()
     if reason is not None:
         raise SystemExit(f"the fit lane needs memory cgroups: {reason}")
@@ -407,7 +422,7 @@ def main() -> None:
         ),
     }
     doc_recipe = {
-        "model": f"random-weight Llama, {lane.label}",
+        "model": f"random-weight {lane.shape.arch}, {lane.label}",
         "quant": "Q4_0",
         "slots": SLOTS,
         "ctx": CTX,

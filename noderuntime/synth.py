@@ -165,6 +165,73 @@ class ModelShape:
             yield "output.weight", (self.n_vocab, e)
 
 
+# Tiny Qwen3-family shapes for tests and quick lanes, with their features: a head size that is not n_embd / n_head,
+# Q/K norms, an untied head (qwen3) or a tied one and 8 experts of which 2 are used (MoE)
+TINY_SHAPES: dict[str, ModelShape] = {
+    "qwen3": ModelShape(
+        arch="qwen3",
+        n_layer=4,
+        n_embd=64,
+        n_ff=128,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=32,
+        n_vocab=512,
+        context_length=1024,
+        tied_output=False,
+    ),
+    "qwen3moe": ModelShape(
+        arch="qwen3moe",
+        n_layer=4,
+        n_embd=64,
+        n_ff=192,
+        n_head=4,
+        n_head_kv=1,
+        head_dim=32,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_expert=32,
+        n_vocab=512,
+        context_length=1024,
+    ),
+}
+
+
+def qwen3_8b_shape(n_layer: int) -> ModelShape:
+    """Qwen3-8B's per-layer shape (4096 wide, 12288 FFN, 32/8 heads of 128, untied) with ``n_layer`` layers."""
+    return ModelShape(
+        arch="qwen3",
+        n_layer=n_layer,
+        n_embd=4096,
+        n_ff=12288,
+        n_head=32,
+        n_head_kv=8,
+        head_dim=128,
+        n_vocab=151936,
+        context_length=40960,
+        tied_output=False,
+    )
+
+
+def qwen3_30b_a3b_shape(n_layer: int) -> ModelShape:
+    """Qwen3-30B-A3B's per-layer shape (2048 wide, 8 of 128 experts of 768, 32/4 heads of 128) with ``n_layer``."""
+    return ModelShape(
+        arch="qwen3moe",
+        n_layer=n_layer,
+        n_embd=2048,
+        n_ff=6144,
+        n_head=32,
+        n_head_kv=4,
+        head_dim=128,
+        n_expert=128,
+        n_expert_used=8,
+        n_ff_expert=768,
+        n_vocab=151936,
+        context_length=40960,
+        tied_output=False,
+    )
+
+
 def _tensor_type(name: str, shape: tuple[int, ...], quant: GGMLQuantizationType) -> GGMLQuantizationType:
     block = GGML_QUANT_SIZES[quant][0]
     # norms and the MoE router stay float, as llama.cpp's quantizer keeps them

@@ -1,13 +1,14 @@
 """The Transformers shard engine: the only module that imports ``torch`` and ``transformers``.
 
-A :class:`TorchEngine` runs one layer range of a Hugging Face Llama model saved as
-safetensors, on the CPU, behind the same surface as the llama.cpp
+A :class:`TorchEngine` runs one layer range of a Hugging Face Llama, Qwen3 or Qwen3-MoE
+model saved as safetensors, on the CPU, behind the same surface as the llama.cpp
 :class:`~noderuntime.engine.ShardEngine`: batches of rows (sequence id, position, token
 or hidden row, wants output) in, residual rows or logits out. So a route can be built
 from safetensors shards with the same protocol, seams, batcher and scheduler.
 
 Only the range's tensors are read from the file. The blocks are Transformers' own
-modules (``LlamaDecoderLayer``: its norms, projections and MLP, with Transformers'
+modules (``LlamaDecoderLayer``, ``Qwen3DecoderLayer``, ``Qwen3MoeDecoderLayer``: their
+norms, projections, per-head Q/K norms and MLP or routed experts, with Transformers'
 rotary embedding); the attention step is done here, over a cache owned by the engine,
 one per sequence, because Transformers' caches batch sequences of one length while a
 node batches decode steps of sessions at different positions. The projections and the
@@ -36,12 +37,18 @@ import attrs
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig
+from transformers import AutoConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
+)
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeDecoderLayer,
+    Qwen3MoeRMSNorm,
+    Qwen3MoeRotaryEmbedding,
 )
 
 from noderuntime.artifacts import ArtifactInfo, LayerRange
@@ -148,16 +155,35 @@ def _weight_files(directory: Path) -> list[Path]:
     raise EngineError(f"{directory} has no model.safetensors (nor an index of shards)")
 
 
-def _config(directory: Path) -> LlamaConfig:
+@attrs.frozen
+class _Architecture:
+    """Transformers' modules for one model type, and the name routes use for it."""
+
+    name: str  # as GGUF names it: what ArtifactInfo.architecture says
+    block: type[torch.nn.Module]
+    norm: type[torch.nn.Module]
+    rotary: type[torch.nn.Module]
+
+
+# Transformers' rotate-half rope is the same function for the three (NEOX order)
+_ARCHITECTURES = {
+    "llama": _Architecture("llama", LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding),
+    "qwen3": _Architecture("qwen3", Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding),
+    "qwen3_moe": _Architecture("qwen3moe", Qwen3MoeDecoderLayer, Qwen3MoeRMSNorm, Qwen3MoeRotaryEmbedding),
+}
+
+
+def _config(directory: Path) -> PretrainedConfig:
     path = directory / "config.json"
     if not path.exists():
         raise EngineError(f"{directory} is not a Transformers model directory (no config.json)")
     try:
-        config = LlamaConfig.from_pretrained(str(directory))
-    except (OSError, ValueError, TypeError) as exc:
-        raise EngineError(f"{path} is not a usable Llama config: {exc}") from None
-    if config.model_type != "llama":
-        raise EngineError(f"{path} describes a {config.model_type!r} model; this engine runs Llama models")
+        config: PretrainedConfig = AutoConfig.from_pretrained(str(directory))
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise EngineError(f"{path} is not a usable Transformers config: {exc}") from None
+    if config.model_type not in _ARCHITECTURES:
+        known = ", ".join(sorted(_ARCHITECTURES))
+        raise EngineError(f"{path} describes a {config.model_type!r} model; this engine runs {known} models")
     return config
 
 
@@ -184,6 +210,11 @@ def inspect(path: str | os.PathLike[str]) -> ArtifactInfo:
         "rms_norm_eps",
         "rope_parameters",
         "tie_word_embeddings",
+        "head_dim",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
     )
     digest.update(json.dumps({k: getattr(config, k, None) for k in shape_keys}, sort_keys=True, default=str).encode())
     dtypes: dict[str, int] = {}
@@ -210,7 +241,7 @@ def inspect(path: str | os.PathLike[str]) -> ArtifactInfo:
         path=directory,
         fingerprint=fingerprint,
         file_fingerprint=fingerprint,
-        architecture="llama",
+        architecture=_ARCHITECTURES[config.model_type].name,
         name=str(getattr(config, "_name_or_path", "") or directory.name),
         n_layer=n_layer,
         n_embd=int(config.hidden_size),
@@ -283,7 +314,7 @@ class _SequenceCache:
 
 
 class TorchEngine:
-    """One loaded layer range of a Transformers Llama model and its per-sequence caches."""
+    """One loaded layer range of a Transformers Llama, Qwen3 or Qwen3-MoE model and its per-sequence caches."""
 
     def __init__(
         self,
@@ -313,6 +344,7 @@ class TorchEngine:
         self.output_hidden = output_hidden and self.is_tail
         config: Any = _config(Path(model_dir))
         self.config = config
+        self.architecture = _ARCHITECTURES[config.model_type]
         self.n_head = int(config.num_attention_heads)
         self.n_kv = int(config.num_key_value_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or self.n_embd // self.n_head)
@@ -336,7 +368,7 @@ class TorchEngine:
             return "lm_head.weight" if self.is_tail else None
         return None
 
-    def _load(self, directory: Path, config: LlamaConfig) -> None:
+    def _load(self, directory: Path, config: PretrainedConfig) -> None:
         from safetensors import safe_open
 
         state: dict[str, torch.Tensor] = {}
@@ -356,8 +388,9 @@ class TorchEngine:
             raise EngineError(f"{directory}: unsupported weight dtype {self.dtype}")
         # modules are built without memory and take the file's tensors as they are
         with torch.device("meta"):
-            self.blocks = torch.nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(*attrs.astuple(self.layers)))
-            self.norm = LlamaRMSNorm(self.n_embd, eps=config.rms_norm_eps) if self.is_tail else None
+            arch = self.architecture
+            self.blocks = torch.nn.ModuleList(arch.block(config, i) for i in range(*attrs.astuple(self.layers)))
+            self.norm = arch.norm(self.n_embd, eps=config.rms_norm_eps) if self.is_tail else None
         for offset in range(len(self.layers)):
             if not any(k.startswith(f"blocks.{offset}.") for k in state):
                 raise EngineError(f"{directory} lacks the weights of layer {self.layers.start + offset}")
@@ -377,7 +410,7 @@ class TorchEngine:
         self.lm_head = state.get("lm_head.weight", self.embed if self.is_tail else None)
         if self.is_tail and self.lm_head is None:
             raise EngineError(f"{directory} lacks lm_head.weight (and the embeddings are not tied)")
-        self.rotary = LlamaRotaryEmbedding(config)
+        self.rotary = self.architecture.rotary(config)
         self.blocks.eval()
         self._weight_bytes = sum(t.numel() * t.element_size() for t in state.values())
 
@@ -487,8 +520,11 @@ class TorchEngine:
         attn = block.self_attn
         x = block.input_layernorm(h)
         # the projections of every row of the batch at once: this is what batching buys
-        q = attn.q_proj(x).view(n, self.n_head, self.head_dim).transpose(0, 1)[None]
-        k = attn.k_proj(x).view(n, self.n_kv, self.head_dim).transpose(0, 1)[None]
+        q = attn.q_proj(x).view(n, self.n_head, self.head_dim)
+        k = attn.k_proj(x).view(n, self.n_kv, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMS norm of each head before rope
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(0, 1)[None], k.transpose(0, 1)[None]
         v = attn.v_proj(x).view(n, self.n_kv, self.head_dim).transpose(0, 1)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         out = torch.empty((self.n_head, n, self.head_dim), dtype=h.dtype)
@@ -507,7 +543,8 @@ class TorchEngine:
                 enable_gqa=True,
             )[0]
         h = h + attn.o_proj(out.transpose(0, 1).reshape(n, self.n_head * self.head_dim))
-        mlp: torch.Tensor = block.mlp(block.post_attention_layernorm(h))
+        # a batch of one sequence of n rows: the MoE block routes (batch, seq, hidden)
+        mlp: torch.Tensor = block.mlp(block.post_attention_layernorm(h)[None])[0]
         return h + mlp
 
     def new_sampler(self, params: SamplingParams, history: Sequence[int] = ()) -> TorchSampler:
@@ -564,7 +601,9 @@ def export_safetensors(gguf_path: Path, out_dir: Path, dtype: str) -> None:
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     kwargs = {"gguf_file": gguf_path.name}
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=DTYPES[dtype], **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), dtype=DTYPES[dtype], **kwargs, **_config_gaps(gguf_path)
+    )
     from safetensors.torch import save_file
 
     # Transformers marks a model read from GGUF as "quantized" and will not save it; its
@@ -651,6 +690,19 @@ _GGUF_CONFIG_GAPS = {
 }
 
 
+def _config_gaps(gguf_path: Path) -> dict[str, int]:
+    """The config fields of :data:`_GGUF_CONFIG_GAPS`, read from the file."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_path)
+    arch = str(reader.fields["general.architecture"].contents())
+    return {
+        field: int(reader.fields[f"{arch}.{key}"].contents())
+        for key, field in _GGUF_CONFIG_GAPS.get(arch, ())
+        if f"{arch}.{key}" in reader.fields
+    }
+
+
 def transformers_logits(gguf_path: Path, tokens: Sequence[int], *, threads: int = 2) -> np.ndarray:
     """Logits of every position of ``tokens`` from Transformers' own model class for the file.
 
@@ -659,19 +711,11 @@ def transformers_logits(gguf_path: Path, tokens: Sequence[int], *, threads: int 
     architecture as Transformers implements it: the independent reference that Gate F's
     cross-implementation check compares a route with.
     """
-    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM
 
-    reader = GGUFReader(gguf_path)
-    arch = str(reader.fields["general.architecture"].contents())
-    overrides = {
-        field: int(reader.fields[f"{arch}.{key}"].contents())
-        for key, field in _GGUF_CONFIG_GAPS.get(arch, ())
-        if f"{arch}.{key}" in reader.fields
-    }
     torch.set_num_threads(threads)
     model: Any = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, **overrides
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, **_config_gaps(gguf_path)
     )
     model.eval()
     with torch.inference_mode():

@@ -12,36 +12,7 @@ import pytest
 from noderuntime import models, synth
 
 TINY_SHAPE = synth.ModelShape(n_layer=4, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_vocab=320, context_length=1024)
-# Qwen3-family shapes with their features: a head size that is not n_embd / n_head,
-# Q/K norms, an untied head (qwen3) or a tied one and 8 experts of which 2 are used (MoE)
-TINY_SHAPES = {
-    "qwen3": synth.ModelShape(
-        arch="qwen3",
-        n_layer=4,
-        n_embd=64,
-        n_ff=128,
-        n_head=4,
-        n_head_kv=2,
-        head_dim=32,
-        n_vocab=512,
-        context_length=1024,
-        tied_output=False,
-    ),
-    "qwen3moe": synth.ModelShape(
-        arch="qwen3moe",
-        n_layer=4,
-        n_embd=64,
-        n_ff=192,
-        n_head=4,
-        n_head_kv=1,
-        head_dim=32,
-        n_expert=8,
-        n_expert_used=2,
-        n_ff_expert=32,
-        n_vocab=512,
-        context_length=1024,
-    ),
-}
+TINY_SHAPES = synth.TINY_SHAPES
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -259,3 +260,56 @@ def test_transformers_agrees_with_a_gemma3_route(gemma3: Path) -> None:
     tokens = Vocab(gemma3).tokenize(PUBLIC_DOMAIN.read_text())[:768]
     report = agreement.check_agreement(gemma3, [0, 1, 9, 18], tokens)
     assert report["top1_agreement"] >= 0.99 and report["mean_kl"] <= 1e-3, report
+
+
+MOE_RESIDENCY_PROBE = """
+import json, sys, psutil
+import numpy as np
+from noderuntime.artifacts import LayerRange
+from noderuntime.engine import Recipe, Rows, ShardEngine
+# weights read, not mapped: every expert of the range is resident, touched or not
+recipe = Recipe(n_threads=1, n_ctx_per_seq=256, n_seq_max=1, n_batch=8, n_ubatch=8, use_mmap=False)
+before = psutil.Process().memory_info().rss
+e = ShardEngine(sys.argv[1], recipe, LayerRange(int(sys.argv[2]), int(sys.argv[3])))
+n = 8
+e.run(Rows(np.zeros(n, np.int32), np.arange(n, dtype=np.int32), np.ones(n, bool),
+           tokens=np.arange(5, 5 + n, dtype=np.int32) if e.is_head else None,
+           hidden=None if e.is_head else np.ones((n, e.n_embd), np.float32)))
+print(json.dumps({"rss_growth": psutil.Process().memory_info().rss - before, "weights": e.memory().weights}))
+"""
+
+
+@pytest.mark.slow
+def test_an_moe_middle_shard_resides_in_its_layers_experts_included(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    # 8 layers of 32 experts: about 27 MB of experts a layer, so RSS measures weights, not the interpreter
+    shape = synth.ModelShape(
+        arch="qwen3moe",
+        n_layer=8,
+        n_embd=512,
+        n_ff=1024,
+        n_head=8,
+        n_head_kv=2,
+        head_dim=64,
+        n_expert=32,
+        n_expert_used=4,
+        n_ff_expert=512,
+        n_vocab=4096,
+    )
+    model = synth.write_model(tmp_path / "moe.gguf", shape, quant="Q8_0")
+
+    def probe(start: int, end: int) -> dict[str, int]:
+        out = subprocess.run(
+            [sys.executable, "-c", MOE_RESIDENCY_PROBE, str(model), str(start), str(end)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=cli_env,
+        )
+        result: dict[str, int] = json.loads(out.stdout.strip().splitlines()[-1])
+        return result
+
+    whole, middle = probe(0, 8), probe(2, 6)
+    local = _layer_bytes(model, LayerRange(2, 6))
+    assert middle["weights"] == local
+    # all of its experts resident, and little else: well under the whole model's growth
+    assert local <= middle["rss_growth"] <= 0.6 * whole["rss_growth"], (middle, whole, local)

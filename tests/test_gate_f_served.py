@@ -23,22 +23,19 @@ pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0, "max_tokens": 16}
 
 
-@pytest.fixture(params=["qwen3", "qwen3moe"], scope="module")
-def qwen_system(
-    request: pytest.FixtureRequest, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[localsystem.LocalSystem]:
-    running = localsystem.start(
-        model_name=str(tiny_models[request.param]),
-        listen="127.0.0.1:0",
-        data_root=tmp_path_factory.mktemp(f"system-{request.param}"),
-        slots=4,
-        ctx=512,
-        quiet=True,
-    )
+def _serve(model: str, root: Path) -> Iterator[localsystem.LocalSystem]:
+    running = localsystem.start(model_name=model, listen="127.0.0.1:0", data_root=root, slots=4, ctx=512, quiet=True)
     try:
         yield running
     finally:
         running.stop()
+
+
+@pytest.fixture(params=["qwen3", "qwen3moe"], scope="module")
+def qwen_system(
+    request: pytest.FixtureRequest, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[localsystem.LocalSystem]:
+    yield from _serve(str(tiny_models[request.param]), tmp_path_factory.mktemp(f"system-{request.param}"))
 
 
 def _client(system: localsystem.LocalSystem) -> OpenAI:
@@ -73,18 +70,7 @@ def test_qwen3_family_text_completions_are_greedy_and_repeatable(qwen_system: lo
 
 @pytest.fixture(scope="module")
 def gemma3_system(gemma3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[localsystem.LocalSystem]:
-    running = localsystem.start(
-        model_name="gemma3-270m",
-        listen="127.0.0.1:0",
-        data_root=tmp_path_factory.mktemp("system-gemma3"),
-        slots=4,
-        ctx=512,
-        quiet=True,
-    )
-    try:
-        yield running
-    finally:
-        running.stop()
+    yield from _serve("gemma3-270m", tmp_path_factory.mktemp("system-gemma3"))
 
 
 def _whole_model_greedy(model: Path, prompt: list[int], n: int) -> list[int]:

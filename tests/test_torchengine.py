@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -215,3 +216,27 @@ async def test_a_two_process_safetensors_route_equals_the_whole_transformers_mod
                     nursery.start_soon(one, i)
         assert [list(got[i]) for i in range(len(prompts))] == expected
         await cluster.wait_idle()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
+def test_qwen3_family_ranges_equal_the_whole_transformers_model(
+    arch: str, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The Transformers backend serves Qwen3 and Qwen3-MoE ranges (Q/K norms, routed experts)."""
+    exported = tmp_path / "hf"
+    torchengine.export_safetensors(tiny_models[arch], exported, "F32")
+    assert torchengine.inspect(exported).architecture == arch
+    tokens = [int(t) for t in np.random.default_rng(2).integers(0, 480, 40)]
+    reference = torchengine.whole_model_logits(exported, tokens)
+    recipe = torchengine.TorchRecipe()
+    with (
+        torchengine.TorchEngine(exported, recipe, LayerRange(0, 1)) as head,
+        torchengine.TorchEngine(exported, recipe, LayerRange(1, 4)) as tail,
+    ):
+        parts = []
+        for lo, hi in ((0, 7), (7, 39), (39, 40)):  # uneven prefill chunks, then one decode row
+            hidden = head.run(rows(0, lo, tokens[lo:hi])).hidden
+            parts.append(tail.run(rows(0, lo, hidden=hidden), want_logits=True).logits)
+    logits = np.concatenate(parts)
+    assert np.abs(logits - reference).max() < TOLERANCE
+    assert np.array_equal(logits.argmax(axis=1), reference.argmax(axis=1))
