@@ -48,6 +48,24 @@ WORDS = (  # noqa: SIM905 - a sentence of words reads better than a column of th
     "river stone lantern orchard copper meadow harbor violin thunder candle marble falcon garden "
     "silver winter pepper ladder canyon feather compass island mirror pocket saddle tunnel velvet"
 ).split()
+STRUCTURED_SHARE = 0.25
+STRUCTURED: tuple[dict[str, Any], ...] = (
+    {"response_format": {"type": "json_object"}},
+    {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "words",
+                "schema": {
+                    "type": "object",
+                    "properties": {"words": {"type": "array", "items": {"type": "string"}}},
+                    "required": ["words"],
+                },
+            },
+        }
+    },
+    {"grammar": 'root ::= ("yes" | "no") " " [a-z ]*'},
+)
 SAMPLE_SECONDS = 10.0
 SETTLE_SECONDS = 90.0
 
@@ -59,6 +77,7 @@ class Prompt:
     text: str
     max_tokens: int
     reference: str = ""
+    constraint: dict[str, Any] | None = None  # a structured-output request's fields
 
 
 def _prompts(rng: random.Random, count: int) -> list[Prompt]:
@@ -66,7 +85,9 @@ def _prompts(rng: random.Random, count: int) -> list[Prompt]:
     for i in range(count):
         words = " ".join(rng.choice(WORDS) for _ in range(rng.choice((2, 10, 40, 120, 250))))
         text = f"Item {i}. Write a sentence using some of these words: {words}"
-        prompts.append(Prompt(text, rng.randint(8, 48)))
+        # a share of structured-output requests: their grammar state lives and dies with the session
+        constraint = STRUCTURED[i % len(STRUCTURED)] if rng.random() < STRUCTURED_SHARE else None
+        prompts.append(Prompt(text, rng.randint(8, 48), constraint=constraint))
     return prompts
 
 
@@ -105,7 +126,11 @@ def _wait_idle(system: localsystem.LocalSystem, within: float = 60.0) -> list[di
     while True:
         states = [_get(u) for u in urls]
         if all(
-            s["active_sessions"] == 0 and s["slots_leased"] == 0 and s["slots_draining"] == 0 and s["kv_cells"] == 0
+            s["active_sessions"] == 0
+            and s["slots_leased"] == 0
+            and s["slots_draining"] == 0
+            and s["kv_cells"] == 0
+            and s["samplers_live"] == 0
             for s in states
         ):
             return states
@@ -120,6 +145,7 @@ async def _complete(client: httpx.AsyncClient, url: str, model: str, prompt: Pro
         "messages": [{"role": "user", "content": prompt.text}],
         "max_tokens": prompt.max_tokens,
         "temperature": 0,
+        **(prompt.constraint or {}),
     }
     response = await client.post(url + "/v1/chat/completions", json=body, timeout=300)
     response.raise_for_status()
@@ -154,6 +180,7 @@ async def _one(
         "max_tokens": prompt.max_tokens,
         "temperature": 0,
         "stream": True,
+        **(prompt.constraint or {}),
     }
     expected = prompt.reference
     if ending == "stop":
@@ -322,7 +349,8 @@ def main() -> None:
         for name in baseline
     }
     node_state = [
-        {k: s[k] for k in ("node_id", "active_sessions", "slots_leased", "slots_draining", "kv_cells")} for s in idle
+        {k: s[k] for k in ("node_id", "active_sessions", "slots_leased", "slots_draining", "kv_cells", "samplers_live")}
+        for s in idle
     ]
     ttft_ms = {f"p{q}": round(_common.percentile(tally.ttft, q) * 1e3, 1) for q in (50, 95, 99)}
     figures: dict[str, Any] = {
@@ -340,7 +368,11 @@ def main() -> None:
         "ttft_ms": ttft_ms,
         "request_seconds": {f"p{q}": round(_common.percentile(tally.duration, q), 3) for q in (50, 95, 99)},
         "nodes_at_end": node_state,
-        "idle_at_end": all(s["slots_leased"] == 0 and s["kv_cells"] == 0 and s["active_sessions"] == 0 for s in idle),
+        "idle_at_end": all(
+            s["slots_leased"] == 0 and s["kv_cells"] == 0 and s["active_sessions"] == 0 and s["samplers_live"] == 0
+            for s in idle
+        ),
+        "structured_share": STRUCTURED_SHARE,
         "leaks": leaks,
         "settled_after_seconds": settled_after,
         "serves_after": after == prompts[0].reference,

@@ -357,6 +357,27 @@ def _cmd_tracker(args: argparse.Namespace) -> int:
     return 0
 
 
+API_KEYS_ENV = "NODERUNTIME_API_KEYS"  # comma-separated; keys in argv show in `ps`
+
+
+def _gateway_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """Keys from --api-key, --api-key-file (one a line, # comments) and $NODERUNTIME_API_KEYS."""
+    keys = list(args.api_key)
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"--api-key-file: {exc}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    keys += [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    for key in keys:
+        try:
+            _api_key(key)
+        except argparse.ArgumentTypeError as exc:
+            raise CliError(str(exc)) from None
+    return tuple(dict.fromkeys(keys))
+
+
 def _cmd_gateway(args: argparse.Namespace) -> int:
     import trio
 
@@ -373,7 +394,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         tracker=args.tracker,
         listen=args.listen,
         models=tuple(served),
-        api_keys=tuple(args.api_key),
+        api_keys=_gateway_keys(args),
+        cors_origins=tuple(args.cors_origin),
         tracker_key=args.tracker_key,
         request_timeout=args.request_timeout,
         ctx=args.ctx,
@@ -638,7 +660,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="a model to serve: a known name, a GGUF path, or NAME=PATH; repeatable",
     )
     p.add_argument(
-        "--api-key", type=_api_key, action="append", default=[], help="accepted client bearer key; repeatable"
+        "--api-key",
+        type=_api_key,
+        action="append",
+        default=[],
+        help=f"accepted client bearer key; repeatable (argv shows in ps: prefer --api-key-file or ${API_KEYS_ENV})",
+    )
+    p.add_argument("--api-key-file", help="a file of accepted client keys, one a line")
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        help="an origin browsers may call the API from (e.g. https://app.example); repeatable, '*' for any",
     )
     p.add_argument("--tracker-key", help="bearer key for the tracker's route requests")
     p.add_argument("--request-timeout", type=_seconds, default=600.0, help="seconds a request may take")

@@ -2,12 +2,14 @@
 
 Starts the local system (tracker, relay, two shard nodes of the demo model, gateway),
 streams one chat completion with the ``openai`` package, prints the text as it comes,
-the speed, which node served which layers, the nodes' measured capability and probe
+the speed, which node served which layers, one structured-output reply (JSON that a
+schema constrains as it is decoded), the nodes' measured capability and probe
 results, and the signed usage in the ledger, then stops everything.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from typing import Any
@@ -62,6 +64,7 @@ def run(prompt: str, max_tokens: int, model_name: str = models.DEMO_MODEL) -> in
             print(
                 f"  layers {hop['layers'][0]:>2}:{hop['layers'][1]:<2} served by node {hop['node_id']} ({hop['via']})"
             )
+        structured(client, system.model_id)
         print("\nthe nodes, as the tracker sees them (measured at start, probed before routing):")
         status.show(system.tracker_url)
         print(f"\nusage ledger ({system.ledger}):")
@@ -70,3 +73,33 @@ def run(prompt: str, max_tokens: int, model_name: str = models.DEMO_MODEL) -> in
         print("\nstopping the local system", flush=True)
         system.stop()
     return 0
+
+
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 32},
+        "country": {"type": "string", "maxLength": 32},
+        "population_millions": {"type": "number"},
+        "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3},
+    },
+    "required": ["city", "country", "landmarks"],
+    "additionalProperties": False,
+}
+
+
+def structured(client: OpenAI, model: str) -> None:
+    """One reply constrained by a JSON schema (the tail's grammar sampler), parsed."""
+    question = "Describe Paris as JSON."
+    print(f"\nstructured output (response_format json_schema)\nuser: {question}\nassistant: ", end="", flush=True)
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": question}],
+        max_tokens=200,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}},
+    )
+    text = reply.choices[0].message.content or ""
+    print(text)
+    parsed = json.loads(text)  # decoding followed the schema, so the reply parses
+    print(f"  parsed: keys {sorted(parsed)}, finish_reason {reply.choices[0].finish_reason}")

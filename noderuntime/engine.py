@@ -28,10 +28,11 @@ import numpy as np
 
 from noderuntime import artifacts
 from noderuntime.artifacts import ArtifactError, ArtifactInfo, LayerRange
-from noderuntime.steps import EngineError, Rows, SamplingParams, StepResult
+from noderuntime.steps import EngineError, GrammarError, Rows, SamplingParams, StepResult
 
 __all__ = [
     "EngineError",
+    "GrammarError",
     "MemoryReport",
     "PatchMissingError",
     "Recipe",
@@ -42,6 +43,8 @@ __all__ = [
     "StepResult",
     "Vocab",
     "build_info",
+    "check_grammar",
+    "json_schema_grammar",
     "quantize",
 ]
 
@@ -245,19 +248,78 @@ class MemoryReport:
         return self.weights + self.kv + self.compute
 
 
-class SamplerChain:
-    """A per-session llama.cpp sampler chain. Free it with :meth:`close` (idempotent)."""
+def _grammar_sampler(vocab: Any, grammar: str) -> Any:
+    """llama.cpp's grammar sampler, or :class:`GrammarError` (llama.cpp returns NULL on a bad grammar)."""
+    sampler = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
+    if not sampler:
+        raise GrammarError("the grammar does not compile (GBNF with a 'root' rule expected)")
+    return sampler
 
-    def __init__(self, params: SamplingParams, n_vocab: int, history: Sequence[int] = ()) -> None:
+
+def check_grammar(vocab: Vocab, grammar: str) -> None:
+    """Raise :class:`GrammarError` unless ``grammar`` compiles against ``vocab``: what a tail would build."""
+    llama_cpp.llama_sampler_free(_grammar_sampler(vocab._vocab, grammar))
+
+
+def json_schema_grammar(schema: Any) -> str:
+    """The GBNF that accepts exactly the JSON documents ``schema`` allows (``None``: any JSON object).
+
+    llama-cpp-python's converter is pure Python; it lives here because importing it loads
+    the llama_cpp package, which only this module does.
+    """
+    from llama_cpp import llama_grammar
+
+    if schema is None:
+        return llama_grammar.JSON_GBNF
+    try:
+        return str(llama_grammar.json_schema_to_gbnf(json.dumps(schema)))
+    except (ValueError, TypeError, KeyError, AssertionError, RecursionError, NotImplementedError) as exc:
+        # the converter asserts and raises on schemas it does not handle: all are the client's
+        raise GrammarError(f"the JSON schema cannot be turned into a grammar: {type(exc).__name__}: {exc}") from None
+
+
+class SamplerChain:
+    """A per-session llama.cpp sampler chain. Free it with :meth:`close` (idempotent).
+
+    With a grammar, its sampler comes first and sees only sampled tokens: the prompt
+    history primes the penalties alone (a grammar fed the prompt would reject it).
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        vocab: Any,
+        n_vocab: int,
+        history: Sequence[int] = (),
+        *,
+        live: set[int] | None = None,
+    ) -> None:
+        """``live``, if given, holds the ids of chains not yet closed (the engine's count of them)."""
         self.params = params
+        self._chain: Any = None
+        self._live = live
+        grammar = _grammar_sampler(vocab, params.grammar) if params.grammar else None
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         if not chain:
+            if grammar is not None:
+                llama_cpp.llama_sampler_free(grammar)
             raise EngineError("could not create a sampler chain")
-        self._chain: Any = chain
-        add = llama_cpp.llama_sampler_chain_add
+        self._chain = chain
+        add = llama_cpp.llama_sampler_chain_add  # the chain owns what is added to it
+        if grammar is not None:
+            add(chain, grammar)
+        if params.logit_bias:
+            biases = (llama_cpp.llama_logit_bias * len(params.logit_bias))()
+            for slot, (token, bias) in enumerate(params.logit_bias):
+                biases[slot].token, biases[slot].bias = token, bias
+            # llama.cpp copies the array: it need not outlive this call
+            add(chain, llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), biases))
         penalties = (params.repeat_penalty, params.frequency_penalty, params.presence_penalty)
         if penalties != (1.0, 0.0, 0.0):
-            add(chain, llama_cpp.llama_sampler_init_penalties(n_vocab, params.penalty_last_n, *penalties))
+            penalty = llama_cpp.llama_sampler_init_penalties(n_vocab, params.penalty_last_n, *penalties)
+            for token in history:
+                llama_cpp.llama_sampler_accept(penalty, int(token))
+            add(chain, penalty)
         if params.temperature <= 0.0:
             add(chain, llama_cpp.llama_sampler_init_greedy())
         else:
@@ -269,8 +331,8 @@ class SamplerChain:
                 add(chain, llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
             add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
             add(chain, llama_cpp.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
-        for token in history:
-            llama_cpp.llama_sampler_accept(chain, int(token))
+        if live is not None:
+            live.add(id(self))
 
     def sample(self, ctx: Any, index: int) -> int:
         """Sample from the context's logits row ``index`` (and accept the token)."""
@@ -281,8 +343,10 @@ class SamplerChain:
     def close(self) -> None:
         """Free the chain; safe to call twice."""
         if self._chain is not None:
-            llama_cpp.llama_sampler_free(self._chain)
+            llama_cpp.llama_sampler_free(self._chain)  # with its grammar state, if it has one
             self._chain = None
+            if self._live is not None:
+                self._live.discard(id(self))
 
     def __del__(self) -> None:
         self.close()
@@ -371,6 +435,7 @@ class ShardEngine:
         self._load(is_range and not info.is_shard_file, dry_run)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model)))
         self._buffers = _BatchBuffers(recipe.n_batch, self.n_embd, takes_hidden=not self.is_head)
+        self._live_samplers: set[int] = set()  # set add/discard are atomic: chains close on the engine thread
 
     def _load(self, override_range: bool, dry_run: bool) -> None:
         mparams = llama_cpp.llama_model_default_params()
@@ -488,7 +553,13 @@ class ShardEngine:
 
     def new_sampler(self, params: SamplingParams, history: Sequence[int] = ()) -> SamplerChain:
         """A sampler chain for this model's vocabulary, primed with ``history`` for penalties."""
-        return SamplerChain(params, self.n_vocab, history)
+        vocab = llama_cpp.llama_model_get_vocab(self._model)
+        return SamplerChain(params, vocab, self.n_vocab, history, live=self._live_samplers)
+
+    @property
+    def live_samplers(self) -> int:
+        """Sampler chains made by :meth:`new_sampler` and not yet closed (grammar states included)."""
+        return len(self._live_samplers)
 
     def remove_sequence(self, seq_id: int) -> None:
         """Drop all KV of ``seq_id``; idempotent."""

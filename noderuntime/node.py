@@ -27,7 +27,7 @@ from noderuntime.enginethread import EngineThread
 from noderuntime.leases import LeaseManager, LeaseStatistics
 from noderuntime.seamconn import NOTICE_TIMEOUT, SeamConnection
 from noderuntime.sessions import RouteSession, SessionKey, deadline_from_unix_ms
-from noderuntime.steps import SamplingParams
+from noderuntime.steps import GrammarError, SamplingParams
 from noderuntime.telemetry import NodeMetrics, SessionLog, exposition
 from noderuntime.transport import FrameStream, TransportError
 from protocol import (
@@ -79,6 +79,11 @@ class ShardEngineLike(Protocol):
 
     def kv_cells_used(self) -> int:
         """KV cells held by all sequences."""
+        ...
+
+    @property
+    def live_samplers(self) -> int:
+        """Sampler chains not yet closed."""
         ...
 
 
@@ -376,6 +381,8 @@ class Node:
             raise RemoteProtocolError("empty prompt", StatusCode.INVALID_ARGUMENT)
         if open_route.max_tokens <= 0:
             raise RemoteProtocolError("max_tokens must be positive", StatusCode.INVALID_ARGUMENT)
+        if any(not 0 <= token < self.engine.n_vocab for token, _ in open_route.sampling.logit_bias):
+            raise RemoteProtocolError("logit_bias names a token outside the vocabulary", StatusCode.INVALID_ARGUMENT)
         if index == 0 and max(prompt) >= self.engine.n_vocab:
             raise RemoteProtocolError(
                 f"prompt token id {max(prompt)} outside the vocabulary", StatusCode.INVALID_ARGUMENT
@@ -417,20 +424,25 @@ class Node:
         sampler = None
         if index == len(open_route.hops) - 1:
             s = open_route.sampling
-            sampler = self.engine.new_sampler(
-                SamplingParams(
-                    s.temperature,
-                    s.top_k,
-                    s.top_p,
-                    s.min_p,
-                    s.seed,
-                    s.repeat_penalty,
-                    s.frequency_penalty,
-                    s.presence_penalty,
-                    s.penalty_last_n,
-                ),
-                history=open_route.prompt_tokens,
+            params = SamplingParams(
+                s.temperature,
+                s.top_k,
+                s.top_p,
+                s.min_p,
+                s.seed,
+                s.repeat_penalty,
+                s.frequency_penalty,
+                s.presence_penalty,
+                s.penalty_last_n,
+                s.grammar,
+                s.logit_bias,
             )
+            try:
+                sampler = self.engine.new_sampler(params, history=open_route.prompt_tokens)
+            except GrammarError as exc:  # the peer's grammar, or a backend without grammar sampling
+                lease.release()
+                self.batcher.retire(lease.seq_id)
+                return RemoteProtocolError(str(exc), StatusCode.INVALID_ARGUMENT)
         return RouteSession(self, open_route, index, conn, lease, sampler, deadline)
 
     async def _refuse(self, conn: SeamConnection, theirs: Identity, error: ProtocolError) -> None:

@@ -334,6 +334,7 @@ def node_status(node: Node, node_id: bytes, listener: RelayListener | None, conn
             "slots_draining": stats.leases.slots_draining,
             "slots_free": stats.leases.slots_free,
             "kv_cells": await node.kv_cells_used(),
+            "samplers_live": node.engine.live_samplers,
             "sessions_opened": stats.sessions_opened,
             "sessions_ended": stats.sessions_ended,
             "admissions_refused": stats.admissions_refused,
@@ -475,6 +476,7 @@ class GatewayOptions:
     listen: str
     models: tuple[tuple[str, Path], ...]  # (model id, GGUF file holding its vocabulary)
     api_keys: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
     tracker_key: str | None = None
     request_timeout: float = 600.0
     ctx: int | None = None
@@ -511,6 +513,7 @@ async def run_gateway(
             opts.tracker,
             dialer,
             api_keys=opts.api_keys,
+            cors_origins=opts.cors_origins,
             tracker_key=opts.tracker_key,
             request_timeout=opts.request_timeout,
             queue_timeout=opts.queue_timeout,

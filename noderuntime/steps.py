@@ -10,6 +10,10 @@ class EngineError(RuntimeError):
     """The shard could not be loaded or a batch could not be run."""
 
 
+class GrammarError(EngineError):
+    """A grammar (or a JSON schema made into one) that cannot be compiled, or an engine without grammars."""
+
+
 @attrs.frozen(eq=False)
 class Rows:
     """One batch of rows to run. Arrays are parallel; exactly one of tokens / hidden is set."""
@@ -47,3 +51,5 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     penalty_last_n: int = 64
+    grammar: str = ""  # GBNF with a "root" rule: only text it accepts is sampled; empty for none
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) before sampling

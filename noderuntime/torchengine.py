@@ -53,7 +53,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 
 from noderuntime.artifacts import ArtifactInfo, LayerRange
 from noderuntime.engine import EngineError, MemoryReport
-from noderuntime.steps import Rows, SamplingParams, StepResult
+from noderuntime.steps import GrammarError, Rows, SamplingParams, StepResult
 
 __all__ = [
     "DTYPES",
@@ -266,15 +266,20 @@ class TorchSampler:
     greedy, or top-k, top-p, min-p, temperature and a seeded draw.
     """
 
-    def __init__(self, params: SamplingParams, history: Sequence[int] = ()) -> None:
+    def __init__(self, params: SamplingParams, history: Sequence[int] = (), *, live: set[int] | None = None) -> None:
         self.params = params
         self.history: list[int] = [int(t) for t in history]
         self._rng = np.random.default_rng(params.seed & 0xFFFFFFFF)
+        self._live = live
+        if live is not None:
+            live.add(id(self))
 
     def pick(self, logits: np.ndarray) -> int:
         """Choose the next token from ``logits`` (float32 [n_vocab]) and remember it."""
         p = self.params
         row = logits.astype(np.float64)
+        for token, bias in p.logit_bias:
+            row[token] += bias
         if (p.repeat_penalty, p.frequency_penalty, p.presence_penalty) != (1.0, 0.0, 0.0) and self.history:
             recent = self.history[-p.penalty_last_n :] if p.penalty_last_n > 0 else self.history
             tokens, counts = np.unique(np.asarray(recent), return_counts=True)
@@ -303,7 +308,9 @@ class TorchSampler:
         return token
 
     def close(self) -> None:
-        """Nothing to free (the batcher closes every session's sampler)."""
+        """Nothing to free but its place in the engine's count (the batcher closes every session's sampler)."""
+        if self._live is not None:
+            self._live.discard(id(self))
 
 
 @attrs.define
@@ -350,6 +357,7 @@ class TorchEngine:
         self.head_dim = int(getattr(config, "head_dim", None) or self.n_embd // self.n_head)
         torch.set_num_threads(recipe.n_threads)
         self._caches: dict[int, _SequenceCache] = {}
+        self._live_samplers: set[int] = set()
         self._closed = False
         self._load(Path(model_dir), config)
 
@@ -549,7 +557,14 @@ class TorchEngine:
 
     def new_sampler(self, params: SamplingParams, history: Sequence[int] = ()) -> TorchSampler:
         """A sampler for one session, primed with ``history`` for penalties."""
-        return TorchSampler(params, history)
+        if params.grammar:
+            raise GrammarError("the transformers backend has no grammar sampler: serve structured output from GGUF")
+        return TorchSampler(params, history, live=self._live_samplers)
+
+    @property
+    def live_samplers(self) -> int:
+        """Samplers made by :meth:`new_sampler` and not yet closed."""
+        return len(self._live_samplers)
 
     def remove_sequence(self, seq_id: int) -> None:
         """Drop the cache of ``seq_id``; idempotent."""

@@ -64,6 +64,7 @@ class Limits:
     max_hops: int = 64
     max_records: int = 64
     max_string_bytes: int = 4096
+    max_grammar_bytes: int = 256 << 10  # a JSON schema's grammar runs to tens of KiB
 
     def __attrs_post_init__(self) -> None:
         if self.max_frame_bytes <= _CHUNK_OVERHEAD * 2:
@@ -215,6 +216,8 @@ def _cold_body(event: Event) -> tuple[int, Any]:
                 frequency_penalty=s.frequency_penalty,
                 presence_penalty=s.presence_penalty,
                 penalty_last_n=s.penalty_last_n,
+                grammar=s.grammar,
+                logit_bias=[pb.LogitBias(token=t, bias=b) for t, b in s.logit_bias],
             ),
             prompt_tokens=list(event.prompt_tokens),
             max_tokens=event.max_tokens,
@@ -556,6 +559,9 @@ _HOP_SHAPE: _Shape = {
     5: (_L, None, ""),
 }
 _SAMPLING_SHAPE: _Shape = {n: (_F if n in (1, 3, 4, 6, 7, 8) else _V, None, "") for n in range(1, 10)}
+_LOGIT_BIAS_SHAPE: _Shape = {1: (_V, None, ""), 2: (_F, None, "")}
+_SAMPLING_SHAPE[10] = (_L, None, "")
+_SAMPLING_SHAPE[11] = (_L, _LOGIT_BIAS_SHAPE, "max_tokens")
 _RECORD_SHAPE: _Shape = {1: (_L, None, ""), 2: (_L, None, ""), 3: (_L, None, "")}
 _COLD_SHAPES: dict[int, _Shape] = {
     _OPEN_ROUTE: {
@@ -654,6 +660,10 @@ def _open_route(header: Header, m: Any, limits: Limits) -> OpenRoute:
                 raise RemoteProtocolError("hop address too long")
         hops.append(Hop(h.node_id, layers, h.address, h.relay, h.tls_cert_sha256))
     s = m.sampling or pb.Sampling()
+    if len(s.grammar.encode()) > limits.max_grammar_bytes:
+        raise RemoteProtocolError(
+            f"grammar longer than {limits.max_grammar_bytes} bytes", StatusCode.RESOURCE_EXHAUSTED
+        )
     sampling = Sampling(
         temperature=_finite(s.temperature, "temperature", 0.0, 100.0),
         top_k=s.top_k,
@@ -664,6 +674,8 @@ def _open_route(header: Header, m: Any, limits: Limits) -> OpenRoute:
         frequency_penalty=_finite(s.frequency_penalty, "frequency_penalty", -100.0, 100.0),
         presence_penalty=_finite(s.presence_penalty, "presence_penalty", -100.0, 100.0),
         penalty_last_n=_at_most(s.penalty_last_n, limits.max_tokens, "penalty_last_n"),
+        grammar=s.grammar,
+        logit_bias=tuple((b.token, _finite(b.bias, "logit_bias", -100.0, 100.0)) for b in s.logit_bias),
     )
     return OpenRoute(
         header,

@@ -14,7 +14,7 @@ import numpy as np
 from protocol.errors import StatusCode
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 0
+SCHEMA_MINOR = 1
 
 
 class Phase(enum.IntEnum):
@@ -96,6 +96,8 @@ class Sampling:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     penalty_last_n: int = 64
+    grammar: str = ""  # GBNF, root rule "root"; empty: unconstrained (needs schema 1.1 on every hop)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias added to its logit); needs 1.1 too
 
 
 @attrs.frozen

@@ -115,6 +115,9 @@ class SeamEndpoint:
         receives = Direction.UPSTREAM if sends is Direction.DOWNSTREAM else Direction.DOWNSTREAM
         self._out = _Track(sends)
         self._in = _Track(receives)
+        # the schema minor version the peer must speak for what this session uses: a peer
+        # below it would ignore the field (proto3 skips unknown fields), not refuse it
+        self.required_minor = 0
 
     @property
     def outbound_state(self) -> State:
@@ -169,6 +172,8 @@ class SeamEndpoint:
         if isinstance(event, Activations):
             self._check_positions(track, header, LocalProtocolError)
             track.kv_length = header.positions.end
+        if isinstance(event, OpenRoute):
+            self.required_minor = max(self.required_minor, required_minor(event))
         track.last_step = header.step_id
         track.state = state
         return event
@@ -184,6 +189,14 @@ class SeamEndpoint:
                 f"schema version {header.schema_major}.{header.schema_minor} is not supported (major {SCHEMA_MAJOR})",
                 StatusCode.UNIMPLEMENTED,
             )
+        if header.schema_minor < self.required_minor:
+            raise RemoteProtocolError(
+                f"the peer speaks schema {header.schema_major}.{header.schema_minor}; this session needs "
+                f"{SCHEMA_MAJOR}.{self.required_minor} (a grammar or a logit bias)",
+                StatusCode.UNIMPLEMENTED,
+            )
+        if isinstance(event, OpenRoute):
+            self.required_minor = max(self.required_minor, required_minor(event))
         self._check_identity(header.identity)
         if header.step_id == track.last_step and track.last_step >= 0:
             return None  # the peer retried a step we already accepted
@@ -237,6 +250,12 @@ class SeamEndpoint:
                 f"positions {header.positions.start}:{header.positions.end} do not continue from {track.kv_length}",
                 StatusCode.FAILED_PRECONDITION,
             )
+
+
+def required_minor(open_route: OpenRoute) -> int:
+    """The schema minor version every hop of this session must speak."""
+    sampling = open_route.sampling
+    return 1 if sampling.grammar or sampling.logit_bias else 0
 
 
 def error_event(endpoint: SeamEndpoint, error: ProtocolError, node_id: bytes = b"") -> Error:

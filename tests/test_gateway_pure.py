@@ -72,7 +72,8 @@ def test_legacy_completion_defaults_are_accepted() -> None:
 @pytest.mark.parametrize(
     "options",
     [
-        {"response_format": {"type": "json_object"}},
+        {"guided_regex": "[a-z]+"},
+        {"response_format": {"type": "json_schema"}},
         {"tool_choice": "required"},
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
         {"logprobs": True},
@@ -510,3 +511,74 @@ async def test_a_route_timing_out_is_final_only_when_the_request_has_no_time_lef
     assert (gw.counters["retries"] > 0) == retried, gw.counters
     # retried, the only node is left out of the next route, and none is left
     assert answer.status_code == (503 if retried else 504), answer.text
+
+
+# --- the edges clients rely on: schemes, retries, health, CORS, tokenizing, keys off argv
+
+
+async def test_the_bearer_scheme_is_matched_in_any_case(gateway: httpx.AsyncClient) -> None:
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        assert (await gateway.get("/v1/models", headers={"authorization": f"{scheme} sk-right"})).status_code == 200
+    assert (await gateway.get("/v1/models", headers={"authorization": "Basic sk-right"})).status_code == 401
+
+
+async def test_busy_and_routeless_answers_say_when_to_retry(gateway: httpx.AsyncClient) -> None:
+    refused = await gateway.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=KEY)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert "retry-after" not in (await gateway.get("/v1/models")).headers  # a 401 is not retried
+
+
+async def test_health_says_whether_a_route_exists_and_needs_no_key(gateway: httpx.AsyncClient) -> None:
+    down = await gateway.get("/health")  # nothing listens at the tracker
+    assert down.status_code == 503 and down.json()["status"] == "tracker_unavailable"
+    assert down.headers["retry-after"] == "1"
+
+
+async def test_tokenize_and_detokenize_as_llama_server_names_them(gateway: httpx.AsyncClient, vocab: Vocab) -> None:
+    assert (await gateway.post("/tokenize", json={"content": "Hello world"})).status_code == 401
+    tokens = (await gateway.post("/tokenize", json={"content": "Hello world"}, headers=KEY)).json()["tokens"]
+    assert tokens == vocab.tokenize("Hello world", add_special=False)
+    pieces = (await gateway.post("/tokenize", json={"content": "Hello", "with_pieces": True}, headers=KEY)).json()
+    assert [p["id"] for p in pieces["tokens"]] == vocab.tokenize("Hello", add_special=False)
+    text = (await gateway.post("/detokenize", json={"tokens": tokens}, headers=KEY)).json()["content"]
+    assert text == "Hello world"
+    outside = await gateway.post("/detokenize", json={"tokens": [1 << 30]}, headers=KEY)
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
+    other = await gateway.post("/tokenize", json={"content": "x", "model": "nope"}, headers=KEY)
+    assert other.status_code == 404
+
+
+async def test_cors_preflight_never_needs_a_key(vocab: Vocab) -> None:
+    gw = Gateway([_served(vocab)], "http://127.0.0.1:9", None, api_keys=["sk-right"], cors_origins=["https://app.test"])
+    preflight = {
+        "origin": "https://app.test",
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization, content-type",
+    }
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(gw.app), base_url="http://gw") as http:
+        answer = await http.options("/v1/chat/completions", headers=preflight)
+        assert answer.status_code == 200
+        assert answer.headers["access-control-allow-origin"] == "https://app.test"
+        denied = await http.get("/v1/models", headers={"origin": "https://app.test"})  # no key: 401, with CORS
+        assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "https://app.test"
+        elsewhere = await http.options("/v1/chat/completions", headers={**preflight, "origin": "https://evil.test"})
+        assert "access-control-allow-origin" not in elsewhere.headers
+    await gw.http.aclose()
+
+
+def test_api_keys_come_from_a_file_and_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from argparse import Namespace
+
+    from noderuntime.cli import API_KEYS_ENV, CliError, _gateway_keys
+
+    keys = tmp_path / "keys"
+    keys.write_text("# the team's keys\nsk-one\n\n  sk-two  \n")
+    monkeypatch.setenv(API_KEYS_ENV, "sk-three, sk-one")
+    assert _gateway_keys(Namespace(api_key=["sk-zero"], api_key_file=str(keys))) == (
+        "sk-zero",
+        "sk-one",
+        "sk-two",
+        "sk-three",
+    )
+    with pytest.raises(CliError, match="api-key-file"):
+        _gateway_keys(Namespace(api_key=[], api_key_file=str(tmp_path / "missing")))

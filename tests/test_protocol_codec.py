@@ -211,6 +211,26 @@ def test_a_penalty_window_longer_than_a_prompt_may_be_is_refused() -> None:
     assert refused.value.code == StatusCode.OUT_OF_RANGE and "penalty_last_n" in str(refused.value)
 
 
+def test_a_grammar_crosses_the_seam_within_its_own_bound() -> None:
+    """A JSON schema's grammar is far longer than other strings, and still bounded."""
+    limits = Limits()
+    grammar = "root ::= " + " | ".join(f'"{i}"' for i in range(9000))  # about 70 KiB
+    fits = attrs.evolve(h.open_route(), sampling=Sampling(grammar=grammar, logit_bias=((3, -100.0), (9, 2.5))))
+    (frame,) = FrameEncoder().encode(fits)
+    assert FrameDecoder(limits).receive(frame) == fits
+    with pytest.raises(RemoteProtocolError) as refused:
+        FrameDecoder(attrs.evolve(limits, max_grammar_bytes=len(grammar) - 1)).receive(frame)
+    assert refused.value.code == StatusCode.RESOURCE_EXHAUSTED and "grammar" in str(refused.value)
+
+
+def test_a_logit_bias_out_of_range_is_refused() -> None:
+    bias = attrs.evolve(h.open_route(), sampling=Sampling(logit_bias=((3, 1e9),)))
+    (frame,) = FrameEncoder().encode(bias)
+    with pytest.raises(RemoteProtocolError) as refused:
+        FrameDecoder().receive(frame)
+    assert "logit_bias" in str(refused.value)
+
+
 def test_lossy_encodings_refuse_non_finite_values() -> None:
     event = h.activations(encoding=Encoding.F16)
     bad = Activations(

@@ -27,13 +27,21 @@ import httpx
 import trio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from noderuntime.chat import ChatTemplate, TemplateError, prompt_tokens
 from noderuntime.client import GenerationRequest, RouteError, open_route_generation
-from noderuntime.engine import Vocab
-from noderuntime.gateway.schema import ChatCompletionRequest, CompletionRequest, SamplingFields
+from noderuntime.engine import GrammarError, Vocab, check_grammar, json_schema_grammar
+from noderuntime.gateway.schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Constraint,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+)
 from noderuntime.gateway.textstream import TextStream
 from noderuntime.httpserve import BodyLimit
 from noderuntime.ledger import CheckedRecord, Ledger, check
@@ -51,6 +59,29 @@ MAX_BODY = 8 << 20  # a request body: far above any prompt that fits a context
 # after its prompt, then may run to the end of the context that route holds (as OpenAI's
 # API does: the reply ends at a stop, or when the context is full).
 DEFAULT_MAX_TOKENS = 256
+
+
+def _gbnf_literal(text: str) -> str:
+    """``text`` as a GBNF string literal."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+    return '"' + escaped.replace("\t", "\\t") + '"'
+
+
+def _grammar(vocab: Vocab, constraint: Constraint | None) -> str:
+    """The GBNF a session's tail follows for ``constraint``, compiled here first: a 400, not a failed route."""
+    if constraint is None:
+        return ""
+    try:
+        if constraint.kind == "json":
+            text = json_schema_grammar(constraint.value)
+        elif constraint.kind == "choice":
+            text = "root ::= " + " | ".join(_gbnf_literal(option) for option in constraint.value)
+        else:
+            text = str(constraint.value)
+        check_grammar(vocab, text)
+    except GrammarError as exc:
+        raise ApiError(400, f"{constraint.param}: {exc}", param=constraint.param) from None
+    return text
 
 
 class ApiError(Exception):
@@ -75,8 +106,23 @@ class ApiError(Exception):
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
+# how long a client should wait before trying a busy (429) or routeless (503) gateway
+# again: the official clients honour it, and nodes report their sessions each second
+RETRY_AFTER_SECONDS = 1
+# paths outside /v1/ that need a key too: what llama-server names them
+_KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
 def _error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    headers = {"retry-after": str(RETRY_AFTER_SECONDS)} if error.status in (429, 503) else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def _bearer(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
+    """The token of an ``Authorization: Bearer ...`` header (the scheme in any case), or b""."""
+    auth = dict(headers).get(b"authorization", b"")
+    scheme, _, token = auth.partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else b""
 
 
 class ApiKeys:
@@ -95,9 +141,9 @@ class ApiKeys:
             await self.app(scope, receive, send)  # lifespan events have no path
             return
         path = scope["path"].removeprefix(scope.get("root_path", ""))  # mounted under a prefix: its own path
-        if path.startswith("/v1/"):
-            auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
-            given = auth.removeprefix(b"Bearer ") if auth.startswith(b"Bearer ") else b""
+        # a browser's CORS preflight carries no credentials, by the fetch standard
+        if (path.startswith("/v1/") or path in _KEYED_PATHS) and scope.get("method") != "OPTIONS":
+            given = _bearer(scope.get("headers") or ())
             # compare every key in constant time: how long a refusal takes says nothing of a key
             if not sum(hmac.compare_digest(given, key) for key in self.keys):
                 refusal = ApiError(
@@ -169,6 +215,7 @@ class Gateway:
         connector: Any,
         *,
         api_keys: Sequence[str] = (),
+        cors_origins: Sequence[str] = (),
         tracker_key: str | None = None,
         request_timeout: float = 600.0,
         queue_timeout: float = 10.0,
@@ -180,6 +227,7 @@ class Gateway:
         self.tracker_url = tracker_url
         self.connector = connector
         self.api_keys = set(api_keys)
+        self.cors_origins = tuple(cors_origins)
         self.tracker_key = tracker_key
         self.request_timeout = request_timeout
         self.queue_timeout = queue_timeout
@@ -205,6 +253,12 @@ class Gateway:
             )
         return model
 
+    def _only_model(self) -> ServedModel:
+        """The model a request that names none means: the one served, if there is one."""
+        if len(self.models) != 1:
+            raise ApiError(400, "this gateway serves several models: name one", param="model")
+        return next(iter(self.models.values()))
+
     def _prepare(
         self, model: ServedModel, body: SamplingFields, prompt: list[int], max_tokens: int | None
     ) -> GenerationRequest:
@@ -229,6 +283,9 @@ class Gateway:
         _, stop_ids = body.stop_lists()
         if any(not 0 <= t < model.vocab.n_vocab for t in stop_ids):
             raise ApiError(400, "stop token ids must lie inside the vocabulary", param="stop")
+        biases = body.logit_biases()
+        if any(token >= model.vocab.n_vocab for token, _ in biases):
+            raise ApiError(400, f"logit_bias token ids must lie in [0, {model.vocab.n_vocab})", param="logit_bias")
         temperature = 1.0 if body.temperature is None else body.temperature
         if body.top_p == 0.0:
             temperature = 0.0  # the nucleus of p = 0 is the most likely token alone: greedy
@@ -242,6 +299,8 @@ class Gateway:
             repeat_penalty=body.repeat_penalty or 1.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             presence_penalty=body.presence_penalty or 0.0,
+            grammar=_grammar(model.vocab, body.constraint()),
+            logit_bias=biases,
         )
         deadline = int((time.time() + self.request_timeout) * 1000)
         return GenerationRequest(
@@ -405,6 +464,15 @@ class Gateway:
         )
         app.add_middleware(BodyLimit, limit=MAX_BODY)
         app.add_middleware(ApiKeys, keys=self.api_keys)  # outside BodyLimit: no key, no body read
+        if self.cors_origins:
+            # outermost: a preflight is answered here, and every answer (errors too) carries the headers
+            app.add_middleware(
+                CORSMiddleware,
+                allow_origins=list(self.cors_origins),
+                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_headers=["authorization", "content-type"],
+                max_age=600,
+            )
 
         @app.exception_handler(ApiError)
         async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -449,6 +517,44 @@ class Gateway:
         @app.get("/status", include_in_schema=False)
         async def status() -> dict[str, Any]:
             return {"counters": dict(self.counters), "models": list(self.models), "tasks": trio_tasks()}
+
+        @app.get("/health", include_in_schema=False)
+        async def health() -> JSONResponse:
+            # 200 only while the tracker knows a complete route for every model served here
+            try:
+                response = await self.http.get(self.tracker_url + "/v1/artifacts", timeout=5.0)
+                response.raise_for_status()
+                known = response.json()["artifacts"]
+                routable = {m.model_id: bool(known.get(m.artifact, {}).get("routable")) for m in self.models.values()}
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+                body = {"status": "tracker_unavailable", "models": dict.fromkeys(self.models, False)}
+                return JSONResponse(body, 503, headers={"retry-after": str(RETRY_AFTER_SECONDS)})
+            if all(routable.values()):
+                return JSONResponse({"status": "ok", "models": routable})
+            body = {"status": "no_route", "models": routable}
+            return JSONResponse(body, 503, headers={"retry-after": str(RETRY_AFTER_SECONDS)})
+
+        @app.post("/tokenize")
+        async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+            model = self._model(body.model) if body.model else self._only_model()
+            try:
+                tokens = await trio.to_thread.run_sync(
+                    functools.partial(model.vocab.tokenize, body.content, add_special=body.add_special),
+                    limiter=self._tokenizing,
+                )
+            except UnicodeEncodeError:
+                raise ApiError(400, "content is not valid Unicode (a lone surrogate?)", param="content") from None
+            if not body.with_pieces:
+                return {"tokens": tokens}
+            pieces = [{"id": t, "piece": model.vocab.piece(t).decode("utf-8", "replace")} for t in tokens]
+            return {"tokens": pieces}
+
+        @app.post("/detokenize")
+        async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+            model = self._model(body.model) if body.model else self._only_model()
+            if any(not 0 <= t < model.vocab.n_vocab for t in body.tokens):
+                raise ApiError(400, f"token ids must lie in [0, {model.vocab.n_vocab})", param="tokens")
+            return {"content": model.vocab.detokenize(body.tokens)}
 
         @app.get("/v1/models")
         async def list_models() -> dict[str, Any]:

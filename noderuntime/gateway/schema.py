@@ -7,8 +7,10 @@ than silently ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
+import attrs
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -17,12 +19,12 @@ MAX_STOP = 16
 _UNSUPPORTED = {
     "logprobs": (),
     "top_logprobs": (),
-    "logit_bias": (),
     "tools": (),
     "tool_choice": ("none", "auto"),  # with no tools, both mean plain text
     "functions": (),
     "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
+    "guided_regex": (),  # vLLM's: llama.cpp's grammar sampler has no regular expressions
+    "guided_whitespace_pattern": (),
     "echo": (),
     "best_of": (1,),
     "suffix": ("",),
@@ -76,6 +78,61 @@ class ChatMessage(BaseModel):
         return message
 
 
+MAX_GRAMMAR_CHARS = 128 << 10  # GBNF or a schema's JSON: a schema's grammar runs to tens of KiB
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's structured output."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(default="response", min_length=1, max_length=64)
+    description: str | None = Field(default=None, max_length=1 << 12)
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: plain text, any JSON object, or JSON that validates against a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            message = "json_schema goes with type json_schema, and only there"
+            raise PydanticCustomError("response_format", message, {"param": "response_format"})
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one of json, grammar, choice (regex is refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    grammar: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
+    json_object: bool | None = None
+    regex: str | None = Field(default=None, description="refused: llama.cpp's grammar sampler has no regexes")
+
+    @model_validator(mode="after")
+    def _refuse_regex(self) -> StructuredOutputs:
+        if self.regex is not None:
+            message = "{param} is not supported by this gateway: llama.cpp's grammar sampler has no regexes"
+            raise PydanticCustomError("unsupported", message, {"param": "structured_outputs.regex"})
+        return self
+
+
+@attrs.frozen
+class Constraint:
+    """What decoding must follow: a JSON schema (``None``: any JSON object), GBNF, or one of some strings."""
+
+    kind: Literal["json", "gbnf", "choice"]
+    value: Any
+    param: str  # the request field it came from, for errors
+
+
 class StreamOptions(BaseModel):
     """``stream_options``."""
 
@@ -101,6 +158,16 @@ class SamplingFields(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="extension: drop tokens below p x the top")
     repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0, description="extension")
     user: str | None = Field(default=None, max_length=256)
+    response_format: ResponseFormat | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        default=None, max_length=1024, description="token id (as a string) -> bias added to its logit"
+    )
+    grammar: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS, description="llama.cpp's: GBNF")
+    json_schema: dict[str, Any] | None = Field(default=None, description="llama.cpp's: a JSON schema")
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="vLLM's: a JSON schema")
+    guided_grammar: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS, description="vLLM's: GBNF")
+    guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=1024, description="vLLM's")
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingFields:
@@ -114,7 +181,56 @@ class SamplingFields(BaseModel):
             raise PydanticCustomError("stop", f"at most {MAX_STOP} stop sequences", {"param": "stop"})
         if isinstance(stop, list) and any(isinstance(s, str) and not s for s in stop):
             raise PydanticCustomError("stop", "stop strings must not be empty", {"param": "stop"})
+        self.constraint()  # one constraint at most, and schemas given as text must parse
+        self.logit_biases()
         return self
+
+    def logit_biases(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs, in token order; a 400 for a key that is no token id."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or len(key) > 9:
+                message = "logit_bias keys are token ids (decimal strings), not {key!r}"
+                raise PydanticCustomError("logit_bias", message, {"param": "logit_bias", "key": key[:40]})
+            pairs.append((int(key), float(bias)))
+        return tuple(sorted(pairs))
+
+    def constraint(self) -> Constraint | None:
+        """The one decoding constraint the request asks for, in whichever spelling; a 400 for two."""
+        found: list[Constraint] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(Constraint("json", None, "response_format"))
+        if fmt is not None and fmt.json_schema is not None:
+            found.append(Constraint("json", fmt.json_schema.schema_, "response_format"))
+        if self.grammar is not None:
+            found.append(Constraint("gbnf", self.grammar, "grammar"))
+        if self.json_schema is not None:
+            found.append(Constraint("json", self.json_schema, "json_schema"))
+        if self.guided_json is not None:
+            found.append(Constraint("json", _schema_value(self.guided_json, "guided_json"), "guided_json"))
+        if self.guided_grammar is not None:
+            found.append(Constraint("gbnf", self.guided_grammar, "guided_grammar"))
+        if self.guided_choice is not None:
+            found.append(Constraint("choice", self.guided_choice, "guided_choice"))
+        so = self.structured_outputs
+        if so is not None:
+            if so.json_ is not None:
+                found.append(Constraint("json", _schema_value(so.json_, "structured_outputs"), "structured_outputs"))
+            if so.json_object:
+                found.append(Constraint("json", None, "structured_outputs"))
+            if so.grammar is not None:
+                found.append(Constraint("gbnf", so.grammar, "structured_outputs"))
+            if so.choice is not None:
+                found.append(Constraint("choice", so.choice, "structured_outputs"))
+        if len(found) > 1:
+            names = ", ".join(sorted({c.param for c in found}))
+            raise PydanticCustomError(
+                "constraint",
+                "give one decoding constraint, not several ({names})",
+                {"param": found[1].param, "names": names},
+            )
+        return found[0] if found else None
 
     def stop_lists(self) -> tuple[list[str], list[int]]:
         """(stop strings, stop token ids); ``stop`` may mix both (token ids are an extension)."""
@@ -124,6 +240,17 @@ class SamplingFields(BaseModel):
         strings = [s for s in items if isinstance(s, str) and s]
         ids = [i for i in items if isinstance(i, int) and not isinstance(i, bool)]
         return strings, ids
+
+
+def _schema_value(value: dict[str, Any] | str, param: str) -> Any:
+    """A schema given as an object or as its JSON text (vLLM takes both)."""
+    if isinstance(value, dict):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        message = "{param} is neither a JSON schema nor its JSON text"
+        raise PydanticCustomError("schema", message, {"param": param}) from None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -168,3 +295,21 @@ class CompletionRequest(SamplingFields):
         if isinstance(prompt, str):
             return prompt
         return prompt[0] if prompt and isinstance(prompt[0], str) else ""
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``, as llama-server names it (``model`` may be left out when one is served)."""
+
+    model_config = ConfigDict(extra="forbid")
+    content: str = Field(max_length=1 << 22)
+    add_special: bool = False
+    with_pieces: bool = False
+    model: str | None = Field(default=None, max_length=256)
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``, as llama-server names it."""
+
+    model_config = ConfigDict(extra="forbid")
+    tokens: Annotated[list[StrictInt], Field(fail_fast=True, max_length=1 << 20)]
+    model: str | None = Field(default=None, max_length=256)

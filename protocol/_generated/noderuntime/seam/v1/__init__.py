@@ -13,6 +13,7 @@ __all__ = (
     "Frame",
     "Header",
     "Hop",
+    "LogitBias",
     "OpenRoute",
     "Phase",
     "Release",
@@ -307,6 +308,16 @@ default_message_pool.register_message("noderuntime.seam.v1", "Hop", Hop)
 
 
 @dataclass(eq=False, repr=False)
+class LogitBias(betterproto2.Message):
+    token: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
+
+    bias: "float" = betterproto2.field(2, betterproto2.TYPE_FLOAT)
+
+
+default_message_pool.register_message("noderuntime.seam.v1", "LogitBias", LogitBias)
+
+
+@dataclass(eq=False, repr=False)
 class OpenRoute(betterproto2.Message):
     """
     Opens a route session on every hop: the head starts prefill on receipt.
@@ -363,6 +374,17 @@ class Sampling(betterproto2.Message):
     presence_penalty: "float" = betterproto2.field(8, betterproto2.TYPE_FLOAT)
 
     penalty_last_n: "int" = betterproto2.field(9, betterproto2.TYPE_UINT32)
+
+    grammar: "str" = betterproto2.field(10, betterproto2.TYPE_STRING)
+    """
+    Constrained decoding: a GBNF grammar (root rule "root") the tail's sampler
+    follows; empty for none. Since 1.1: a hop refuses a downstream peer below it.
+    """
+
+    logit_bias: "list[LogitBias]" = betterproto2.field(11, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Added to the logits of these tokens before sampling (OpenAI's logit_bias). Since 1.1.
+    """
 
 
 default_message_pool.register_message("noderuntime.seam.v1", "Sampling", Sampling)
