@@ -69,34 +69,6 @@ def _parity(model: Path, n_layer: int) -> dict[str, Any]:
     return {**{k: report[k] for k in keep}, "seconds": round(time.monotonic() - started, 1)}
 
 
-def _perplexity(logits: np.ndarray, tokens: np.ndarray) -> float:
-    """exp of the mean negative log-likelihood of tokens[1:] under logits[:-1]."""
-    x = logits[:-1].astype(np.float64)
-    x -= x.max(axis=1, keepdims=True)
-    logp = x - np.log(np.exp(x).sum(axis=1, keepdims=True))
-    return float(np.exp(-logp[np.arange(len(x)), tokens[1:]].mean()))
-
-
-def _gemma3_perplexity(model: Path, n_tokens: int) -> dict[str, Any]:
-    from noderuntime import torchengine
-    from noderuntime.agreement import route_logits
-    from noderuntime.engine import Vocab
-
-    tokens = np.array(Vocab(model).tokenize(TEXT.read_text())[:n_tokens], np.int32)
-    route = route_logits(model, [0, 9, 18], tokens)
-    whole = route_logits(model, [0, 18], tokens)
-    reference = torchengine.transformers_logits(model, tokens.tolist())
-    figures = {
-        "tokens": len(tokens),
-        "route_0_9_18": _perplexity(route, tokens),
-        "whole_model": _perplexity(whole, tokens),
-        "transformers_dequantized": _perplexity(reference, tokens),
-        "route_logits_equal_whole": bool(np.array_equal(route, whole)),
-    }
-    figures["route_over_transformers"] = figures["route_0_9_18"] / figures["transformers_dequantized"]
-    return figures
-
-
 def _batching(model: Path, n_layer: int, new_tokens: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for lane in ("engine", "node"):
@@ -166,7 +138,8 @@ def main() -> None:
                 f"agreement {name}: top-1 {report['top1_agreement']:.4f}, mean KL {report['mean_kl']:.2e}", flush=True
             )
 
-        figures["gemma3_perplexity"] = _gemma3_perplexity(gemma3, 256 if args.quick else 1024)
+        ppl_tokens = Vocab(gemma3).tokenize(TEXT.read_text())[: 256 if args.quick else 1024]
+        figures["gemma3_perplexity"] = agreement.check_perplexity(gemma3, [0, 9, 18], ppl_tokens)
         print(f"gemma3 perplexity: {figures['gemma3_perplexity']}", flush=True)
 
         new_tokens = 16 if args.quick else 32

@@ -93,4 +93,39 @@ def check_agreement(
     }
 
 
-__all__ = ["check_agreement", "compare_logits", "route_logits"]
+def perplexity(logits: np.ndarray, tokens: np.ndarray) -> float:
+    """exp of the mean negative log-likelihood of ``tokens[1:]`` under ``logits[:-1]``."""
+    x = logits[:-1].astype(np.float64)
+    x -= x.max(axis=1, keepdims=True)
+    logp = x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+    return float(np.exp(-logp[np.arange(len(x)), tokens[1:]].mean()))
+
+
+def check_perplexity(
+    model: str | os.PathLike[str], cuts: Sequence[int], tokens: Sequence[int], *, threads: int = 2
+) -> dict[str, Any]:
+    """Perplexity of ``tokens`` through a route of ``model`` as it is, the whole model, and Transformers.
+
+    Transformers reads the same file through its GGUF loader (dequantized to float32):
+    the figure a user of Transformers would get from these weights.
+    """
+    from noderuntime import torchengine  # torch loads only for this check
+
+    path = Path(model)
+    ids = np.asarray(tokens, dtype=np.int32)
+    route = route_logits(path, cuts, ids, threads=threads)
+    whole = route_logits(path, [cuts[0], cuts[-1]], ids, threads=threads)
+    reference = torchengine.transformers_logits(path, ids.tolist(), threads=threads)
+    figures: dict[str, Any] = {
+        "tokens": len(ids),
+        "cuts": list(cuts),
+        "route": perplexity(route, ids),
+        "whole_model": perplexity(whole, ids),
+        "transformers_dequantized": perplexity(reference, ids),
+        "route_logits_equal_whole": bool(np.array_equal(route, whole)),
+    }
+    figures["route_over_transformers"] = figures["route"] / figures["transformers_dequantized"]
+    return figures
+
+
+__all__ = ["check_agreement", "check_perplexity", "compare_logits", "perplexity", "route_logits"]

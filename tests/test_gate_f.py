@@ -313,3 +313,11 @@ def test_an_moe_middle_shard_resides_in_its_layers_experts_included(tmp_path: Pa
     assert middle["weights"] == local
     # all of its experts resident, and little else: well under the whole model's growth
     assert local <= middle["rss_growth"] <= 0.6 * whole["rss_growth"], (middle, whole, local)
+
+
+@pytest.mark.slow
+def test_gemma3_perplexity_through_a_route_is_the_whole_models_and_near_transformers(gemma3: Path) -> None:
+    tokens = Vocab(gemma3).tokenize(PUBLIC_DOMAIN.read_text())[:1024]
+    figures = agreement.check_perplexity(gemma3, [0, 9, 18], tokens)
+    assert figures["route_logits_equal_whole"] and figures["route"] == figures["whole_model"]
+    assert abs(figures["route_over_transformers"] - 1) <= 0.02, figures
