@@ -582,3 +582,27 @@ def test_api_keys_come_from_a_file_and_the_environment(tmp_path: Path, monkeypat
     )
     with pytest.raises(CliError, match="api-key-file"):
         _gateway_keys(Namespace(api_key=[], api_key_file=str(tmp_path / "missing")))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"reasoning_effort": "high"},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"repetition_penalty": 1.3},
+        {"ignore_eos": True},
+        {"min_tokens": 5},
+    ],
+)
+def test_peers_fields_this_gateway_does_not_implement_are_refused(options: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError, match=next(iter(options))):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, **options})
+
+
+def test_unknown_fields_are_ignored_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    for _ in range(3):
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": MESSAGES, "x_vendor_knob": 7, "store": False, "metadata": {"a": "b"}}
+        )
+    said = [r.getMessage() for r in caplog.records if "unknown request field" in r.getMessage()]
+    assert said == ["ignoring the unknown request field 'x_vendor_knob' (said once per field)"]

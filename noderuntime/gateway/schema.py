@@ -1,18 +1,22 @@
 """OpenAI-compatible request bodies (the subset this gateway serves), as pydantic models.
 
-They generate the gateway's OpenAPI document. Fields OpenAI has and this gateway does
-not implement are refused with a 400 when set to anything but their default, rather
-than silently ignored.
+They generate the gateway's OpenAPI document. One rule for fields: a field this gateway
+implements works; a field of OpenAI's API or of a peer's extensions (llama.cpp's, vLLM's)
+that it does not implement is refused with a 400 naming it when set to anything but its
+default; a field nobody here knows is ignored and logged once.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Annotated, Any, Literal
 
 import attrs
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
+
+log = logging.getLogger(__name__)
 
 MAX_STOP = 16
 # options this gateway does not implement: absent, null, false, empty, or these defaults
@@ -31,7 +35,25 @@ _UNSUPPORTED = {
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
+    # OpenAI's, not implemented: refused when they would change the reply
+    "reasoning_effort": (),
+    "parallel_tool_calls": (True,),  # OpenAI's default; with no tools it means nothing
+    "web_search_options": (),
+    # peers' sampling and template extensions this gateway does not implement
+    "chat_template_kwargs": (),
+    "min_tokens": (0,),
+    "ignore_eos": (),
+    "repetition_penalty": (1.0,),
+    "typical_p": (1.0,),
+    "mirostat": (0,),
+    "n_probs": (0,),
+    "continue_final_message": (),
+    "include_stop_str_in_output": (),
 }
+# fields that change nothing in a reply: OpenAI's bookkeeping, llama.cpp's cache hint
+_HARMLESS = frozenset({"store", "metadata", "service_tier", "cache_prompt"})
+_logged_unknown: set[str] = set()  # names of unknown fields already logged, at most _MAX_LOGGED
+_MAX_LOGGED = 256
 
 
 class TextPart(BaseModel):
@@ -176,6 +198,11 @@ class SamplingFields(BaseModel):
             value = extra.get(key)
             if value not in (None, False, {}, [], *defaults):
                 raise PydanticCustomError("unsupported", "{param} is not supported by this gateway", {"param": key})
+        for key in extra.keys() - _UNSUPPORTED.keys() - _HARMLESS:
+            # a vendor field nobody here knows: ignored, and said once per name (a bounded set)
+            if key not in _logged_unknown and len(_logged_unknown) < _MAX_LOGGED:
+                _logged_unknown.add(key)
+                log.warning("ignoring the unknown request field %r (said once per field)", key[:64])
         stop = self.stop
         if isinstance(stop, list) and len(stop) > MAX_STOP:
             raise PydanticCustomError("stop", f"at most {MAX_STOP} stop sequences", {"param": "stop"})
