@@ -15,7 +15,7 @@ import pytest
 
 from noderuntime import artifacts, engine
 from noderuntime.artifacts import LayerRange
-from noderuntime.engine import EngineError, Recipe, Rows, SamplingParams, ShardEngine
+from noderuntime.engine import EngineError, Recipe, Rows, SamplingParams, ShardEngine, Vocab
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = Recipe(n_threads=2, n_ctx_per_seq=256, n_seq_max=2, n_batch=64, n_ubatch=64)
@@ -218,3 +218,48 @@ def test_a_vocabulary_that_fails_to_load_leaves_nothing_to_trip_on(tmp_path: Pat
     finally:
         sys.unraisablehook = hook
     assert unraisable == []
+
+
+DEAD_GRAMMAR = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from noderuntime.engine import Recipe, Rows, SamplingParams, ShardEngine
+    with ShardEngine(sys.argv[1], Recipe(n_threads=1, n_ctx_per_seq=256, n_seq_max=1)) as e:
+        chain = e.new_sampler(SamplingParams(grammar=sys.argv[2]))
+        tokens, position = np.array([1, 2, 3, 4], np.int32), 0
+        for _ in range(4):
+            n = len(tokens)
+            rows = Rows(np.zeros(n, np.int32), np.arange(position, position + n, dtype=np.int32),
+                        np.arange(n) == n - 1, tokens=tokens)
+            token = e.run(rows, samplers={n - 1: chain}).sampled[n - 1]
+            position, tokens = position + n, np.array([token], np.int32)
+            print(token, e.n_vocab)
+        chain.close()
+""")
+
+
+@pytest.mark.parametrize(
+    "which, grammar",
+    [("smollm2", 'root ::= "\\x00"'), ("smollm2", 'root ::= "a" "\\x00"'), ("tiny", 'root ::= "\\x00"')],
+    ids=["end-of-text-first", "after-a-token", "another-token-first"],
+)
+def test_a_grammar_that_allows_no_token_ends_generation_not_the_process(
+    smollm2: Path, tiny_model: Path, which: str, grammar: str
+) -> None:
+    """Through the C API a C++ throw or GGML_ABORT would end the node (patch 0006).
+
+    With every candidate rejected, greedy takes the first token id: the end of text in
+    SmolLM2 (llama.cpp aborted), ``<unk>`` in the tiny model (llama.cpp threw).
+    """
+    model = smollm2 if which == "smollm2" else tiny_model
+    done = subprocess.run(
+        [sys.executable, "-c", DEAD_GRAMMAR, str(model), grammar],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    vocab = Vocab(model)
+    sampled = [int(line.split()[0]) for line in done.stdout.split("\n") if line.strip()]
+    assert sampled[-1] in vocab.eog_tokens  # only the end of generation remains

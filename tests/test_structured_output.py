@@ -261,3 +261,13 @@ def test_a_grammar_session_cancelled_mid_reply_frees_its_grammar(system: localsy
         time.sleep(0.1)
     # the tail's sampler chain, grammar state and all, is freed with the session
     assert [s["samplers_live"] for s in states] == [0, 0]
+
+
+def test_a_grammar_no_token_can_follow_ends_the_reply_not_the_node(
+    client: OpenAI, system: localsystem.LocalSystem
+) -> None:
+    # no token's piece starts with a NUL: the grammar allows nothing, from the first token on
+    dead = _ask(client, system.model_id, "Say something.", extra_body={"grammar": 'root ::= "\\x00"'})
+    assert dead.choices[0].message.content == "" and dead.choices[0].finish_reason == "stop"
+    alive = _ask(client, system.model_id, "Is the sky green?", extra_body={"guided_choice": ["yes", "no"]})
+    assert alive.choices[0].message.content in ("yes", "no")
