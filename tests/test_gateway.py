@@ -423,3 +423,14 @@ def test_a_full_route_waits_briefly_then_answers_429(smollm2: Path, tmp_path: Pa
     finally:
         for process in reversed(processes):
             process.stop()
+
+
+def test_replies_carry_a_system_fingerprint_of_the_model_and_recipe(
+    client: OpenAI, system: localsystem.LocalSystem
+) -> None:
+    whole = client.chat.completions.create(model=system.model_id, messages=MESSAGES, **GREEDY)
+    streamed = client.chat.completions.create(model=system.model_id, messages=MESSAGES, stream=True, **GREEDY)
+    fingerprints = {chunk.system_fingerprint for chunk in streamed}
+    # one model file, one recipe on every route of this system: one fingerprint everywhere
+    assert fingerprints == {whole.system_fingerprint}
+    assert whole.system_fingerprint is not None and whole.system_fingerprint.startswith("fp_")

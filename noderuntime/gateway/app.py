@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import hmac
 import json
 import logging
@@ -59,6 +60,11 @@ MAX_BODY = 8 << 20  # a request body: far above any prompt that fits a context
 # after its prompt, then may run to the end of the context that route holds (as OpenAI's
 # API does: the reply ends at a stop, or when the context is full).
 DEFAULT_MAX_TOKENS = 256
+
+
+def system_fingerprint(artifact: str, recipe: bytes) -> str:
+    """OpenAI's ``system_fingerprint``: the same model file run the same way gives the same one."""
+    return "fp_" + hashlib.sha256(f"{artifact}:{recipe.hex()}".encode()).hexdigest()[:16]
 
 
 def _gbnf_literal(text: str) -> str:
@@ -403,12 +409,17 @@ class Gateway:
 
     async def _generate(
         self, model: ServedModel, request: GenerationRequest, stop: Sequence[str], *, open_ended: bool
-    ) -> AsyncIterator[tuple[str, Generated | None]]:
-        """(text delta, None) while generating, then ("", Generated) once finished."""
+    ) -> AsyncIterator[tuple[str, Generated | None, str]]:
+        """(text delta, None, fingerprint) while generating, then ("", Generated, fingerprint) once finished.
+
+        The fingerprint is OpenAI's ``system_fingerprint``: of the artifact and the recipe of the
+        route that serves, known once the route is granted.
+        """
         text = TextStream(stop)
         produced = 0
         async with self._route_session(model, request, open_ended=open_ended) as (gen, first, grant):
             route = _describe(grant)
+            fingerprint = system_fingerprint(model.artifact, grant.recipe)
             event: Tokens | None = first
             while event is not None:
                 for token in event.token_ids:
@@ -424,7 +435,7 @@ class Gateway:
                         continue  # the end-of-turn token itself is not text
                     delta = text.push(model.vocab.piece(token))
                     if delta:
-                        yield delta, None
+                        yield delta, None, fingerprint
                     if text.stopped:
                         break
                 if text.stopped or event.finished:
@@ -451,8 +462,8 @@ class Gateway:
                 )
         tail = text.finish()
         if tail:
-            yield tail, None
-        yield "", Generated(text.text, produced, reason, route, records)
+            yield tail, None, fingerprint
+        yield "", Generated(text.text, produced, reason, route, records), fingerprint
 
     # --- the app
 
@@ -608,6 +619,7 @@ class Gateway:
         prompt_tokens = len(generation.prompt_tokens)
         if not body.stream:
             result: Generated | None = None
+            fingerprint = ""
             failed: ApiError | None = None
             awaiting_first = True
             # hypercorn does not cancel a handler whose client left: watch for it, so that a
@@ -615,7 +627,10 @@ class Gateway:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_disconnect, request, nursery.cancel_scope)
                 try:
-                    async for _, done in self._generate(model, generation, stop_strings, open_ended=open_ended):
+                    async for _, done, route_fingerprint in self._generate(
+                        model, generation, stop_strings, open_ended=open_ended
+                    ):
+                        fingerprint = route_fingerprint
                         if awaiting_first:
                             self.metrics.ttft.observe(time.perf_counter() - started)
                             awaiting_first = False
@@ -644,6 +659,7 @@ class Gateway:
                 "object": kind,
                 "created": created,
                 "model": model.model_id,
+                "system_fingerprint": fingerprint,
                 "choices": [choice],
                 "usage": _usage(prompt_tokens, result.completion_tokens),
                 "route": result.route,
@@ -688,8 +704,8 @@ class Gateway:
 
     async def _sse(
         self,
-        stream: AsyncIterator[tuple[str, Generated | None]],
-        first: tuple[str, Generated | None],
+        stream: AsyncIterator[tuple[str, Generated | None, str]],
+        first: tuple[str, Generated | None, str],
         ident: str,
         kind: str,
         created: int,
@@ -700,6 +716,7 @@ class Gateway:
     ) -> AsyncIterator[bytes]:
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         prompt_tokens = len(generation.prompt_tokens)
+        fingerprint = first[2]  # the route is granted before the first item
         last_delta = time.perf_counter()
 
         def chunk(delta: dict[str, Any] | str, finish: str | None = None, **extra: Any) -> bytes:
@@ -713,6 +730,7 @@ class Gateway:
                 "object": chunk_kind,
                 "created": created,
                 "model": model.model_id,
+                "system_fingerprint": fingerprint,
                 "choices": [choice],
                 **extra,
             }
@@ -722,9 +740,9 @@ class Gateway:
         try:
             if chat:
                 yield chunk({"role": "assistant", "content": ""})
-            item: tuple[str, Generated | None] | None = first
+            item: tuple[str, Generated | None, str] | None = first
             while item is not None:
-                delta, done = item
+                delta, done, _ = item
                 if done is not None:
                     await self._record(model, generation, created, done)
                     yield chunk({} if chat else "", done.finish_reason, route=done.route)
@@ -734,6 +752,7 @@ class Gateway:
                             "object": chunk_kind,
                             "created": created,
                             "model": model.model_id,
+                            "system_fingerprint": fingerprint,
                             "choices": [],
                             "usage": _usage(prompt_tokens, done.completion_tokens),
                         }
