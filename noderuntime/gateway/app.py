@@ -266,7 +266,7 @@ class Gateway:
         return next(iter(self.models.values()))
 
     def _prepare(
-        self, model: ServedModel, body: SamplingFields, prompt: list[int], max_tokens: int | None
+        self, model: ServedModel, body: SamplingFields, prompt: list[int], max_tokens: int | None, grammar: str
     ) -> GenerationRequest:
         if not prompt:
             where = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
@@ -305,7 +305,7 @@ class Gateway:
             repeat_penalty=body.repeat_penalty or 1.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             presence_penalty=body.presence_penalty or 0.0,
-            grammar=_grammar(model.vocab, body.constraint()),
+            grammar=grammar,
             logit_bias=biases,
         )
         deadline = int((time.time() + self.request_timeout) * 1000)
@@ -584,7 +584,9 @@ class Gateway:
             messages = [m.for_template() for m in body.messages]
             prompt = await trio.to_thread.run_sync(model.chat_prompt, messages, limiter=self._tokenizing)
             max_tokens = body.max_completion_tokens or body.max_tokens
-            generation = self._prepare(model, body, prompt, max_tokens)
+            # a large schema's grammar takes milliseconds to build and compile: not on the event loop
+            grammar = await trio.to_thread.run_sync(_grammar, model.vocab, body.constraint(), limiter=self._tokenizing)
+            generation = self._prepare(model, body, prompt, max_tokens, grammar)
             return await self._answer(model, body, generation, request, chat=True, open_ended=max_tokens is None)
 
         @app.post("/v1/completions", response_model=None)
@@ -595,7 +597,9 @@ class Gateway:
                 prompt = await trio.to_thread.run_sync(model.text_prompt, body.prompt_text(), limiter=self._tokenizing)
             elif any(not 0 <= t < model.vocab.n_vocab for t in prompt):
                 raise ApiError(400, f"prompt token ids must lie in [0, {model.vocab.n_vocab})", param="prompt")
-            generation = self._prepare(model, body, prompt, body.max_tokens)
+            # a large schema's grammar takes milliseconds to build and compile: not on the event loop
+            grammar = await trio.to_thread.run_sync(_grammar, model.vocab, body.constraint(), limiter=self._tokenizing)
+            generation = self._prepare(model, body, prompt, body.max_tokens, grammar)
             return await self._answer(model, body, generation, request, chat=False, open_ended=body.max_tokens is None)
 
         return app
