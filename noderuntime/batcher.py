@@ -29,6 +29,7 @@ from noderuntime.enginethread import EngineThread
 from noderuntime.leases import LeaseManager, SlotState
 from noderuntime.scheduler import ReadyStep, schedule
 from noderuntime.steps import Rows, StepResult
+from protocol import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,15 @@ class Engine(Protocol):
     is_head: bool
     is_tail: bool
 
-    def run(self, rows: Rows, *, samplers: Mapping[int, Any] | None = None, want_logits: bool = False) -> StepResult:
-        """Run one batch."""
+    def run(
+        self,
+        rows: Rows,
+        *,
+        samplers: Mapping[int, Any] | None = None,
+        want_logits: bool = False,
+        scores: Mapping[int, tuple[int, int]] | None = None,
+    ) -> StepResult:
+        """Run one batch (``scores``: output rows -> (token, top) whose log-probability is wanted)."""
         ...
 
     def remove_sequence(self, seq_id: int) -> None:
@@ -73,6 +81,10 @@ class StepRequest:
     hidden: np.ndarray | None = None  # others: float32 [n, n_embd]
     sampler: Any = None  # tail: sample the last row with this chain
     decode: bool = False
+    # tail: per row, the token whose log-probability is wanted there (-1: none), and how
+    # many of the most likely tokens beside it (a prompt's logprobs, for OpenAI's echo)
+    score: np.ndarray | None = None
+    score_top: int = 0
 
     @property
     def n_rows(self) -> int:
@@ -90,6 +102,8 @@ class StepOutput:
     token: int | None
     batch_rows: int  # how many rows the batch it ran in had
     seconds: float  # engine time of that batch
+    logprob: TokenLogprob | None = None  # of the sampled token, when its chain asks
+    scored: tuple[TokenLogprob, ...] = ()  # of the scored rows, in row order
 
 
 @attrs.define(eq=False)
@@ -300,13 +314,13 @@ class Batcher:
         works = sorted((by_seq[step.seq_id] for step in plan.steps), key=lambda w: w.request.seq_id)
         taken = {id(w) for w in works}
         self._waiting = [w for w in self._waiting if id(w) not in taken]
-        rows, samplers = self._assemble(works)
+        rows, samplers, scores = self._assemble(works)
         self._running = True
         self._idle = trio.Event()
         started = time.perf_counter()
         timeline.mark("tick.started")
         try:
-            result = await self._runner(functools.partial(_marked, self.engine.run, rows, samplers or None))
+            result = await self._runner(functools.partial(_marked, self.engine.run, rows, samplers, scores))
             timeline.mark("tick.finished")
         except Exception as exc:  # noqa: BLE001 - an engine failure fails this batch's sessions, not the node
             self._failed += 1
@@ -335,13 +349,18 @@ class Batcher:
             n = work.request.n_rows
             hidden = result.hidden[offset : offset + n] if result.hidden is not None else None
             token = result.sampled.get(offset + n - 1) if work.request.sampler is not None else None
-            work.output = StepOutput(hidden, token, len(rows), result.seconds)
+            logprob = result.logprobs.get(offset + n - 1) if token is not None else None
+            scored: tuple[TokenLogprob, ...] = ()
+            if work.request.score is not None:
+                scored = tuple(result.logprobs[offset + int(i)] for i in np.flatnonzero(work.request.score >= 0))
+            work.output = StepOutput(hidden, token, len(rows), result.seconds, logprob, scored)
             work.done.set()
             offset += n
 
-    def _assemble(self, works: list[_Work]) -> tuple[Rows, dict[int, Any]]:
+    def _assemble(self, works: list[_Work]) -> tuple[Rows, dict[int, Any], dict[int, tuple[int, int]]]:
         seq_ids, positions, outputs = [], [], []
         samplers: dict[int, Any] = {}
+        scores: dict[int, tuple[int, int]] = {}
         offset = 0
         for work in works:
             request = work.request
@@ -352,6 +371,10 @@ class Batcher:
             if request.sampler is not None:
                 out[-1] = True
                 samplers[offset + n - 1] = request.sampler
+            if request.score is not None:
+                for i in np.flatnonzero(request.score >= 0).tolist():
+                    out[i] = True
+                    scores[offset + i] = (int(request.score[i]), request.score_top)
             outputs.append(out)
             offset += n
         tokens = hidden = None
@@ -359,14 +382,16 @@ class Batcher:
             tokens = np.concatenate([w.request.tokens for w in works if w.request.tokens is not None])
         else:
             hidden = np.concatenate([w.request.hidden for w in works if w.request.hidden is not None])
-        return Rows(
-            np.concatenate(seq_ids), np.concatenate(positions), np.concatenate(outputs), tokens, hidden
-        ), samplers
+        rows = Rows(np.concatenate(seq_ids), np.concatenate(positions), np.concatenate(outputs), tokens, hidden)
+        return rows, samplers, scores
 
 
-def _marked(run: Callable[..., StepResult], rows: Rows, samplers: Mapping[int, Any] | None) -> StepResult:
+def _marked(
+    run: Callable[..., StepResult], rows: Rows, samplers: Mapping[int, Any], scores: Mapping[int, tuple[int, int]]
+) -> StepResult:
     timeline.mark("engine.started")
     try:
-        return run(rows, samplers=samplers)
+        # scores only when there are some: engines (and fakes) that never score need not know them
+        return run(rows, samplers=samplers or None, **({"scores": scores} if scores else {}))
     finally:
         timeline.mark("engine.finished")

@@ -17,6 +17,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -28,7 +29,8 @@ import numpy as np
 
 from noderuntime import artifacts
 from noderuntime.artifacts import ArtifactError, ArtifactInfo, LayerRange
-from noderuntime.steps import EngineError, GrammarError, Rows, SamplingParams, StepResult
+from noderuntime.steps import EngineError, GrammarError, Rows, SamplingParams, StepResult, token_logprob
+from protocol import TokenLogprob
 
 __all__ = [
     "EngineError",
@@ -271,11 +273,96 @@ def json_schema_grammar(schema: Any) -> str:
 
     if schema is None:
         return llama_grammar.JSON_GBNF
+
+    base: Any = llama_grammar.SchemaConverter  # untyped upstream
+
+    class Converter(base):  # type: ignore[misc]
+        """The converter, with integer bounds, which it leaves unchecked."""
+
+        def visit(self, schema: Any, name: str) -> Any:
+            bounds = _integer_bounds(schema) if isinstance(schema, dict) else None
+            if bounds is None:
+                return super().visit(schema, name)
+            rule = name + "-" if name in llama_grammar.RESERVED_NAMES else name or "root"
+            return self._add_rule(rule, integer_range_gbnf(*bounds) + " space")
+
     try:
-        return str(llama_grammar.json_schema_to_gbnf(json.dumps(schema)))
+        converter: Any = Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+        converter.visit(converter.resolve_refs(json.loads(json.dumps(schema)), "stdin"), "")
+        return str(converter.format_grammar())
     except (ValueError, TypeError, KeyError, AssertionError, RecursionError, NotImplementedError) as exc:
         # the converter asserts and raises on schemas it does not handle: all are the client's
         raise GrammarError(f"the JSON schema cannot be turned into a grammar: {type(exc).__name__}: {exc}") from None
+
+
+_INT_DIGITS = 16  # the converter's own bound on an integer's digits
+
+
+def _integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None] | None:
+    """(lowest, highest) an integer schema allows, when it bounds it; else None."""
+    if schema.get("type") != "integer" or any(k in schema for k in ("enum", "const", "$ref", "anyOf", "oneOf")):
+        return None
+    low, high = schema.get("minimum"), schema.get("maximum")
+    ex_low, ex_high = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
+    if isinstance(ex_low, bool) or isinstance(ex_high, bool):  # draft 4: flags beside the bounds
+        low = low + 1 if ex_low is True and low is not None else low
+        high = high - 1 if ex_high is True and high is not None else high
+        ex_low = ex_high = None
+    bounds = [low, high, ex_low, ex_high]
+    if all(b is None for b in bounds):
+        return None
+    if any(b is not None and (isinstance(b, bool) or not isinstance(b, int | float)) for b in bounds):
+        raise ValueError("integer bounds must be numbers")
+    lows = [math.ceil(low)] if low is not None else []
+    lows += [math.floor(ex_low) + 1] if ex_low is not None else []
+    highs = [math.floor(high)] if high is not None else []
+    highs += [math.ceil(ex_high) - 1] if ex_high is not None else []
+    lo, hi = (max(lows) if lows else None), (min(highs) if highs else None)
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"no integer lies between {lo} and {hi}")
+    return lo, hi
+
+
+def integer_range_gbnf(lo: int | None, hi: int | None) -> str:
+    """A GBNF expression for the decimal integers in [lo, hi] (None: unbounded), no leading zeros."""
+    limit = 10**_INT_DIGITS - 1
+    lo = -limit if lo is None else max(lo, -limit)
+    hi = limit if hi is None else min(hi, limit)
+    parts = []
+    if lo < 0:  # the negative ones: "-" and a positive range
+        parts.append('"-" ' + _natural_range(max(1, -hi), -lo))
+    if hi >= 0:
+        parts.append(_natural_range(max(0, lo), hi))
+    return parts[0] if len(parts) == 1 else "(" + " | ".join(parts) + ")"
+
+
+def _natural_range(lo: int, hi: int) -> str:
+    """Decimal strings of the integers in [lo, hi], 0 <= lo <= hi."""
+    options = []
+    for digits in range(len(str(lo)), len(str(hi)) + 1):
+        first = max(lo, 10 ** (digits - 1) if digits > 1 else 0)
+        last = min(hi, 10**digits - 1)
+        if first <= last:
+            options.append(_same_length(str(first), str(last)))
+    return options[0] if len(options) == 1 else "(" + " | ".join(options) + ")"
+
+
+def _same_length(a: str, b: str) -> str:
+    """Decimal strings between a and b, which have as many digits."""
+    if not a:
+        return ""
+    if a[0] == b[0]:
+        rest = _same_length(a[1:], b[1:])
+        return f'"{a[0]}"' + (" " + rest if rest else "")
+    n = len(a) - 1
+    any_rest = " [0-9]" * n
+    if a[1:] == "0" * n and b[1:] == "9" * n:
+        return f"[{a[0]}-{b[0]}]" + any_rest
+    options = [f'"{a[0]}"' + (" " + _same_length(a[1:], "9" * n) if n else "")]
+    if int(a[0]) + 1 <= int(b[0]) - 1:
+        options.append(f"[{int(a[0]) + 1}-{int(b[0]) - 1}]" + any_rest)
+    options.append(f'"{b[0]}"' + (" " + _same_length("0" * n, b[1:]) if n else ""))
+    return "(" + " | ".join(options) + ")"
 
 
 class SamplerChain:
@@ -502,8 +589,13 @@ class ShardEngine:
         *,
         samplers: Mapping[int, SamplerChain] | None = None,
         want_logits: bool = False,
+        scores: Mapping[int, tuple[int, int]] | None = None,
     ) -> StepResult:
-        """Run one batch. ``samplers`` maps row index -> chain for output rows to sample."""
+        """Run one batch. ``samplers`` maps row index -> chain for output rows to sample.
+
+        ``scores`` maps output rows to (token, top): that token's log-probability at the row
+        is wanted, with the ``top`` most likely (a prompt's, for OpenAI's ``echo``).
+        """
         if self._ctx is None:
             raise EngineError("engine is closed")
         if self.dry_run:
@@ -538,6 +630,7 @@ class ShardEngine:
             hidden = np.ctypeslib.as_array(ptr, shape=(n, self.n_embd)).copy()
         logits = None
         sampled: dict[int, int] = {}
+        logprobs: dict[int, TokenLogprob] = {}
         if self.is_tail:
             out_rows = np.flatnonzero(rows.outputs)
             if want_logits and len(out_rows):
@@ -549,7 +642,20 @@ class ShardEngine:
                 if not rows.outputs[row]:
                     raise EngineError(f"row {row} has a sampler but asked for no output")
                 sampled[row] = chain.sample(self._ctx, row)
-        return StepResult(hidden=hidden, logits=logits, sampled=sampled, seconds=time.perf_counter() - started)
+                if chain.params.logprobs:
+                    logprobs[row] = token_logprob(self._logits_row(row), sampled[row], chain.params.top_logprobs)
+            for row, (token, top) in (scores or {}).items():
+                if not rows.outputs[row]:
+                    raise EngineError(f"row {row} is scored but asked for no output")
+                logprobs[row] = token_logprob(self._logits_row(row), token, top)
+        return StepResult(
+            hidden=hidden, logits=logits, sampled=sampled, seconds=time.perf_counter() - started, logprobs=logprobs
+        )
+
+    def _logits_row(self, row: int) -> np.ndarray:
+        # a view of llama.cpp's buffer, valid until the next decode: read at once
+        ptr = llama_cpp.llama_get_logits_ith(self._ctx, row)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
     def new_sampler(self, params: SamplingParams, history: Sequence[int] = ()) -> SamplerChain:
         """A sampler chain for this model's vocabulary, primed with ``history`` for penalties."""

@@ -65,7 +65,7 @@ class ShardEngineLike(Protocol):
     n_embd: int
     n_vocab: int
 
-    def run(self, rows: Any, *, samplers: Any = None, want_logits: bool = False) -> Any:
+    def run(self, rows: Any, *, samplers: Any = None, want_logits: bool = False, scores: Any = None) -> Any:
         """Run one batch."""
         ...
 
@@ -436,6 +436,8 @@ class Node:
                 s.penalty_last_n,
                 s.grammar,
                 s.logit_bias,
+                s.logprobs,
+                s.top_logprobs,
             )
             try:
                 sampler = self.engine.new_sampler(params, history=open_route.prompt_tokens)

@@ -52,6 +52,7 @@ from protocol import (
     SeamEndpoint,
     Span,
     StatusCode,
+    TokenLogprob,
     Tokens,
     Usage,
     UsageRecord,
@@ -136,6 +137,8 @@ class RouteSession:
         self.scope = trio.CancelScope(deadline=deadline)
         self.end: SessionEnd | None = None
         self.generated = 0
+        self._logprob: TokenLogprob | None = None  # the tail's last sampled token's, when asked
+        self._prompt_logprobs: list[TokenLogprob] = []  # the tail's prompt rows scored so far
         self._inner: trio.CancelScope | None = None
         self._tokens_in: trio.MemorySendChannel[Tokens] | None = None
         self._last_activity = trio.current_time()
@@ -360,14 +363,8 @@ class RouteSession:
                     # travels on to the client
                     with contextlib.suppress(trio.BrokenResourceError):  # the driver stopped: nothing to feed
                         await self._tokens_in.send(event)
-                await self._send_up(
-                    Tokens(
-                        self._up_header(Phase.DECODE, event.header.positions),
-                        event.token_ids,
-                        event.finished,
-                        event.finish_reason,
-                    )
-                )
+                # on up with our header, and with whatever else it carries (logprobs)
+                await self._send_up(attrs.evolve(event, header=self._up_header(Phase.DECODE, event.header.positions)))
             elif isinstance(event, Usage):
                 await self._send_usage(list(event.records))
                 self._finish(SessionEnd("released"))
@@ -495,6 +492,13 @@ class RouteSession:
             sampler=self.sampler if sample else None,
             decode=decode,
         )
+        sampling = self.open_route.sampling
+        if self.is_tail and not decode and sampling.prompt_logprobs:
+            # each prompt row scores the prompt token after it; the last one's is the sampled token
+            prompt = self.open_route.prompt_tokens
+            after = np.arange(start + 1, start + request.n_rows + 1)
+            request.score = np.array([prompt[p] if p < len(prompt) else -1 for p in after.tolist()], np.int32)
+            request.score_top = sampling.top_logprobs
         try:
             output = await self.node.batcher.step(request)
         except StepFailed as exc:
@@ -509,6 +513,8 @@ class RouteSession:
             )
             return _FAILED
         self._touch()
+        self._logprob = output.logprob
+        self._prompt_logprobs += output.scored
         n = request.n_rows
         if decode:
             self.usage.decode_tokens += n
@@ -534,7 +540,11 @@ class RouteSession:
             reason = "stop"
         elif self.generated >= route.max_tokens or position + 1 >= self.lease.tokens:
             reason = "length"
-        event = Tokens(self._up_header(Phase.DECODE, Span(position, position + 1)), (token,), bool(reason), reason)
+        header = self._up_header(Phase.DECODE, Span(position, position + 1))
+        logprobs = (self._logprob,) if self._logprob is not None else ()
+        prompt_logprobs = tuple(self._prompt_logprobs)
+        self._prompt_logprobs = []  # they travel in the first Tokens frame alone
+        event = Tokens(header, (token,), bool(reason), reason, logprobs, prompt_logprobs)
         await self._send_up(event)
         return bool(reason)
 

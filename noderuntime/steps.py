@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 import numpy as np
+
+from protocol import TokenLogprob
 
 
 class EngineError(RuntimeError):
@@ -36,6 +40,8 @@ class StepResult:
     logits: np.ndarray | None  # float32 [n_outputs, n_vocab], in row order of the outputs
     sampled: dict[int, int]  # row index -> sampled token, for rows given a sampler
     seconds: float
+    # row index -> log-probability of its sampled token (chains whose params ask) or of its scored token
+    logprobs: Mapping[int, TokenLogprob] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -53,3 +59,30 @@ class SamplingParams:
     penalty_last_n: int = 64
     grammar: str = ""  # GBNF with a "root" rule: only text it accepts is sampled; empty for none
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) before sampling
+    logprobs: bool = False  # the sampled token's log-probability, with the top_logprobs most likely
+    top_logprobs: int = 0
+
+
+# OpenAI's stand-in for the log-probability of a token the model rules out (-inf)
+LOGPROB_FLOOR = -9999.0
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """``token``'s log-probability under ``logits`` (one row, before any sampler's transforms).
+
+    With the ``top`` most likely tokens and theirs, most likely first (ties: lower id first).
+    """
+    row = logits.astype(np.float64, copy=False)
+    peak = float(row.max())
+    total = peak + float(np.log(np.exp(row - peak).sum()))
+
+    def of(t: int) -> float:
+        # a float32 rounding may put the most likely token a hair above 0
+        return max(LOGPROB_FLOOR, min(0.0, float(row[t]) - total))
+
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        candidates = np.argpartition(-row, min(top, row.size - 1))[:top]
+        ordered = sorted(candidates.tolist(), key=lambda t: (-row[t], t))
+        best = tuple((int(t), of(int(t))) for t in ordered)
+    return TokenLogprob(int(token), of(int(token)), best)

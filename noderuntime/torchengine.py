@@ -53,7 +53,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 
 from noderuntime.artifacts import ArtifactInfo, LayerRange
 from noderuntime.engine import EngineError, MemoryReport
-from noderuntime.steps import GrammarError, Rows, SamplingParams, StepResult
+from noderuntime.steps import GrammarError, Rows, SamplingParams, StepResult, token_logprob
+from protocol import TokenLogprob
 
 __all__ = [
     "DTYPES",
@@ -453,8 +454,12 @@ class TorchEngine:
         *,
         samplers: Mapping[int, TorchSampler] | None = None,
         want_logits: bool = False,
+        scores: Mapping[int, tuple[int, int]] | None = None,
     ) -> StepResult:
-        """Run one batch. Each sequence's rows must continue its cache at consecutive positions."""
+        """Run one batch. Each sequence's rows must continue its cache at consecutive positions.
+
+        ``scores``: as :meth:`ShardEngine.run` takes them.
+        """
         if self._closed:
             raise EngineError("engine is closed")
         n = len(rows)
@@ -496,6 +501,7 @@ class TorchEngine:
                 cache.length = held + len(rows_of_seq)
             hidden = logits = None
             sampled: dict[int, int] = {}
+            logprobs: dict[int, TokenLogprob] = {}
             if not self.is_tail:
                 hidden = h.float().numpy().copy()
             else:
@@ -504,7 +510,7 @@ class TorchEngine:
                 if self.output_hidden:
                     hidden = normed.float().numpy().copy()
                 out_rows = np.flatnonzero(rows.outputs)
-                if len(out_rows) and (want_logits or samplers):
+                if len(out_rows) and (want_logits or samplers or scores):
                     all_logits = F.linear(normed[torch.from_numpy(out_rows)], self.lm_head).float().numpy()
                     if want_logits:
                         logits = all_logits.copy()
@@ -513,7 +519,16 @@ class TorchEngine:
                         if row not in where:
                             raise EngineError(f"row {row} has a sampler but asked for no output")
                         sampled[row] = sampler.pick(all_logits[where[row]])
-        return StepResult(hidden=hidden, logits=logits, sampled=sampled, seconds=time.perf_counter() - started)
+                        if sampler.params.logprobs:
+                            top = sampler.params.top_logprobs
+                            logprobs[row] = token_logprob(all_logits[where[row]], sampled[row], top)
+                    for row, (token, top) in (scores or {}).items():
+                        if row not in where:
+                            raise EngineError(f"row {row} is scored but asked for no output")
+                        logprobs[row] = token_logprob(all_logits[where[row]], token, top)
+        return StepResult(
+            hidden=hidden, logits=logits, sampled=sampled, seconds=time.perf_counter() - started, logprobs=logprobs
+        )
 
     def _block(
         self,

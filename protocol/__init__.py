@@ -8,6 +8,7 @@ state machine and ``README.md`` for encodings and their measured error.
 from protocol.codec import FrameDecoder, FrameEncoder, Limits
 from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError, StatusCode
 from protocol.events import (
+    MAX_TOP_LOGPROBS,
     SCHEMA_MAJOR,
     SCHEMA_MINOR,
     Activations,
@@ -25,6 +26,7 @@ from protocol.events import (
     Release,
     Sampling,
     Span,
+    TokenLogprob,
     Tokens,
     Usage,
     UsageRecord,
@@ -32,6 +34,7 @@ from protocol.events import (
 from protocol.seam import Direction, SeamEndpoint, State, error_event
 
 __all__ = [
+    "MAX_TOP_LOGPROBS",
     "SCHEMA_MAJOR",
     "SCHEMA_MINOR",
     "Activations",
@@ -59,6 +62,7 @@ __all__ = [
     "Span",
     "State",
     "StatusCode",
+    "TokenLogprob",
     "Tokens",
     "Usage",
     "UsageRecord",

@@ -24,6 +24,7 @@ from protocol import encodings, wire
 from protocol._generated.noderuntime.seam import v1 as pb
 from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError, StatusCode
 from protocol.events import (
+    MAX_TOP_LOGPROBS,
     Activations,
     Cancel,
     Credit,
@@ -39,6 +40,7 @@ from protocol.events import (
     Release,
     Sampling,
     Span,
+    TokenLogprob,
     Tokens,
     Usage,
     UsageRecord,
@@ -138,6 +140,8 @@ class FrameEncoder:
                 + wire.uint_field(2, int(event.finished))
                 + wire.bytes_field(3, event.finish_reason.encode())
             )
+            if event.logprobs or event.prompt_logprobs:
+                body += _logprob_fields(event)  # rare (sessions that ask): the generated code writes them
             return [self._frame(event.header, _TOKENS, [body])]
         field, message = _cold_body(event)
         return [self._frame(event.header, field, [bytes(message)])]
@@ -218,6 +222,9 @@ def _cold_body(event: Event) -> tuple[int, Any]:
                 penalty_last_n=s.penalty_last_n,
                 grammar=s.grammar,
                 logit_bias=[pb.LogitBias(token=t, bias=b) for t, b in s.logit_bias],
+                logprobs=s.logprobs,
+                top_logprobs=s.top_logprobs,
+                prompt_logprobs=s.prompt_logprobs,
             ),
             prompt_tokens=list(event.prompt_tokens),
             max_tokens=event.max_tokens,
@@ -519,10 +526,35 @@ def _read_header(buf: bytes | memoryview, start: int, end: int, limits: Limits) 
     return Header(identity, phase_value, step, positions, cache, major, minor), crc
 
 
+def _logprob_fields(event: Tokens) -> bytes:
+    parts = []
+    for number, entries in ((4, event.logprobs), (5, event.prompt_logprobs)):
+        for e in entries:
+            message = pb.TokenLogprob(
+                token=e.token,
+                logprob=e.logprob,
+                top_tokens=[t for t, _ in e.top],
+                top_logprobs=[lp for _, lp in e.top],
+            )
+            parts.append(wire.len_field(number, bytes(message)))
+    return b"".join(parts)
+
+
+def _read_logprob(buf: bytes | memoryview, a: int, b: int) -> TokenLogprob:
+    m = pb.TokenLogprob.parse(bytes(buf[a:b]))
+    if len(m.top_tokens) != len(m.top_logprobs) or len(m.top_tokens) > MAX_TOP_LOGPROBS:
+        raise RemoteProtocolError(f"a token's top logprobs must pair tokens with logprobs, at most {MAX_TOP_LOGPROBS}")
+    if not all(-1e9 <= lp <= 0.0 for lp in (m.logprob, *m.top_logprobs)):  # NaN fails too
+        raise RemoteProtocolError("a logprob must be a finite number <= 0")
+    return TokenLogprob(m.token, m.logprob, tuple(zip(m.top_tokens, m.top_logprobs, strict=True)))
+
+
 def _read_tokens(header: Header, buf: bytes | memoryview, start: int, end: int, limits: Limits) -> Tokens:
     tokens: list[int] = []
     finished = False
     reason = ""
+    logprobs: list[TokenLogprob] = []
+    prompt_logprobs: list[TokenLogprob] = []
     for number, wire_type, a, b in wire.fields(buf, start, end):
         if number == 1:
             wire.repeated_uint32(buf, wire_type, a, b, tokens, limits.max_tokens, "token ids")
@@ -534,7 +566,15 @@ def _read_tokens(header: Header, buf: bytes | memoryview, start: int, end: int, 
             if b - a > limits.max_string_bytes:
                 raise RemoteProtocolError("finish_reason too long")
             reason = wire.text(buf, a, b, "finish_reason")
-    return Tokens(header, tuple(tokens), finished, reason)
+        elif number in (4, 5):
+            wire.expect(wire_type, wire.LEN, number, "Tokens")
+            entries = logprobs if number == 4 else prompt_logprobs
+            if len(entries) >= limits.max_tokens:
+                raise RemoteProtocolError(f"more than {limits.max_tokens} logprobs in one frame")
+            entries.append(_read_logprob(buf, a, b))
+    if logprobs and len(logprobs) != len(tokens):
+        raise RemoteProtocolError(f"{len(logprobs)} logprobs for {len(tokens)} tokens: one each, or none")
+    return Tokens(header, tuple(tokens), finished, reason, tuple(logprobs), tuple(prompt_logprobs))
 
 
 def _finite(value: float, what: str, low: float = -math.inf, high: float = math.inf) -> float:
@@ -676,6 +716,9 @@ def _open_route(header: Header, m: Any, limits: Limits) -> OpenRoute:
         penalty_last_n=_at_most(s.penalty_last_n, limits.max_tokens, "penalty_last_n"),
         grammar=s.grammar,
         logit_bias=tuple((b.token, _finite(b.bias, "logit_bias", -100.0, 100.0)) for b in s.logit_bias),
+        logprobs=s.logprobs,
+        top_logprobs=_at_most(s.top_logprobs, MAX_TOP_LOGPROBS, "top_logprobs"),
+        prompt_logprobs=s.prompt_logprobs,
     )
     return OpenRoute(
         header,

@@ -14,7 +14,9 @@ import numpy as np
 from protocol.errors import StatusCode
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 1
+SCHEMA_MINOR = 2
+# the most likely tokens a TokenLogprob may list beside the chosen one (OpenAI's bound)
+MAX_TOP_LOGPROBS = 20
 
 
 class Phase(enum.IntEnum):
@@ -98,6 +100,9 @@ class Sampling:
     penalty_last_n: int = 64
     grammar: str = ""  # GBNF, root rule "root"; empty: unconstrained (needs schema 1.1 on every hop)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias added to its logit); needs 1.1 too
+    logprobs: bool = False  # each sampled token's log-probability comes back with it; needs 1.2
+    top_logprobs: int = 0  # and this many most likely tokens at its position (<= MAX_TOP_LOGPROBS)
+    prompt_logprobs: bool = False  # and those of the prompt's tokens, in the first Tokens frame
 
 
 @attrs.frozen
@@ -139,6 +144,15 @@ class Activations:
 
 
 @attrs.frozen
+class TokenLogprob:
+    """A token's log-probability under the model, and the most likely tokens at its position."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first
+
+
+@attrs.frozen
 class Tokens:
     """Tokens sampled by the tail, flowing upstream."""
 
@@ -146,6 +160,8 @@ class Tokens:
     token_ids: tuple[int, ...]
     finished: bool = False
     finish_reason: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the session asked (1.2)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.., in the first frame (1.2)
 
 
 @attrs.frozen

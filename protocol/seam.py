@@ -192,7 +192,7 @@ class SeamEndpoint:
         if header.schema_minor < self.required_minor:
             raise RemoteProtocolError(
                 f"the peer speaks schema {header.schema_major}.{header.schema_minor}; this session needs "
-                f"{SCHEMA_MAJOR}.{self.required_minor} (a grammar or a logit bias)",
+                f"{SCHEMA_MAJOR}.{self.required_minor} ({_NEEDS[self.required_minor]})",
                 StatusCode.UNIMPLEMENTED,
             )
         if isinstance(event, OpenRoute):
@@ -252,9 +252,15 @@ class SeamEndpoint:
             )
 
 
+# what a session uses that needs each schema minor version
+_NEEDS = {1: "a grammar or a logit bias", 2: "logprobs"}
+
+
 def required_minor(open_route: OpenRoute) -> int:
     """The schema minor version every hop of this session must speak."""
     sampling = open_route.sampling
+    if sampling.logprobs or sampling.prompt_logprobs:
+        return 2
     return 1 if sampling.grammar or sampling.logit_bias else 0
 
 

@@ -29,6 +29,7 @@ from protocol import (
     Sampling,
     Span,
     StatusCode,
+    TokenLogprob,
     Tokens,
     Usage,
     UsageRecord,
@@ -111,6 +112,55 @@ def test_tokens_frames_are_byte_identical_to_generated_code(
     crc = crc32c.crc32c(bytes(body))
     assert frame == bytes(pb.Frame(header=h.reference_header(header, crc), tokens=body))
     assert FrameDecoder().receive(frame) == event
+
+
+logprob_entries = st.builds(
+    TokenLogprob,
+    st.integers(0, 2**32 - 1),
+    st.floats(-1e9, 0.0, width=32),
+    st.lists(st.tuples(st.integers(0, 2**32 - 1), st.floats(-1e9, 0.0, width=32)), max_size=20).map(tuple),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(header=headers, data=st.data(), prompt=st.lists(logprob_entries, max_size=8))
+def test_tokens_frames_with_logprobs_are_byte_identical_to_generated_code(
+    header: Header, data: st.DataObject, prompt: list[TokenLogprob]
+) -> None:
+    entries = data.draw(st.lists(logprob_entries, min_size=1, max_size=4))
+    event = Tokens(header, tuple(e.token for e in entries), False, "", tuple(entries), tuple(prompt))
+
+    def message(e: TokenLogprob) -> pb.TokenLogprob:
+        return pb.TokenLogprob(
+            token=e.token, logprob=e.logprob, top_tokens=[t for t, _ in e.top], top_logprobs=[p for _, p in e.top]
+        )
+
+    (frame,) = FrameEncoder().encode(event)
+    body = pb.Tokens(
+        token_ids=[e.token for e in entries],
+        logprobs=[message(e) for e in entries],
+        prompt_logprobs=[message(e) for e in prompt],
+    )
+    crc = crc32c.crc32c(bytes(body))
+    assert frame == bytes(pb.Frame(header=h.reference_header(header, crc), tokens=body))
+    assert FrameDecoder().receive(frame) == event
+
+
+@pytest.mark.parametrize(
+    ("entries", "token_count", "problem"),
+    [
+        ([pb.TokenLogprob(token=1, logprob=0.5)], 1, "finite number <= 0"),
+        ([pb.TokenLogprob(token=1, logprob=float("nan"))], 1, "finite number <= 0"),
+        ([pb.TokenLogprob(token=1, logprob=-1.0, top_tokens=[1, 2], top_logprobs=[-1.0])], 1, "pair tokens"),
+        ([pb.TokenLogprob(token=1, logprob=-1.0, top_tokens=list(range(21)), top_logprobs=[-1.0] * 21)], 1, "at most"),
+        ([pb.TokenLogprob(token=1, logprob=-1.0)] * 2, 1, "one each, or none"),
+    ],
+)
+def test_bad_logprobs_are_typed_rejections(entries: list[pb.TokenLogprob], token_count: int, problem: str) -> None:
+    body = pb.Tokens(token_ids=list(range(token_count)), logprobs=entries)
+    head = h.reference_header(h.tokens().header, crc32c.crc32c(bytes(body)))
+    with pytest.raises(RemoteProtocolError, match=problem):
+        FrameDecoder().receive(bytes(pb.Frame(header=head, tokens=body)))
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ __all__ = (
     "Sampling",
     "Span",
     "Tensor",
+    "TokenLogprob",
     "Tokens",
     "Usage",
     "UsageRecord",
@@ -386,6 +387,17 @@ class Sampling(betterproto2.Message):
     Added to the logits of these tokens before sampling (OpenAI's logit_bias). Since 1.1.
     """
 
+    logprobs: "bool" = betterproto2.field(12, betterproto2.TYPE_BOOL)
+    """
+    Log-probabilities back with each sampled token (OpenAI's logprobs), with the
+    top_logprobs most likely tokens at its position, and (prompt_logprobs) of every
+    prompt token but the first. Since 1.2.
+    """
+
+    top_logprobs: "int" = betterproto2.field(13, betterproto2.TYPE_UINT32)
+
+    prompt_logprobs: "bool" = betterproto2.field(14, betterproto2.TYPE_BOOL)
+
 
 default_message_pool.register_message("noderuntime.seam.v1", "Sampling", Sampling)
 
@@ -440,6 +452,25 @@ default_message_pool.register_message("noderuntime.seam.v1", "Tensor", Tensor)
 
 
 @dataclass(eq=False, repr=False)
+class TokenLogprob(betterproto2.Message):
+    """
+    The log-probability of one token under the model (before sampling's transforms),
+    and the most likely tokens at its position with theirs, most likely first.
+    """
+
+    token: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
+
+    logprob: "float" = betterproto2.field(2, betterproto2.TYPE_FLOAT)
+
+    top_tokens: "list[int]" = betterproto2.field(3, betterproto2.TYPE_UINT32, repeated=True)
+
+    top_logprobs: "list[float]" = betterproto2.field(4, betterproto2.TYPE_FLOAT, repeated=True)
+
+
+default_message_pool.register_message("noderuntime.seam.v1", "TokenLogprob", TokenLogprob)
+
+
+@dataclass(eq=False, repr=False)
 class Tokens(betterproto2.Message):
     """
     Tokens sampled by the tail, flowing upstream to the head (and on to the gateway).
@@ -453,6 +484,17 @@ class Tokens(betterproto2.Message):
     """
 
     finish_reason: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+
+    logprobs: "list[TokenLogprob]" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    One per token id, when the session asked for logprobs. Since 1.2.
+    """
+
+    prompt_logprobs: "list[TokenLogprob]" = betterproto2.field(5, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Prompt tokens 1.. (the first has no context), in the first Tokens frame of a
+    session that asked for prompt_logprobs. Since 1.2.
+    """
 
 
 default_message_pool.register_message("noderuntime.seam.v1", "Tokens", Tokens)
