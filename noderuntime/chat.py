@@ -41,7 +41,7 @@ _env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, exten
 _env.globals["raise_exception"] = _raise
 
 # what a template reads from a message and a client writes freely
-MESSAGE_TEXT_FIELDS = ("content", "name")
+MESSAGE_TEXT_FIELDS = ("content", "name", "reasoning_content")
 _WHITESPACE = " \t\n\v\f\r"  # what llama.cpp strips beside a token marked lstrip/rstrip
 
 
@@ -76,14 +76,28 @@ class ChatTemplate:
             self._template = _env.from_string(source)
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the model's chat template does not compile: {exc}") from None
+        self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
-        """The prompt for ``messages`` (``role`` and ``content`` each)."""
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt for ``messages`` (``role`` and ``content`` each).
+
+        ``tools``: OpenAI's ``tools`` entries, for templates that render them; ``variables``:
+        more the template reads (``enable_thinking``), never overriding the names above.
+        """
         try:
             return self._template.render(
+                **(variables or {}),
                 messages=list(messages),
+                tools=list(tools) if tools else None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
@@ -93,7 +107,7 @@ class ChatTemplate:
         except (jinja2.TemplateError, TypeError, ValueError) as exc:
             raise TemplateError(f"the chat template could not render these messages: {exc}") from None
 
-    def render_marked(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, dict[str, str]] | None:
+    def render_marked(self, messages: Sequence[Mapping[str, Any]], **context: Any) -> tuple[str, dict[str, str]] | None:
         """The prompt with each message's text fields rendered as markers, and each marker's text.
 
         ``None`` when the template cannot render the markers (it tests the text itself).
@@ -111,19 +125,19 @@ class ChatTemplate:
                     copy[field] = marker
             marked.append(copy)
         try:
-            return self.render(marked), texts
+            return self.render(marked, **context), texts
         except TemplateError:
             return None
 
-    def render_segments(self, messages: Sequence[Mapping[str, Any]]) -> list[tuple[str, bool]] | None:
+    def render_segments(self, messages: Sequence[Mapping[str, Any]], **context: Any) -> list[tuple[str, bool]] | None:
         """The prompt as ``(text, from_a_message)`` pieces, in order.
 
         ``None`` when the template does more to a message's text than place it, or trim
         it (it tests, edits or repeats the text): then where a message's text lies cannot
         be told from the prompt.
         """
-        whole = self.render(messages)
-        rendered = self.render_marked(messages)
+        whole = self.render(messages, **context)
+        rendered = self.render_marked(messages, **context)
         if rendered is None:
             return None
         text, texts = rendered
@@ -149,8 +163,12 @@ class ChatTemplate:
         return None
 
 
-def prompt_tokens(template: ChatTemplate, vocab: Tokenizer, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+def prompt_tokens(
+    template: ChatTemplate, vocab: Tokenizer, messages: Sequence[Mapping[str, Any]], **context: Any
+) -> list[int]:
     """The tokens of a conversation's prompt; special tokens come from the template only.
+
+    ``context``: ``tools`` and ``variables``, as :meth:`ChatTemplate.render` takes them.
 
     Raises :class:`MessageTextError` for a message whose text cannot be kept as text:
     it types a special token that the template writes itself and that the vocabulary
@@ -158,13 +176,13 @@ def prompt_tokens(template: ChatTemplate, vocab: Tokenizer, messages: Sequence[M
     message text so that where it lies is unknown, and the prompt holds special tokens
     the template alone would not write.
     """
-    segments = template.render_segments(messages)
+    segments = template.render_segments(messages, **context)
     try:
         tokens = None if segments is None else _split_tokenize(vocab, segments)
     except _Unplaced:
         tokens = None
     if tokens is None:
-        tokens = _unsegmented(template, vocab, messages)
+        tokens = _unsegmented(template, vocab, messages, context)
     if vocab.add_bos and vocab.bos >= 0 and tokens[:1] != [vocab.bos]:
         tokens = [vocab.bos, *tokens]  # a template that writes bos_token itself gets no second one
     return tokens
@@ -230,10 +248,12 @@ def _plain(vocab: Tokenizer, text: str, strip_start: bool, strip_end: bool) -> l
     return vocab.tokenize(text, add_special=False, parse_special=False) if text else []
 
 
-def _unsegmented(template: ChatTemplate, vocab: Tokenizer, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+def _unsegmented(
+    template: ChatTemplate, vocab: Tokenizer, messages: Sequence[Mapping[str, Any]], context: Mapping[str, Any]
+) -> list[int]:
     """The prompt tokenized whole, when its special tokens are those the template writes alone."""
-    whole = vocab.tokenize(template.render(messages), add_special=False, parse_special=True)
-    marked = template.render_marked(messages)
+    whole = vocab.tokenize(template.render(messages, **context), add_special=False, parse_special=True)
+    marked = template.render_marked(messages, **context)
     if marked is None:
         # a template that refuses markers: only messages whose text holds no special token,
         # nor the start or the end of one (two texts side by side could make one whole)

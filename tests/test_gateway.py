@@ -147,7 +147,7 @@ def test_same_seed_same_text(client: OpenAI, system: localsystem.LocalSystem) ->
         ({"messages": MESSAGES, "temperature": 3}, 400, "temperature"),
         ({"messages": []}, 400, "messages"),
         ({"messages": MESSAGES, "n": 2}, 400, "n"),
-        ({"messages": MESSAGES, "logprobs": True}, 400, None),
+        ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         ({"messages": MESSAGES, "max_tokens": 100000}, 400, "max_tokens"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
         ({"model": "no-such-model", "messages": MESSAGES}, 404, "model"),

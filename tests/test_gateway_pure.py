@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,7 +22,7 @@ from starlette.routing import Mount
 
 from noderuntime.chat import ChatTemplate
 from noderuntime.client import RouteError
-from noderuntime.engine import Vocab
+from noderuntime.engine import GrammarError, Vocab, check_grammar, integer_range_gbnf, json_schema_grammar
 from noderuntime.gateway.app import ApiError, ApiKeys, Gateway, ServedModel, _route_error
 from noderuntime.gateway.schema import ChatCompletionRequest, CompletionRequest
 from noderuntime.gateway.textstream import TextStream
@@ -58,6 +59,7 @@ def test_a_possible_stop_string_is_held_back_until_it_is_clear() -> None:
         {"stream": None},
         {"top_p": 0},
         {"tools": []},
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
         {"modalities": ["text"]},
     ],
 )
@@ -75,8 +77,10 @@ def test_legacy_completion_defaults_are_accepted() -> None:
         {"guided_regex": "[a-z]+"},
         {"response_format": {"type": "json_schema"}},
         {"tool_choice": "required"},
-        {"tools": [{"type": "function", "function": {"name": "f"}}]},
-        {"logprobs": True},
+        {"tools": [{"type": "function", "function": {"description": "no name"}}]},
+        {"tools": [{"type": "function", "function": {"name": "has space"}}]},
+        {"logprobs": True, "top_logprobs": 21},
+        {"top_logprobs": 2},
         {"best_of": 2},
         {"suffix": "}"},
         {"stop": [True]},
@@ -89,14 +93,24 @@ def test_options_this_gateway_does_not_implement_are_refused(options: dict[str, 
 
 
 @pytest.mark.parametrize(
-    "message",
+    ("message", "problem"),
     [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {}}]},
-        {"role": "assistant", "content": "", "function_call": {"name": "f", "arguments": "{}"}},
+        (
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {}}]},
+            "name",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "[1]"}}]},
+            "JSON text of an object",
+        ),
+        ({"role": "user", "content": "", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}, "only assistant"),
+        ({"role": "assistant", "content": "", "function_call": {"name": "f", "arguments": "{}"}}, "not supported"),
     ],
 )
-def test_past_tool_calls_in_messages_are_refused_not_dropped(message: dict[str, Any]) -> None:
-    with pytest.raises(ValidationError, match="not supported"):
+def test_past_calls_in_messages_that_cannot_be_rendered_are_refused_not_dropped(
+    message: dict[str, Any], problem: str
+) -> None:
+    with pytest.raises(ValidationError, match=problem):
         ChatCompletionRequest.model_validate({"model": "m", "messages": [*MESSAGES, message]})
     plain = {k: v for k, v in message.items() if k not in ("tool_calls", "function_call")}
     ChatCompletionRequest.model_validate({"model": "m", "messages": [*MESSAGES, {**plain, "tool_calls": []}]})
@@ -326,7 +340,7 @@ async def test_one_model_can_be_asked_for_by_id(gateway: httpx.AsyncClient) -> N
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 6}, "logprobs"),
         ({"stop": ["a", ""]}, "stop"),
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": [True]}, "prompt"),
@@ -588,7 +602,6 @@ def test_api_keys_come_from_a_file_and_the_environment(tmp_path: Path, monkeypat
     "options",
     [
         {"reasoning_effort": "high"},
-        {"chat_template_kwargs": {"enable_thinking": False}},
         {"repetition_penalty": 1.3},
         {"ignore_eos": True},
         {"min_tokens": 5},
@@ -606,3 +619,26 @@ def test_unknown_fields_are_ignored_and_said_once(caplog: pytest.LogCaptureFixtu
         )
     said = [r.getMessage() for r in caplog.records if "unknown request field" in r.getMessage()]
     assert said == ["ignoring the unknown request field 'x_vendor_knob' (said once per field)"]
+
+
+@pytest.mark.parametrize(
+    ("low", "high"),
+    [(0, 7), (1, 7), (0, 120), (5, 1234), (-15, 3), (-120, -7), (0, None), (-3, None), (None, 5), (99, 1000), (7, 7)],
+)
+def test_integer_bounds_become_exact_grammar_ranges(low: int | None, high: int | None) -> None:
+    # GBNF of literals, classes, groups and alternatives reads as a regular expression
+    pattern = re.compile("^" + integer_range_gbnf(low, high).replace('"', "").replace(" ", "") + "$")
+    for value in range((low or -2000) - 50, (high if high is not None else 2000) + 51):
+        inside = (low is None or value >= low) and (high is None or value <= high)
+        assert bool(pattern.match(str(value))) == inside, value
+    assert not pattern.match("007") and not pattern.match("-0")
+
+
+def test_a_schema_with_integer_bounds_gets_them_in_its_grammar(vocab: Vocab) -> None:
+    grammar = json_schema_grammar(
+        {"type": "object", "properties": {"d": {"type": "integer", "exclusiveMinimum": 0, "maximum": 7}}}
+    )
+    assert "d ::= [1-7] space" in grammar
+    check_grammar(vocab, grammar)
+    with pytest.raises(GrammarError, match="no integer"):
+        json_schema_grammar({"type": "integer", "minimum": 3, "maximum": 2})

@@ -20,7 +20,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from typing import Any
 
 import attrs
@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from noderuntime.chat import ChatTemplate, TemplateError, prompt_tokens
 from noderuntime.client import GenerationRequest, RouteError, open_route_generation
 from noderuntime.engine import GrammarError, Vocab, check_grammar, json_schema_grammar
+from noderuntime.gateway.logprobs import CompletionLogprobs, chat_entries
 from noderuntime.gateway.schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,11 +45,20 @@ from noderuntime.gateway.schema import (
     TokenizeRequest,
 )
 from noderuntime.gateway.textstream import TextStream
+from noderuntime.gateway.tools import (
+    THINK_OPEN,
+    ChatOutput,
+    TemplateTraits,
+    call_grammar,
+    call_schema,
+    hermes_history,
+    template_traits,
+)
 from noderuntime.httpserve import BodyLimit
 from noderuntime.ledger import CheckedRecord, Ledger, check
 from noderuntime.telemetry import GatewayMetrics, exposition, trio_tasks
 from noderuntime.tracker.client import RouteGrant, TrackerError, request_route
-from protocol import Sampling, StatusCode, Tokens
+from protocol import Sampling, StatusCode, TokenLogprob, Tokens
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +70,8 @@ MAX_BODY = 8 << 20  # a request body: far above any prompt that fits a context
 # after its prompt, then may run to the end of the context that route holds (as OpenAI's
 # API does: the reply ends at a stop, or when the context is full).
 DEFAULT_MAX_TOKENS = 256
+# a prompt whose logprobs are echoed: they travel back in one frame (about 70 bytes a token)
+MAX_SCORED_PROMPT = 32768
 
 
 def system_fingerprint(artifact: str, recipe: bytes) -> str:
@@ -80,6 +92,9 @@ def _grammar(vocab: Vocab, constraint: Constraint | None) -> str:
     try:
         if constraint.kind == "json":
             text = json_schema_grammar(constraint.value)
+        elif constraint.kind == "tools":
+            tools, syntax, several = constraint.value
+            text = call_grammar(json_schema_grammar(call_schema(tools, syntax)), syntax, several=several)
         elif constraint.kind == "choice":
             text = "root ::= " + " | ".join(_gbnf_literal(option) for option in constraint.value)
         else:
@@ -163,7 +178,7 @@ class ApiKeys:
         await self.app(scope, receive, send)
 
 
-@attrs.define
+@attrs.define(slots=False)  # slots off: a cached property needs the instance's dict
 class ServedModel:
     """A model this gateway serves: its tokenizer and template, and its artifact."""
 
@@ -182,11 +197,19 @@ class ServedModel:
         """The model as ``/v1/models`` lists it."""
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "noderuntime"}
 
-    def chat_prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """The prompt tokens of a conversation; text a message types stays text (see ``chat``)."""
+    @functools.cached_property
+    def traits(self) -> TemplateTraits:
+        """What the chat template does with tools and thinking."""
+        return template_traits(self.template.source if self.template is not None else "")
+
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], **context: Any) -> list[int]:
+        """The prompt tokens of a conversation; text a message types stays text (see ``chat``).
+
+        ``context``: ``tools`` and ``variables`` for the template.
+        """
         assert self.template is not None
         try:
-            return prompt_tokens(self.template, self.vocab, messages)
+            return prompt_tokens(self.template, self.vocab, messages, **context)
         except TemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         except UnicodeEncodeError:
@@ -209,6 +232,19 @@ class Generated:
     finish_reason: str
     route: list[dict[str, Any]]
     records: list[CheckedRecord] = attrs.Factory(list)
+    logprobs: list[TokenLogprob] = attrs.Factory(list)  # of the reply's tokens, when asked
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # of the prompt's tokens but the first, when asked
+
+
+@attrs.frozen
+class Emitted:
+    """What a generation yields: text that may be shown, its tokens' logprobs, and once finished, all."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    done: Generated | None = None
+    fingerprint: str = ""  # OpenAI's system_fingerprint of the serving route
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # on the first item, when asked
 
 
 class Gateway:
@@ -296,6 +332,10 @@ class Gateway:
         if body.top_p == 0.0:
             temperature = 0.0  # the nucleus of p = 0 is the most likely token alone: greedy
         seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(8), "little")
+        logprobs, top_logprobs, prompt_logprobs = body.logprob_request()
+        if prompt_logprobs and len(prompt) > MAX_SCORED_PROMPT:
+            # they come back in one frame: a bound keeps it inside the frame limit
+            raise ApiError(400, f"echo with logprobs takes prompts of at most {MAX_SCORED_PROMPT} tokens", param="echo")
         sampling = Sampling(
             temperature=temperature,
             top_k=body.top_k or 0,
@@ -307,6 +347,9 @@ class Gateway:
             presence_penalty=body.presence_penalty or 0.0,
             grammar=grammar,
             logit_bias=biases,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         deadline = int((time.time() + self.request_timeout) * 1000)
         return GenerationRequest(
@@ -409,33 +452,37 @@ class Gateway:
 
     async def _generate(
         self, model: ServedModel, request: GenerationRequest, stop: Sequence[str], *, open_ended: bool
-    ) -> AsyncIterator[tuple[str, Generated | None, str]]:
-        """(text delta, None, fingerprint) while generating, then ("", Generated, fingerprint) once finished.
+    ) -> AsyncIterator[Emitted]:
+        """What may be shown while generating, then an item with ``done`` set once finished.
 
         The fingerprint is OpenAI's ``system_fingerprint``: of the artifact and the recipe of the
         route that serves, known once the route is granted.
         """
         text = TextStream(stop)
         produced = 0
+        logprobs: list[TokenLogprob] = []
         async with self._route_session(model, request, open_ended=open_ended) as (gen, first, grant):
             route = _describe(grant)
             fingerprint = system_fingerprint(model.artifact, grant.recipe)
+            prompt_logprobs = first.prompt_logprobs
+            _check_logprobs(model, request, first, prompt=True)
+            if prompt_logprobs:
+                yield Emitted("", fingerprint=fingerprint, prompt_logprobs=prompt_logprobs)
             event: Tokens | None = first
             while event is not None:
-                for token in event.token_ids:
+                if event is not first:
+                    _check_logprobs(model, request, event, prompt=False)
+                for k, token in enumerate(event.token_ids):
                     if not 0 <= token < model.vocab.n_vocab:  # the route's word, not a known piece
-                        raise ApiError(
-                            503,
-                            f"the route failed: it sent token id {token}, outside the vocabulary",
-                            "service_unavailable",
-                            "route_failed",
-                        )
+                        raise _bad_route(f"it sent token id {token}, outside the vocabulary")
                     produced += 1
                     if token in request.stop_token_ids and event.finished:
                         continue  # the end-of-turn token itself is not text
                     delta = text.push(model.vocab.piece(token))
-                    if delta:
-                        yield delta, None, fingerprint
+                    mine = (event.logprobs[k],) if event.logprobs else ()
+                    logprobs += mine
+                    if delta or mine:
+                        yield Emitted(delta, mine, fingerprint=fingerprint)
                     if text.stopped:
                         break
                 if text.stopped or event.finished:
@@ -462,8 +509,9 @@ class Gateway:
                 )
         tail = text.finish()
         if tail:
-            yield tail, None, fingerprint
-        yield "", Generated(text.text, produced, reason, route, records), fingerprint
+            yield Emitted(tail, fingerprint=fingerprint)
+        done = Generated(text.text, produced, reason, route, records, logprobs, prompt_logprobs)
+        yield Emitted("", done=done, fingerprint=fingerprint)
 
     # --- the app
 
@@ -580,14 +628,38 @@ class Gateway:
             model = self._model(body.model)
             if model.template is None:
                 raise ApiError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
-            # rendering and tokenizing a long conversation takes a while: not on the event loop
+            traits = model.traits
+            offered = body.offered_tools()
             messages = [m.for_template() for m in body.messages]
-            prompt = await trio.to_thread.run_sync(model.chat_prompt, messages, limiter=self._tokenizing)
+            context: dict[str, Any] = {"variables": body.chat_template_kwargs}
+            if traits.native_tools:
+                context["tools"] = [{"type": "function", "function": f} for f in offered]
+            elif offered or any(m.role == "tool" or m.tool_calls for m in body.messages):
+                messages = hermes_history(messages, offered)  # the template knows no tools: written as text
+            # rendering and tokenizing a long conversation takes a while: not on the event loop
+            render = functools.partial(model.chat_prompt, messages, **context)
+            prompt = await trio.to_thread.run_sync(render, limiter=self._tokenizing)
             max_tokens = body.max_completion_tokens or body.max_tokens
             # a large schema's grammar takes milliseconds to build and compile: not on the event loop
-            grammar = await trio.to_thread.run_sync(_grammar, model.vocab, body.constraint(), limiter=self._tokenizing)
+            constraint = body.constraint()
+            forced = body.forced_tools()
+            if forced is not None:
+                several = body.tool_choice == "required" and body.parallel_tool_calls is not False
+                constraint = Constraint("tools", (forced, traits.syntax, several), "tools")
+            grammar = await trio.to_thread.run_sync(_grammar, model.vocab, constraint, limiter=self._tokenizing)
             generation = self._prepare(model, body, prompt, max_tokens, grammar)
-            return await self._answer(model, body, generation, request, chat=True, open_ended=max_tokens is None)
+            # the prompt opened a think block (a template that always thinks): the reply starts in it
+            opened = model.vocab.detokenize(prompt[-3:], special=True).endswith(THINK_OPEN + "\n")
+            output = functools.partial(
+                ChatOutput,
+                tool_names=[f["name"] for f in offered],
+                syntax=traits.syntax,
+                reasoning=traits.thinks,
+                thinking=opened,
+            )
+            return await self._answer(
+                model, body, generation, request, chat=True, open_ended=max_tokens is None, output=output
+            )
 
         @app.post("/v1/completions", response_model=None)
         async def complete(body: CompletionRequest, request: Request) -> Any:
@@ -600,7 +672,11 @@ class Gateway:
             # a large schema's grammar takes milliseconds to build and compile: not on the event loop
             grammar = await trio.to_thread.run_sync(_grammar, model.vocab, body.constraint(), limiter=self._tokenizing)
             generation = self._prepare(model, body, prompt, body.max_tokens, grammar)
-            return await self._answer(model, body, generation, request, chat=False, open_ended=body.max_tokens is None)
+            echo = None
+            if body.echo:
+                echo = body.prompt_text() if body.prompt_tokens() is None else model.vocab.detokenize(prompt)
+            open_ended = body.max_tokens is None
+            return await self._answer(model, body, generation, request, chat=False, open_ended=open_ended, echo=echo)
 
         return app
 
@@ -613,14 +689,25 @@ class Gateway:
         *,
         chat: bool,
         open_ended: bool,
+        echo: str | None = None,
+        output: Callable[[], ChatOutput] | None = None,
     ) -> Any:
+        """The reply: whole, or streamed. ``echo``: the prompt's text, when the reply leads with it;
+        ``output``: makes the reader of a chat reply's content, reasoning and tool calls."""
         self.counters["requests"] += 1
         started = time.perf_counter()
         stop_strings, _ = body.stop_lists()
-        created = int(time.time())
-        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        kind = "chat.completion" if chat else "text_completion"
-        prompt_tokens = len(generation.prompt_tokens)
+        shape = _Shape(
+            ident=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+            created=int(time.time()),
+            model=model,
+            chat=chat,
+            prompt=generation.prompt_tokens,
+            top=body.logprob_request()[1],
+            logprobs=body.logprob_request()[0],
+            echo=echo,
+            output=(output or ChatOutput)(),
+        )
         if not body.stream:
             result: Generated | None = None
             fingerprint = ""
@@ -631,14 +718,12 @@ class Gateway:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_disconnect, request, nursery.cancel_scope)
                 try:
-                    async for _, done, route_fingerprint in self._generate(
-                        model, generation, stop_strings, open_ended=open_ended
-                    ):
-                        fingerprint = route_fingerprint
+                    async for item in self._generate(model, generation, stop_strings, open_ended=open_ended):
+                        fingerprint = item.fingerprint
                         if awaiting_first:
                             self.metrics.ttft.observe(time.perf_counter() - started)
                             awaiting_first = False
-                        result = done or result
+                        result = item.done or result
                 except ApiError as exc:
                     failed = exc
                 nursery.cancel_scope.cancel()
@@ -652,20 +737,11 @@ class Gateway:
                 log.info("request %s: the client left before the answer; generation cancelled", generation.request_id)
                 return Response(status_code=499)  # nobody reads it
             self.counters["completed"] += 1
-            await self._record(model, generation, created, result)
-            choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": result.text}
-            else:
-                choice["text"] = result.text
+            await self._record(model, generation, shape.created, result)
             return {
-                "id": ident,
-                "object": kind,
-                "created": created,
-                "model": model.model_id,
-                "system_fingerprint": fingerprint,
-                "choices": [choice],
-                "usage": _usage(prompt_tokens, result.completion_tokens),
+                **shape.envelope("chat.completion" if chat else "text_completion", fingerprint),
+                "choices": [shape.whole_choice(result)],
+                "usage": _usage(len(generation.prompt_tokens), result.completion_tokens),
                 "route": result.route,
             }
         # streaming: find the route and its first tokens before answering 200, so that
@@ -681,7 +757,7 @@ class Gateway:
         self.metrics.ttft.observe(time.perf_counter() - started)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            self._sse(stream, first, ident, kind, created, model, generation, chat, include_usage),
+            self._sse(stream, first, shape, generation, include_usage),
             media_type="text/event-stream",
             headers={"cache-control": "no-cache"},
         )
@@ -708,66 +784,48 @@ class Gateway:
 
     async def _sse(
         self,
-        stream: AsyncIterator[tuple[str, Generated | None, str]],
-        first: tuple[str, Generated | None, str],
-        ident: str,
-        kind: str,
-        created: int,
-        model: ServedModel,
+        stream: AsyncIterator[Emitted],
+        first: Emitted,
+        shape: _Shape,
         generation: GenerationRequest,
-        chat: bool,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
-        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-        prompt_tokens = len(generation.prompt_tokens)
-        fingerprint = first[2]  # the route is granted before the first item
+        kind = "chat.completion.chunk" if shape.chat else "text_completion"
+        fingerprint = first.fingerprint  # the route is granted before the first item
         last_delta = time.perf_counter()
 
-        def chunk(delta: dict[str, Any] | str, finish: str | None = None, **extra: Any) -> bytes:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-            if chat:
-                choice["delta"] = delta
-            else:
-                choice["text"] = delta
-            doc = {
-                "id": ident,
-                "object": chunk_kind,
-                "created": created,
-                "model": model.model_id,
-                "system_fingerprint": fingerprint,
-                "choices": [choice],
-                **extra,
-            }
+        def event(doc: dict[str, Any]) -> bytes:
             return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+        def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
+            return event({**shape.envelope(kind, fingerprint), "choices": [choice], **extra})
 
         finished = False
         try:
-            if chat:
-                yield chunk({"role": "assistant", "content": ""})
-            item: tuple[str, Generated | None, str] | None = first
+            if shape.chat:
+                yield chunk(shape.chunk_choice(role=True))
+            elif shape.echo is not None and not first.prompt_logprobs:
+                yield chunk(shape.chunk_choice(text=shape.echo))
+            item: Emitted | None = first
             while item is not None:
-                delta, done, _ = item
+                done = item.done
                 if done is not None:
-                    await self._record(model, generation, created, done)
-                    yield chunk({} if chat else "", done.finish_reason, route=done.route)
+                    await self._record(shape.model, generation, shape.created, done)
+                    yield chunk(shape.chunk_choice(finish=done.finish_reason), route=done.route)
                     if include_usage:
-                        usage = {
-                            "id": ident,
-                            "object": chunk_kind,
-                            "created": created,
-                            "model": model.model_id,
-                            "system_fingerprint": fingerprint,
-                            "choices": [],
-                            "usage": _usage(prompt_tokens, done.completion_tokens),
-                        }
-                        yield b"data: " + json.dumps(usage).encode() + b"\n\n"
+                        usage = _usage(len(generation.prompt_tokens), done.completion_tokens)
+                        yield event({**shape.envelope(kind, fingerprint), "choices": [], "usage": usage})
                     finished = True
                     break
-                if delta:
-                    now = time.perf_counter()
-                    self.metrics.inter_token.observe(now - last_delta)
-                    last_delta = now
-                    yield chunk({"content": delta} if chat else delta)
+                if item.prompt_logprobs:
+                    yield chunk(shape.chunk_choice(text=shape.echo or "", prompt_logprobs=item.prompt_logprobs))
+                elif item.text or item.logprobs:
+                    choice = shape.chunk_choice(text=item.text, logprobs=item.logprobs)
+                    if choice.get("delta", True) or choice["logprobs"] is not None:  # chat holds a marker back
+                        now = time.perf_counter()
+                        self.metrics.inter_token.observe(now - last_delta)
+                        last_delta = now
+                        yield chunk(choice)
                 try:
                     item = await stream.__anext__()
                 except StopAsyncIteration:
@@ -779,7 +837,7 @@ class Gateway:
             self.counters["errors"] += 1
             self.metrics.errors.labels(exc.code or exc.kind).inc()
             finished = True  # ended by the route, counted as an error: the client did not leave
-            yield b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
+            yield event(exc.body())
             yield b"data: [DONE]\n\n"
         finally:
             if not finished:
@@ -787,6 +845,137 @@ class Gateway:
                 self.metrics.cancelled.inc()
             with trio.CancelScope(shield=True):
                 await _aclose(stream)
+
+
+@attrs.define
+class _Shape:
+    """How one request's choices look in OpenAI's format, whole or as chunks."""
+
+    ident: str
+    created: int
+    model: ServedModel
+    chat: bool
+    prompt: tuple[int, ...]
+    top: int
+    logprobs: bool
+    echo: str | None
+    output: ChatOutput  # chat: splits content, reasoning and tool calls
+    _completion: CompletionLogprobs | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not self.chat and self.logprobs:
+            self._completion = CompletionLogprobs(self.model.vocab.piece, self.top)
+
+    def envelope(self, kind: str, fingerprint: str) -> dict[str, Any]:
+        """The fields every reply and chunk has."""
+        return {
+            "id": self.ident,
+            "object": kind,
+            "created": self.created,
+            "model": self.model.model_id,
+            "system_fingerprint": fingerprint,
+        }
+
+    def _chat_logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        return {"content": chat_entries(self.model.vocab.piece, entries, self.top), "refusal": None}
+
+    def _completion_logprobs(
+        self, entries: Sequence[TokenLogprob], prompt_logprobs: Sequence[TokenLogprob] = ()
+    ) -> dict[str, Any] | None:
+        track = self._completion
+        if track is None:
+            return None
+        if prompt_logprobs:
+            track.add(self.prompt[0], None)  # the first prompt token has no context
+            for e in prompt_logprobs:
+                track.add(e.token, e)
+        for e in entries:
+            track.add(e.token, e)
+        return track.take()
+
+    def whole_choice(self, result: Generated) -> dict[str, Any]:
+        """The one choice of a whole reply."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason}
+        if self.chat:
+            self.output.push(result.text)
+            self.output.finish()
+            choice["message"] = self._message()
+            choice["finish_reason"] = self.finish_reason(result.finish_reason)
+            choice["logprobs"] = self._chat_logprobs(result.logprobs)
+        else:
+            choice["text"] = (self.echo or "") + result.text
+            choice["logprobs"] = self._completion_logprobs(result.logprobs, result.prompt_logprobs)
+        return choice
+
+    def _message(self) -> dict[str, Any]:
+        out = self.output
+        message: dict[str, Any] = {"role": "assistant", "content": out.content}
+        if out.reasoning:
+            message["reasoning_content"] = out.reasoning
+        if out.calls:
+            message["tool_calls"] = [c.as_dict() for c in out.calls]
+            if not out.content.strip():
+                message["content"] = None  # a reply that is only calls, as OpenAI sends it
+        return message
+
+    def finish_reason(self, reason: str) -> str:
+        """``tool_calls`` for a reply that ended after calling, else the route's reason."""
+        return "tool_calls" if self.output.calls and reason == "stop" else reason
+
+    def chunk_choice(
+        self,
+        *,
+        text: str = "",
+        logprobs: Sequence[TokenLogprob] = (),
+        prompt_logprobs: Sequence[TokenLogprob] = (),
+        role: bool = False,
+        finish: str | None = None,
+    ) -> dict[str, Any]:
+        """The one choice of a streamed chunk."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            told = self.output.finish() if finish is not None else self.output.push(text)
+            if finish is not None:
+                choice["finish_reason"] = self.finish_reason(finish)
+            if told.content:
+                delta["content"] = told.content
+            if told.reasoning:
+                delta["reasoning_content"] = told.reasoning
+            if told.calls:
+                first = len(self.output.calls) - len(told.calls)
+                delta["tool_calls"] = [c.as_dict(first + i) for i, c in enumerate(told.calls)]
+            choice["delta"] = delta
+            if logprobs:
+                choice["logprobs"] = self._chat_logprobs(logprobs)
+        else:
+            choice["text"] = text
+            if logprobs or prompt_logprobs:
+                choice["logprobs"] = self._completion_logprobs(logprobs, prompt_logprobs)
+        return choice
+
+
+def _check_logprobs(model: ServedModel, request: GenerationRequest, event: Tokens, *, prompt: bool) -> None:
+    """The route's logprobs must be those asked for, of the tokens sent, inside the vocabulary."""
+    sampling = request.sampling
+    if sampling.logprobs and len(event.logprobs) != len(event.token_ids):
+        raise _bad_route("it sent tokens without the logprobs asked for")
+    entries = list(zip(event.token_ids, event.logprobs, strict=False))
+    if prompt and sampling.prompt_logprobs:
+        if len(event.prompt_logprobs) != len(request.prompt_tokens) - 1:
+            raise _bad_route("it sent no logprobs for the prompt, or not one for each token")
+        entries += zip(request.prompt_tokens[1:], event.prompt_logprobs, strict=True)
+    for token, entry in entries:
+        if entry.token != token or len(entry.top) > sampling.top_logprobs:
+            raise _bad_route("its logprobs are not those of the tokens sent")
+        if any(not 0 <= t < model.vocab.n_vocab for t, _ in entry.top):
+            raise _bad_route("its logprobs name tokens outside the vocabulary")
+
+
+def _bad_route(what: str) -> ApiError:
+    return ApiError(503, f"the route failed: {what}", "service_unavailable", "route_failed")
 
 
 async def _aclose(stream: AsyncIterator[Any]) -> None:

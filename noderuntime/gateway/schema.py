@@ -16,31 +16,27 @@ import attrs
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
+from protocol import MAX_TOP_LOGPROBS
+
 log = logging.getLogger(__name__)
 
 MAX_STOP = 16
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for text completions
 # options this gateway does not implement: absent, null, false, empty, or these defaults
 _UNSUPPORTED = {
-    "logprobs": (),
-    "top_logprobs": (),
-    "tools": (),
-    "tool_choice": ("none", "auto"),  # with no tools, both mean plain text
     "functions": (),
     "function_call": ("none", "auto"),
     "guided_regex": (),  # vLLM's: llama.cpp's grammar sampler has no regular expressions
     "guided_whitespace_pattern": (),
-    "echo": (),
     "best_of": (1,),
     "suffix": ("",),
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
     # OpenAI's, not implemented: refused when they would change the reply
-    "reasoning_effort": (),
-    "parallel_tool_calls": (True,),  # OpenAI's default; with no tools it means nothing
+    "reasoning_effort": (),  # a template's switch is chat_template_kwargs (enable_thinking), not an effort
     "web_search_options": (),
     # peers' sampling and template extensions this gateway does not implement
-    "chat_template_kwargs": (),
     "min_tokens": (0,),
     "ignore_eos": (),
     "repetition_penalty": (1.0,),
@@ -64,6 +60,37 @@ class TextPart(BaseModel):
     text: str = Field(max_length=1 << 20)
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class CalledFunction(BaseModel):
+    """The function a past call named, and its arguments as JSON text."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=FUNCTION_NAME)
+    arguments: str = Field(default="{}", max_length=1 << 20)
+
+    @model_validator(mode="after")
+    def _arguments_are_json(self) -> CalledFunction:
+        try:
+            value = json.loads(self.arguments)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            message = "a tool call's arguments must be the JSON text of an object"
+            raise PydanticCustomError("tool_calls", message, {"param": "messages"})
+        return self
+
+
+class MessageToolCall(BaseModel):
+    """A call an assistant message made (OpenAI's ``tool_calls`` entry)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     """One message of a conversation."""
 
@@ -71,17 +98,23 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(default=None)
     name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[MessageToolCall] | None = Field(default=None, max_length=128)
+    tool_call_id: str | None = Field(default=None, max_length=256)
+    reasoning_content: str | None = Field(default=None, max_length=1 << 20)
 
     @model_validator(mode="after")
     def _refuse_calls(self) -> ChatMessage:
-        # tools are not served, and a past call dropped from the prompt would change what
-        # the model reads without a word to the client
+        # the legacy single call is not served, and a past call dropped from the prompt
+        # would change what the model reads without a word to the client
         extra = self.model_extra or {}
-        for key in ("tool_calls", "function_call"):
-            if extra.get(key) not in (None, [], {}):
-                raise PydanticCustomError(
-                    "unsupported", "{param} in messages is not supported by this gateway", {"param": key}
-                )
+        if extra.get("function_call") not in (None, [], {}):
+            raise PydanticCustomError(
+                "unsupported",
+                "{param} in messages is not supported by this gateway: use tool_calls",
+                {"param": "function_call"},
+            )
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("tool_calls", "only assistant messages make tool calls", {"param": "messages"})
         return self
 
     def text(self) -> str:
@@ -93,13 +126,32 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
     def for_template(self) -> dict[str, Any]:
-        """The message as chat templates read it: role, content and, when given, name."""
-        message = {"role": self.role, "content": self.text()}
+        """The message as chat templates read it: role, content and, when given, name, calls, reasoning.
+
+        A call's arguments go as an object, so that templates write them with ``tojson``,
+        which escapes ``<`` and ``>``: a client's text never spells a special token there.
+        """
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 
+# what chat templates are given by this gateway itself
+_TEMPLATE_OWN = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"})
 MAX_GRAMMAR_CHARS = 128 << 10  # GBNF or a schema's JSON: a schema's grammar runs to tens of KiB
 
 
@@ -148,9 +200,10 @@ class StructuredOutputs(BaseModel):
 
 @attrs.frozen
 class Constraint:
-    """What decoding must follow: a JSON schema (``None``: any JSON object), GBNF, or one of some strings."""
+    """What decoding must follow: a JSON schema (``None``: any JSON object), GBNF, one of some
+    strings, or calls to tools ((function definitions, their syntax, whether several))."""
 
-    kind: Literal["json", "gbnf", "choice"]
+    kind: Literal["json", "gbnf", "choice", "tools"]
     value: Any
     param: str  # the request field it came from, for errors
 
@@ -211,6 +264,10 @@ class SamplingFields(BaseModel):
         self.constraint()  # one constraint at most, and schemas given as text must parse
         self.logit_biases()
         return self
+
+    def logprob_request(self) -> tuple[bool, int, bool]:
+        """(logprobs of the sampled tokens, how many alternatives each, logprobs of the prompt)."""
+        return False, 0, False
 
     def logit_biases(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as (token id, bias) pairs, in token order; a 400 for a key that is no token id."""
@@ -280,11 +337,105 @@ def _schema_value(value: dict[str, Any] | str, param: str) -> Any:
         raise PydanticCustomError("schema", message, {"param": param}) from None
 
 
+class FunctionDefinition(BaseModel):
+    """A function a tool offers: its name, what it does, its parameters' JSON schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = Field(default=None, max_length=1 << 14)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    """One of ``tools``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(BaseModel):
+    """The function a named ``tool_choice`` names."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=FUNCTION_NAME)
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function: the reply is a call to it."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+# what a template may be given beside the conversation: switches, not text a client
+# could spell special tokens with
+TemplateValue = bool | int | float | None
+
+
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(default=None, description="more than one call in a reply (default)")
+    chat_template_kwargs: dict[str, TemplateValue] | None = Field(
+        default=None, max_length=32, description="extension: variables for the chat template (enable_thinking)"
+    )
+    logprobs: bool | None = Field(default=False, description="each reply token's log-probability")
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_TOP_LOGPROBS, description="and this many most likely tokens at its place"
+    )
+
+    @model_validator(mode="after")
+    def _top_with_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            message = "top_logprobs needs logprobs: true"
+            raise PydanticCustomError("logprobs", message, {"param": "top_logprobs"})
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise PydanticCustomError("tools", "two tools have the same name", {"param": "tools"})
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise PydanticCustomError(
+                "tool_choice", "tool_choice asks for a call, and no tools are given", {"param": "tool_choice"}
+            )
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            message = "tool_choice names {name!r}, which is not one of the tools"
+            raise PydanticCustomError("tool_choice", message, {"param": "tool_choice", "name": choice.function.name})
+        if choice not in (None, "none", "auto") and self.constraint() is not None:
+            message = "a forced tool call is its own constraint: not with response_format or a grammar"
+            raise PydanticCustomError("tool_choice", message, {"param": "tool_choice"})
+        for key in self.chat_template_kwargs or {}:
+            if not key.isidentifier() or key in _TEMPLATE_OWN:
+                message = "chat_template_kwargs may not set {key!r}"
+                raise PydanticCustomError(
+                    "chat_template_kwargs", message, {"param": "chat_template_kwargs", "key": key[:40]}
+                )
+        return self
+
+    def offered_tools(self) -> list[dict[str, Any]]:
+        """The functions a reply may call: none when ``tool_choice`` is ``none``."""
+        if self.tool_choice == "none":
+            return []
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or ()]
+
+    def forced_tools(self) -> list[dict[str, Any]] | None:
+        """The functions the reply must call one of (``required`` or named), else None."""
+        offered = self.offered_tools()
+        if self.tool_choice == "required":
+            return offered
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [f for f in offered if f["name"] == self.tool_choice.function.name]
+        return None
+
+    def logprob_request(self) -> tuple[bool, int, bool]:
+        """(logprobs of the sampled tokens, how many alternatives each, logprobs of the prompt)."""
+        return bool(self.logprobs), self.top_logprobs or 0, False
 
 
 class CompletionRequest(SamplingFields):
@@ -297,6 +448,15 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[StrictInt], Field(fail_fast=True)]
         | Annotated[list[Annotated[list[StrictInt], Field(fail_fast=True)]], Field(fail_fast=True)]
     ) = Field(max_length=1 << 22, description="text, or token ids; one prompt per request")
+    logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_COMPLETION_LOGPROBS, description="log-probabilities, with this many alternatives"
+    )
+    echo: bool | None = Field(default=False, description="the prompt leads the text (and its logprobs, if asked)")
+
+    def logprob_request(self) -> tuple[bool, int, bool]:
+        """(logprobs of the sampled tokens, how many alternatives each, logprobs of the prompt)."""
+        wanted = self.logprobs is not None
+        return wanted, self.logprobs or 0, wanted and bool(self.echo)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
