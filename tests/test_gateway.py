@@ -146,7 +146,7 @@ def test_same_seed_same_text(client: OpenAI, system: localsystem.LocalSystem) ->
     [
         ({"messages": MESSAGES, "temperature": 3}, 400, "temperature"),
         ({"messages": []}, 400, "messages"),
-        ({"messages": MESSAGES, "n": 2}, 400, "n"),
+        ({"messages": MESSAGES, "n": 9}, 400, "n"),
         ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         ({"messages": MESSAGES, "max_tokens": 100000}, 400, "max_tokens"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
@@ -434,3 +434,32 @@ def test_replies_carry_a_system_fingerprint_of_the_model_and_recipe(
     # one model file, one recipe on every route of this system: one fingerprint everywhere
     assert fingerprints == {whole.system_fingerprint}
     assert whole.system_fingerprint is not None and whole.system_fingerprint.startswith("fp_")
+
+
+def test_n_choices_are_n_sessions_with_their_own_seeds(client: OpenAI, system: localsystem.LocalSystem) -> None:
+    ask: dict[str, Any] = {
+        "model": system.model_id,
+        "messages": MESSAGES,
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 11,
+        "n": 3,
+    }
+    whole = client.chat.completions.create(**ask)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = [c.message.content for c in whole.choices]
+    assert len(set(texts)) > 1  # seeds 11, 12, 13
+    assert whole.usage is not None and whole.usage.completion_tokens <= 3 * 12
+    # the first choice is what the same request with n = 1 gives; the second, with seed 12
+    single = client.chat.completions.create(**{**ask, "n": 1, "seed": 12})
+    assert single.choices[0].message.content == texts[1]
+    streamed = ["", "", ""]
+    finishes: dict[int, str] = {}
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert streamed == texts and sorted(finishes) == [0, 1, 2]
+    text = client.completions.create(model=system.model_id, prompt="Once", max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in text.choices] == [0, 1] and text.choices[0].text == text.choices[1].text

@@ -693,71 +693,107 @@ class Gateway:
         output: Callable[[], ChatOutput] | None = None,
     ) -> Any:
         """The reply: whole, or streamed. ``echo``: the prompt's text, when the reply leads with it;
-        ``output``: makes the reader of a chat reply's content, reasoning and tool calls."""
+        ``output``: makes the reader of a chat reply's content, reasoning and tool calls.
+
+        ``n`` choices are ``n`` route sessions, each with its own seed (the request's + its index).
+        """
         self.counters["requests"] += 1
         started = time.perf_counter()
         stop_strings, _ = body.stop_lists()
-        shape = _Shape(
-            ident=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
-            created=int(time.time()),
-            model=model,
-            chat=chat,
-            prompt=generation.prompt_tokens,
-            top=body.logprob_request()[1],
-            logprobs=body.logprob_request()[0],
-            echo=echo,
-            output=(output or ChatOutput)(),
-        )
+        wants_logprobs, top, _ = body.logprob_request()
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        generations = [
+            generation
+            if i == 0
+            else attrs.evolve(
+                generation,
+                request_id=f"{generation.request_id}-{i}",
+                sampling=attrs.evolve(generation.sampling, seed=(generation.sampling.seed + i) & 0xFFFFFFFFFFFFFFFF),
+            )
+            for i in range(body.n or 1)
+        ]
+        shapes = [
+            _Shape(
+                ident,
+                created,
+                model,
+                chat,
+                generation.prompt_tokens,
+                top,
+                wants_logprobs,
+                echo,
+                (output or ChatOutput)(),
+                i,
+            )
+            for i in range(len(generations))
+        ]
+        kind = "chat.completion" if chat else "text_completion"
         if not body.stream:
-            result: Generated | None = None
+            results: list[Generated | None] = [None] * len(generations)
             fingerprint = ""
             failed: ApiError | None = None
-            awaiting_first = True
-            # hypercorn does not cancel a handler whose client left: watch for it, so that a
-            # client that gave up does not keep a route generating for nobody
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_cancel_on_disconnect, request, nursery.cancel_scope)
+
+            async def collect(i: int, scope: trio.CancelScope) -> None:
+                nonlocal fingerprint, failed
+                awaiting_first = i == 0  # the first choice's first token is the request's
                 try:
-                    async for item in self._generate(model, generation, stop_strings, open_ended=open_ended):
+                    async for item in self._generate(model, generations[i], stop_strings, open_ended=open_ended):
                         fingerprint = item.fingerprint
                         if awaiting_first:
                             self.metrics.ttft.observe(time.perf_counter() - started)
                             awaiting_first = False
-                        result = item.done or result
+                        results[i] = item.done or results[i]
                 except ApiError as exc:
-                    failed = exc
-                nursery.cancel_scope.cancel()
+                    failed = failed or exc
+                    scope.cancel()  # one choice failed: the reply has failed
+
+            # hypercorn does not cancel a handler whose client left: watch for it, so that a
+            # client that gave up does not keep a route generating for nobody
+            async with trio.open_nursery() as nursery:
+                watcher = trio.CancelScope()
+                nursery.start_soon(_watch_disconnect, request, nursery.cancel_scope, watcher)
+                async with trio.open_nursery() as choices:
+                    for i in range(len(generations)):
+                        choices.start_soon(collect, i, choices.cancel_scope)
+                watcher.cancel()
             if failed is not None:
                 self.counters["errors"] += 1
                 self.metrics.errors.labels(failed.code or failed.kind).inc()
                 raise failed
-            if result is None:
+            if any(r is None for r in results):
                 self.counters["cancelled"] += 1
                 self.metrics.cancelled.inc()
                 log.info("request %s: the client left before the answer; generation cancelled", generation.request_id)
                 return Response(status_code=499)  # nobody reads it
+            done = [r for r in results if r is not None]
             self.counters["completed"] += 1
-            await self._record(model, generation, shape.created, result)
+            for g, r in zip(generations, done, strict=True):
+                await self._record(model, g, created, r)
             return {
-                **shape.envelope("chat.completion" if chat else "text_completion", fingerprint),
-                "choices": [shape.whole_choice(result)],
-                "usage": _usage(len(generation.prompt_tokens), result.completion_tokens),
-                "route": result.route,
+                **shapes[0].envelope(kind, fingerprint),
+                "choices": [shape.whole_choice(r) for shape, r in zip(shapes, done, strict=True)],
+                "usage": _usage(len(generation.prompt_tokens), sum(r.completion_tokens for r in done)),
+                "route": done[0].route,
             }
-        # streaming: find the route and its first tokens before answering 200, so that
+        # streaming: find the routes and their first tokens before answering 200, so that
         # "no route" and "all full" are still proper HTTP errors
-        stream = self._generate(model, generation, stop_strings, open_ended=open_ended)
+        streams = [self._generate(model, g, stop_strings, open_ended=open_ended) for g in generations]
+        firsts = []
         try:
-            first = await stream.__anext__()
+            # one after another: each generator's route session must live in this one task
+            for stream in streams:
+                firsts.append(await stream.__anext__())
         except ApiError as exc:
             self.counters["errors"] += 1
             self.metrics.errors.labels(exc.code or exc.kind).inc()
-            await _aclose(stream)
+            for stream in streams:
+                await _aclose(stream)
             raise
         self.metrics.ttft.observe(time.perf_counter() - started)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            self._sse(stream, first, shape, generation, include_usage),
+            self._sse(streams, firsts, shapes, generations, include_usage),
             media_type="text/event-stream",
             headers={"cache-control": "no-cache"},
         )
@@ -784,52 +820,61 @@ class Gateway:
 
     async def _sse(
         self,
-        stream: AsyncIterator[Emitted],
-        first: Emitted,
-        shape: _Shape,
-        generation: GenerationRequest,
+        streams: list[AsyncIterator[Emitted]],
+        firsts: list[Emitted],
+        shapes: list[_Shape],
+        generations: list[GenerationRequest],
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
-        kind = "chat.completion.chunk" if shape.chat else "text_completion"
-        fingerprint = first.fingerprint  # the route is granted before the first item
+        """The chunks of every choice, in turns: each choice's next item, for each unfinished one."""
+        kind = "chat.completion.chunk" if shapes[0].chat else "text_completion"
+        fingerprint = firsts[0].fingerprint  # the route is granted before the first item
         last_delta = time.perf_counter()
+        envelope = shapes[0].envelope(kind, fingerprint)
 
         def event(doc: dict[str, Any]) -> bytes:
             return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
         def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
-            return event({**shape.envelope(kind, fingerprint), "choices": [choice], **extra})
+            return event({**envelope, "choices": [choice], **extra})
 
+        pending: dict[int, Emitted | None] = dict(enumerate(firsts))
+        tokens = 0
         finished = False
         try:
-            if shape.chat:
-                yield chunk(shape.chunk_choice(role=True))
-            elif shape.echo is not None and not first.prompt_logprobs:
-                yield chunk(shape.chunk_choice(text=shape.echo))
-            item: Emitted | None = first
-            while item is not None:
-                done = item.done
-                if done is not None:
-                    await self._record(shape.model, generation, shape.created, done)
-                    yield chunk(shape.chunk_choice(finish=done.finish_reason), route=done.route)
-                    if include_usage:
-                        usage = _usage(len(generation.prompt_tokens), done.completion_tokens)
-                        yield event({**shape.envelope(kind, fingerprint), "choices": [], "usage": usage})
-                    finished = True
-                    break
-                if item.prompt_logprobs:
-                    yield chunk(shape.chunk_choice(text=shape.echo or "", prompt_logprobs=item.prompt_logprobs))
-                elif item.text or item.logprobs:
-                    choice = shape.chunk_choice(text=item.text, logprobs=item.logprobs)
-                    if choice.get("delta", True) or choice["logprobs"] is not None:  # chat holds a marker back
-                        now = time.perf_counter()
-                        self.metrics.inter_token.observe(now - last_delta)
-                        last_delta = now
-                        yield chunk(choice)
-                try:
-                    item = await stream.__anext__()
-                except StopAsyncIteration:
-                    item = None
+            for shape, first in zip(shapes, firsts, strict=True):
+                if shape.chat:
+                    yield chunk(shape.chunk_choice(role=True))
+                elif shape.echo is not None and not first.prompt_logprobs:
+                    yield chunk(shape.chunk_choice(text=shape.echo))
+            while pending:
+                for i in list(pending):
+                    item, shape = pending[i], shapes[i]
+                    if item is None:
+                        try:
+                            item = await streams[i].__anext__()
+                        except StopAsyncIteration:
+                            del pending[i]
+                            continue
+                    pending[i] = None
+                    done = item.done
+                    if done is not None:
+                        await self._record(shape.model, generations[i], shape.created, done)
+                        tokens += done.completion_tokens
+                        yield chunk(shape.chunk_choice(finish=done.finish_reason), route=done.route)
+                        del pending[i]
+                    elif item.prompt_logprobs:
+                        yield chunk(shape.chunk_choice(text=shape.echo or "", prompt_logprobs=item.prompt_logprobs))
+                    elif item.text or item.logprobs:
+                        choice = shape.chunk_choice(text=item.text, logprobs=item.logprobs)
+                        if choice.get("delta", True) or choice["logprobs"] is not None:  # chat holds a marker back
+                            now = time.perf_counter()
+                            self.metrics.inter_token.observe(now - last_delta)
+                            last_delta = now
+                            yield chunk(choice)
+            if include_usage:
+                yield event({**envelope, "choices": [], "usage": _usage(len(generations[0].prompt_tokens), tokens)})
+            finished = True
             yield b"data: [DONE]\n\n"
             self.counters["completed"] += 1
         except ApiError as exc:
@@ -844,7 +889,8 @@ class Gateway:
                 self.counters["cancelled"] += 1
                 self.metrics.cancelled.inc()
             with trio.CancelScope(shield=True):
-                await _aclose(stream)
+                for stream in streams:
+                    await _aclose(stream)
 
 
 @attrs.define
@@ -860,6 +906,7 @@ class _Shape:
     logprobs: bool
     echo: str | None
     output: ChatOutput  # chat: splits content, reasoning and tool calls
+    index: int = 0  # of the choice
     _completion: CompletionLogprobs | None = None
 
     def __attrs_post_init__(self) -> None:
@@ -897,7 +944,7 @@ class _Shape:
 
     def whole_choice(self, result: Generated) -> dict[str, Any]:
         """The one choice of a whole reply."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason}
+        choice: dict[str, Any] = {"index": self.index, "finish_reason": result.finish_reason}
         if self.chat:
             self.output.push(result.text)
             self.output.finish()
@@ -934,7 +981,7 @@ class _Shape:
         finish: str | None = None,
     ) -> dict[str, Any]:
         """The one choice of a streamed chunk."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        choice: dict[str, Any] = {"index": self.index, "finish_reason": finish, "logprobs": None}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             told = self.output.finish() if finish is not None else self.output.push(text)
@@ -984,11 +1031,15 @@ async def _aclose(stream: AsyncIterator[Any]) -> None:
         await closer()  # runs the generator's cleanup: Release or Cancel of the route session
 
 
-async def _cancel_on_disconnect(request: Request, scope: trio.CancelScope) -> None:
-    """Cancel ``scope`` when the client closes its connection (the request body is already read)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
+async def _watch_disconnect(request: Request, scope: trio.CancelScope, watcher: trio.CancelScope) -> None:
+    """Cancel ``scope`` when the client closes its connection (the request body is already read).
+
+    Cancelling ``watcher`` ends the watch.
+    """
+    with watcher:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:

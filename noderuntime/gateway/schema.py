@@ -21,6 +21,7 @@ from protocol import MAX_TOP_LOGPROBS
 log = logging.getLogger(__name__)
 
 MAX_STOP = 16
+MAX_CHOICES = 8  # each choice is a route session: a bound on what one request may hold
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for text completions
 # options this gateway does not implement: absent, null, false, empty, or these defaults
 _UNSUPPORTED = {
@@ -222,7 +223,7 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    n: int | None = Field(default=None, ge=1, le=1)
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES, description="choices: one route session each")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str | StrictInt] | None = Field(default=None)
