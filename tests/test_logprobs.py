@@ -14,10 +14,12 @@ from typing import Any
 
 import attrs
 import httpx
+import numpy as np
 import pytest
 from openai import OpenAI
 
 from noderuntime import localsystem
+from noderuntime.steps import LOGPROB_FLOOR, token_logprob
 from protocol import (
     SCHEMA_MAJOR,
     Direction,
@@ -30,6 +32,7 @@ from protocol import (
     SeamEndpoint,
     Span,
     StatusCode,
+    TokenLogprob,
     Tokens,
 )
 
@@ -176,3 +179,17 @@ def test_a_peer_that_predates_logprobs_is_refused_for_a_logprobs_session() -> No
             assert raised.value.code is StatusCode.UNIMPLEMENTED and "1.2" in raised.value.message
         else:
             assert upstream.receive(reply) is reply
+
+
+def test_token_logprob_is_the_log_softmax_of_the_logits() -> None:
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 4, 5000).astype(np.float32)
+    logits[17] = logits.max() + 3  # the most likely
+    logits[42] = -1e30  # ruled out
+    exact = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64) - logits.max()).sum()) - logits.max()
+    entry = token_logprob(logits, 99, 5)
+    assert entry.token == 99 and entry.logprob == pytest.approx(exact[99], abs=1e-6)
+    assert [t for t, _ in entry.top] == list(np.argsort(-exact)[:5]) and entry.top[0][0] == 17
+    assert all(lp == pytest.approx(exact[t], abs=1e-6) for t, lp in entry.top)
+    assert token_logprob(logits, 42, 0) == TokenLogprob(42, LOGPROB_FLOOR, ())
+    assert token_logprob(np.array([0.0, -200.0], np.float32), 0, 1).logprob == 0.0  # never above 0
