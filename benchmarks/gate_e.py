@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.gate_a import load_prompts
     from noderuntime import lanes, models
     from noderuntime.engine import Vocab, build_info
+    from noderuntime.testing.clusters import running_cluster
     from noderuntime.torchengine import versions, whole_model_greedy
-    from tests.clusters import running_cluster
 
     args = _common.parser(NAME, __doc__.split("\n\n")[0]).parse_args(argv)
     settings = _settings(args.quick)

@@ -126,7 +126,7 @@ async def _echo(stream: Any) -> None:
 
 
 async def _round_trips(kind: str, size: int, count: int) -> list[float]:
-    from tests.test_transports import seam
+    from noderuntime.testing.seams import seam
 
     payload = os.urandom(size)
     times = []
@@ -462,7 +462,7 @@ def _median_ticks(ticks: list[list[float]]) -> list[float]:
 async def _pinned_lanes(model: Path, cuts: list[int], new_tokens: int, repeats: int) -> dict[str, Any]:
     """One core per shard process (as if each were its own 1-core host) vs the whole model on one core."""
     from noderuntime.dialer import open_dialer
-    from tests.clusters import running_cluster
+    from noderuntime.testing.clusters import running_cluster
 
     rates: dict[str, Any] = {"whole_1core": [], "grpc_1core_each": [], "head_alone_1core": [], "tail_alone_1core": []}
     head, tail = (cuts[0], cuts[1]), (cuts[1], cuts[2])
@@ -497,7 +497,7 @@ async def _lanes(
     The clusters of ``route_names`` run side by side.
     """
     from noderuntime.dialer import open_dialer
-    from tests.clusters import running_cluster
+    from noderuntime.testing.clusters import running_cluster
 
     rates: dict[str, Any] = {k: [] for k in LANES if k not in ROUTES or k in route_names} | {"chained_engine_ms": []}
     head, tail = (cuts[0], cuts[1]), (cuts[1], cuts[2])
@@ -659,7 +659,7 @@ async def _timelines(model: Path, cuts: list[int], new_tokens: int, repeats: int
     """
     from noderuntime import timeline
     from noderuntime.dialer import open_dialer
-    from tests.clusters import running_cluster
+    from noderuntime.testing.clusters import running_cluster
 
     windows: dict[str, list[tuple[int, int]]] = {"grpc": [], "relay": []}
     rates: dict[str, list[float]] = {"grpc": [], "relay": []}

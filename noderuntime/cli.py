@@ -316,7 +316,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
         if not (args.tls_cert and args.tls_key):
             raise CliError("--tls-cert and --tls-key go together")
         tls = noderun.server_tls(args.tls_cert, args.tls_key, alpn=())  # websockets: HTTP/1.1
-    from relay.server import RelayLimits
+    from noderuntime.relay.server import RelayLimits
 
     limits = RelayLimits(
         max_nodes=args.max_nodes,

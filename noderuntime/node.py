@@ -26,7 +26,7 @@ from noderuntime.batcher import Batcher, BatcherStatistics
 from noderuntime.enginethread import EngineThread
 from noderuntime.leases import LeaseManager, LeaseStatistics
 from noderuntime.seamconn import NOTICE_TIMEOUT, SeamConnection
-from noderuntime.sessions import RouteSession, SessionKey, deadline_from_unix_ms
+from noderuntime.sessions import RouteSession, SessionContext, SessionKey, deadline_from_unix_ms
 from noderuntime.steps import GrammarError, SamplingParams
 from noderuntime.telemetry import NodeMetrics, SessionLog, exposition
 from noderuntime.transport import FrameStream, TransportError
@@ -173,6 +173,21 @@ class Node:
         self.ready = trio.Event()
         self._probe_lock = trio.Lock()
         self.capability: dict[str, Any] | None = None  # measured at start (noderun), shown in /status
+        self._session_context = SessionContext(
+            node_id=node_id,
+            step=self.batcher.step,
+            retire=self.batcher.retire,
+            connect=self.connect,
+            sign=self.sign,
+            count_frame=self.count_frame,
+            seam_round_trip=lambda transport, seconds: self.metrics.seam_round_trip.labels(transport).observe(seconds),
+            limits=config.limits,
+            encoding=config.encoding,
+            prefill_chunk=config.prefill_chunk,
+            idle_timeout=config.idle_timeout,
+            n_embd=engine.n_embd,
+            n_vocab=engine.n_vocab,
+        )
 
     # --- running
 
@@ -445,7 +460,7 @@ class Node:
                 lease.release()
                 self.batcher.retire(lease.seq_id)
                 return RemoteProtocolError(str(exc), StatusCode.INVALID_ARGUMENT)
-        return RouteSession(self, open_route, index, conn, lease, sampler, deadline)
+        return RouteSession(self._session_context, open_route, index, conn, lease, sampler, deadline)
 
     async def _refuse(self, conn: SeamConnection, theirs: Identity, error: ProtocolError) -> None:
         self.metrics.admissions_refused.labels(error.code.name).inc()

@@ -36,7 +36,7 @@ from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from protocol import Limits, Span
 
 if TYPE_CHECKING:
-    from relay.server import RelayLimits
+    from noderuntime.relay.server import RelayLimits
 
 log = logging.getLogger(__name__)
 
@@ -379,7 +379,7 @@ async def run_relay(
     task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve a relay until cancelled; ``http`` serves its ``/status``."""
-    from relay.server import Relay, RelayLimits, serve
+    from noderuntime.relay.server import Relay, RelayLimits, serve
 
     relay = Relay(TicketVerifier(issuer_keys), limits=limits or RelayLimits())
     async with trio.open_nursery() as nursery:

@@ -24,25 +24,28 @@ import json
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import attrs
 import numpy as np
 import trio
 
-from noderuntime.batcher import StepFailed, StepRequest
+from noderuntime.batcher import StepFailed, StepOutput, StepRequest
 from noderuntime.leases import Lease
 from noderuntime.seamconn import SeamConnection
 from noderuntime.telemetry import SessionLog
-from noderuntime.transport import TransportError
+from noderuntime.transport import FrameStream, TransportError
 from protocol import (
     Activations,
     Cancel,
     Direction,
+    Encoding,
     Error,
     Event,
     Hop,
     Identity,
+    Limits,
     NamedTensor,
     OpenRoute,
     Phase,
@@ -58,10 +61,26 @@ from protocol import (
     UsageRecord,
 )
 
-if TYPE_CHECKING:
-    from noderuntime.node import Node
-
 log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class SessionContext:
+    """What a route session needs of its node: built once by the node, never the node itself."""
+
+    node_id: bytes
+    step: Callable[[StepRequest], Awaitable[StepOutput]]  # one step through the batcher
+    retire: Callable[[int, Any], None]  # free a sequence (and its sampler) between ticks
+    connect: Callable[[Hop, OpenRoute], Awaitable[FrameStream]]  # a stream to the next hop
+    sign: Callable[[bytes], bytes]  # the node's signature over a usage record
+    count_frame: Callable[[str, str, int], None]  # (transport, direction, bytes) into the metrics
+    seam_round_trip: Callable[[str, float], None]  # (transport, seconds) of a decode step's round trip
+    limits: Limits
+    encoding: Encoding  # of the hidden states sent downstream
+    prefill_chunk: int
+    idle_timeout: float
+    n_embd: int
+    n_vocab: int
 
 
 @attrs.frozen
@@ -102,7 +121,7 @@ class RouteSession:
 
     def __init__(
         self,
-        node: Node,
+        context: SessionContext,
         open_route: OpenRoute,
         index: int,
         upstream: SeamConnection,
@@ -110,7 +129,7 @@ class RouteSession:
         sampler: Any,
         deadline: float,
     ) -> None:
-        self.node = node
+        self.context = context
         self.open_route = open_route
         self.index = index
         self.hop: Hop = open_route.hops[index]
@@ -158,7 +177,7 @@ class RouteSession:
             return
         self._released = True
         if self.lease.release():
-            self.node.batcher.retire(self.lease.seq_id, self.sampler)
+            self.context.retire(self.lease.seq_id, self.sampler)
 
     def cancel(self, reason: str = "cancelled", code: StatusCode = StatusCode.CANCELLED, message: str = "") -> None:
         """End the session from outside (node shutdown, operator)."""
@@ -225,7 +244,7 @@ class RouteSession:
                 self.upstream.endpoint.header(Phase.CANCEL),
                 end.code,
                 end.message or end.reason,
-                end.node_id or self.node.node_id,
+                end.node_id or self.context.node_id,
             )
             await self.upstream.notify(error)
         if self.downstream is not None:
@@ -251,7 +270,7 @@ class RouteSession:
     async def _open_downstream(self) -> bool:
         assert self.next_hop is not None
         try:
-            stream = await self.node.connect(self.next_hop, self.open_route)
+            stream = await self.context.connect(self.next_hop, self.open_route)
         except (TransportError, OSError) as exc:
             self._finish(
                 SessionEnd(
@@ -264,7 +283,7 @@ class RouteSession:
             return False
         endpoint = SeamEndpoint(self.identity, Direction.DOWNSTREAM, peer_shard=self.next_hop.layers)
         self.downstream = SeamConnection(
-            stream, endpoint, self.node.config.limits, on_frame=self.node.count_frame, label="down"
+            stream, endpoint, self.context.limits, on_frame=self.context.count_frame, label="down"
         )
         forward = attrs.evolve(self.open_route, header=endpoint.header(Phase.PREFILL))
         try:
@@ -277,7 +296,7 @@ class RouteSession:
         return True
 
     async def _watchdog(self) -> None:
-        idle = self.node.config.idle_timeout
+        idle = self.context.idle_timeout
         while True:
             await trio.sleep(max(0.05, idle / 4))
             if trio.current_time() - self._last_activity > idle:
@@ -354,9 +373,7 @@ class RouteSession:
             self._awaiting_downstream = False
             if isinstance(event, Tokens):
                 if self._decode_sent_at is not None:
-                    self.node.metrics.seam_round_trip.labels(self.downstream.transport).observe(
-                        time.perf_counter() - self._decode_sent_at
-                    )
+                    self.context.seam_round_trip(self.downstream.transport, time.perf_counter() - self._decode_sent_at)
                     self._decode_sent_at = None
                 if self.is_head and self._tokens_in is not None:
                     # the next decode step first: it runs in the engine thread while the token
@@ -397,7 +414,7 @@ class RouteSession:
     async def _drive(self, tokens_in: trio.MemoryReceiveChannel[Tokens] | None) -> None:
         """The head: chunked prefill of the prompt, then one decode step per token sent back."""
         prompt = np.asarray(self.open_route.prompt_tokens, dtype=np.int32)
-        chunk = self.node.config.prefill_chunk
+        chunk = self.context.prefill_chunk
         position = 0
         token: int | None = None
         for start in range(0, len(prompt), chunk):
@@ -442,11 +459,11 @@ class RouteSession:
             await self._protocol_failure_up(RemoteProtocolError("Activations without hidden_states"))
             return False
         positions = event.header.positions
-        if hidden.ndim != 2 or hidden.shape[0] != len(positions) or hidden.shape[1] != self.node.engine_n_embd:
+        if hidden.ndim != 2 or hidden.shape[0] != len(positions) or hidden.shape[1] != self.context.n_embd:
             await self._protocol_failure_up(
                 RemoteProtocolError(
                     f"hidden_states of shape {hidden.shape} for {len(positions)} positions and n_embd "
-                    f"{self.node.engine_n_embd}"
+                    f"{self.context.n_embd}"
                 )
             )
             return False
@@ -500,7 +517,7 @@ class RouteSession:
             request.score = np.array([prompt[p] if p < len(prompt) else -1 for p in after.tolist()], np.int32)
             request.score_top = sampling.top_logprobs
         try:
-            output = await self.node.batcher.step(request)
+            output = await self.context.step(request)
         except StepFailed as exc:
             self._finish(
                 SessionEnd(
@@ -524,7 +541,7 @@ class RouteSession:
         if self.downstream is not None:
             assert output.hidden is not None
             header = self._down_endpoint().header(Phase.DECODE if decode else Phase.PREFILL, Span(start, start + n))
-            tensor = NamedTensor("hidden_states", output.hidden, self.node.config.encoding)
+            tensor = NamedTensor("hidden_states", output.hidden, self.context.encoding)
             if not await self._send_down(Activations(header, (tensor,))):
                 return _FAILED
             if decode:
@@ -551,7 +568,7 @@ class RouteSession:
     async def _send_usage(self, records: list[UsageRecord]) -> None:
         body = json.dumps(
             {
-                "node_id": self.node.node_id.hex(),
+                "node_id": self.context.node_id.hex(),
                 "layers": [self.hop.layers.start, self.hop.layers.end],
                 "request_id": self.identity.request_id,
                 "session_id": self.key.session_id.hex(),
@@ -568,7 +585,7 @@ class RouteSession:
             sort_keys=True,
             separators=(",", ":"),
         ).encode()
-        own = UsageRecord(body, self.node.node_id, self.node.sign(body))
+        own = UsageRecord(body, self.context.node_id, self.context.sign(body))
         await self._send_up(Usage(self._up_header(Phase.RELEASE), (*records, own)))
 
     # --- sending helpers
@@ -618,7 +635,7 @@ class RouteSession:
     def _check_tokens(self, event: Tokens) -> None:
         """Tokens from downstream must be in the vocabulary (llama.cpp would fail the
         head's whole batch) and must not take the session past its reservation."""
-        n_vocab = self.node.engine.n_vocab
+        n_vocab = self.context.n_vocab
         if not all(0 <= t < n_vocab for t in event.token_ids):
             raise RemoteProtocolError(f"token ids outside the vocabulary of {n_vocab}", StatusCode.OUT_OF_RANGE)
         if event.token_ids and not event.finished and event.header.positions.end >= self.lease.tokens:
@@ -641,11 +658,11 @@ class RouteSession:
                 tell_upstream=True,
             )
         )
-        await self.downstream.fail(error, self.node.node_id)
+        await self.downstream.fail(error, self.context.node_id)
 
     async def _protocol_failure_up(self, error: ProtocolError) -> None:
         self._finish(SessionEnd("protocol_error", error.code, error.message, tell_downstream=True))
-        await self.upstream.fail(error, self.node.node_id)
+        await self.upstream.fail(error, self.context.node_id)
 
 
 class _Failed:

@@ -22,12 +22,11 @@ from noderuntime.client import GenerationRequest, RouteError
 from noderuntime.dialer import open_dialer
 from noderuntime.identity import Identity
 from noderuntime.signing import sign
+from noderuntime.testing.clusters import Cluster, running_cluster
 from noderuntime.tickets import MAGIC, issue
 from noderuntime.transport import StreamBroken
 from noderuntime.transport.relay_client import RelayDialer
 from protocol import Hop, Span, StatusCode
-
-from .clusters import Cluster, running_cluster
 
 pytestmark = pytest.mark.slow
 REQUEST = GenerationRequest((1, 504, 3937, 260, 2), 24)
@@ -195,7 +194,7 @@ async def test_nobody_else_joins_or_reads_a_relayed_session(cluster: Cluster) ->
 async def test_a_relay_control_connection_must_prove_the_key_it_claims(cluster: Cluster) -> None:
     from trio_websocket import ConnectionClosed, open_websocket_url
 
-    from relay import messages
+    from noderuntime.relay import messages
 
     assert cluster.relay_info is not None
     impostor = Identity.generate()
@@ -215,7 +214,7 @@ async def test_bytes_that_break_json_parsers_end_one_connection_not_the_node_or_
     """Deep nesting raises RecursionError and 1e999 overflows int(): neither is a ValueError."""
     from trio_websocket import ConnectionClosed, open_websocket_url
 
-    from relay import messages
+    from noderuntime.relay import messages
 
     assert cluster.relay_info is not None
     url = cluster.relay_info["url"]

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from .isolation import skip_unless_possible
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -91,8 +93,7 @@ def test_a_model_twice_a_nodes_cap_is_served_by_capped_nodes(tmp_path: Path) -> 
     from noderuntime.cgroups import available
 
     reason = available()
-    if reason is not None:
-        pytest.skip(reason)
+    skip_unless_possible(reason)
     figures: dict[str, Any] = _run_quick("fit", tmp_path / "fit.json")
     cap = figures["cap_bytes"]
     assert figures["model_bytes"] > 1.4 * cap

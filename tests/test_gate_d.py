@@ -17,10 +17,15 @@ from noderuntime.tickets import issue
 from protocol import Hop, Span
 
 from . import netns
+from .isolation import skip_unless_possible
 from .test_node_core import requests, solo_greedy
 
-REASON = netns.unavailable_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _namespaces() -> None:
+    skip_unless_possible(netns.unavailable_reason())
 
 
 def _status(hosts: netns.Hosts, host: str, url: str) -> dict[str, Any]:

@@ -15,6 +15,8 @@ from noderuntime.cgroups import MemoryCap, available
 from noderuntime.cluster import ROOT
 from noderuntime.engine import EngineError, Recipe, ShardEngine
 
+from .isolation import skip_unless_possible
+
 RECIPE = Recipe(n_threads=1, n_ctx_per_seq=512, n_seq_max=2, n_batch=64, n_ubatch=64)
 
 
@@ -98,8 +100,7 @@ def test_a_bad_limit_is_a_usage_error(smollm2: Path, tmp_path: Path) -> None:
 
 def test_a_cap_kills_a_process_that_outgrows_it() -> None:
     reason = available()
-    if reason is not None:
-        pytest.skip(reason)
+    skip_unless_possible(reason)
     cap = MemoryCap(64 << 20, "test")
     try:
         grow = "x = [bytearray(1 << 20) for _ in range(256)]"

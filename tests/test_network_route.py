@@ -11,9 +11,9 @@ import trio
 
 from noderuntime.client import GenerationRequest, RouteError
 from noderuntime.dialer import open_dialer
+from noderuntime.testing.clusters import Cluster, running_cluster
 from protocol import StatusCode
 
-from .clusters import Cluster, running_cluster
 from .linkproxy import link_proxy
 from .test_node_core import requests, solo_greedy
 

@@ -13,8 +13,7 @@ from benchmarks.seams import token_stages
 from noderuntime import timeline
 from noderuntime.client import GenerationRequest
 from noderuntime.dialer import open_dialer
-
-from .clusters import running_cluster
+from noderuntime.testing.clusters import running_cluster
 
 
 def test_stages_are_recorded_only_while_on_in_order_with_their_thread(tmp_path: Path) -> None:

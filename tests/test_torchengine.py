@@ -190,7 +190,7 @@ async def test_a_two_process_safetensors_route_equals_the_whole_transformers_mod
 
     from noderuntime.client import GenerationRequest
     from noderuntime.dialer import open_dialer
-    from tests.clusters import running_cluster
+    from noderuntime.testing.clusters import running_cluster
 
     vocab = Vocab(models.pull(progress=False))
     questions = ["What is the tallest mountain?", "Name three colours.", "Say hello in French.", "What is 2+2?"]

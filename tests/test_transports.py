@@ -7,8 +7,7 @@ import os
 import socket
 import ssl
 import struct
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,63 +15,19 @@ import trio
 
 from noderuntime.identity import Identity, self_signed
 from noderuntime.noderun import server_tls
+from noderuntime.relay.server import Relay, RelayLimits, serve
+from noderuntime.testing.seams import KINDS, grpc_peer, seam
 from noderuntime.tickets import TicketVerifier, issue
-from noderuntime.transport import FrameStream, StreamBroken, TransportError, memory_stream_pair
-from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer
+from noderuntime.transport import FrameStream, StreamBroken, TransportError
+from noderuntime.transport.grpc import AsyncioThread, GrpcConnector
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from protocol import Hop, Limits, Span, StatusCode
-from relay.server import Relay, RelayLimits, serve
 from tests.linkproxy import LinkProxy, link_proxy
 
-KINDS = ["memory", "grpc", "relay"]
 UPGRADE = (
     "GET {} HTTP/1.1\r\nHost: relay\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
     "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
 )
-
-
-@asynccontextmanager
-async def grpc_peer(
-    max_frame_bytes: int = 1 << 20, tls: ssl.SSLContext | None = None
-) -> AsyncIterator[tuple[GrpcConnector, int, trio.MemoryReceiveChannel[FrameStream]]]:
-    """A gRPC server on loopback and a connector: (connector, server port, the server's new streams)."""
-    runtime = AsyncioThread()
-    send, receive = trio.open_memory_channel[FrameStream](4)
-    server = GrpcServer(runtime, send.send_nowait, max_frame_bytes=max_frame_bytes)
-    connector = GrpcConnector(runtime, max_frame_bytes=max_frame_bytes)
-    try:
-        port = await server.start("127.0.0.1", 0, tls)
-        yield connector, port, receive
-    finally:
-        await connector.close()
-        await server.close()
-        runtime.close()
-
-
-@asynccontextmanager
-async def seam(kind: str) -> AsyncIterator[tuple[FrameStream, FrameStream]]:
-    """(client end, server end) of one fresh seam over ``kind``."""
-    if kind == "memory":
-        a, b = memory_stream_pair()
-        yield a, b
-        return
-    if kind == "grpc":
-        async with grpc_peer(8 << 20) as (connector, port, streams):
-            client = await connector.open(f"127.0.0.1:{port}")
-            yield client, await streams.receive()
-        return
-    send, receive = trio.open_memory_channel[FrameStream](4)
-    issuer, node = Identity.generate(), Identity.generate()
-    relay = Relay(TicketVerifier([issuer.node_id]))
-    async with trio.open_nursery() as nursery:
-        server = await nursery.start(serve, relay, "127.0.0.1", 0)
-        url = f"ws://127.0.0.1:{server.port}"
-        await nursery.start(RelayListener(url, node, send.send_nowait).run)
-        session = os.urandom(16)
-        ticket = issue(issuer, session_id=session, epoch=0, artifact=b"a" * 32, hops=[Hop(node.node_id, Span(0, 1))])
-        relayed = await RelayDialer(nursery).dial(url, node.node_id, session_id=session, epoch=0, ticket=ticket)
-        yield relayed, await receive.receive()
-        nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -456,7 +411,7 @@ async def test_relay_authenticates_controls_and_pairs_only_ticket_holders() -> N
 async def test_relay_caps_its_nodes_and_the_handshakes_one_address_leaves_open() -> None:
     from trio_websocket import ConnectionRejected, open_websocket_url
 
-    from relay import messages
+    from noderuntime.relay import messages
 
     issuer, first, second = Identity.generate(), Identity.generate(), Identity.generate()
     limits = RelayLimits(max_nodes=1, max_handshakes_per_host=2)
@@ -483,7 +438,7 @@ async def test_relay_caps_its_nodes_and_the_handshakes_one_address_leaves_open()
 
 
 async def test_relay_caps_the_nodes_one_address_holds() -> None:
-    from relay import messages
+    from noderuntime.relay import messages
 
     issuer, nodes = Identity.generate(), [Identity.generate() for _ in range(3)]
     relay = Relay(TicketVerifier([issuer.node_id]), limits=RelayLimits(max_nodes_per_host=2))
@@ -641,7 +596,7 @@ async def _control_answer(url: str, identity: Identity) -> int:
     """A control handshake with a good signature: 0 when welcomed, else the relay's close code."""
     from trio_websocket import ConnectionClosed, open_websocket_url
 
-    from relay import messages
+    from noderuntime.relay import messages
 
     async with open_websocket_url(url + "/control") as ws:
         nonce = messages.hex_field(messages.load(await ws.get_message(), "challenge"), "nonce", 32)
@@ -658,7 +613,7 @@ async def _control_answer(url: str, identity: Identity) -> int:
 async def _hello_with_wrong_signature(url: str, claimed: bytes) -> int:
     from trio_websocket import ConnectionClosed, open_websocket_url
 
-    from relay import messages
+    from noderuntime.relay import messages
 
     async with open_websocket_url(url + "/control") as ws:
         messages.load(await ws.get_message(), "challenge")

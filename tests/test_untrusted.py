@@ -10,8 +10,8 @@ import pytest
 from noderuntime import tickets
 from noderuntime.identity import Identity
 from noderuntime.ledger import USAGE_DOMAIN, Ledger, check
+from noderuntime.relay import messages as m
 from protocol import Hop, Span, UsageRecord
-from relay import messages as m
 
 # each breaks a parser that only expects ValueError: RecursionError, int(inf), a non-object
 HOSTILE = ["[" * 5000, '{"epoch": 1e999}', "1e999", '"text"', "[1, 2]", "{" + '"a":' * 3000 + "1"]

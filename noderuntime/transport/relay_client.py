@@ -10,6 +10,7 @@ import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, connect_websocket_url
 
 from noderuntime.identity import Identity
+from noderuntime.relay import messages as m
 from noderuntime.transport.base import FrameStream, StreamBroken
 from noderuntime.transport.websocket import (
     KEEPALIVE_SECONDS,
@@ -20,7 +21,6 @@ from noderuntime.transport.websocket import (
     until_silent,
 )
 from protocol import StatusCode
-from relay import messages as m
 
 log = logging.getLogger(__name__)
 

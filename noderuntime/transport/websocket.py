@@ -5,9 +5,9 @@ from __future__ import annotations
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
+from noderuntime.relay import messages as m
 from noderuntime.transport.base import StreamBroken, StreamClosed
 from protocol import Limits, StatusCode
-from relay import messages as m
 
 # One message carries one seam frame, and the encoder cuts every step into frames of at
 # most max_frame_bytes (trio-websocket's default of 1 MiB would close the connection on a

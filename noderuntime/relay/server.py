@@ -24,6 +24,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
 
 from noderuntime.identity import verify
+from noderuntime.relay import messages as m
 from noderuntime.telemetry import RelayMetrics, exposition
 from noderuntime.tickets import TicketError, TicketVerifier
 from noderuntime.transport.websocket import (
@@ -33,7 +34,6 @@ from noderuntime.transport.websocket import (
     RECEIVE_BUFFER_BYTES,
     until_silent,
 )
-from relay import messages as m
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,6 @@
+"""Harnesses that tests and benchmarks share, shipped as trio ships ``trio.testing``.
+
+:mod:`noderuntime.testing.clusters` starts real node and relay processes; a
+:mod:`noderuntime.testing.seams` seam is a fresh pair of frame streams over memory,
+gRPC or the relay.
+"""

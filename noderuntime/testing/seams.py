@@ -1,0 +1,64 @@
+"""Seams of every transport for tests and benchmarks: a fresh pair of ends over memory, gRPC or the relay."""
+
+from __future__ import annotations
+
+import os
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
+from noderuntime.identity import Identity
+from noderuntime.relay.server import Relay, serve
+from noderuntime.tickets import TicketVerifier, issue
+from noderuntime.transport import FrameStream, memory_stream_pair
+from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer
+from noderuntime.transport.relay_client import RelayDialer, RelayListener
+from protocol import Hop, Span
+
+KINDS = ("memory", "grpc", "relay")
+
+
+@asynccontextmanager
+async def grpc_peer(
+    max_frame_bytes: int = 1 << 20, tls: ssl.SSLContext | None = None
+) -> AsyncIterator[tuple[GrpcConnector, int, trio.MemoryReceiveChannel[FrameStream]]]:
+    """A gRPC server on loopback and a connector: (connector, server port, the server's new streams)."""
+    runtime = AsyncioThread()
+    send, receive = trio.open_memory_channel[FrameStream](4)
+    server = GrpcServer(runtime, send.send_nowait, max_frame_bytes=max_frame_bytes)
+    connector = GrpcConnector(runtime, max_frame_bytes=max_frame_bytes)
+    try:
+        port = await server.start("127.0.0.1", 0, tls)
+        yield connector, port, receive
+    finally:
+        await connector.close()
+        await server.close()
+        runtime.close()
+
+
+@asynccontextmanager
+async def seam(kind: str) -> AsyncIterator[tuple[FrameStream, FrameStream]]:
+    """(client end, server end) of one fresh seam over ``kind``."""
+    if kind == "memory":
+        a, b = memory_stream_pair()
+        yield a, b
+        return
+    if kind == "grpc":
+        async with grpc_peer(8 << 20) as (connector, port, streams):
+            client = await connector.open(f"127.0.0.1:{port}")
+            yield client, await streams.receive()
+        return
+    send, receive = trio.open_memory_channel[FrameStream](4)
+    issuer, node = Identity.generate(), Identity.generate()
+    relay = Relay(TicketVerifier([issuer.node_id]))
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve, relay, "127.0.0.1", 0)
+        url = f"ws://127.0.0.1:{server.port}"
+        await nursery.start(RelayListener(url, node, send.send_nowait).run)
+        session = os.urandom(16)
+        ticket = issue(issuer, session_id=session, epoch=0, artifact=b"a" * 32, hops=[Hop(node.node_id, Span(0, 1))])
+        relayed = await RelayDialer(nursery).dial(url, node.node_id, session_id=session, epoch=0, ticket=ticket)
+        yield relayed, await receive.receive()
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,125 @@
+"""The import graph: layers import one way, and the few modules that may touch a library do.
+
+Every import counts, including those under ``TYPE_CHECKING`` and inside functions: a
+cycle hidden in a function is still a cycle a reader has to untangle.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("noderuntime", "protocol", "kernels_patch", "benchmarks")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every module ``name`` imports: project modules by name, others by their top package."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                package = package[: len(package) - node.level + 1]
+                base = ".".join([*package, base] if base else package)
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        for target in targets:
+            project = target
+            while project and project not in MODULES:
+                project = project.rpartition(".")[0]
+            if project:
+                if project != name:
+                    out.add(project)
+            else:
+                out.add(target.split(".")[0])
+    return out
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in GRAPH:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(GRAPH[start] & GRAPH.keys())))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(GRAPH[child] & GRAPH.keys()))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return found
+
+
+def test_no_import_cycle_among_the_projects_modules() -> None:
+    assert _cycles() == []
+
+
+def test_packages_import_one_way() -> None:
+    packages: dict[str, set[str]] = collections.defaultdict(set)
+    for name, imported in GRAPH.items():
+        packages[name.split(".")[0]] |= {i.split(".")[0] for i in imported}
+    assert packages["protocol"].isdisjoint({"noderuntime", "benchmarks", "trio", "grpclib", "llama_cpp", "asyncio"})
+    assert "benchmarks" not in packages["noderuntime"] and "tests" not in packages["noderuntime"]
+    assert "tests" not in packages["benchmarks"]
+
+
+@pytest.mark.parametrize(
+    ("library", "allowed"),
+    [
+        ("llama_cpp", {"noderuntime.engine"}),
+        ("grpclib", {"noderuntime.transport.grpc"}),
+        ("asyncio", {"noderuntime.transport.grpc"}),
+    ],
+)
+def test_one_module_imports_each_foreign_runtime(library: str, allowed: set[str]) -> None:
+    importers = {name for name, imported in GRAPH.items() if library in imported and name.startswith("noderuntime")}
+    assert importers == allowed

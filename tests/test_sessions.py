@@ -1,0 +1,138 @@
+"""A route session alone: a fake engine behind its SessionContext, its seam over memory
+streams, time on trio's autojump clock. No node, no llama.cpp, no sockets: the tier
+where a session's own rules (what it sends, when it ends, what it frees) are tested.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import trio
+import trio.testing
+
+from noderuntime.batcher import StepOutput, StepRequest
+from noderuntime.leases import LeaseManager
+from noderuntime.seamconn import SeamConnection
+from noderuntime.sessions import RouteSession, SessionContext
+from noderuntime.transport import TransportError, memory_stream_pair
+from protocol import (
+    Direction,
+    Encoding,
+    Error,
+    Hop,
+    Identity,
+    Limits,
+    OpenRoute,
+    Phase,
+    Release,
+    Sampling,
+    SeamEndpoint,
+    Span,
+    StatusCode,
+    Tokens,
+    Usage,
+)
+
+LAYERS = Span(0, 4)
+
+
+@attrs.define
+class FakeNode:
+    """What the session may ask of its node, recorded."""
+
+    steps: list[StepRequest] = attrs.Factory(list)
+    retired: list[tuple[int, Any]] = attrs.Factory(list)
+
+    async def step(self, request: StepRequest) -> StepOutput:
+        self.steps.append(request)
+        await trio.sleep(0.01)  # an engine call takes time
+        # the "model" answers each step with the token 100 + its first position
+        return StepOutput(None, 100 + request.start, request.n_rows, 0.01)
+
+    async def connect(self, hop: Hop, open_route: OpenRoute) -> Any:
+        raise TransportError("one hop: nothing to connect to")
+
+    def context(self, idle_timeout: float = 5.0) -> SessionContext:
+        return SessionContext(
+            node_id=b"n" * 32,
+            step=self.step,
+            retire=lambda seq, sampler: self.retired.append((seq, sampler)),
+            connect=self.connect,
+            sign=lambda body: b"s" * 64,
+            count_frame=lambda transport, direction, size: None,
+            seam_round_trip=lambda transport, seconds: None,
+            limits=Limits(),
+            encoding=Encoding.F32,
+            prefill_chunk=4,
+            idle_timeout=idle_timeout,
+            n_embd=8,
+            n_vocab=1000,
+        )
+
+
+async def _open(
+    node: FakeNode, prompt: tuple[int, ...], max_tokens: int, **context: Any
+) -> tuple[SeamConnection, RouteSession]:
+    """A client's seam and the one-hop session (head and tail) it opened."""
+    ours, theirs = memory_stream_pair()
+    identity = Identity("req", b"s" * 16, 0, b"a" * 32, b"r" * 8, Span())
+    client = SeamConnection(ours, SeamEndpoint(identity, Direction.DOWNSTREAM, peer_shard=LAYERS))
+    assert client.endpoint is not None
+    hops = (Hop(b"n" * 32, LAYERS),)
+    await client.send(OpenRoute(client.endpoint.header(Phase.PREFILL), hops, Sampling(), prompt, max_tokens))
+    upstream = SeamConnection(theirs)
+    opening = await upstream.receive()
+    assert isinstance(opening, OpenRoute)
+    endpoint = SeamEndpoint(attrs.evolve(identity, shard=LAYERS), Direction.UPSTREAM, peer_shard=Span())
+    endpoint.receive(opening)
+    upstream.endpoint = endpoint
+    lease = LeaseManager(2, 64).acquire(len(prompt) + max_tokens)
+    assert lease is not None
+    sampler = object()
+    session = RouteSession(node.context(**context), opening, 0, upstream, lease, sampler, trio.current_time() + 600)
+    return client, session
+
+
+async def test_a_session_prefills_in_chunks_generates_and_is_released(autojump_clock: trio.testing.MockClock) -> None:
+    node = FakeNode()
+    client, session = await _open(node, tuple(range(1, 11)), 3)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(session.run)
+        tokens = [await client.receive() for _ in range(3)]
+        assert all(isinstance(t, Tokens) for t in tokens)
+        assert [t.token_ids for t in tokens] == [(108,), (110,), (111,)]  # type: ignore[union-attr]
+        assert [t.finish_reason for t in tokens] == ["", "", "length"]  # type: ignore[union-attr]
+        assert client.endpoint is not None
+        await client.send(Release(client.endpoint.header(Phase.RELEASE), "done"))
+        usage = await client.receive()
+        assert isinstance(usage, Usage) and len(usage.records) == 1
+    # chunks of 4, 4 and 2 prompt rows (the last one sampled), then one row per token
+    assert [(s.start, s.n_rows, s.sampler is not None) for s in node.steps] == [
+        (0, 4, False),
+        (4, 4, False),
+        (8, 2, True),
+        (10, 1, True),
+        (11, 1, True),
+    ]
+    assert session.end is not None and session.end.reason == "released"
+    assert node.retired == [(session.lease.seq_id, session.sampler)]  # freed once
+    session.release()
+    assert len(node.retired) == 1  # idempotent
+
+
+async def test_a_client_that_never_releases_is_ended_by_the_idle_watchdog(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    node = FakeNode()
+    client, session = await _open(node, (1, 2, 3), 1, idle_timeout=30.0)
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(session.run)
+        finished = await client.receive()
+        assert isinstance(finished, Tokens) and finished.finished
+        error = await client.receive()  # nobody released: the watchdog ends it
+    assert isinstance(error, Error) and error.code == StatusCode.DEADLINE_EXCEEDED
+    assert session.end is not None and session.end.reason == "idle"
+    assert 30.0 <= trio.current_time() - started <= 30.0 * 1.5
+    assert node.retired == [(session.lease.seq_id, session.sampler)]
