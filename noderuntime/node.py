@@ -23,6 +23,7 @@ import trio
 from noderuntime import admission
 from noderuntime.admission import ProbeAnswer
 from noderuntime.batcher import Batcher, BatcherStatistics
+from noderuntime.ending import EndReason
 from noderuntime.enginethread import EngineThread
 from noderuntime.leases import LeaseManager, LeaseStatistics
 from noderuntime.seamconn import NOTICE_TIMEOUT, SeamConnection
@@ -204,7 +205,7 @@ class Node:
                 finally:
                     self._stopping = True
                     for session in list(self.sessions.values()):
-                        session.cancel("node_stopped", StatusCode.UNAVAILABLE, "the node is stopping")
+                        session.cancel(EndReason.NODE_STOPPED, "the node is stopping")
         finally:
             self._nursery = None
 
@@ -353,7 +354,7 @@ class Node:
             end = session.end
         finally:
             self.sessions.pop(session.key, None)
-            reason = end.reason if end is not None else "node_stopped"
+            reason = (end.reason if end is not None else EndReason.NODE_STOPPED).value
             self._ended[reason] += 1
             self.metrics.sessions_ended.labels(reason).inc()
             if end is not None and end.code not in (StatusCode.OK, StatusCode.CANCELLED):

@@ -32,6 +32,7 @@ import numpy as np
 import trio
 
 from noderuntime.batcher import StepFailed, StepOutput, StepRequest
+from noderuntime.ending import EndReason, SessionEnd, ending, idle_blame, stop_reason
 from noderuntime.leases import Lease
 from noderuntime.seamconn import SeamConnection
 from noderuntime.telemetry import SessionLog
@@ -92,18 +93,6 @@ class SessionKey:
 
     def __str__(self) -> str:
         return f"{self.session_id.hex()[:12]}/{self.epoch}"
-
-
-@attrs.frozen
-class SessionEnd:
-    """Why a session ended, and whom to tell."""
-
-    reason: str  # released | cancelled | upstream_closed | downstream_closed | downstream_error | deadline | idle | ...
-    code: StatusCode = StatusCode.OK
-    message: str = ""
-    tell_upstream: bool = False
-    tell_downstream: bool = False
-    node_id: bytes = b""  # the node that reported the error, when forwarded
 
 
 @attrs.define
@@ -179,9 +168,9 @@ class RouteSession:
         if self.lease.release():
             self.context.retire(self.lease.seq_id, self.sampler)
 
-    def cancel(self, reason: str = "cancelled", code: StatusCode = StatusCode.CANCELLED, message: str = "") -> None:
-        """End the session from outside (node shutdown, operator)."""
-        self._finish(SessionEnd(reason, code, message or reason, tell_upstream=True, tell_downstream=True))
+    def cancel(self, reason: EndReason = EndReason.NODE_STOPPED, message: str = "") -> None:
+        """End the session from outside (node shutdown)."""
+        self._finish(ending(reason, message))
 
     def _finish(self, end: SessionEnd) -> None:
         if self.end is None:
@@ -205,26 +194,17 @@ class RouteSession:
                 await self._serve()
             if self.end is None:
                 if self.scope.cancelled_caught:
-                    self.end = SessionEnd(
-                        "deadline",
-                        StatusCode.DEADLINE_EXCEEDED,
-                        "the session's deadline passed",
-                        tell_upstream=True,
-                        tell_downstream=True,
-                    )
+                    self.end = ending(EndReason.DEADLINE, "the session's deadline passed")
                 else:
-                    self.end = SessionEnd("released")
+                    self.end = ending(EndReason.RELEASED)
         except BaseException as exc:
             if self.end is None:
                 # a defect met while serving (the node logs it and serves on), or the node stopping
                 defect = isinstance(exc, Exception)
-                self.end = SessionEnd(
-                    "defect" if defect else "node_stopped",
-                    StatusCode.INTERNAL if defect else StatusCode.UNAVAILABLE,
-                    "the node failed this session" if defect else "the node is stopping",
-                    tell_upstream=True,
-                    tell_downstream=True,
-                )
+                if defect:
+                    self.end = ending(EndReason.DEFECT, "the node failed this session")
+                else:
+                    self.end = ending(EndReason.NODE_STOPPED, "the node is stopping")
             raise
         finally:
             self.release()
@@ -237,13 +217,13 @@ class RouteSession:
         assert end is not None
         if end.tell_downstream and self.downstream is not None and self.downstream.endpoint is not None:
             await self.downstream.notify(
-                Cancel(self.downstream.endpoint.header(Phase.CANCEL), end.message or end.reason)
+                Cancel(self.downstream.endpoint.header(Phase.CANCEL), end.message or end.label)
             )
         if end.tell_upstream and self.upstream.endpoint is not None:
             error = Error(
                 self.upstream.endpoint.header(Phase.CANCEL),
                 end.code,
-                end.message or end.reason,
+                end.message or end.label,
                 end.node_id or self.context.node_id,
             )
             await self.upstream.notify(error)
@@ -272,14 +252,8 @@ class RouteSession:
         try:
             stream = await self.context.connect(self.next_hop, self.open_route)
         except (TransportError, OSError) as exc:
-            self._finish(
-                SessionEnd(
-                    "connect_failed",
-                    StatusCode.UNAVAILABLE,
-                    f"cannot reach the next hop ({self.next_hop.layers.start}:{self.next_hop.layers.end}): {exc}",
-                    tell_upstream=True,
-                )
-            )
+            where = f"{self.next_hop.layers.start}:{self.next_hop.layers.end}"
+            self._finish(ending(EndReason.CONNECT_FAILED, f"cannot reach the next hop ({where}): {exc}"))
             return False
         endpoint = SeamEndpoint(self.identity, Direction.DOWNSTREAM, peer_shard=self.next_hop.layers)
         self.downstream = SeamConnection(
@@ -289,9 +263,7 @@ class RouteSession:
         try:
             await self.downstream.send(forward)
         except TransportError as exc:
-            self._finish(
-                SessionEnd("connect_failed", StatusCode.UNAVAILABLE, f"next hop closed: {exc}", tell_upstream=True)
-            )
+            self._finish(ending(EndReason.CONNECT_FAILED, f"next hop closed: {exc}"))
             return False
         return True
 
@@ -300,16 +272,8 @@ class RouteSession:
         while True:
             await trio.sleep(max(0.05, idle / 4))
             if trio.current_time() - self._last_activity > idle:
-                if self._sends_up:
-                    # the previous hop (or the client behind it) stopped reading: not the next hop's fault,
-                    # though its tokens wait behind the blocked send
-                    code, message = StatusCode.DEADLINE_EXCEEDED, f"the previous hop read nothing for {idle:.0f} s"
-                elif self._awaiting_downstream:
-                    # a hung or cut-off next hop: the route failed, not the request (it may be retried)
-                    code, message = StatusCode.UNAVAILABLE, f"the next hop made no progress for {idle:.0f} s"
-                else:
-                    code, message = StatusCode.DEADLINE_EXCEEDED, f"no progress for {idle:.0f} s"
-                self._finish(SessionEnd("idle", code, message, tell_upstream=True, tell_downstream=True))
+                code, message = idle_blame(idle, sends_up=self._sends_up, awaiting_downstream=self._awaiting_downstream)
+                self._finish(ending(EndReason.IDLE, message, code))
                 return
 
     async def _upstream_loop(self) -> None:
@@ -321,11 +285,7 @@ class RouteSession:
                 await self._protocol_failure_up(exc)
                 return
             except TransportError:
-                self._finish(
-                    SessionEnd(
-                        "upstream_closed", StatusCode.CANCELLED, "the upstream peer went away", tell_downstream=True
-                    )
-                )
+                self._finish(ending(EndReason.UPSTREAM_CLOSED, "the upstream peer went away"))
                 return
             self._touch()
             if isinstance(event, Activations):
@@ -341,11 +301,11 @@ class RouteSession:
                     await self._send_down(Release(self._down_endpoint().header(Phase.RELEASE), event.reason))
                 else:
                     await self._send_usage([])
-                    self._finish(SessionEnd("released"))
+                    self._finish(ending(EndReason.RELEASED))
                     return
             elif isinstance(event, Cancel | Error):
                 reason = event.reason if isinstance(event, Cancel) else event.message
-                self._finish(SessionEnd("cancelled", StatusCode.CANCELLED, reason, tell_downstream=True))
+                self._finish(ending(EndReason.CANCELLED, reason))
                 return
             else:
                 await self._protocol_failure_up(RemoteProtocolError(f"unexpected {type(event).__name__}"))
@@ -363,11 +323,7 @@ class RouteSession:
                 await self._protocol_failure_down(exc)
                 return
             except TransportError:
-                self._finish(
-                    SessionEnd(
-                        "downstream_closed", StatusCode.UNAVAILABLE, "the next hop went away", tell_upstream=True
-                    )
-                )
+                self._finish(ending(EndReason.DOWNSTREAM_CLOSED, "the next hop went away"))
                 return
             self._touch()
             self._awaiting_downstream = False
@@ -384,15 +340,13 @@ class RouteSession:
                 await self._send_up(attrs.evolve(event, header=self._up_header(Phase.DECODE, event.header.positions)))
             elif isinstance(event, Usage):
                 await self._send_usage(list(event.records))
-                self._finish(SessionEnd("released"))
+                self._finish(ending(EndReason.RELEASED))
                 return
             elif isinstance(event, Error):
-                self._finish(
-                    SessionEnd("downstream_error", event.code, event.message, tell_upstream=True, node_id=event.node_id)
-                )
+                self._finish(ending(EndReason.DOWNSTREAM_ERROR, event.message, event.code, event.node_id))
                 return
             elif isinstance(event, Cancel):
-                self._finish(SessionEnd("downstream_cancelled", StatusCode.CANCELLED, event.reason, tell_upstream=True))
+                self._finish(ending(EndReason.DOWNSTREAM_CANCELLED, event.reason))
                 return
 
     async def _stop_driver(self) -> None:
@@ -519,15 +473,7 @@ class RouteSession:
         try:
             output = await self.context.step(request)
         except StepFailed as exc:
-            self._finish(
-                SessionEnd(
-                    "engine_error",
-                    StatusCode.INTERNAL,
-                    f"the shard failed: {exc}",
-                    tell_upstream=True,
-                    tell_downstream=True,
-                )
-            )
+            self._finish(ending(EndReason.ENGINE_ERROR, f"the shard failed: {exc}"))
             return _FAILED
         self._touch()
         self._logprob = output.logprob
@@ -552,11 +498,14 @@ class RouteSession:
         """The tail: send a sampled token upstream; True when the generation is finished."""
         self.generated += 1
         route = self.open_route
-        reason = ""
-        if token in route.stop_token_ids:
-            reason = "stop"
-        elif self.generated >= route.max_tokens or position + 1 >= self.lease.tokens:
-            reason = "length"
+        reason = stop_reason(
+            token,
+            generated=self.generated,
+            max_tokens=route.max_tokens,
+            position=position,
+            reserved=self.lease.tokens,
+            stop_tokens=route.stop_token_ids,
+        )
         header = self._up_header(Phase.DECODE, Span(position, position + 1))
         logprobs = (self._logprob,) if self._logprob is not None else ()
         prompt_logprobs = tuple(self._prompt_logprobs)
@@ -608,9 +557,7 @@ class RouteSession:
                 raise  # our own misuse of the seam: a defect, not a peer that left
             return False  # the seam closed under a failure meanwhile; the session is ending
         except TransportError:
-            self._finish(
-                SessionEnd("upstream_closed", StatusCode.CANCELLED, "the upstream peer went away", tell_downstream=True)
-            )
+            self._finish(ending(EndReason.UPSTREAM_CLOSED, "the upstream peer went away"))
             return False
         finally:
             self._sends_up -= 1
@@ -627,9 +574,7 @@ class RouteSession:
                 raise
             return False
         except TransportError:
-            self._finish(
-                SessionEnd("downstream_closed", StatusCode.UNAVAILABLE, "the next hop went away", tell_upstream=True)
-            )
+            self._finish(ending(EndReason.DOWNSTREAM_CLOSED, "the next hop went away"))
             return False
 
     def _check_tokens(self, event: Tokens) -> None:
@@ -650,18 +595,11 @@ class RouteSession:
 
     async def _protocol_failure_down(self, error: ProtocolError) -> None:
         assert self.downstream is not None
-        self._finish(
-            SessionEnd(
-                "protocol_error",
-                StatusCode.UNAVAILABLE,
-                f"the next hop broke the protocol: {error.message}",
-                tell_upstream=True,
-            )
-        )
+        self._finish(ending(EndReason.DOWNSTREAM_PROTOCOL_ERROR, f"the next hop broke the protocol: {error.message}"))
         await self.downstream.fail(error, self.context.node_id)
 
     async def _protocol_failure_up(self, error: ProtocolError) -> None:
-        self._finish(SessionEnd("protocol_error", error.code, error.message, tell_downstream=True))
+        self._finish(ending(EndReason.UPSTREAM_PROTOCOL_ERROR, error.message, error.code))
         await self.upstream.fail(error, self.context.node_id)
 
 

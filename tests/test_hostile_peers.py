@@ -103,8 +103,8 @@ async def test_a_defect_met_in_one_session_fails_it_and_the_node_serves_on(
     route: LocalRoute, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An exception no check foresaw ends its session with INTERNAL, told to both peers; not the node."""
-    batcher = route.nodes[1].batcher
-    real_step = batcher.step
+    node = route.nodes[1]
+    real_step = node.batcher.step
     calls = 0
 
     async def step_with_a_defect(request: Any) -> Any:
@@ -114,7 +114,8 @@ async def test_a_defect_met_in_one_session_fails_it_and_the_node_serves_on(
             raise RuntimeError("a defect")
         return await real_step(request)
 
-    monkeypatch.setattr(batcher, "step", step_with_a_defect)
+    # sessions reach the batcher through the context their node made for them
+    monkeypatch.setattr(node, "_session_context", attrs.evolve(node._session_context, step=step_with_a_defect))
     with trio.fail_after(20), pytest.raises(RouteError) as failed:
         await route.generate(GenerationRequest(PROMPT, 4))
     assert failed.value.code == StatusCode.INTERNAL and "failed this session" in str(failed.value)

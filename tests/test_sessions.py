@@ -8,10 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import pytest
 import trio
 import trio.testing
 
 from noderuntime.batcher import StepOutput, StepRequest
+from noderuntime.ending import ENDINGS, EndReason, ending, idle_blame, stop_reason
 from noderuntime.leases import LeaseManager
 from noderuntime.seamconn import SeamConnection
 from noderuntime.sessions import RouteSession, SessionContext
@@ -115,7 +117,7 @@ async def test_a_session_prefills_in_chunks_generates_and_is_released(autojump_c
         (10, 1, True),
         (11, 1, True),
     ]
-    assert session.end is not None and session.end.reason == "released"
+    assert session.end is not None and session.end.reason is EndReason.RELEASED
     assert node.retired == [(session.lease.seq_id, session.sampler)]  # freed once
     session.release()
     assert len(node.retired) == 1  # idempotent
@@ -133,6 +135,43 @@ async def test_a_client_that_never_releases_is_ended_by_the_idle_watchdog(
         assert isinstance(finished, Tokens) and finished.finished
         error = await client.receive()  # nobody released: the watchdog ends it
     assert isinstance(error, Error) and error.code == StatusCode.DEADLINE_EXCEEDED
-    assert session.end is not None and session.end.reason == "idle"
+    assert session.end is not None and session.end.reason is EndReason.IDLE
     assert 30.0 <= trio.current_time() - started <= 30.0 * 1.5
     assert node.retired == [(session.lease.seq_id, session.sampler)]
+
+
+# --- the ending table and the rules it is decided by
+
+
+def test_every_ending_has_its_row_and_an_open_code_must_be_given() -> None:
+    assert set(ENDINGS) == set(EndReason)
+    assert ending(EndReason.RELEASED).code is StatusCode.OK
+    assert ending(EndReason.DOWNSTREAM_ERROR, "x", StatusCode.RESOURCE_EXHAUSTED).code is StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(ValueError, match="needs a status code"):
+        ending(EndReason.IDLE)
+    with pytest.raises(ValueError, match="ends with"):
+        ending(EndReason.RELEASED, code=StatusCode.INTERNAL)
+    # who is told: a failure comes from one side and is told to the other
+    assert (ending(EndReason.UPSTREAM_CLOSED).tell_upstream, ending(EndReason.UPSTREAM_CLOSED).tell_downstream) == (
+        False,
+        True,
+    )
+    closed = ending(EndReason.DOWNSTREAM_CLOSED)
+    assert (closed.tell_upstream, closed.tell_downstream) == (True, False)
+
+
+def test_the_watchdog_blames_the_side_that_stalled() -> None:
+    assert idle_blame(30, sends_up=1, awaiting_downstream=True) == (
+        StatusCode.DEADLINE_EXCEEDED,
+        "the previous hop read nothing for 30 s",
+    )
+    assert idle_blame(30, sends_up=0, awaiting_downstream=True)[0] is StatusCode.UNAVAILABLE  # may be retried
+    assert idle_blame(30, sends_up=0, awaiting_downstream=False)[0] is StatusCode.DEADLINE_EXCEEDED
+
+
+def test_the_tail_stops_at_a_stop_token_max_tokens_or_its_reservation() -> None:
+    rule = {"max_tokens": 4, "reserved": 20, "stop_tokens": {2}}
+    assert stop_reason(2, generated=1, position=5, **rule) == "stop"  # type: ignore[arg-type]
+    assert stop_reason(7, generated=4, position=5, **rule) == "length"  # type: ignore[arg-type]
+    assert stop_reason(7, generated=1, position=19, **rule) == "length"  # type: ignore[arg-type]
+    assert stop_reason(7, generated=1, position=18, **rule) == ""  # type: ignore[arg-type]
