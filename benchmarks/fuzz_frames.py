@@ -43,6 +43,7 @@ def _seeds() -> list[bytes]:
         Sampling,
         Span,
         StatusCode,
+        TokenLogprob,
         Tokens,
         Usage,
         UsageRecord,
@@ -71,6 +72,11 @@ def _seeds() -> list[bytes]:
     big = rng.standard_normal((40, 576)).astype(np.float32)
     frames += enc.encode(Activations(header(2, Phase.PREFILL, Span(0, 40)), (NamedTensor("hidden_states", big),)))
     frames += enc.encode(Tokens(header(3), (42, 300, 70000), True, "stop"))
+    best = ((42, -0.25), (7, -2.0), (300, -3.5))
+    logprobs = (TokenLogprob(42, -0.25, best), TokenLogprob(300, -3.5, best), TokenLogprob(70000, -9.0))
+    frames += enc.encode(Tokens(header(3), (42, 300, 70000), False, "", logprobs, (TokenLogprob(5, -1.0, best),)))
+    sampling = Sampling(0.0, grammar='root ::= "a"', logit_bias=((3, -100.0),), logprobs=True, top_logprobs=5)
+    frames += enc.encode(OpenRoute(header(0, Phase.PREFILL), hops, sampling, (1, 2, 3), 16))
     frames += enc.encode(Release(header(4, Phase.RELEASE), "done"))
     frames += enc.encode(Cancel(header(4, Phase.CANCEL), "gone"))
     frames += enc.encode(Error(header(4, Phase.CANCEL), StatusCode.UNAVAILABLE, "down", b"n" * 32))
@@ -171,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         "inputs_by_kind": dict(kinds),
         "outcomes": dict(sorted(outcomes.items())),
         "crashes": outcomes["CRASH"],
+        # a crash, or a rejection only the codec's catch-all made: a check the codec lacks
+        "defects": outcomes["CRASH"] + sum(n for k, n in outcomes.items() if k.endswith("(unchecked)")),
         "crash_samples": crashes,
         "unchecked_samples": unchecked_samples,
         "seconds": seconds,
@@ -184,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     path = _common.out_path(NAME, args)
     _common.write(path, NAME, args, {}, figures)
     print(_common.table(["outcome", "count"], sorted(outcomes.items(), key=lambda kv: -kv[1])))
-    print(f"\n{total} inputs in {seconds:.1f} s, crashes: {outcomes['CRASH']}\nwrote {path}")
-    return 1 if outcomes["CRASH"] else 0
+    defects = f"defects: {figures['defects']} ({outcomes['CRASH']} crashes)"
+    print(f"\n{total} inputs in {seconds:.1f} s, {defects}\nwrote {path}")
+    return 1 if figures["defects"] else 0
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ and identity of events.
 from __future__ import annotations
 
 import math
+import struct
 from collections import OrderedDict
 from typing import Any
 
@@ -46,6 +47,7 @@ from protocol.events import (
     UsageRecord,
 )
 
+_FLOAT = struct.Struct("<f")
 # Frame.body field numbers
 _OPEN_ROUTE, _ACTIVATIONS, _TOKENS, _RELEASE, _CANCEL, _ERROR, _CREDIT, _USAGE = range(2, 10)
 _PAYLOAD_FIELD = 15
@@ -540,13 +542,38 @@ def _logprob_fields(event: Tokens) -> bytes:
     return b"".join(parts)
 
 
-def _read_logprob(buf: bytes | memoryview, a: int, b: int) -> TokenLogprob:
-    m = pb.TokenLogprob.parse(bytes(buf[a:b]))
-    if len(m.top_tokens) != len(m.top_logprobs) or len(m.top_tokens) > MAX_TOP_LOGPROBS:
-        raise RemoteProtocolError(f"a token's top logprobs must pair tokens with logprobs, at most {MAX_TOP_LOGPROBS}")
-    if not all(-1e9 <= lp <= 0.0 for lp in (m.logprob, *m.top_logprobs)):  # NaN fails too
+def _floats(buf: bytes | memoryview, wire_type: int, a: int, b: int, out: list[float]) -> None:
+    """One occurrence of a repeated float field, packed (LEN) or not (I32)."""
+    if wire_type == wire.I32:
+        out.append(_FLOAT.unpack_from(buf, a)[0])
+    elif wire_type == wire.LEN and (b - a) % 4 == 0:
+        out += (v for (v,) in _FLOAT.iter_unpack(buf[a:b]))
+    else:
+        raise RemoteProtocolError("TokenLogprob.top_logprobs is not a run of 4-byte floats")
+    if len(out) > MAX_TOP_LOGPROBS:
+        raise RemoteProtocolError(f"a token has at most {MAX_TOP_LOGPROBS} top logprobs")
+
+
+def _read_logprob(buf: bytes | memoryview, start: int, end: int) -> TokenLogprob:
+    token, logprob = 0, 0.0
+    top_tokens: list[int] = []
+    top_logprobs: list[float] = []
+    for number, wire_type, a, b in wire.fields(buf, start, end):
+        if number == 1:
+            wire.expect(wire_type, wire.VARINT, number, "TokenLogprob")
+            token = wire.as_uint32(a, "TokenLogprob.token")
+        elif number == 2:
+            wire.expect(wire_type, wire.I32, number, "TokenLogprob")
+            logprob = _FLOAT.unpack_from(buf, a)[0]
+        elif number == 3:
+            wire.repeated_uint32(buf, wire_type, a, b, top_tokens, MAX_TOP_LOGPROBS, "top tokens")
+        elif number == 4:
+            _floats(buf, wire_type, a, b, top_logprobs)
+    if len(top_tokens) != len(top_logprobs):
+        raise RemoteProtocolError("a token's top logprobs must pair each token with its logprob")
+    if not all(-1e9 <= lp <= 0.0 for lp in (logprob, *top_logprobs)):  # NaN fails too
         raise RemoteProtocolError("a logprob must be a finite number <= 0")
-    return TokenLogprob(m.token, m.logprob, tuple(zip(m.top_tokens, m.top_logprobs, strict=True)))
+    return TokenLogprob(token, logprob, tuple(zip(top_tokens, top_logprobs, strict=True)))
 
 
 def _read_tokens(header: Header, buf: bytes | memoryview, start: int, end: int, limits: Limits) -> Tokens:

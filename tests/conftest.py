@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,18 @@ def cli_env() -> dict[str, str]:
 def python() -> str:
     """The interpreter running the tests."""
     return sys.executable
+
+
+@pytest.fixture(autouse=True)
+def _no_session_defects(request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Fail a test whose in-process node ended a session on a defect of ours, unless it expects one.
+
+    A node serves on after a defect (the session is failed, typed, to its peers), so a test
+    that only looks at what its client got would pass over one.
+    """
+    yield
+    if request.node.get_closest_marker("defects_expected") is not None:
+        return
+    defects = [r.getMessage() for r in caplog.get_records("call") if "failed on a defect" in r.getMessage()]
+    if defects:
+        pytest.fail(f"a node met a defect: {defects[0]} (mark the test defects_expected if that is the point)")

@@ -139,6 +139,17 @@ async def test_random_starts_ends_and_cancellations_leave_nothing_behind(smollm2
         await assert_idle(route)
     assert got == [await trio.to_thread.run_sync(solo_greedy, smollm2, r) for r in fresh]
     assert ended.get("released", 0) >= 3
+    # every session ended in a way the storm explains: a release, a cancel or a peer that went
+    # away or refused; never a defect, an engine or protocol failure, a stall or a deadline
+    expected = {
+        "released",
+        "cancelled",
+        "upstream_closed",
+        "downstream_closed",
+        "downstream_cancelled",
+        "downstream_error",
+    }
+    assert set(ended) <= expected, ended
 
 
 async def test_a_full_node_refuses_at_once_and_admits_after_a_session_ends(smollm2: Path) -> None:
