@@ -58,11 +58,12 @@ def _summarize(arrivals: list[list[float]]) -> dict[str, float]:
 
 
 def _engine_lane(model: str, sessions: int, new_tokens: int) -> dict[str, float]:
-    from noderuntime.engine import Rows, SamplingParams, ShardEngine
+    from noderuntime.engine import Rows, ShardEngine
+    from protocol import Sampling
 
     with ShardEngine(model, _recipe()) as engine:
         prompts = _prompts(sessions)
-        chains = [engine.new_sampler(SamplingParams(), p) for p in prompts]
+        chains = [engine.new_sampler(Sampling(), p) for p in prompts]
         seq = np.repeat(np.arange(sessions, dtype=np.int32), PROMPT)
         pos = np.tile(np.arange(PROMPT, dtype=np.int32), sessions)
         out = np.zeros(len(seq), bool)

@@ -137,9 +137,9 @@ def _decode(engine: Any, seqs: list[int], positions: list[int], tokens: list[int
 
 
 def _speed(engine: Any, prompts: dict[str, list[int]], settings: dict[str, Any]) -> dict[str, Any]:
-    from noderuntime.steps import SamplingParams
+    from protocol import Sampling
 
-    greedy = SamplingParams()
+    greedy = Sampling()
     out: dict[str, Any] = {"c1": {"prompts": {}}, "outputs": {}}
     # one untimed pass warms caches and allocators (both engines grow buffers on first use)
     warm = engine.new_sampler(greedy)

@@ -275,12 +275,13 @@ def _engine_decode(model: str, new_tokens: int, threads: int = 2, layers: tuple[
     their values); the tail samples as the whole model does.
     """
     from noderuntime.artifacts import LayerRange
-    from noderuntime.engine import Rows, SamplingParams, ShardEngine
+    from noderuntime.engine import Rows, ShardEngine
+    from protocol import Sampling
 
     recipe = _in_process_recipe(threads)
     rng = np.random.default_rng(0)
     with ShardEngine(model, recipe, None if layers is None else LayerRange(*layers)) as engine:
-        chain = engine.new_sampler(SamplingParams()) if engine.is_tail else None
+        chain = engine.new_sampler(Sampling()) if engine.is_tail else None
 
         def step(start: int, tokens: np.ndarray) -> int | None:
             n = len(tokens)
@@ -316,7 +317,8 @@ def _engine_after_idle(model: str, cuts: list[int], calls: int, rounds: int = 3)
     turns ``rounds`` times; medians of the calls (ms).
     """
     from noderuntime.artifacts import LayerRange
-    from noderuntime.engine import Rows, SamplingParams, ShardEngine
+    from noderuntime.engine import Rows, ShardEngine
+    from protocol import Sampling
 
     recipe = _in_process_recipe(2)
     rng = np.random.default_rng(0)
@@ -327,7 +329,7 @@ def _engine_after_idle(model: str, cuts: list[int], calls: int, rounds: int = 3)
             name: stack.enter_context(ShardEngine(model, recipe, LayerRange(a, b)))
             for name, (a, b) in zip(names, itertools.pairwise(cuts), strict=True)
         }
-        chain = engines["tail"].new_sampler(SamplingParams())
+        chain = engines["tail"].new_sampler(Sampling())
         stack.callback(chain.close)
         position = dict.fromkeys(names, 0)
 
@@ -372,14 +374,15 @@ def _chained_decode(model: str, new_tokens: int, cuts: list[int], threads: int =
     turns in the caches as two shards' do on one machine.
     """
     from noderuntime.artifacts import LayerRange
-    from noderuntime.engine import Rows, SamplingParams, ShardEngine
+    from noderuntime.engine import Rows, ShardEngine
+    from protocol import Sampling
 
     recipe = _in_process_recipe(threads)
     with (
         ShardEngine(model, recipe, LayerRange(cuts[0], cuts[1])) as head,
         ShardEngine(model, recipe, LayerRange(cuts[1], cuts[2])) as tail,
     ):
-        chain = tail.new_sampler(SamplingParams())
+        chain = tail.new_sampler(Sampling())
         try:
 
             def step(start: int, tokens: np.ndarray) -> tuple[int, float, float]:

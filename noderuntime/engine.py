@@ -29,8 +29,8 @@ import numpy as np
 
 from noderuntime import artifacts
 from noderuntime.artifacts import ArtifactError, ArtifactInfo, LayerRange
-from noderuntime.steps import EngineError, GrammarError, Rows, SamplingParams, StepResult, token_logprob
-from protocol import TokenLogprob
+from noderuntime.steps import EngineError, GrammarError, Rows, StepResult, token_logprob
+from protocol import Sampling, TokenLogprob
 
 __all__ = [
     "EngineError",
@@ -40,7 +40,6 @@ __all__ = [
     "Recipe",
     "Rows",
     "SamplerChain",
-    "SamplingParams",
     "ShardEngine",
     "StepResult",
     "Vocab",
@@ -374,7 +373,7 @@ class SamplerChain:
 
     def __init__(
         self,
-        params: SamplingParams,
+        params: Sampling,
         vocab: Any,
         n_vocab: int,
         history: Sequence[int] = (),
@@ -657,7 +656,7 @@ class ShardEngine:
         ptr = llama_cpp.llama_get_logits_ith(self._ctx, row)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
-    def new_sampler(self, params: SamplingParams, history: Sequence[int] = ()) -> SamplerChain:
+    def new_sampler(self, params: Sampling, history: Sequence[int] = ()) -> SamplerChain:
         """A sampler chain for this model's vocabulary, primed with ``history`` for penalties."""
         vocab = llama_cpp.llama_model_get_vocab(self._model)
         return SamplerChain(params, vocab, self.n_vocab, history, live=self._live_samplers)

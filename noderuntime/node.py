@@ -28,7 +28,7 @@ from noderuntime.enginethread import EngineThread
 from noderuntime.leases import LeaseManager, LeaseStatistics
 from noderuntime.seamconn import NOTICE_TIMEOUT, SeamConnection
 from noderuntime.sessions import RouteSession, SessionContext, SessionKey, deadline_from_unix_ms
-from noderuntime.steps import GrammarError, SamplingParams
+from noderuntime.steps import GrammarError
 from noderuntime.telemetry import NodeMetrics, SessionLog, exposition
 from noderuntime.transport import FrameStream, TransportError
 from protocol import (
@@ -42,6 +42,7 @@ from protocol import (
     Phase,
     ProtocolError,
     RemoteProtocolError,
+    Sampling,
     SeamEndpoint,
     Span,
     StatusCode,
@@ -74,7 +75,7 @@ class ShardEngineLike(Protocol):
         """Drop a sequence's KV."""
         ...
 
-    def new_sampler(self, params: SamplingParams, history: Any = ()) -> Any:
+    def new_sampler(self, params: Sampling, history: Any = ()) -> Any:
         """A sampler chain for a session."""
         ...
 
@@ -439,24 +440,8 @@ class Node:
         conn.endpoint = endpoint
         sampler = None
         if index == len(open_route.hops) - 1:
-            s = open_route.sampling
-            params = SamplingParams(
-                s.temperature,
-                s.top_k,
-                s.top_p,
-                s.min_p,
-                s.seed,
-                s.repeat_penalty,
-                s.frequency_penalty,
-                s.presence_penalty,
-                s.penalty_last_n,
-                s.grammar,
-                s.logit_bias,
-                s.logprobs,
-                s.top_logprobs,
-            )
             try:
-                sampler = self.engine.new_sampler(params, history=open_route.prompt_tokens)
+                sampler = self.engine.new_sampler(open_route.sampling, history=open_route.prompt_tokens)
             except GrammarError as exc:  # the peer's grammar, or a backend without grammar sampling
                 lease.release()
                 self.batcher.retire(lease.seq_id)

@@ -44,25 +44,6 @@ class StepResult:
     logprobs: Mapping[int, TokenLogprob] = attrs.field(factory=dict)
 
 
-@attrs.frozen
-class SamplingParams:
-    """Sampling of one session; temperature 0 is greedy."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-    repeat_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    penalty_last_n: int = 64
-    grammar: str = ""  # GBNF with a "root" rule: only text it accepts is sampled; empty for none
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) before sampling
-    logprobs: bool = False  # the sampled token's log-probability, with the top_logprobs most likely
-    top_logprobs: int = 0
-
-
 # OpenAI's stand-in for the log-probability of a token the model rules out (-inf)
 LOGPROB_FLOOR = -9999.0
 

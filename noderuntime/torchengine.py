@@ -53,8 +53,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 
 from noderuntime.artifacts import ArtifactInfo, LayerRange
 from noderuntime.engine import EngineError, MemoryReport
-from noderuntime.steps import GrammarError, Rows, SamplingParams, StepResult, token_logprob
-from protocol import TokenLogprob
+from noderuntime.steps import GrammarError, Rows, StepResult, token_logprob
+from protocol import Sampling, TokenLogprob
 
 __all__ = [
     "DTYPES",
@@ -267,7 +267,7 @@ class TorchSampler:
     greedy, or top-k, top-p, min-p, temperature and a seeded draw.
     """
 
-    def __init__(self, params: SamplingParams, history: Sequence[int] = (), *, live: set[int] | None = None) -> None:
+    def __init__(self, params: Sampling, history: Sequence[int] = (), *, live: set[int] | None = None) -> None:
         self.params = params
         self.history: list[int] = [int(t) for t in history]
         self._rng = np.random.default_rng(params.seed & 0xFFFFFFFF)
@@ -570,7 +570,7 @@ class TorchEngine:
         mlp: torch.Tensor = block.mlp(block.post_attention_layernorm(h)[None])[0]
         return h + mlp
 
-    def new_sampler(self, params: SamplingParams, history: Sequence[int] = ()) -> TorchSampler:
+    def new_sampler(self, params: Sampling, history: Sequence[int] = ()) -> TorchSampler:
         """A sampler for one session, primed with ``history`` for penalties."""
         if params.grammar:
             raise GrammarError("the transformers backend has no grammar sampler: serve structured output from GGUF")

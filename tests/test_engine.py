@@ -15,7 +15,8 @@ import pytest
 
 from noderuntime import artifacts, engine
 from noderuntime.artifacts import LayerRange
-from noderuntime.engine import EngineError, Recipe, Rows, SamplingParams, ShardEngine, Vocab
+from noderuntime.engine import EngineError, Recipe, Rows, ShardEngine, Vocab
+from protocol import Sampling
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = Recipe(n_threads=2, n_ctx_per_seq=256, n_seq_max=2, n_batch=64, n_ubatch=64)
@@ -137,7 +138,7 @@ def test_sampler_chains(tiny_model: Path) -> None:
         rows = Rows(
             np.array([0, 1], np.int32), np.zeros(2, np.int32), np.ones(2, bool), tokens=np.array([5, 9], np.int32)
         )
-        greedy = whole.new_sampler(SamplingParams())
+        greedy = whole.new_sampler(Sampling())
         result = whole.run(rows, samplers={0: greedy}, want_logits=True)
         assert result.logits is not None
         assert result.sampled[0] == int(np.argmax(result.logits[0]))
@@ -146,7 +147,7 @@ def test_sampler_chains(tiny_model: Path) -> None:
         draws = []
         for _ in range(2):
             chain = whole.new_sampler(
-                SamplingParams(
+                Sampling(
                     temperature=1.5,
                     top_k=50,
                     top_p=0.9,
@@ -223,9 +224,10 @@ def test_a_vocabulary_that_fails_to_load_leaves_nothing_to_trip_on(tmp_path: Pat
 DEAD_GRAMMAR = textwrap.dedent("""
     import sys
     import numpy as np
-    from noderuntime.engine import Recipe, Rows, SamplingParams, ShardEngine
+    from noderuntime.engine import Recipe, Rows, ShardEngine
+    from protocol import Sampling
     with ShardEngine(sys.argv[1], Recipe(n_threads=1, n_ctx_per_seq=256, n_seq_max=1)) as e:
-        chain = e.new_sampler(SamplingParams(grammar=sys.argv[2]))
+        chain = e.new_sampler(Sampling(grammar=sys.argv[2]))
         tokens, position = np.array([1, 2, 3, 4], np.int32), 0
         for _ in range(4):
             n = len(tokens)

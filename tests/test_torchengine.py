@@ -19,7 +19,8 @@ import pytest
 from noderuntime import lanes, models
 from noderuntime.artifacts import LayerRange
 from noderuntime.engine import EngineError, Vocab
-from noderuntime.steps import Rows, SamplingParams
+from noderuntime.steps import Rows
+from protocol import Sampling
 
 torchengine = pytest.importorskip("noderuntime.torchengine", reason="the transformers extra is not installed")
 
@@ -118,7 +119,7 @@ def test_decode_steps_of_sessions_at_different_positions_batch_together(
             np.ones(2, dtype=bool),
             tokens=np.array([prompt_tokens[-1], prompt_tokens[9]], dtype=np.int32),
         )
-        sampler = engine.new_sampler(SamplingParams())
+        sampler = engine.new_sampler(Sampling())
         result = engine.run(both, want_logits=True, samplers={0: sampler})
         assert result.logits is not None and alone is not None and alone_1 is not None
         assert np.abs(result.logits[1] - alone[0]).max() < TOLERANCE
@@ -169,15 +170,14 @@ def test_bad_input_gets_a_typed_error(built: dict[str, lanes.Lane], prompt_token
 
 def test_sampler_follows_the_chain_semantics() -> None:
     logits = np.array([1.0, 3.0, 2.0, -1.0], dtype=np.float32)
-    assert torchengine.TorchSampler(SamplingParams()).pick(logits) == 1
+    assert torchengine.TorchSampler(Sampling()).pick(logits) == 1
     # a repeat penalty on the winner hands the step to the runner-up
-    penalised = torchengine.TorchSampler(SamplingParams(repeat_penalty=2.0), history=[1])
+    penalised = torchengine.TorchSampler(Sampling(repeat_penalty=2.0), history=[1])
     assert penalised.pick(logits) == 2 and penalised.history == [1, 2]
     # top-k 1 at any temperature is greedy; a seeded draw repeats
-    assert torchengine.TorchSampler(SamplingParams(temperature=5.0, top_k=1, seed=3)).pick(logits) == 1
+    assert torchengine.TorchSampler(Sampling(temperature=5.0, top_k=1, seed=3)).pick(logits) == 1
     draws = [
-        [torchengine.TorchSampler(SamplingParams(temperature=1.0, seed=7)).pick(logits) for _ in range(1)]
-        for _ in range(3)
+        [torchengine.TorchSampler(Sampling(temperature=1.0, seed=7)).pick(logits) for _ in range(1)] for _ in range(3)
     ]
     assert draws[0] == draws[1] == draws[2]
 
