@@ -28,35 +28,13 @@ from noderuntime import timeline
 from noderuntime.enginethread import EngineThread
 from noderuntime.leases import LeaseManager, SlotState
 from noderuntime.scheduler import ReadyStep, schedule
-from noderuntime.steps import Rows, StepResult
+from noderuntime.steps import Engine, Rows, StepResult
 from protocol import TokenLogprob
 
 log = logging.getLogger(__name__)
 
 # Scheduler passes the batcher yields before planning a tick (microseconds each).
 GATHER_PASSES = 2
-
-
-class Engine(Protocol):
-    """What the batcher needs of an engine (the real one, or a fake in timing tests)."""
-
-    is_head: bool
-    is_tail: bool
-
-    def run(
-        self,
-        rows: Rows,
-        *,
-        samplers: Mapping[int, Any] | None = None,
-        want_logits: bool = False,
-        scores: Mapping[int, tuple[int, int]] | None = None,
-    ) -> StepResult:
-        """Run one batch (``scores``: output rows -> (token, top) whose log-probability is wanted)."""
-        ...
-
-    def remove_sequence(self, seq_id: int) -> None:
-        """Drop a sequence's KV."""
-        ...
 
 
 class Closable(Protocol):

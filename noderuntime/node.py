@@ -28,7 +28,7 @@ from noderuntime.enginethread import EngineThread
 from noderuntime.leases import LeaseManager, LeaseStatistics
 from noderuntime.seamconn import NOTICE_TIMEOUT, SeamConnection
 from noderuntime.sessions import RouteSession, SessionContext, SessionKey, deadline_from_unix_ms
-from noderuntime.steps import GrammarError
+from noderuntime.steps import Engine, GrammarError
 from noderuntime.telemetry import NodeMetrics, SessionLog, exposition
 from noderuntime.transport import FrameStream, TransportError
 from protocol import (
@@ -42,7 +42,6 @@ from protocol import (
     Phase,
     ProtocolError,
     RemoteProtocolError,
-    Sampling,
     SeamEndpoint,
     Span,
     StatusCode,
@@ -56,36 +55,6 @@ class Connector(Protocol):
 
     async def connect(self, hop: Hop, open_route: OpenRoute) -> FrameStream:
         """A frame stream to ``hop`` (direct, or through a relay)."""
-        ...
-
-
-class ShardEngineLike(Protocol):
-    """The engine surface a node uses (see :class:`noderuntime.engine.ShardEngine`)."""
-
-    is_head: bool
-    is_tail: bool
-    n_embd: int
-    n_vocab: int
-
-    def run(self, rows: Any, *, samplers: Any = None, want_logits: bool = False, scores: Any = None) -> Any:
-        """Run one batch."""
-        ...
-
-    def remove_sequence(self, seq_id: int) -> None:
-        """Drop a sequence's KV."""
-        ...
-
-    def new_sampler(self, params: Sampling, history: Any = ()) -> Any:
-        """A sampler chain for a session."""
-        ...
-
-    def kv_cells_used(self) -> int:
-        """KV cells held by all sequences."""
-        ...
-
-    @property
-    def live_samplers(self) -> int:
-        """Sampler chains not yet closed."""
         ...
 
 
@@ -139,7 +108,7 @@ class Node:
 
     def __init__(
         self,
-        engine: ShardEngineLike,
+        engine: Engine,
         config: NodeConfig,
         node_id: bytes,
         connector: Connector | None = None,

@@ -1,13 +1,14 @@
-"""Plain data that crosses between the batcher and an engine (no llama.cpp here)."""
+"""Plain data that crosses between the batcher and an engine, and the engine interface itself (no llama.cpp here)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
 
-from protocol import TokenLogprob
+from protocol import Sampling, TokenLogprob
 
 
 class EngineError(RuntimeError):
@@ -67,3 +68,44 @@ def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
         ordered = sorted(candidates.tolist(), key=lambda t: (-row[t], t))
         best = tuple((int(t), of(int(t))) for t in ordered)
     return TokenLogprob(int(token), of(int(token)), best)
+
+
+class Engine(Protocol):
+    """What the node and its batcher need of an engine: the llama.cpp one, the Transformers one, or a test's fake.
+
+    The batcher alone calls :meth:`run` and :meth:`remove_sequence`; sessions get
+    sampler chains from :meth:`new_sampler`.
+    """
+
+    is_head: bool
+    is_tail: bool
+    n_embd: int
+    n_vocab: int
+
+    def run(
+        self,
+        rows: Rows,
+        *,
+        samplers: Mapping[int, Any] | None = None,
+        want_logits: bool = False,
+        scores: Mapping[int, tuple[int, int]] | None = None,
+    ) -> StepResult:
+        """Run one batch (``scores``: output rows -> (token, top) whose log-probability is wanted)."""
+        ...
+
+    def remove_sequence(self, seq_id: int) -> None:
+        """Drop a sequence's KV."""
+        ...
+
+    def new_sampler(self, params: Sampling, history: Sequence[int] = ()) -> Any:
+        """A sampler chain for a session, primed with ``history`` for penalties."""
+        ...
+
+    def kv_cells_used(self) -> int:
+        """KV cells held by all sequences."""
+        ...
+
+    @property
+    def live_samplers(self) -> int:
+        """Sampler chains not yet closed."""
+        ...
