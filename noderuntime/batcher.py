@@ -7,13 +7,16 @@ must not overlap) and hands each session its rows. When nothing is ready it slee
 until the first step arrives, so an idle node adds no latency; steps that arrive
 during a run are taken at the next tick.
 
-Everything else that touches the engine — removing a finished session's KV, freeing
-its sampler chain — is queued with :meth:`Batcher.retire` and applied between runs;
-only then is the sequence slot handed back to the lease manager.
+Everything else that touches the engine is queued and done by the loop between runs:
+removing a finished session's KV and freeing its sampler chain (:meth:`Batcher.retire`;
+only then is the sequence slot handed back to the lease manager), a known-answer probe
+(:meth:`Batcher.exclusive`) and reads of the engine's state (:meth:`Batcher.between_runs`).
+So the batcher is the engine's only caller.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import time
@@ -92,6 +95,17 @@ class _Work:
     error: BaseException | None = None
 
 
+@attrs.define(eq=False)
+class _Call:
+    """Engine work that is not a session's step, queued for the loop."""
+
+    fn: Callable[[], Any]
+    in_thread: bool  # on the engine's thread (a probe), or on the loop's (a quick read)
+    done: trio.Event = attrs.Factory(trio.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
 @attrs.frozen
 class BatcherStatistics:
     """A snapshot of the batcher's work."""
@@ -143,9 +157,9 @@ class Batcher:
         self._on_tick = on_tick
         self._waiting: list[_Work] = []
         self._retiring: list[tuple[int, Closable | None]] = []
+        self._calls: collections.deque[_Call] = collections.deque()  # engine work that is not a step
         self._wake = trio.Event()
-        self._running = False
-        self._idle = trio.Event()
+        self._running = False  # a batch or a call is on the engine: retirements wait for it
         self._tick = 0
         self._rows = self._decode_rows = 0
         self._last_rows = 0
@@ -191,27 +205,31 @@ class Batcher:
             self._apply_retirements()
 
     async def between_runs(self, fn: Callable[[], Any]) -> Any:
-        """Call ``fn`` (which may touch the engine) on this thread while no batch runs."""
-        while self._running:
-            await self._idle.wait()
-        return fn()
+        """Call ``fn`` (a quick read of the engine, such as its KV cells) between two batches."""
+        return await self._queue(_Call(fn, in_thread=False))
 
     async def exclusive(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` (which may run the engine) in a worker thread, in place of a batch.
+        """Run ``fn`` (which may run the engine) on the engine's thread, in place of a batch.
 
-        For work that is not a session's step (a known-answer probe): it waits for the
-        running batch, and the next batch waits for it.
+        For work that is not a session's step (a known-answer probe): queued, and run by
+        the batcher's loop between two batches, as vLLM runs its utility calls in its step loop.
         """
-        while self._running:
-            await self._idle.wait()
-        self._running = True
-        self._idle = trio.Event()
+        return await self._queue(_Call(fn, in_thread=True))
+
+    async def _queue(self, call: _Call) -> Any:
+        self._calls.append(call)
+        self._wake.set()
         try:
-            return await self._runner(fn)
-        finally:
-            self._running = False
-            self._idle.set()
-            self._apply_retirements()
+            await call.done.wait()
+        except BaseException:
+            # cancelled: a call not yet started is withdrawn; one under way runs to its end
+            # (the engine's thread cannot be interrupted), and its result is dropped
+            if call in self._calls:
+                self._calls.remove(call)
+            raise
+        if call.error is not None:
+            raise call.error
+        return call.result
 
     def statistics(self) -> BatcherStatistics:
         """An immutable snapshot."""
@@ -253,8 +271,9 @@ class Batcher:
 
     async def _loop(self) -> None:
         while True:
+            await self._run_calls()
             self._apply_retirements()
-            if not self._waiting:
+            if not self._waiting and not self._calls:
                 self._wake = trio.Event()
                 await self._wake.wait()
             # Let every session that is already runnable hand in its step before we plan:
@@ -265,11 +284,27 @@ class Batcher:
             if not self._all_steps_in():
                 for _ in range(GATHER_PASSES):
                     await trio.lowlevel.checkpoint()
-            while self._running:  # an exclusive call holds the engine
-                await self._idle.wait()
+            await self._run_calls()
             self._apply_retirements()
             if self._waiting:
                 await self._run_one_batch()
+
+    async def _run_calls(self) -> None:
+        """Run the queued calls, one after another, with no batch on the engine."""
+        while self._calls:
+            call = self._calls.popleft()
+            self._running = True
+            try:
+                call.result = await self._runner(call.fn) if call.in_thread else call.fn()
+            except Exception as exc:  # noqa: BLE001 - the caller's to handle: it gets it back
+                call.error = exc
+            except BaseException:
+                call.error = StepFailed("the batcher stopped")
+                raise
+            finally:
+                self._running = False
+                call.done.set()
+                self._apply_retirements()
 
     def _all_steps_in(self) -> bool:
         """Whether every leased sequence has a step waiting (False with none leased)."""
@@ -294,7 +329,6 @@ class Batcher:
         self._waiting = [w for w in self._waiting if id(w) not in taken]
         rows, samplers, scores = self._assemble(works)
         self._running = True
-        self._idle = trio.Event()
         started = time.perf_counter()
         timeline.mark("tick.started")
         try:
@@ -309,7 +343,6 @@ class Batcher:
             return
         finally:
             self._running = False
-            self._idle.set()
             elapsed = time.perf_counter() - started
             self._busy += elapsed
         self._tick += 1
