@@ -493,7 +493,8 @@ async def run_gateway(
     from noderuntime.chat import ChatTemplate
     from noderuntime.dialer import open_dialer
     from noderuntime.engine import Vocab
-    from noderuntime.gateway.app import Gateway, ServedModel
+    from noderuntime.gateway.app import Gateway
+    from noderuntime.gateway.served import ServedModel
 
     served = []
     for model_id, path in opts.models:

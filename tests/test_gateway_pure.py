@@ -23,8 +23,12 @@ from starlette.routing import Mount
 from noderuntime.chat import ChatTemplate
 from noderuntime.client import RouteError
 from noderuntime.engine import GrammarError, Vocab, check_grammar, integer_range_gbnf, json_schema_grammar
-from noderuntime.gateway.app import ApiError, ApiKeys, Gateway, ServedModel, _route_error
+from noderuntime.gateway.app import Gateway
+from noderuntime.gateway.auth import ApiKeys
+from noderuntime.gateway.errors import ApiError
+from noderuntime.gateway.routing import route_error
 from noderuntime.gateway.schema import ChatCompletionRequest, CompletionRequest
+from noderuntime.gateway.served import ServedModel
 from noderuntime.gateway.textstream import TextStream
 from noderuntime.seamconn import SeamConnection
 from noderuntime.transport import FrameStream, memory_stream_pair
@@ -326,8 +330,8 @@ async def test_request_metrics_name_the_route_not_the_path_asked_for(gateway: ht
 def test_what_a_route_reports_is_never_the_clients_fault() -> None:
     """The gateway checked the request itself: a route that calls it invalid is wrong or hostile."""
     for code in (StatusCode.INVALID_ARGUMENT, StatusCode.OUT_OF_RANGE, StatusCode.INTERNAL):
-        assert _route_error(RouteError("no", code)).status == 503
-    assert _route_error(RouteError("no", StatusCode.DEADLINE_EXCEEDED)).status == 504
+        assert route_error(RouteError("no", code)).status == 503
+    assert route_error(RouteError("no", StatusCode.DEADLINE_EXCEEDED)).status == 504
 
 
 async def test_one_model_can_be_asked_for_by_id(gateway: httpx.AsyncClient) -> None:

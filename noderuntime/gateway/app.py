@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import hmac
 import json
 import logging
 import os
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import attrs
@@ -32,10 +30,19 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from noderuntime.chat import ChatTemplate, TemplateError, prompt_tokens
 from noderuntime.client import GenerationRequest, RouteError, open_route_generation
-from noderuntime.engine import GrammarError, Vocab, check_grammar, json_schema_grammar
-from noderuntime.gateway.logprobs import CompletionLogprobs, chat_entries
+from noderuntime.gateway.auth import ApiKeys
+from noderuntime.gateway.errors import RETRY_AFTER_SECONDS, ApiError, error_response
+from noderuntime.gateway.routing import (
+    DEADLINE_GRACE_SECONDS,
+    MAX_ATTEMPTS,
+    bad_route,
+    describe_route,
+    route_error,
+    silent_route,
+    time_left,
+    to_exclude,
+)
 from noderuntime.gateway.schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,26 +51,22 @@ from noderuntime.gateway.schema import (
     SamplingFields,
     TokenizeRequest,
 )
+from noderuntime.gateway.served import ServedModel, constraint_grammar, system_fingerprint
+from noderuntime.gateway.shaping import Emitted, Generated, ReplyShape, check_logprobs, usage_counts
 from noderuntime.gateway.textstream import TextStream
 from noderuntime.gateway.tools import (
     THINK_OPEN,
     ChatOutput,
-    TemplateTraits,
-    call_grammar,
-    call_schema,
     hermes_history,
-    template_traits,
 )
 from noderuntime.httpserve import BodyLimit
-from noderuntime.ledger import CheckedRecord, Ledger, check
+from noderuntime.ledger import Ledger, check
 from noderuntime.telemetry import GatewayMetrics, exposition, trio_tasks
 from noderuntime.tracker.client import RouteGrant, TrackerError, request_route
 from protocol import Sampling, StatusCode, TokenLogprob, Tokens
 
 log = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 3
-DEADLINE_GRACE_SECONDS = 5.0  # beyond a request's deadline, for the route's own word on it
 _UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|list|dict|.*\[.*\])$")
 MAX_BODY = 8 << 20  # a request body: far above any prompt that fits a context
 # A request without max_tokens asks for a route with room for at least this many tokens
@@ -72,179 +75,6 @@ MAX_BODY = 8 << 20  # a request body: far above any prompt that fits a context
 DEFAULT_MAX_TOKENS = 256
 # a prompt whose logprobs are echoed: they travel back in one frame (about 70 bytes a token)
 MAX_SCORED_PROMPT = 32768
-
-
-def system_fingerprint(artifact: str, recipe: bytes) -> str:
-    """OpenAI's ``system_fingerprint``: the same model file run the same way gives the same one."""
-    return "fp_" + hashlib.sha256(f"{artifact}:{recipe.hex()}".encode()).hexdigest()[:16]
-
-
-def _gbnf_literal(text: str) -> str:
-    """``text`` as a GBNF string literal."""
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
-    return '"' + escaped.replace("\t", "\\t") + '"'
-
-
-def _grammar(vocab: Vocab, constraint: Constraint | None) -> str:
-    """The GBNF a session's tail follows for ``constraint``, compiled here first: a 400, not a failed route."""
-    if constraint is None:
-        return ""
-    try:
-        if constraint.kind == "json":
-            text = json_schema_grammar(constraint.value)
-        elif constraint.kind == "tools":
-            tools, syntax, several = constraint.value
-            text = call_grammar(json_schema_grammar(call_schema(tools, syntax)), syntax, several=several)
-        elif constraint.kind == "choice":
-            text = "root ::= " + " | ".join(_gbnf_literal(option) for option in constraint.value)
-        else:
-            text = str(constraint.value)
-        check_grammar(vocab, text)
-    except GrammarError as exc:
-        raise ApiError(400, f"{constraint.param}: {exc}", param=constraint.param) from None
-    return text
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-        self.code = code
-        self.param = param
-
-    def body(self) -> dict[str, Any]:
-        """``{"error": {...}}``."""
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
-
-
-# how long a client should wait before trying a busy (429) or routeless (503) gateway
-# again: the official clients honour it, and nodes report their sessions each second
-RETRY_AFTER_SECONDS = 1
-# paths outside /v1/ that need a key too: what llama-server names them
-_KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
-
-
-def _error_response(error: ApiError) -> JSONResponse:
-    headers = {"retry-after": str(RETRY_AFTER_SECONDS)} if error.status in (429, 503) else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-
-def _bearer(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
-    """The token of an ``Authorization: Bearer ...`` header (the scheme in any case), or b""."""
-    auth = dict(headers).get(b"authorization", b"")
-    scheme, _, token = auth.partition(b" ")
-    return token.strip() if scheme.lower() == b"bearer" else b""
-
-
-class ApiKeys:
-    """ASGI middleware: a ``/v1/`` request without a valid key is answered 401 first.
-
-    Before its body is read or checked, so that a client without a key learns that,
-    not what else is wrong with its request. No keys configured: everyone is let in.
-    """
-
-    def __init__(self, app: Any, keys: Collection[str]) -> None:
-        self.app = app
-        self.keys = [k.encode() for k in keys]
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not self.keys:
-            await self.app(scope, receive, send)  # lifespan events have no path
-            return
-        path = scope["path"].removeprefix(scope.get("root_path", ""))  # mounted under a prefix: its own path
-        # a browser's CORS preflight carries no credentials, by the fetch standard
-        if (path.startswith("/v1/") or path in _KEYED_PATHS) and scope.get("method") != "OPTIONS":
-            given = _bearer(scope.get("headers") or ())
-            # compare every key in constant time: how long a refusal takes says nothing of a key
-            if not sum(hmac.compare_digest(given, key) for key in self.keys):
-                refusal = ApiError(
-                    401,
-                    "invalid or missing API key (Authorization: Bearer ...)",
-                    "authentication_error",
-                    "invalid_api_key",
-                )
-                await _error_response(refusal)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-@attrs.define(slots=False)  # slots off: a cached property needs the instance's dict
-class ServedModel:
-    """A model this gateway serves: its tokenizer and template, and its artifact."""
-
-    model_id: str
-    artifact: str
-    vocab: Vocab
-    template: ChatTemplate | None
-    created: int
-    n_ctx: int
-
-    def stop_tokens(self) -> tuple[int, ...]:
-        """Tokens that always end a generation (end of text, end of turn)."""
-        return tuple(sorted(self.vocab.eog_tokens))
-
-    def card(self) -> dict[str, Any]:
-        """The model as ``/v1/models`` lists it."""
-        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "noderuntime"}
-
-    @functools.cached_property
-    def traits(self) -> TemplateTraits:
-        """What the chat template does with tools and thinking."""
-        return template_traits(self.template.source if self.template is not None else "")
-
-    def chat_prompt(self, messages: Sequence[dict[str, Any]], **context: Any) -> list[int]:
-        """The prompt tokens of a conversation; text a message types stays text (see ``chat``).
-
-        ``context``: ``tools`` and ``variables`` for the template.
-        """
-        assert self.template is not None
-        try:
-            return prompt_tokens(self.template, self.vocab, messages, **context)
-        except TemplateError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
-        except UnicodeEncodeError:
-            raise ApiError(400, "message text is not valid Unicode (a lone surrogate?)", param="messages") from None
-
-    def text_prompt(self, text: str) -> list[int]:
-        """The tokens of a text completion's prompt; special-token text stays text."""
-        try:
-            return self.vocab.tokenize(text, add_special=self.vocab.add_bos, parse_special=False)
-        except UnicodeEncodeError:
-            raise ApiError(400, "the prompt is not valid Unicode (a lone surrogate?)", param="prompt") from None
-
-
-@attrs.define
-class Generated:
-    """What a finished (or stopped) generation produced."""
-
-    text: str
-    completion_tokens: int
-    finish_reason: str
-    route: list[dict[str, Any]]
-    records: list[CheckedRecord] = attrs.Factory(list)
-    logprobs: list[TokenLogprob] = attrs.Factory(list)  # of the reply's tokens, when asked
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # of the prompt's tokens but the first, when asked
-
-
-@attrs.frozen
-class Emitted:
-    """What a generation yields: text that may be shown, its tokens' logprobs, and once finished, all."""
-
-    text: str
-    logprobs: tuple[TokenLogprob, ...] = ()
-    done: Generated | None = None
-    fingerprint: str = ""  # OpenAI's system_fingerprint of the serving route
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # on the first item, when asked
 
 
 class Gateway:
@@ -420,13 +250,13 @@ class Gateway:
                             epoch=grant.epoch,
                         )
                     )
-                    with trio.fail_after(_time_left(request)):
+                    with trio.fail_after(time_left(request)):
                         first = await gen.next()
                 except trio.TooSlowError:
-                    raise _silent_route() from None
+                    raise silent_route() from None
                 except RouteError as exc:
-                    error = _route_error(exc)
-                    if exc.code == StatusCode.DEADLINE_EXCEEDED and _time_left(request) <= DEADLINE_GRACE_SECONDS + 1:
+                    error = route_error(exc)
+                    if exc.code == StatusCode.DEADLINE_EXCEEDED and time_left(request) <= DEADLINE_GRACE_SECONDS + 1:
                         # the request's own time is (all but) up, by this clock or a node's running ahead
                         raise error from None
                     self.counters["retries"] += 1
@@ -443,7 +273,7 @@ class Gateway:
                     failures += 1
                     if failures >= MAX_ATTEMPTS:
                         raise error from None
-                    exclude += _to_exclude(grant, exc)
+                    exclude += to_exclude(grant, exc)
                     log.info("route attempt failed before the first token (%s); trying another", exc)
                     continue
                 assert first is not None
@@ -462,19 +292,19 @@ class Gateway:
         produced = 0
         logprobs: list[TokenLogprob] = []
         async with self._route_session(model, request, open_ended=open_ended) as (gen, first, grant):
-            route = _describe(grant)
+            route = describe_route(grant)
             fingerprint = system_fingerprint(model.artifact, grant.recipe)
             prompt_logprobs = first.prompt_logprobs
-            _check_logprobs(model, request, first, prompt=True)
+            check_logprobs(model, request, first, prompt=True)
             if prompt_logprobs:
                 yield Emitted("", fingerprint=fingerprint, prompt_logprobs=prompt_logprobs)
             event: Tokens | None = first
             while event is not None:
                 if event is not first:
-                    _check_logprobs(model, request, event, prompt=False)
+                    check_logprobs(model, request, event, prompt=False)
                 for k, token in enumerate(event.token_ids):
                     if not 0 <= token < model.vocab.n_vocab:  # the route's word, not a known piece
-                        raise _bad_route(f"it sent token id {token}, outside the vocabulary")
+                        raise bad_route(f"it sent token id {token}, outside the vocabulary")
                     produced += 1
                     if token in request.stop_token_ids and event.finished:
                         continue  # the end-of-turn token itself is not text
@@ -488,13 +318,13 @@ class Gateway:
                 if text.stopped or event.finished:
                     break
                 try:
-                    with trio.fail_after(_time_left(request)):
+                    with trio.fail_after(time_left(request)):
                         event = await gen.next()
                 except trio.TooSlowError:
-                    raise _silent_route() from None
+                    raise silent_route() from None
                 except RouteError as exc:
                     # tokens already went out: no retry, a typed error in their place
-                    raise _route_error(exc) from None
+                    raise route_error(exc) from None
             reason = "stop" if text.stopped or gen.finish_reason == "stop" else "length"
         # the session was released on leaving the block: every hop's signed usage is here
         records = [check(r, request_id=request.request_id, hops=grant.hops) for r in gen.usage or ()]
@@ -535,13 +365,13 @@ class Gateway:
 
         @app.exception_handler(ApiError)
         async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
-            return _error_response(exc)
+            return error_response(exc)
 
         @app.exception_handler(Exception)
         async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
             # a bug, not the client's fault: typed for the client, the traceback for the operator
             log.error("unexpected error answering a request", exc_info=exc)
-            return _error_response(ApiError(500, "internal error (see the gateway log)", "server_error", "internal"))
+            return error_response(ApiError(500, "internal error (see the gateway log)", "server_error", "internal"))
 
         @app.exception_handler(RequestValidationError)
         async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -551,12 +381,12 @@ class Gateway:
             message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", exc))
             # checks across fields name the field they refuse in their context
             param = where or (first.get("ctx") or {}).get("param")
-            return _error_response(ApiError(400, message, param=param))
+            return error_response(ApiError(400, message, param=param))
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
             kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-            return _error_response(ApiError(exc.status_code, str(exc.detail), kind))
+            return error_response(ApiError(exc.status_code, str(exc.detail), kind))
 
         @app.middleware("http")
         async def count(request: Request, call_next: Any) -> Any:
@@ -567,6 +397,12 @@ class Gateway:
                 route = getattr(request.scope.get("route"), "path", "")
                 self.metrics.requests.labels(route or "unmatched", str(response.status_code)).inc()
             return response
+
+        self._routes(app)
+        return app
+
+    def _routes(self, app: FastAPI) -> None:
+        """The endpoints: operations (metrics, status, health), llama-server's tokenizer, then OpenAI's API."""
 
         @app.get("/metrics", include_in_schema=False)
         async def metrics() -> Any:
@@ -615,6 +451,11 @@ class Gateway:
                 raise ApiError(400, f"token ids must lie in [0, {model.vocab.n_vocab})", param="tokens")
             return {"content": model.vocab.detokenize(body.tokens)}
 
+        self._openai_routes(app)
+
+    def _openai_routes(self, app: FastAPI) -> None:
+        """OpenAI's API: models, chat completions, text completions."""
+
         @app.get("/v1/models")
         async def list_models() -> dict[str, Any]:
             return {"object": "list", "data": [m.card() for m in self.models.values()]}
@@ -646,7 +487,9 @@ class Gateway:
             if forced is not None:
                 several = body.tool_choice == "required" and body.parallel_tool_calls is not False
                 constraint = Constraint("tools", (forced, traits.syntax, several), "tools")
-            grammar = await trio.to_thread.run_sync(_grammar, model.vocab, constraint, limiter=self._tokenizing)
+            grammar = await trio.to_thread.run_sync(
+                constraint_grammar, model.vocab, constraint, limiter=self._tokenizing
+            )
             generation = self._prepare(model, body, prompt, max_tokens, grammar)
             # the prompt opened a think block (a template that always thinks): the reply starts in it
             opened = model.vocab.detokenize(prompt[-3:], special=True).endswith(THINK_OPEN + "\n")
@@ -670,15 +513,15 @@ class Gateway:
             elif any(not 0 <= t < model.vocab.n_vocab for t in prompt):
                 raise ApiError(400, f"prompt token ids must lie in [0, {model.vocab.n_vocab})", param="prompt")
             # a large schema's grammar takes milliseconds to build and compile: not on the event loop
-            grammar = await trio.to_thread.run_sync(_grammar, model.vocab, body.constraint(), limiter=self._tokenizing)
+            grammar = await trio.to_thread.run_sync(
+                constraint_grammar, model.vocab, body.constraint(), limiter=self._tokenizing
+            )
             generation = self._prepare(model, body, prompt, body.max_tokens, grammar)
             echo = None
             if body.echo:
                 echo = body.prompt_text() if body.prompt_tokens() is None else model.vocab.detokenize(prompt)
             open_ended = body.max_tokens is None
             return await self._answer(model, body, generation, request, chat=False, open_ended=open_ended, echo=echo)
-
-        return app
 
     async def _answer(
         self,
@@ -714,7 +557,7 @@ class Gateway:
             for i in range(body.n or 1)
         ]
         shapes = [
-            _Shape(
+            ReplyShape(
                 ident,
                 created,
                 model,
@@ -728,56 +571,86 @@ class Gateway:
             )
             for i in range(len(generations))
         ]
-        kind = "chat.completion" if chat else "text_completion"
         if not body.stream:
-            results: list[Generated | None] = [None] * len(generations)
-            fingerprint = ""
-            failed: ApiError | None = None
+            return await self._whole(model, generations, shapes, request, stop_strings, open_ended, started)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await self._streamed(model, generations, shapes, stop_strings, open_ended, started, include_usage)
 
-            async def collect(i: int, scope: trio.CancelScope) -> None:
-                nonlocal fingerprint, failed
-                awaiting_first = i == 0  # the first choice's first token is the request's
-                try:
-                    async for item in self._generate(model, generations[i], stop_strings, open_ended=open_ended):
-                        fingerprint = item.fingerprint
-                        if awaiting_first:
-                            self.metrics.ttft.observe(time.perf_counter() - started)
-                            awaiting_first = False
-                        results[i] = item.done or results[i]
-                except ApiError as exc:
-                    failed = failed or exc
-                    scope.cancel()  # one choice failed: the reply has failed
+    async def _whole(
+        self,
+        model: ServedModel,
+        generations: list[GenerationRequest],
+        shapes: list[ReplyShape],
+        request: Request,
+        stop_strings: list[str],
+        open_ended: bool,
+        started: float,
+    ) -> Any:
+        """A whole reply: every choice generated at once, each in its own task."""
+        generation, created = generations[0], shapes[0].created
+        kind = "chat.completion" if shapes[0].chat else "text_completion"
+        results: list[Generated | None] = [None] * len(generations)
+        fingerprint = ""
+        failed: ApiError | None = None
 
-            # hypercorn does not cancel a handler whose client left: watch for it, so that a
-            # client that gave up does not keep a route generating for nobody
-            async with trio.open_nursery() as nursery:
-                watcher = trio.CancelScope()
-                nursery.start_soon(_watch_disconnect, request, nursery.cancel_scope, watcher)
-                async with trio.open_nursery() as choices:
-                    for i in range(len(generations)):
-                        choices.start_soon(collect, i, choices.cancel_scope)
-                watcher.cancel()
-            if failed is not None:
-                self.counters["errors"] += 1
-                self.metrics.errors.labels(failed.code or failed.kind).inc()
-                raise failed
-            if any(r is None for r in results):
-                self.counters["cancelled"] += 1
-                self.metrics.cancelled.inc()
-                log.info("request %s: the client left before the answer; generation cancelled", generation.request_id)
-                return Response(status_code=499)  # nobody reads it
-            done = [r for r in results if r is not None]
-            self.counters["completed"] += 1
-            for g, r in zip(generations, done, strict=True):
-                await self._record(model, g, created, r)
-            return {
-                **shapes[0].envelope(kind, fingerprint),
-                "choices": [shape.whole_choice(r) for shape, r in zip(shapes, done, strict=True)],
-                "usage": _usage(len(generation.prompt_tokens), sum(r.completion_tokens for r in done)),
-                "route": done[0].route,
-            }
-        # streaming: find the routes and their first tokens before answering 200, so that
-        # "no route" and "all full" are still proper HTTP errors
+        async def collect(i: int, scope: trio.CancelScope) -> None:
+            nonlocal fingerprint, failed
+            awaiting_first = i == 0  # the first choice's first token is the request's
+            try:
+                async for item in self._generate(model, generations[i], stop_strings, open_ended=open_ended):
+                    fingerprint = item.fingerprint
+                    if awaiting_first:
+                        self.metrics.ttft.observe(time.perf_counter() - started)
+                        awaiting_first = False
+                    results[i] = item.done or results[i]
+            except ApiError as exc:
+                failed = failed or exc
+                scope.cancel()  # one choice failed: the reply has failed
+
+        # hypercorn does not cancel a handler whose client left: watch for it, so that a
+        # client that gave up does not keep a route generating for nobody
+        async with trio.open_nursery() as nursery:
+            watcher = trio.CancelScope()
+            nursery.start_soon(_watch_disconnect, request, nursery.cancel_scope, watcher)
+            async with trio.open_nursery() as choices:
+                for i in range(len(generations)):
+                    choices.start_soon(collect, i, choices.cancel_scope)
+            watcher.cancel()
+        if failed is not None:
+            self.counters["errors"] += 1
+            self.metrics.errors.labels(failed.code or failed.kind).inc()
+            raise failed
+        if any(r is None for r in results):
+            self.counters["cancelled"] += 1
+            self.metrics.cancelled.inc()
+            log.info("request %s: the client left before the answer; generation cancelled", generation.request_id)
+            return Response(status_code=499)  # nobody reads it
+        done = [r for r in results if r is not None]
+        self.counters["completed"] += 1
+        for g, r in zip(generations, done, strict=True):
+            await self._record(model, g, created, r)
+        return {
+            **shapes[0].envelope(kind, fingerprint),
+            "choices": [shape.whole_choice(r) for shape, r in zip(shapes, done, strict=True)],
+            "usage": usage_counts(len(generation.prompt_tokens), sum(r.completion_tokens for r in done)),
+            "route": done[0].route,
+        }
+
+    async def _streamed(
+        self,
+        model: ServedModel,
+        generations: list[GenerationRequest],
+        shapes: list[ReplyShape],
+        stop_strings: list[str],
+        open_ended: bool,
+        started: float,
+        include_usage: bool,
+    ) -> Any:
+        """A streamed reply, once every choice has its route and first tokens.
+
+        Found before answering 200, so that "no route" and "all full" are still proper
+        HTTP errors.
+        """
         streams = [self._generate(model, g, stop_strings, open_ended=open_ended) for g in generations]
         firsts = []
         try:
@@ -791,7 +664,6 @@ class Gateway:
                 await _aclose(stream)
             raise
         self.metrics.ttft.observe(time.perf_counter() - started)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
             self._sse(streams, firsts, shapes, generations, include_usage),
             media_type="text/event-stream",
@@ -822,7 +694,7 @@ class Gateway:
         self,
         streams: list[AsyncIterator[Emitted]],
         firsts: list[Emitted],
-        shapes: list[_Shape],
+        shapes: list[ReplyShape],
         generations: list[GenerationRequest],
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
@@ -873,7 +745,9 @@ class Gateway:
                             last_delta = now
                             yield chunk(choice)
             if include_usage:
-                yield event({**envelope, "choices": [], "usage": _usage(len(generations[0].prompt_tokens), tokens)})
+                yield event(
+                    {**envelope, "choices": [], "usage": usage_counts(len(generations[0].prompt_tokens), tokens)}
+                )
             finished = True
             yield b"data: [DONE]\n\n"
             self.counters["completed"] += 1
@@ -893,138 +767,6 @@ class Gateway:
                     await _aclose(stream)
 
 
-@attrs.define
-class _Shape:
-    """How one request's choices look in OpenAI's format, whole or as chunks."""
-
-    ident: str
-    created: int
-    model: ServedModel
-    chat: bool
-    prompt: tuple[int, ...]
-    top: int
-    logprobs: bool
-    echo: str | None
-    output: ChatOutput  # chat: splits content, reasoning and tool calls
-    index: int = 0  # of the choice
-    _completion: CompletionLogprobs | None = None
-
-    def __attrs_post_init__(self) -> None:
-        if not self.chat and self.logprobs:
-            self._completion = CompletionLogprobs(self.model.vocab.piece, self.top)
-
-    def envelope(self, kind: str, fingerprint: str) -> dict[str, Any]:
-        """The fields every reply and chunk has."""
-        return {
-            "id": self.ident,
-            "object": kind,
-            "created": self.created,
-            "model": self.model.model_id,
-            "system_fingerprint": fingerprint,
-        }
-
-    def _chat_logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
-        if not self.logprobs:
-            return None
-        return {"content": chat_entries(self.model.vocab.piece, entries, self.top), "refusal": None}
-
-    def _completion_logprobs(
-        self, entries: Sequence[TokenLogprob], prompt_logprobs: Sequence[TokenLogprob] = ()
-    ) -> dict[str, Any] | None:
-        track = self._completion
-        if track is None:
-            return None
-        if prompt_logprobs:
-            track.add(self.prompt[0], None)  # the first prompt token has no context
-            for e in prompt_logprobs:
-                track.add(e.token, e)
-        for e in entries:
-            track.add(e.token, e)
-        return track.take()
-
-    def whole_choice(self, result: Generated) -> dict[str, Any]:
-        """The one choice of a whole reply."""
-        choice: dict[str, Any] = {"index": self.index, "finish_reason": result.finish_reason}
-        if self.chat:
-            self.output.push(result.text)
-            self.output.finish()
-            choice["message"] = self._message()
-            choice["finish_reason"] = self.finish_reason(result.finish_reason)
-            choice["logprobs"] = self._chat_logprobs(result.logprobs)
-        else:
-            choice["text"] = (self.echo or "") + result.text
-            choice["logprobs"] = self._completion_logprobs(result.logprobs, result.prompt_logprobs)
-        return choice
-
-    def _message(self) -> dict[str, Any]:
-        out = self.output
-        message: dict[str, Any] = {"role": "assistant", "content": out.content}
-        if out.reasoning:
-            message["reasoning_content"] = out.reasoning
-        if out.calls:
-            message["tool_calls"] = [c.as_dict() for c in out.calls]
-            if not out.content.strip():
-                message["content"] = None  # a reply that is only calls, as OpenAI sends it
-        return message
-
-    def finish_reason(self, reason: str) -> str:
-        """``tool_calls`` for a reply that ended after calling, else the route's reason."""
-        return "tool_calls" if self.output.calls and reason == "stop" else reason
-
-    def chunk_choice(
-        self,
-        *,
-        text: str = "",
-        logprobs: Sequence[TokenLogprob] = (),
-        prompt_logprobs: Sequence[TokenLogprob] = (),
-        role: bool = False,
-        finish: str | None = None,
-    ) -> dict[str, Any]:
-        """The one choice of a streamed chunk."""
-        choice: dict[str, Any] = {"index": self.index, "finish_reason": finish, "logprobs": None}
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-            told = self.output.finish() if finish is not None else self.output.push(text)
-            if finish is not None:
-                choice["finish_reason"] = self.finish_reason(finish)
-            if told.content:
-                delta["content"] = told.content
-            if told.reasoning:
-                delta["reasoning_content"] = told.reasoning
-            if told.calls:
-                first = len(self.output.calls) - len(told.calls)
-                delta["tool_calls"] = [c.as_dict(first + i) for i, c in enumerate(told.calls)]
-            choice["delta"] = delta
-            if logprobs:
-                choice["logprobs"] = self._chat_logprobs(logprobs)
-        else:
-            choice["text"] = text
-            if logprobs or prompt_logprobs:
-                choice["logprobs"] = self._completion_logprobs(logprobs, prompt_logprobs)
-        return choice
-
-
-def _check_logprobs(model: ServedModel, request: GenerationRequest, event: Tokens, *, prompt: bool) -> None:
-    """The route's logprobs must be those asked for, of the tokens sent, inside the vocabulary."""
-    sampling = request.sampling
-    if sampling.logprobs and len(event.logprobs) != len(event.token_ids):
-        raise _bad_route("it sent tokens without the logprobs asked for")
-    entries = list(zip(event.token_ids, event.logprobs, strict=False))
-    if prompt and sampling.prompt_logprobs:
-        if len(event.prompt_logprobs) != len(request.prompt_tokens) - 1:
-            raise _bad_route("it sent no logprobs for the prompt, or not one for each token")
-        entries += zip(request.prompt_tokens[1:], event.prompt_logprobs, strict=True)
-    for token, entry in entries:
-        if entry.token != token or len(entry.top) > sampling.top_logprobs:
-            raise _bad_route("its logprobs are not those of the tokens sent")
-        if any(not 0 <= t < model.vocab.n_vocab for t, _ in entry.top):
-            raise _bad_route("its logprobs name tokens outside the vocabulary")
-
-
-def _bad_route(what: str) -> ApiError:
-    return ApiError(503, f"the route failed: {what}", "service_unavailable", "route_failed")
-
-
 async def _aclose(stream: AsyncIterator[Any]) -> None:
     closer = getattr(stream, "aclose", None)
     if closer is not None:
@@ -1040,50 +782,3 @@ async def _watch_disconnect(request: Request, scope: trio.CancelScope, watcher: 
         while (await request.receive())["type"] != "http.disconnect":
             pass
         scope.cancel()
-
-
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _describe(grant: RouteGrant) -> list[dict[str, Any]]:
-    return [
-        {
-            "node_id": h.node_id.hex()[:16],
-            "layers": [h.layers.start, h.layers.end],
-            "via": "direct" if h.address else "relay",
-        }
-        for h in grant.hops
-    ]
-
-
-def _time_left(request: GenerationRequest) -> float:
-    # the nodes end a session at its deadline and say so; this bounds a route gone silent
-    # (a head that accepted and hung, a relay host that vanished) on the gateway's side
-    return max(0.0, request.deadline_unix_ms / 1000 - time.time()) + DEADLINE_GRACE_SECONDS
-
-
-def _silent_route() -> ApiError:
-    return ApiError(504, "the route went silent past the request's deadline", "timeout", "deadline_exceeded")
-
-
-def _route_error(exc: RouteError) -> ApiError:
-    # Never a 400: the gateway checked the request before any route saw it, so a route
-    # that calls it invalid (or out of range) is wrong or hostile, and another may serve it.
-    if exc.code == StatusCode.RESOURCE_EXHAUSTED:
-        return ApiError(429, f"every route is busy: {exc}", "rate_limit_error", "routes_full")
-    if exc.code == StatusCode.DEADLINE_EXCEEDED:
-        return ApiError(504, f"the request timed out: {exc}", "timeout", "deadline_exceeded")
-    return ApiError(503, f"the route failed: {exc}", "service_unavailable", "route_failed")
-
-
-def _to_exclude(grant: RouteGrant, exc: RouteError) -> list[bytes]:
-    """Which nodes the next attempt should avoid, from who reported what."""
-    ids = [h.node_id for h in grant.hops]
-    if exc.node_id in ids:
-        at = ids.index(exc.node_id)
-        if exc.code in (StatusCode.RESOURCE_EXHAUSTED, StatusCode.INTERNAL) or at + 1 == len(ids):
-            return [exc.node_id]  # full, or failed in its own engine
-        # the reporter is alive (it reported): its next hop went away, hung or broke the protocol
-        return [ids[at + 1]]
-    return ids[:1]
