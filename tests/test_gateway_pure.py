@@ -587,19 +587,20 @@ async def test_cors_preflight_never_needs_a_key(vocab: Vocab) -> None:
 def test_api_keys_come_from_a_file_and_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from argparse import Namespace
 
-    from noderuntime.cli import API_KEYS_ENV, CliError, _gateway_keys
+    from noderuntime.cli.args import CliError
+    from noderuntime.cli.serve import API_KEYS_ENV, gateway_keys
 
     keys = tmp_path / "keys"
     keys.write_text("# the team's keys\nsk-one\n\n  sk-two  \n")
     monkeypatch.setenv(API_KEYS_ENV, "sk-three, sk-one")
-    assert _gateway_keys(Namespace(api_key=["sk-zero"], api_key_file=str(keys))) == (
+    assert gateway_keys(Namespace(api_key=["sk-zero"], api_key_file=str(keys))) == (
         "sk-zero",
         "sk-one",
         "sk-two",
         "sk-three",
     )
     with pytest.raises(CliError, match="api-key-file"):
-        _gateway_keys(Namespace(api_key=[], api_key_file=str(tmp_path / "missing")))
+        gateway_keys(Namespace(api_key=[], api_key_file=str(tmp_path / "missing")))
 
 
 @pytest.mark.parametrize(

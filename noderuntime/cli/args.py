@@ -1,0 +1,126 @@
+"""Argument types and checks shared by the command groups: bad input is a clear error."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+from pathlib import Path
+
+from noderuntime import artifacts, models
+
+
+class CliError(Exception):
+    """A user-facing error: printed without a traceback, exit status 1."""
+
+
+def api_key(text: str) -> str:
+    # an empty key (an unset variable, say) would let in every request that sends none
+    if not text.strip() or text != text.strip():
+        raise argparse.ArgumentTypeError("an API key must be non-empty, without spaces around it")
+    return text
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < math.inf:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {text}")
+    return value
+
+
+def size(text: str) -> int:
+    from noderuntime.memplan import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def cuts(text: str) -> list[int]:
+    try:
+        cuts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cuts must be comma-separated integers, got {text!r}") from None
+    if len(cuts) < 2 or any(b <= a for a, b in itertools.pairwise(cuts)):
+        raise argparse.ArgumentTypeError(f"cuts must be at least two increasing integers, got {text!r}")
+    return cuts
+
+
+def ranges(text: str) -> list[artifacts.LayerRange]:
+    try:
+        return artifacts.LayerRange.parse_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def resolve_model(spec: str) -> Path:
+    """A model given as a path, or as the name of a known model (pulled on first use)."""
+    if spec in models.KNOWN_MODELS:
+        return models.pull(spec)
+    path = Path(spec)
+    if not path.exists():
+        known = ", ".join(sorted(models.KNOWN_MODELS))
+        raise CliError(f"model {spec!r} is neither a file nor a known model ({known})")
+    return path
+
+
+def address(text: str, *, listen: bool = False) -> str:
+    from noderuntime.transport.grpc import parse_address
+
+    try:
+        parse_address(text, listen=listen)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def listen_address(text: str) -> str:
+    return address(text, listen=True)
+
+
+def layers(text: str) -> artifacts.LayerRange:
+    try:
+        return artifacts.LayerRange.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def public_key(text: str) -> bytes:
+    from noderuntime.identity import IdentityError, load_public_key
+
+    try:
+        return load_public_key(text)
+    except IdentityError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def relay_url(text: str) -> str:
+    if not text.startswith(("ws://", "wss://")):
+        raise argparse.ArgumentTypeError(f"a relay URL starts with ws:// or wss://, got {text!r}")
+    return text
+
+
+def default_data_dir() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("noderuntime")) / "node"
+
+
+def url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {text!r}")
+    return text.rstrip("/")

@@ -1,0 +1,330 @@
+"""Commands that run a process until stopped: ``up``, ``tracker``, ``gateway``, ``relay``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from noderuntime import models
+from noderuntime.cli.args import (
+    CliError,
+    address,
+    api_key,
+    default_data_dir,
+    layers,
+    listen_address,
+    positive_int,
+    public_key,
+    relay_url,
+    resolve_model,
+    seconds,
+    size,
+    url,
+)
+
+API_KEYS_ENV = "NODERUNTIME_API_KEYS"  # comma-separated; keys in argv show in `ps`
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from noderuntime import noderun
+
+    if args.model is None or args.local:
+        from noderuntime import localsystem
+
+        return localsystem.main(args.listen or "127.0.0.1:8080", args.model or models.DEMO_MODEL)
+    if args.listen is None and args.relay is None:
+        raise CliError("a node needs --listen HOST:PORT, --relay URL, or both")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise CliError("--tls-cert and --tls-key go together")
+    if not args.issuer_key and not args.tracker:
+        raise CliError("give the route issuer's public key with --issuer-key, or a --tracker to take it from")
+    model = resolve_model(args.model)
+    if args.backend == "transformers":
+        if not model.is_dir():
+            raise CliError(f"--backend transformers takes a safetensors model directory; {model} is a file")
+        if args.memory_limit is not None:
+            raise CliError("--memory-limit plans llama.cpp's buffers; the transformers backend does not take it")
+    elif model.is_dir():
+        raise CliError(f"{model} is a directory; give a GGUF file, or --backend transformers for safetensors")
+    tls_cert, tls_key = args.tls_cert, args.tls_key
+    if args.tls_self_signed:
+        from noderuntime.identity import self_signed
+
+        files = self_signed(Path(args.data_dir))
+        tls_cert, tls_key = files.cert, files.key
+    opts = noderun.NodeOptions(
+        model=model,
+        layers=args.layers,
+        listen=args.listen,
+        data_dir=Path(args.data_dir),
+        issuer_keys=tuple(args.issuer_key),
+        advertise=args.advertise,
+        relay=args.relay,
+        threads=args.threads,
+        slots=args.slots,
+        ctx_per_session=args.ctx,
+        batch=args.batch,
+        flash_attn=args.flash_attn,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        idle_timeout=args.idle_timeout,
+        http=args.http,
+        tracker=args.tracker,
+        memory_limit=args.memory_limit,
+        mmap=args.mmap,
+        backend=args.backend,
+    )
+    return noderun.main_node(opts)
+
+
+def _cmd_relay(args: argparse.Namespace) -> int:
+    from noderuntime import noderun
+    from noderuntime.transport.grpc import parse_address
+
+    if not args.issuer_key:
+        raise CliError("give the route issuer's public key with --issuer-key (the tracker's)")
+    host, port = parse_address(args.listen, listen=True)
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise CliError("--tls-cert and --tls-key go together")
+        tls = noderun.server_tls(args.tls_cert, args.tls_key, alpn=())  # websockets: HTTP/1.1
+    from noderuntime.relay.server import RelayLimits
+
+    limits = RelayLimits(
+        max_nodes=args.max_nodes,
+        max_nodes_per_host=args.max_nodes_per_host,
+        max_pairs=args.max_pairs,
+        max_handshakes=args.max_handshakes,
+        max_handshakes_per_host=args.max_handshakes_per_host,
+    )
+    return noderun.main_relay(host, port, tuple(args.issuer_key), tls, args.http, limits)
+
+
+def _cmd_tracker(args: argparse.Namespace) -> int:
+    from noderuntime import noderun
+
+    data_dir = Path(args.data_dir)
+    import trio
+
+    trio.run(
+        noderun.run_until_signal,
+        lambda **kw: noderun.run_tracker(
+            args.listen,
+            data_dir,
+            api_key=args.api_key,
+            expire_after=args.expire_after,
+            probe_references=tuple(args.probe_references),
+            require_probe=args.require_probe,
+            probe_interval=args.probe_interval,
+            probe_tolerance=args.probe_tolerance,
+            **kw,
+        ),
+    )
+    return 0
+
+
+def gateway_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """Keys from --api-key, --api-key-file (one a line, # comments) and $NODERUNTIME_API_KEYS."""
+    keys = list(args.api_key)
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"--api-key-file: {exc}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    keys += [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    for key in keys:
+        try:
+            api_key(key)
+        except argparse.ArgumentTypeError as exc:
+            raise CliError(str(exc)) from None
+    return tuple(dict.fromkeys(keys))
+
+
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    import trio
+
+    from noderuntime import noderun
+
+    served = []
+    for spec in args.model:
+        model_id, _, where = spec.partition("=")
+        path = resolve_model(where or model_id)
+        if not where and model_id not in models.KNOWN_MODELS:
+            model_id = path.stem
+        served.append((model_id, path))
+    opts = noderun.GatewayOptions(
+        tracker=args.tracker,
+        listen=args.listen,
+        models=tuple(served),
+        api_keys=gateway_keys(args),
+        cors_origins=tuple(args.cors_origin),
+        tracker_key=args.tracker_key,
+        request_timeout=args.request_timeout,
+        ctx=args.ctx,
+        queue_timeout=args.queue_timeout,
+        ledger=Path(args.ledger),
+    )
+    trio.run(noderun.run_until_signal, lambda **kw: noderun.run_gateway(opts, **kw))
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    """Add this group's commands to the ``noderuntime`` parser's subcommands."""
+    _add_up(sub)
+    _add_tracker(sub)
+    _add_gateway(sub)
+    _add_relay(sub)
+
+
+def _add_up(sub: Any) -> None:
+    p = sub.add_parser("up", help="run a shard node (with --model), serving until Ctrl-C")
+    p.add_argument(
+        "--model",
+        help="a GGUF file (whole model or a shard file), a known model name, "
+        "or with --backend transformers a safetensors model directory",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["llama.cpp", "transformers"],
+        default="llama.cpp",
+        help="the engine: llama.cpp on GGUF (default) or Transformers on safetensors (torch, CPU)",
+    )
+    p.add_argument(
+        "--local",
+        action="store_true",
+        help="run the whole system here for --model: tracker, relay, two shard nodes, gateway",
+    )
+    p.add_argument("--layers", type=layers, help="layer range A:B this node serves (default: all of the file)")
+    p.add_argument(
+        "--listen",
+        type=listen_address,
+        help="HOST:PORT for direct gRPC seams (omit: relay only); without --model, the gateway's address",
+    )
+    p.add_argument("--advertise", type=address, help="HOST:PORT peers should dial (default: the listen address)")
+    p.add_argument("--relay", type=relay_url, help="ws://HOST:PORT of a relay to be reachable through")
+    p.add_argument("--data-dir", default=str(default_data_dir()), help="where the node key lives")
+    p.add_argument(
+        "--issuer-key",
+        type=public_key,
+        action="append",
+        default=[],
+        help="public key (hex or file) whose session tickets this node accepts; repeatable",
+    )
+    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--slots", type=positive_int, default=8, help="concurrent sessions")
+    p.add_argument("--ctx", type=positive_int, default=2048, help="context per session (multiple of 256)")
+    p.add_argument("--batch", type=positive_int, default=512, help="tokens per batch")
+    p.add_argument("--flash-attn", choices=["on", "off"], default="off")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate for the gRPC listener")
+    p.add_argument("--tls-key", type=Path, help="PEM key for the gRPC listener")
+    p.add_argument("--tls-self-signed", action="store_true", help="make (once) and use a self-signed certificate")
+    p.add_argument("--idle-timeout", type=seconds, default=60.0, help="seconds a session may make no progress")
+    p.add_argument("--http", type=listen_address, default="127.0.0.1:0", help="HOST:PORT of /status (port 0: any)")
+    p.add_argument("--tracker", type=url, help="register with this tracker (and trust its session tickets)")
+    p.add_argument(
+        "--memory-limit",
+        type=size,
+        help="bytes this node may hold (2.5G, 2400MiB): refuse a shard that needs more, naming what would fit",
+    )
+    p.add_argument(
+        "--no-mmap",
+        dest="mmap",
+        action="store_false",
+        help="read the shard's weights into memory instead of mapping the file (implied by --memory-limit)",
+    )
+    p.set_defaults(func=_cmd_up)
+
+
+def _add_tracker(sub: Any) -> None:
+    p = sub.add_parser("tracker", help="run a tracker: node registry, route selection, session tickets")
+    p.add_argument("--listen", type=listen_address, required=True, help="HOST:PORT (port 0: any)")
+    p.add_argument("--data-dir", default=str(default_data_dir().with_name("tracker")), help="where its key lives")
+    p.add_argument("--api-key", type=api_key, help="require this bearer key for route requests (the gateway's)")
+    p.add_argument(
+        "--expire-after", type=seconds, default=10.0, help="seconds without heartbeat before a node is dropped"
+    )
+    p.add_argument(
+        "--probe-references",
+        type=Path,
+        action="append",
+        default=[],
+        help="reference answers (from `noderuntime probe reference`); shards they cover must pass; repeatable",
+    )
+    p.add_argument("--require-probe", action="store_true", help="admit no shard the references do not cover")
+    p.add_argument("--probe-interval", type=seconds, default=600.0, help="seconds between probes of a node")
+    p.add_argument(
+        "--probe-tolerance", type=float, default=1e-3, help="relative error a probe answer may have when not exact"
+    )
+    p.set_defaults(func=_cmd_tracker)
+
+
+def _add_gateway(sub: Any) -> None:
+    p = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
+    p.add_argument("--tracker", type=url, required=True)
+    p.add_argument("--listen", type=listen_address, required=True, help="HOST:PORT (port 0: any)")
+    p.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        help="a model to serve: a known name, a GGUF path, or NAME=PATH; repeatable",
+    )
+    p.add_argument(
+        "--api-key",
+        type=api_key,
+        action="append",
+        default=[],
+        help=f"accepted client bearer key; repeatable (argv shows in ps: prefer --api-key-file or ${API_KEYS_ENV})",
+    )
+    p.add_argument("--api-key-file", help="a file of accepted client keys, one a line")
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        help="an origin browsers may call the API from (e.g. https://app.example); repeatable, '*' for any",
+    )
+    p.add_argument("--tracker-key", help="bearer key for the tracker's route requests")
+    p.add_argument("--request-timeout", type=seconds, default=600.0, help="seconds a request may take")
+    p.add_argument("--ctx", type=positive_int, help="context per session the nodes offer (default: the model's)")
+    p.add_argument(
+        "--queue-timeout", type=seconds, default=10.0, help="seconds a request waits for a free route before 429"
+    )
+    p.add_argument(
+        "--ledger",
+        default=str(default_data_dir().with_name("gateway") / "ledger.sqlite"),
+        help="the SQLite usage ledger (one entry per request, with every shard's signed record)",
+    )
+    p.set_defaults(func=_cmd_gateway)
+
+
+def _add_relay(sub: Any) -> None:
+    p = sub.add_parser("relay", help="run a relay for nodes that cannot be dialled directly")
+    p.add_argument("--listen", type=listen_address, required=True, help="HOST:PORT (port 0: any)")
+    p.add_argument(
+        "--issuer-key",
+        type=public_key,
+        action="append",
+        default=[],
+        help="public key whose session tickets the relay accepts; repeatable",
+    )
+    p.add_argument("--tls-cert", type=Path)
+    p.add_argument("--tls-key", type=Path)
+    p.add_argument("--http", type=listen_address, default="127.0.0.1:0", help="HOST:PORT of /status (port 0: any)")
+    p.add_argument("--max-nodes", type=positive_int, default=1024, help="node control connections held at most")
+    p.add_argument(
+        "--max-nodes-per-host", type=positive_int, default=64, help="node control connections from one address"
+    )
+    p.add_argument("--max-pairs", type=positive_int, default=4096, help="seams paired or pairing at most")
+    p.add_argument(
+        "--max-handshakes", type=positive_int, default=1024, help="unproven connections from all addresses at most"
+    )
+    p.add_argument(
+        "--max-handshakes-per-host",
+        type=positive_int,
+        default=64,
+        help="connections from one address (an IPv6 /64) that have not yet shown a key, ticket or pair",
+    )
+    p.set_defaults(func=_cmd_relay)
