@@ -200,195 +200,194 @@ class Tracker:
     def _build(self) -> FastAPI:
         app = FastAPI(title="noderuntime tracker", version="1")
         app.add_middleware(BodyLimit, limit=MAX_BODY)
-
-        @app.exception_handler(RequestValidationError)
-        async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-            # FastAPI's own answer echoes the input, which fails on bytes that are not UTF-8:
-            # say where and what only
-            detail = [
-                {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
-                for e in exc.errors()
-            ]
-            return JSONResponse({"detail": detail}, status_code=422)
-
-        @app.get("/status", include_in_schema=False)
-        async def status() -> dict[str, Any]:
-            return {"nodes": len(self.state.nodes), "routes_issued": self.routes_issued, "tasks": trio_tasks()}
-
-        @app.get("/metrics", include_in_schema=False)
-        async def metrics() -> Response:
-            self.metrics.nodes.set(len(self.state.nodes))
-            status, content_type, payload = exposition(self.metrics.registry)
-            return Response(payload, status_code=status, media_type=content_type)
-
-        @app.get("/v1/info")
-        async def info() -> dict[str, Any]:
-            return {
-                "issuer_key": self.identity.node_id.hex(),
-                "heartbeat_seconds": HEARTBEAT_SECONDS,
-                "expire_after_seconds": self.state.expire_after,
-            }
-
-        @app.post("/v1/nodes/register")
-        async def register(body: Registration, request: Request) -> dict[str, Any]:
-            node_id = await self._authenticated(request, body.node_id)
-            start, end = body.layers
-            if not 0 <= start < end <= body.n_layer:
-                raise HTTPException(400, f"layers {start}:{end} do not lie in 0:{body.n_layer}")
-            if not body.address and not body.relay:
-                raise HTTPException(400, "a node needs an address, a relay, or both")
-            try:
-                measured = check_capability(
-                    body.capability, node_id=node_id, artifact=body.artifact, layers=(start, end), recipe=body.recipe
-                )
-            except AdmissionError as exc:
-                self.metrics.errors.labels("capability").inc()
-                raise HTTPException(400, str(exc)) from None
-            key = (body.artifact, (start, end), body.recipe)
-            record = NodeRecord(
-                node_id=node_id,
-                artifact=body.artifact,
-                n_layer=body.n_layer,
-                layers=(start, end),
-                recipe=body.recipe,
-                address=body.address,
-                relay=body.relay,
-                tls_cert_sha256=bytes.fromhex(body.tls_cert_sha256),
-                slots=body.slots,
-                ctx_per_session=body.ctx_per_session,
-                model_name=body.model_name,
-                measured=measured,
-                probe_required=self.require_probe or bool(self.references.seeds(key)),
-            )
-            now = time.time()
-            self.state.register(record, now)
-            self.metrics.registrations.inc()
-            self.challenges.pop(node_id, None)
-            self.last_probed.pop(node_id, None)
-            answer: dict[str, Any] = {
-                "heartbeat_seconds": HEARTBEAT_SECONDS,
-                "expire_after_seconds": self.state.expire_after,
-            }
-            challenge = self._challenge(self.state.nodes[node_id], now)
-            if challenge is not None:
-                answer["probe"] = challenge
-            elif record.probe_required:
-                log.warning("node %s: no probe references for its shard; kept out of routes", node_id.hex()[:12])
-            return answer
-
-        @app.post("/v1/nodes/heartbeat")
-        async def heartbeat(body: Heartbeat, request: Request) -> dict[str, Any]:
-            node_id = await self._authenticated(request, body.node_id)
-            known = self.state.heartbeat(
-                node_id,
-                time.time(),
-                active_sessions=body.active_sessions,
-                free_slots=body.free_slots,
-                queue_depth=body.queue_depth,
-                step_ms=body.step_ms,
-            )
-            if not known:
-                raise HTTPException(404, "unknown node: register again")
-            self.metrics.heartbeats.inc()
-            answer: dict[str, Any] = {"ok": True}
-            challenge = self._challenge(self.state.nodes[node_id], time.time())
-            if challenge is not None:
-                answer["probe"] = challenge
-            return answer
-
-        @app.post("/v1/nodes/probe")
-        async def probe(body: ProbeReply, request: Request) -> dict[str, Any]:
-            node_id = await self._authenticated(request, body.node_id)
-            record = self.state.nodes.get(node_id)
-            pending = self.challenges.get(node_id)
-            if record is None:
-                raise HTTPException(404, "unknown node: register again")
-            if pending is None or pending[0] != body.seed:
-                raise HTTPException(409, "no probe with this seed is outstanding for this node")
-            reference = self.references.get((record.artifact, record.layers, record.recipe), body.seed)
-            assert reference is not None  # only seeds with references are issued
-            try:
-                answer = ProbeAnswer.from_json(body.model_dump())
-            except AdmissionError as exc:
-                raise HTTPException(400, str(exc)) from None
-            verdict = compare(reference, answer, self.probe_tolerance)
-            del self.challenges[node_id]
-            now = time.time()
-            self.last_probed[node_id] = now
-            self.state.update(node_id, probe_passed=verdict.passed, probe_detail=verdict.describe())
-            self.metrics.probes.labels("passed" if verdict.passed else "failed").inc()
-            if not verdict.passed:
-                log.error(
-                    "node %s failed its known-answer probe for layers %s: %s; kept out of routes",
-                    node_id.hex()[:12],
-                    record.layers,
-                    verdict.describe(),
-                )
-            return {"passed": verdict.passed, "exact": verdict.exact, "detail": verdict.describe()}
-
-        @app.get("/v1/nodes")
-        async def nodes() -> dict[str, Any]:
-            now = time.time()
-            return {
-                "nodes": [
-                    _public(r, now, self.state.step_budget_ms)
-                    for r in sorted(self.state.nodes.values(), key=lambda r: r.layers)
-                ]
-            }
-
-        @app.get("/v1/artifacts")
-        async def artifacts() -> dict[str, Any]:
-            return {"artifacts": self.state.artifacts()}
-
-        @app.post("/v1/routes")
-        async def route(body: RouteRequest, request: Request) -> JSONResponse:
-            if self.api_key is not None and request.headers.get("authorization") != f"Bearer {self.api_key}":
-                raise HTTPException(401, "a valid tracker key is required to request routes")
-            try:
-                exclude = [bytes.fromhex(x) for x in body.exclude]
-            except ValueError:
-                raise HTTPException(400, "exclude holds hex node ids") from None
-            try:
-                choice = self.state.choose(body.artifact, body.tokens, exclude=exclude)
-            except NoRoute as exc:
-                self.metrics.routes.labels("full" if exc.full else "none").inc()
-                return JSONResponse({"error": str(exc), "full": exc.full}, status_code=429 if exc.full else 503)
-            hops = [Hop(n.node_id, Span(*n.layers), n.address, n.relay, n.tls_cert_sha256) for n in choice.nodes]
-            session_id = os.urandom(16)
-            ticket = tickets.issue(
-                self.identity,
-                session_id=session_id,
-                epoch=0,
-                artifact=bytes.fromhex(body.artifact),
-                hops=hops,
-                ttl_seconds=body.ttl_seconds,
-            )
-            self.state.note_session(n.node_id for n in choice.nodes)
-            self.routes_issued += 1
-            self.metrics.routes.labels("issued").inc()
-            return JSONResponse(
-                {
-                    "session_id": session_id.hex(),
-                    "epoch": 0,
-                    "ticket": ticket.hex(),
-                    "recipe": choice.nodes[0].recipe,
-                    "cost_ms": round(choice.cost_ms, 3),
-                    # the longest session every hop of the route can hold (prompt and reply)
-                    "ctx_per_session": min(n.ctx_per_session for n in choice.nodes),
-                    "hops": [
-                        {
-                            "node_id": n.node_id.hex(),
-                            "layers": list(n.layers),
-                            "address": n.address,
-                            "relay": n.relay,
-                            "tls_cert_sha256": n.tls_cert_sha256.hex(),
-                        }
-                        for n in choice.nodes
-                    ],
-                }
-            )
-
+        app.exception_handler(RequestValidationError)(self._invalid)
+        app.get("/status", include_in_schema=False)(self._status)
+        app.get("/metrics", include_in_schema=False)(self._metrics)
+        app.get("/v1/info")(self._info)
+        app.post("/v1/nodes/register")(self._register)
+        app.post("/v1/nodes/heartbeat")(self._heartbeat)
+        app.post("/v1/nodes/probe")(self._probe)
+        app.get("/v1/nodes")(self._nodes)
+        app.get("/v1/artifacts")(self._artifacts)
+        app.post("/v1/routes")(self._route)
         return app
+
+    async def _invalid(self, _request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own answer echoes the input, which fails on bytes that are not UTF-8:
+        # say where and what only
+        detail = [
+            {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+            for e in exc.errors()
+        ]
+        return JSONResponse({"detail": detail}, status_code=422)
+
+    async def _status(self) -> dict[str, Any]:
+        return {"nodes": len(self.state.nodes), "routes_issued": self.routes_issued, "tasks": trio_tasks()}
+
+    async def _metrics(self) -> Response:
+        self.metrics.nodes.set(len(self.state.nodes))
+        status, content_type, payload = exposition(self.metrics.registry)
+        return Response(payload, status_code=status, media_type=content_type)
+
+    async def _info(self) -> dict[str, Any]:
+        return {
+            "issuer_key": self.identity.node_id.hex(),
+            "heartbeat_seconds": HEARTBEAT_SECONDS,
+            "expire_after_seconds": self.state.expire_after,
+        }
+
+    async def _register(self, body: Registration, request: Request) -> dict[str, Any]:
+        node_id = await self._authenticated(request, body.node_id)
+        start, end = body.layers
+        if not 0 <= start < end <= body.n_layer:
+            raise HTTPException(400, f"layers {start}:{end} do not lie in 0:{body.n_layer}")
+        if not body.address and not body.relay:
+            raise HTTPException(400, "a node needs an address, a relay, or both")
+        try:
+            measured = check_capability(
+                body.capability, node_id=node_id, artifact=body.artifact, layers=(start, end), recipe=body.recipe
+            )
+        except AdmissionError as exc:
+            self.metrics.errors.labels("capability").inc()
+            raise HTTPException(400, str(exc)) from None
+        key = (body.artifact, (start, end), body.recipe)
+        record = NodeRecord(
+            node_id=node_id,
+            artifact=body.artifact,
+            n_layer=body.n_layer,
+            layers=(start, end),
+            recipe=body.recipe,
+            address=body.address,
+            relay=body.relay,
+            tls_cert_sha256=bytes.fromhex(body.tls_cert_sha256),
+            slots=body.slots,
+            ctx_per_session=body.ctx_per_session,
+            model_name=body.model_name,
+            measured=measured,
+            probe_required=self.require_probe or bool(self.references.seeds(key)),
+        )
+        now = time.time()
+        self.state.register(record, now)
+        self.metrics.registrations.inc()
+        self.challenges.pop(node_id, None)
+        self.last_probed.pop(node_id, None)
+        answer: dict[str, Any] = {
+            "heartbeat_seconds": HEARTBEAT_SECONDS,
+            "expire_after_seconds": self.state.expire_after,
+        }
+        challenge = self._challenge(self.state.nodes[node_id], now)
+        if challenge is not None:
+            answer["probe"] = challenge
+        elif record.probe_required:
+            log.warning("node %s: no probe references for its shard; kept out of routes", node_id.hex()[:12])
+        return answer
+
+    async def _heartbeat(self, body: Heartbeat, request: Request) -> dict[str, Any]:
+        node_id = await self._authenticated(request, body.node_id)
+        known = self.state.heartbeat(
+            node_id,
+            time.time(),
+            active_sessions=body.active_sessions,
+            free_slots=body.free_slots,
+            queue_depth=body.queue_depth,
+            step_ms=body.step_ms,
+        )
+        if not known:
+            raise HTTPException(404, "unknown node: register again")
+        self.metrics.heartbeats.inc()
+        answer: dict[str, Any] = {"ok": True}
+        challenge = self._challenge(self.state.nodes[node_id], time.time())
+        if challenge is not None:
+            answer["probe"] = challenge
+        return answer
+
+    async def _probe(self, body: ProbeReply, request: Request) -> dict[str, Any]:
+        node_id = await self._authenticated(request, body.node_id)
+        record = self.state.nodes.get(node_id)
+        pending = self.challenges.get(node_id)
+        if record is None:
+            raise HTTPException(404, "unknown node: register again")
+        if pending is None or pending[0] != body.seed:
+            raise HTTPException(409, "no probe with this seed is outstanding for this node")
+        reference = self.references.get((record.artifact, record.layers, record.recipe), body.seed)
+        assert reference is not None  # only seeds with references are issued
+        try:
+            answer = ProbeAnswer.from_json(body.model_dump())
+        except AdmissionError as exc:
+            raise HTTPException(400, str(exc)) from None
+        verdict = compare(reference, answer, self.probe_tolerance)
+        del self.challenges[node_id]
+        now = time.time()
+        self.last_probed[node_id] = now
+        self.state.update(node_id, probe_passed=verdict.passed, probe_detail=verdict.describe())
+        self.metrics.probes.labels("passed" if verdict.passed else "failed").inc()
+        if not verdict.passed:
+            log.error(
+                "node %s failed its known-answer probe for layers %s: %s; kept out of routes",
+                node_id.hex()[:12],
+                record.layers,
+                verdict.describe(),
+            )
+        return {"passed": verdict.passed, "exact": verdict.exact, "detail": verdict.describe()}
+
+    async def _nodes(self) -> dict[str, Any]:
+        now = time.time()
+        return {
+            "nodes": [
+                _public(r, now, self.state.step_budget_ms)
+                for r in sorted(self.state.nodes.values(), key=lambda r: r.layers)
+            ]
+        }
+
+    async def _artifacts(self) -> dict[str, Any]:
+        return {"artifacts": self.state.artifacts()}
+
+    async def _route(self, body: RouteRequest, request: Request) -> JSONResponse:
+        if self.api_key is not None and request.headers.get("authorization") != f"Bearer {self.api_key}":
+            raise HTTPException(401, "a valid tracker key is required to request routes")
+        try:
+            exclude = [bytes.fromhex(x) for x in body.exclude]
+        except ValueError:
+            raise HTTPException(400, "exclude holds hex node ids") from None
+        try:
+            choice = self.state.choose(body.artifact, body.tokens, exclude=exclude)
+        except NoRoute as exc:
+            self.metrics.routes.labels("full" if exc.full else "none").inc()
+            return JSONResponse({"error": str(exc), "full": exc.full}, status_code=429 if exc.full else 503)
+        hops = [Hop(n.node_id, Span(*n.layers), n.address, n.relay, n.tls_cert_sha256) for n in choice.nodes]
+        session_id = os.urandom(16)
+        ticket = tickets.issue(
+            self.identity,
+            session_id=session_id,
+            epoch=0,
+            artifact=bytes.fromhex(body.artifact),
+            hops=hops,
+            ttl_seconds=body.ttl_seconds,
+        )
+        self.state.note_session(n.node_id for n in choice.nodes)
+        self.routes_issued += 1
+        self.metrics.routes.labels("issued").inc()
+        return JSONResponse(
+            {
+                "session_id": session_id.hex(),
+                "epoch": 0,
+                "ticket": ticket.hex(),
+                "recipe": choice.nodes[0].recipe,
+                "cost_ms": round(choice.cost_ms, 3),
+                # the longest session every hop of the route can hold (prompt and reply)
+                "ctx_per_session": min(n.ctx_per_session for n in choice.nodes),
+                "hops": [
+                    {
+                        "node_id": n.node_id.hex(),
+                        "layers": list(n.layers),
+                        "address": n.address,
+                        "relay": n.relay,
+                        "tls_cert_sha256": n.tls_cert_sha256.hex(),
+                    }
+                    for n in choice.nodes
+                ],
+            }
+        )
 
 
 def _public(record: NodeRecord, now: float, step_budget_ms: float) -> dict[str, Any]:
