@@ -95,7 +95,12 @@ async def run_node(
     task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
     on_node: Callable[[Node], None] | None = None,
 ) -> None:
-    """Serve one shard until cancelled."""
+    """Serve one shard until cancelled.
+
+    Long, for a reason: the engine, its thread, the gRPC runtime, server and connector and
+    the node's tasks are opened in order here and closed in reverse in this one ``finally``,
+    where a reader can check that each is closed once, whatever failed.
+    """
     if opts.listen is None and opts.relay is None:
         raise ValueError("a node needs --listen, --relay, or both")
     me = identity.load_or_create(opts.data_dir)
@@ -108,29 +113,7 @@ async def run_node(
     # every call that touches the engine runs on this one thread (see enginethread)
     engine_thread = EngineThread()
     try:
-        if opts.backend == "transformers":
-            info, recipe, engine = await engine_thread.run(functools.partial(_torch_engine, opts))
-            layers = engine.layers
-        else:
-            info = artifacts.inspect(opts.model)
-            layers = opts.layers or info.layer_range
-            recipe = Recipe(
-                n_threads=opts.threads,
-                n_ctx_per_seq=opts.ctx_per_session,
-                n_seq_max=opts.slots,
-                n_batch=opts.batch,
-                n_ubatch=opts.batch,
-                flash_attn="on" if opts.flash_attn == "on" else "off",
-                use_mmap=opts.mmap,
-            )
-            if opts.memory_limit is not None:
-                recipe = memplan.capped(recipe)
-                limit = opts.memory_limit
-                planned = await trio.to_thread.run_sync(lambda: memplan.check(opts.model, layers, recipe, limit))
-                log.info("layers %s will hold %s of the %s limit", layers, planned.describe(), memplan.human(limit))
-            engine = await engine_thread.run(
-                lambda: ShardEngine(opts.model, recipe, layers, expected_fingerprint=opts.expected_fingerprint)
-            )
+        info, recipe, layers, engine = await _load_engine(opts, engine_thread)
     except BaseException:
         engine_thread.close()
         raise
@@ -195,27 +178,28 @@ async def run_node(
                     {"/probe": probe_handler(node)},
                 )
                 http_url = await nursery.start(serve_http, routes, opts.http)
+            # what the tracker and the ready line are told of this node
+            shown = {
+                "node_id": me.node_id.hex(),
+                "artifact": info.fingerprint,
+                "n_layer": info.n_layer,
+                "layers": [layers.start, layers.end],
+                "recipe": recipe.fingerprint(info.quant),
+                "address": address,
+                "relay": opts.relay or "",
+                "tls_cert_sha256": pin.hex(),
+                "slots": opts.slots,
+                "ctx_per_session": opts.ctx_per_session,
+            }
             if opts.tracker is not None:
-                registration = {
-                    "node_id": me.node_id.hex(),
-                    "artifact": info.fingerprint,
-                    "model_name": info.name,
-                    "n_layer": info.n_layer,
-                    "layers": [layers.start, layers.end],
-                    "recipe": recipe.fingerprint(info.quant),
-                    "address": address,
-                    "relay": opts.relay or "",
-                    "tls_cert_sha256": pin.hex(),
-                    "slots": opts.slots,
-                    "ctx_per_session": opts.ctx_per_session,
-                    "capability": admission.capability_record(
-                        me,
-                        artifact=info.fingerprint,
-                        layers=(layers.start, layers.end),
-                        recipe=recipe.fingerprint(info.quant),
-                        capability=capability,
-                    ),
-                }
+                record = admission.capability_record(
+                    me,
+                    artifact=info.fingerprint,
+                    layers=(layers.start, layers.end),
+                    recipe=recipe.fingerprint(info.quant),
+                    capability=capability,
+                )
+                registration = {**shown, "model_name": info.name, "capability": record}
 
                 async def answer_probe(seed: int) -> dict[str, Any]:
                     return (await node.probe(seed)).to_json()
@@ -224,23 +208,7 @@ async def run_node(
                 await nursery.start(link.run)
             if on_node is not None:
                 on_node(node)
-            task_status.started(
-                {
-                    "node_id": me.node_id.hex(),
-                    "layers": [layers.start, layers.end],
-                    "n_layer": info.n_layer,
-                    "address": address,
-                    "relay": opts.relay or "",
-                    "artifact": info.fingerprint,
-                    "recipe": recipe.fingerprint(info.quant),
-                    "tls_cert_sha256": pin.hex(),
-                    "pid": os.getpid(),
-                    "slots": opts.slots,
-                    "ctx_per_session": opts.ctx_per_session,
-                    "http": http_url,
-                    "capability": capability.to_json(),
-                }
-            )
+            task_status.started({**shown, "pid": os.getpid(), "http": http_url, "capability": capability.to_json()})
             log.info(
                 "node %s serving layers %s of %s at %s%s",
                 me.node_id.hex()[:12],
@@ -257,6 +225,37 @@ async def run_node(
         runtime.close()
         engine.close()
         engine_thread.close()
+
+
+async def _load_engine(opts: NodeOptions, engine_thread: EngineThread) -> tuple[artifacts.ArtifactInfo, Any, Any, Any]:
+    """(the model file's info, the recipe, the layers, the engine), loaded on ``engine_thread``.
+
+    With ``--memory-limit`` the plan is checked first: a shard that cannot fit is refused
+    before anything is allocated.
+    """
+    if opts.backend == "transformers":
+        info, recipe, engine = await engine_thread.run(functools.partial(_torch_engine, opts))
+        return info, recipe, engine.layers, engine
+    info = artifacts.inspect(opts.model)
+    layers = opts.layers or info.layer_range
+    recipe = Recipe(
+        n_threads=opts.threads,
+        n_ctx_per_seq=opts.ctx_per_session,
+        n_seq_max=opts.slots,
+        n_batch=opts.batch,
+        n_ubatch=opts.batch,
+        flash_attn="on" if opts.flash_attn == "on" else "off",
+        use_mmap=opts.mmap,
+    )
+    if opts.memory_limit is not None:
+        recipe = memplan.capped(recipe)
+        limit = opts.memory_limit
+        planned = await trio.to_thread.run_sync(lambda: memplan.check(opts.model, layers, recipe, limit))
+        log.info("layers %s will hold %s of the %s limit", layers, planned.describe(), memplan.human(limit))
+    engine = await engine_thread.run(
+        lambda: ShardEngine(opts.model, recipe, layers, expected_fingerprint=opts.expected_fingerprint)
+    )
+    return info, recipe, layers, engine
 
 
 def _torch_engine(opts: NodeOptions) -> tuple[artifacts.ArtifactInfo, Any, Any]:
