@@ -5,7 +5,7 @@ schema, :mod:`protocol.codec` for frames, :mod:`protocol.seam` for the per-sessi
 state machine and ``README.md`` for encodings and their measured error.
 """
 
-from protocol.codec import FrameDecoder, FrameEncoder, Limits
+from protocol.codec import FrameDecoder, FrameEncoder
 from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError, StatusCode
 from protocol.events import (
     MAX_TOP_LOGPROBS,
@@ -31,6 +31,7 @@ from protocol.events import (
     Usage,
     UsageRecord,
 )
+from protocol.limits import Limits
 from protocol.seam import Direction, SeamEndpoint, State, error_event
 
 __all__ = [

@@ -152,7 +152,11 @@ def test_tokens_frames_with_logprobs_are_byte_identical_to_generated_code(
         ([pb.TokenLogprob(token=1, logprob=0.5)], 1, "finite number <= 0"),
         ([pb.TokenLogprob(token=1, logprob=float("nan"))], 1, "finite number <= 0"),
         ([pb.TokenLogprob(token=1, logprob=-1.0, top_tokens=[1, 2], top_logprobs=[-1.0])], 1, "pair each token"),
-        ([pb.TokenLogprob(token=1, logprob=-1.0, top_tokens=list(range(21)), top_logprobs=[-1.0] * 21)], 1, "at most"),
+        (
+            [pb.TokenLogprob(token=1, logprob=-1.0, top_tokens=list(range(21)), top_logprobs=[-1.0] * 21)],
+            1,
+            "more than 20 top",
+        ),
         ([pb.TokenLogprob(token=1, logprob=-1.0)] * 2, 1, "one each, or none"),
     ],
 )
