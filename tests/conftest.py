@@ -71,3 +71,69 @@ def _no_session_defects(request: pytest.FixtureRequest, caplog: pytest.LogCaptur
     defects = [r.getMessage() for r in caplog.get_records("call") if "failed on a defect" in r.getMessage()]
     if defects:
         pytest.fail(f"a node met a defect: {defects[0]} (mark the test defects_expected if that is the point)")
+
+
+# Test tiers, from the cheapest: each module is in one (a module that mixes takes its
+# heaviest), and `pytest -m TIER` runs one; `make test` runs them all.
+TIERS = {
+    "pure": (  # no I/O: codecs, schemas, tables, the import graph
+        "test_contract",
+        "test_isolation",
+        "test_layers",
+        "test_protocol_chunks",
+        "test_protocol_codec",
+        "test_protocol_encodings",
+        "test_protocol_fuzz",
+        "test_protocol_seam",
+        "test_untrusted",
+    ),
+    "memory": (  # trio tasks over memory streams, fakes in place of the engine, often the autojump clock
+        "test_batcher",
+        "test_enginethread",
+        "test_node_pure",
+        "test_sessions",
+        "test_tracker",
+    ),
+    "engine": (  # real llama.cpp in this process, on real GGUF files
+        "test_batch_invariance",
+        "test_engine",
+        "test_gateway_pure",
+        "test_hostile_peers",
+        "test_node_core",
+    ),
+    "processes": (  # real processes and sockets on loopback
+        "test_access",
+        "test_admission",
+        "test_artifacts",
+        "test_benchmarks",
+        "test_cli",
+        "test_clients",
+        "test_faults",
+        "test_gate_f",
+        "test_gate_f_served",
+        "test_gateway",
+        "test_lint",
+        "test_logprobs",
+        "test_memplan",
+        "test_network_route",
+        "test_observability",
+        "test_parity",
+        "test_structured_output",
+        "test_timeline",
+        "test_tools",
+        "test_torchengine",
+        "test_transports",
+    ),
+    "isolation": ("test_gate_d",),  # network namespaces (root); memory caps are in processes' modules
+}
+_TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with its module's tier; a module in no tier is a usage error."""
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if isinstance(item, pytest.Function) else ""
+        tier = _TIER_OF.get(module)
+        if tier is None:
+            raise pytest.UsageError(f"{module or item.nodeid} is in no test tier: add it to TIERS in tests/conftest.py")
+        item.add_marker(tier)
