@@ -30,7 +30,8 @@ from noderuntime.network import NetworkConnector, ticket_check
 from noderuntime.node import Node, NodeConfig
 from noderuntime.telemetry import trio_tasks
 from noderuntime.tickets import TicketVerifier
-from noderuntime.tracker.client import TrackerError, TrackerLink, fetch_info
+from noderuntime.tracker.client import NodeLoad, TrackerError, TrackerLink, fetch_info
+from noderuntime.tracker.messages import Registration
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer, parse_address
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from protocol import Limits, Span
@@ -199,7 +200,7 @@ async def run_node(
                     recipe=recipe.fingerprint(info.quant),
                     capability=capability,
                 )
-                registration = {**shown, "model_name": info.name, "capability": record}
+                registration = Registration(**shown, model_name=info.name, capability=record)
 
                 async def answer_probe(seed: int) -> dict[str, Any]:
                     return (await node.probe(seed)).to_json()
@@ -284,17 +285,17 @@ async def _tracker_issuer_key(url: str) -> bytes:
                 await trio.sleep(1.0)
 
 
-def node_load(node: Node) -> Callable[[], dict[str, Any]]:
+def node_load(node: Node) -> Callable[[], NodeLoad]:
     """What a node reports in its heartbeats."""
 
-    def load() -> dict[str, Any]:
+    def load() -> NodeLoad:
         stats = node.statistics()
-        return {
-            "active_sessions": stats.active_sessions,
-            "free_slots": stats.leases.slots_free,
-            "queue_depth": stats.batcher.waiting,
-            "step_ms": round(stats.batcher.recent_tick_seconds * 1e3, 3),
-        }
+        return NodeLoad(
+            active_sessions=stats.active_sessions,
+            free_slots=stats.leases.slots_free,
+            queue_depth=stats.batcher.waiting,
+            step_ms=round(stats.batcher.recent_tick_seconds * 1e3, 3),
+        )
 
     return load
 

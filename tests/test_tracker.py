@@ -19,7 +19,8 @@ from noderuntime.identity import Identity
 from noderuntime.signing import sign
 from noderuntime.tickets import TicketVerifier
 from noderuntime.tracker.app import Tracker
-from noderuntime.tracker.client import TrackerError, TrackerLink, request_route
+from noderuntime.tracker.client import NodeLoad, TrackerError, TrackerLink, request_route
+from noderuntime.tracker.messages import Registration
 from noderuntime.tracker.state import MAX_ROUTES, NodeRecord, NoRoute, TrackerState, all_routes
 
 ARTIFACT = "ab" * 32
@@ -273,8 +274,8 @@ async def test_nodes_register_again_after_a_tracker_restart() -> None:
         link = TrackerLink(
             url,
             me,
-            _registration(me),
-            lambda: {"active_sessions": 0, "free_slots": 2, "queue_depth": 0, "step_ms": 1.0},
+            Registration(**_registration(me)),
+            lambda: NodeLoad(active_sessions=0, free_slots=2, queue_depth=0, step_ms=1.0),
             retry_seconds=0.2,
         )
         await nursery.start(link.run)

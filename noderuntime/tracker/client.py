@@ -14,6 +14,7 @@ import trio
 
 from noderuntime.identity import Identity
 from noderuntime.signing import sign
+from noderuntime.tracker.messages import Heartbeat, ProbeReply, Registration
 from protocol import Hop, Span
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,16 @@ async def fetch_info(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
         raise TrackerError(f"cannot read {url}/v1/info: {exc}") from None
 
 
+@attrs.frozen
+class NodeLoad:
+    """What a node's heartbeat reports of its load now."""
+
+    active_sessions: int
+    free_slots: int
+    queue_depth: int
+    step_ms: float
+
+
 class TrackerLink:
     """Keeps a node registered: register, heartbeat, re-register whenever the tracker forgot it."""
 
@@ -46,8 +57,8 @@ class TrackerLink:
         self,
         url: str,
         identity: Identity,
-        registration: dict[str, Any],
-        load: Callable[[], dict[str, Any]],
+        registration: Registration,
+        load: Callable[[], NodeLoad],
         *,
         retry_seconds: float = 1.0,
         on_probe: Callable[[int], Awaitable[dict[str, Any]]] | None = None,
@@ -83,7 +94,8 @@ class TrackerLink:
         except ValueError as exc:
             log.warning("cannot answer the tracker's probe %d: %s", seed, exc)
             return
-        reply = await self._post(client, "/v1/nodes/probe", {"node_id": self.identity.node_id.hex(), **answer})
+        reply_body = ProbeReply(node_id=self.identity.node_id.hex(), **answer).model_dump(mode="json")
+        reply = await self._post(client, "/v1/nodes/probe", reply_body)
         self.probes_answered += 1
         if reply.status_code == 200:
             verdict = reply.json()
@@ -105,7 +117,8 @@ class TrackerLink:
             while True:
                 try:
                     if not self.registered:
-                        response = await self._post(client, "/v1/nodes/register", self.registration)
+                        body = self.registration.model_dump(mode="json")
+                        response = await self._post(client, "/v1/nodes/register", body)
                         if response.status_code != 200:
                             raise TrackerError(f"registration refused: {response.text[:200]}", response.status_code)
                         interval = float(response.json().get("heartbeat_seconds", 2.0))
@@ -117,9 +130,8 @@ class TrackerLink:
                             started = True
                             task_status.started()
                     else:
-                        response = await self._post(
-                            client, "/v1/nodes/heartbeat", {"node_id": self.identity.node_id.hex(), **self._load()}
-                        )
+                        beat = Heartbeat(node_id=self.identity.node_id.hex(), **attrs.asdict(self._load()))
+                        response = await self._post(client, "/v1/nodes/heartbeat", beat.model_dump(mode="json"))
                         if response.status_code == 404:
                             log.info("the tracker forgot this node (restarted?): registering again")
                             self.registered = False
