@@ -134,7 +134,7 @@ def in_fresh_process(fn: Callable[..., _T], *args: Any) -> _T:
 
     For engine lanes: llama.cpp's OpenMP team belongs to the thread that runs a graph and
     stays parked after it, and two teams in one process throttle each other's barriers
-    (see noderuntime.enginethread), so each measurement starts from a clean process.
+    (see noderuntime.engine.thread), so each measurement starts from a clean process.
     """
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

@@ -97,8 +97,8 @@ def _frame_timings(n: int) -> dict[str, Any]:
 
 
 def _seam_error(model: str) -> dict[str, Any]:
-    from noderuntime.artifacts import LayerRange
-    from noderuntime.engine import Recipe, Rows, ShardEngine, Vocab
+    from noderuntime.engine.llama import Recipe, Rows, ShardEngine, Vocab
+    from noderuntime.models.artifacts import LayerRange
     from protocol import Encoding, encodings
 
     vocab = Vocab(model)
@@ -144,8 +144,9 @@ def _seam_error(model: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _common.parser(NAME, __doc__ or "").parse_args(argv)
-    from noderuntime import artifacts, models
-    from noderuntime.engine import Recipe
+    from noderuntime.engine.llama import Recipe
+    from noderuntime.models import artifacts
+    from noderuntime.models import catalogue as models
 
     model = models.pull(models.DEMO_MODEL, progress=False)
     timings = _frame_timings(500 if args.quick else 5000)

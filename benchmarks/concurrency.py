@@ -34,7 +34,7 @@ PROMPT = 16
 
 
 def _recipe() -> Any:
-    from noderuntime.engine import Recipe
+    from noderuntime.engine.llama import Recipe
 
     return Recipe(n_threads=2, n_ctx_per_seq=256, n_seq_max=16, n_batch=256, n_ubatch=256)
 
@@ -58,7 +58,7 @@ def _summarize(arrivals: list[list[float]]) -> dict[str, float]:
 
 
 def _engine_lane(model: str, sessions: int, new_tokens: int) -> dict[str, float]:
-    from noderuntime.engine import Rows, ShardEngine
+    from noderuntime.engine.llama import Rows, ShardEngine
     from protocol import Sampling
 
     with ShardEngine(model, _recipe()) as engine:
@@ -87,8 +87,8 @@ def _engine_lane(model: str, sessions: int, new_tokens: int) -> dict[str, float]
 
 
 async def _route_lane(model: str, cuts: list[int], sessions: int, new_tokens: int) -> dict[str, float]:
-    from noderuntime.client import GenerationRequest, open_generation
-    from noderuntime.localroute import open_local_route
+    from noderuntime.seams.client import GenerationRequest, open_generation
+    from noderuntime.services.localroute import open_local_route
 
     prompts = _prompts(sessions)
     arrivals: list[list[float]] = [[] for _ in range(sessions)]
@@ -120,7 +120,8 @@ def _lane_main(lane: str, model: str, n_layer: int, sessions: int, new_tokens: i
 
 def main(argv: list[str] | None = None) -> int:
     args = _common.parser(NAME, __doc__ or "").parse_args(argv)
-    from noderuntime import artifacts, models
+    from noderuntime.models import artifacts
+    from noderuntime.models import catalogue as models
 
     model = str(models.pull(models.DEMO_MODEL, progress=False))
     info = artifacts.inspect(model)

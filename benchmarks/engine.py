@@ -26,14 +26,14 @@ BATCHES = (1, 4, 8, 16)
 
 
 def _recipe() -> Any:
-    from noderuntime.engine import Recipe
+    from noderuntime.engine.llama import Recipe
 
     return Recipe(n_threads=2, n_ctx_per_seq=1024, n_seq_max=16, n_batch=512, n_ubatch=512, flash_attn="off")
 
 
 def _lane(model: str, cuts: list[int], prefill_tokens: int, decode_steps: int) -> dict[str, float]:
-    from noderuntime.artifacts import LayerRange
-    from noderuntime.engine import Rows, ShardEngine
+    from noderuntime.engine.llama import Rows, ShardEngine
+    from noderuntime.models.artifacts import LayerRange
 
     recipe = _recipe()
     engines = [ShardEngine(model, recipe, LayerRange(a, b)) for a, b in itertools.pairwise(cuts)]
@@ -95,7 +95,8 @@ def _lane(model: str, cuts: list[int], prefill_tokens: int, decode_steps: int) -
 
 def main(argv: list[str] | None = None) -> int:
     args = _common.parser(NAME, __doc__ or "").parse_args(argv)
-    from noderuntime import artifacts, models
+    from noderuntime.models import artifacts
+    from noderuntime.models import catalogue as models
 
     model = models.pull(models.DEMO_MODEL, progress=False)
     info = artifacts.inspect(model)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _common
-from noderuntime.engine import Recipe
+from noderuntime.engine.llama import Recipe
 
 NAME = "faults"
 ROOT = Path(__file__).resolve().parents[1]

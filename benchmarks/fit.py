@@ -46,11 +46,12 @@ import attrs
 import httpx
 
 from benchmarks import _common
-from noderuntime import memplan, synth
-from noderuntime.artifacts import LayerRange
-from noderuntime.cgroups import MemoryCap, available
-from noderuntime.cluster import ManagedProcess, ProcessError
-from noderuntime.engine import Recipe
+from noderuntime.engine import memplan
+from noderuntime.engine.llama import Recipe
+from noderuntime.models import synth
+from noderuntime.models.artifacts import LayerRange
+from noderuntime.services.cgroups import MemoryCap, available
+from noderuntime.services.cluster import ManagedProcess, ProcessError
 
 NAME = "fit"
 SLOTS = 2

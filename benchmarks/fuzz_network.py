@@ -44,10 +44,11 @@ import trio
 from trio_websocket import ConnectionClosed, HandshakeError, open_websocket_url
 
 from benchmarks import _common
-from noderuntime import localsystem, tickets
-from noderuntime.engine import Recipe
-from noderuntime.identity import Identity as NodeIdentity
-from noderuntime.signing import sign
+from noderuntime.access import tickets
+from noderuntime.access.identity import Identity as NodeIdentity
+from noderuntime.access.signing import sign
+from noderuntime.engine.llama import Recipe
+from noderuntime.services import localsystem
 from noderuntime.transport import TransportError
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector
 from protocol import (

@@ -2,8 +2,8 @@
 
     python -m benchmarks.gate_a [--quick] [--out PATH] [--lanes NAME,...]
 
-The lanes (``noderuntime.lanes``) all come from the demo model's weights: float32 and
-bfloat16 safetensors run by Transformers (``noderuntime.torchengine``), and GGUF F32, F16,
+The lanes (``noderuntime.verify.lanes``) all come from the demo model's weights: float32 and
+bfloat16 safetensors run by Transformers (``noderuntime.engine.torch_backend``), and GGUF F32, F16,
 Q8_0, Q4_K_M (llama.cpp's quantizer) and the original Q4_1 run by the patched llama.cpp.
 Both engines are driven through the same interface by the same loop: the committed
 prompts (``benchmarks/data/gate_a_prompts.json``, 32 to 1024 tokens) tokenized once,
@@ -16,7 +16,7 @@ lane runs in its own process; RSS is read before the quality pass), weights on d
 and quality against the F32 Transformers lane: top-1 agreement and mean KL divergence
 over teacher-forced positions of ``benchmarks/data/public_domain.txt``, and perplexity.
 
-The result is a contract (``noderuntime.contract``): the sha256 of every input, the
+The result is a contract (``noderuntime.verify.contract``): the sha256 of every input, the
 recipes, library versions, the machine, the figures and the thresholds this run locks
 (each measured figure with a stated margin for noise), signed with Ed25519.
 ``noderuntime bench verify FILE [--rerun]`` checks it. A Markdown summary and a PNG go
@@ -88,17 +88,17 @@ def load_prompts(vocab: Any, names: list[str]) -> dict[str, list[int]]:
 
 def _engine(backend: str, path: str, output_hidden: bool = False) -> Any:
     if backend == "transformers":
-        from noderuntime.torchengine import TorchEngine, TorchRecipe
+        from noderuntime.engine.torch_backend import TorchEngine, TorchRecipe
 
         return TorchEngine(path, TorchRecipe(n_threads=THREADS, n_ctx_per_seq=2048, n_seq_max=8, n_batch=CHUNK))
-    from noderuntime.engine import Recipe, ShardEngine
+    from noderuntime.engine.llama import Recipe, ShardEngine
 
     recipe = Recipe(n_threads=THREADS, n_ctx_per_seq=2048, n_seq_max=8, n_batch=CHUNK, n_ubatch=CHUNK)
     return ShardEngine(path, recipe)
 
 
 def _rows(seq: int, start: int, tokens: list[int], *, all_outputs: bool = False) -> Any:
-    from noderuntime.steps import Rows
+    from noderuntime.engine.base import Rows
 
     n = len(tokens)
     outputs = np.ones(n, dtype=bool) if all_outputs else np.arange(n) == n - 1
@@ -123,7 +123,7 @@ def _prefill(engine: Any, seq: int, prompt: list[int], sampler: Any) -> int:
 
 
 def _decode(engine: Any, seqs: list[int], positions: list[int], tokens: list[int], samplers: list[Any]) -> list[int]:
-    from noderuntime.steps import Rows
+    from noderuntime.engine.base import Rows
 
     n = len(seqs)
     rows = Rows(
@@ -280,7 +280,7 @@ def _ceil(value: float, digits: int = 4) -> float:
 
 def _thresholds(figures: dict[str, Any]) -> list[dict[str, Any]]:
     """The claims this run locks, each from its measured figure with the stated margin."""
-    from noderuntime import contract
+    from noderuntime.verify import contract
 
     lanes = figures["lanes"]
     out: list[dict[str, Any]] = []
@@ -399,9 +399,10 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
-    from noderuntime import contract, lanes, models
-    from noderuntime.engine import Vocab, build_info
-    from noderuntime.torchengine import versions
+    from noderuntime.engine.llama import Vocab, build_info
+    from noderuntime.engine.torch_backend import versions
+    from noderuntime.models import catalogue as models
+    from noderuntime.verify import contract, lanes
 
     p = _common.parser(NAME, __doc__.split("\n\n")[0])
     p.add_argument("--lanes", default="", help="comma-separated lane names (default: all)")
@@ -467,7 +468,7 @@ def main(argv: list[str] | None = None) -> None:
             "transformers": {
                 **versions(),
                 "threads": THREADS,
-                "attention": "per-sequence SDPA (noderuntime.torchengine)",
+                "attention": "per-sequence SDPA (noderuntime.engine.torch_backend)",
             },
             "sampling": "greedy",
             "cpu_affinity": list(range(min(THREADS, os.cpu_count() or 1))),

@@ -6,7 +6,7 @@ Each route is two real ``noderuntime up`` processes (layers 0:15 and 15:30 of th
 model, one thread each on this 2-core machine, a gRPC seam on loopback): llama.cpp on
 the GGUF files (the original Q4_1 and the Q8_0 lane) and the Transformers backend on
 the BF16 and F32 safetensors lanes, all made from the same weights by
-``noderuntime.lanes``. Routes run one after another, never two at once.
+``noderuntime.verify.lanes``. Routes run one after another, never two at once.
 
 The same client loop drives each route with the Gate A prompts: concurrency 1 (each
 prompt alone: TTFT, decode tok/s) and 8 (eight sessions at once: TTFT p50/max and
@@ -59,7 +59,7 @@ def _settings(quick: bool) -> dict[str, Any]:
 
 
 async def _generation(cluster: Any, dialer: Any, prompt: list[int], n: int) -> dict[str, Any]:
-    from noderuntime.client import GenerationRequest
+    from noderuntime.seams.client import GenerationRequest
 
     started = time.perf_counter()
     arrivals: list[float] = []
@@ -71,7 +71,7 @@ async def _generation(cluster: Any, dialer: Any, prompt: list[int], n: int) -> d
 
 
 async def _measure(cluster: Any, prompts: dict[str, list[int]], settings: dict[str, Any]) -> dict[str, Any]:
-    from noderuntime.dialer import open_dialer
+    from noderuntime.seams.dialer import open_dialer
 
     out: dict[str, Any] = {"c1": {"prompts": {}}, "outputs": {}}
     async with open_dialer() as dialer:
@@ -150,10 +150,11 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
     from benchmarks.gate_a import load_prompts
-    from noderuntime import lanes, models
-    from noderuntime.engine import Vocab, build_info
+    from noderuntime.engine.llama import Vocab, build_info
+    from noderuntime.engine.torch_backend import versions, whole_model_greedy
+    from noderuntime.models import catalogue as models
     from noderuntime.testing.clusters import running_cluster
-    from noderuntime.torchengine import versions, whole_model_greedy
+    from noderuntime.verify import lanes
 
     args = _common.parser(NAME, __doc__.split("\n\n")[0]).parse_args(argv)
     settings = _settings(args.quick)

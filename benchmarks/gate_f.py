@@ -45,7 +45,7 @@ LEVELS = (1, 2, 4, 8)
 
 
 def _shapes(quick: bool) -> dict[str, Any]:
-    from noderuntime import synth
+    from noderuntime.models import synth
 
     return {
         "qwen3-8b-shape": synth.qwen3_8b_shape(2 if quick else 8),
@@ -61,7 +61,7 @@ def _end_cuts(n_layer: int) -> list[int]:
 
 
 def _parity(model: Path, n_layer: int) -> dict[str, Any]:
-    from noderuntime.parity import check_parity
+    from noderuntime.verify.parity import check_parity
 
     started = time.monotonic()
     report = check_parity(model, _end_cuts(n_layer), n_tokens=32, prompt_lengths=(23, 41))
@@ -106,8 +106,10 @@ def plot_png(path: Path, batching: dict[str, Any]) -> None:
 def main() -> None:
     """Run every Gate F lane and write the JSON and PNG."""
     args = _common.parser(NAME, __doc__ or "").parse_args()
-    from noderuntime import agreement, artifacts, models, synth
-    from noderuntime.engine import Recipe, Vocab
+    from noderuntime.engine.llama import Recipe, Vocab
+    from noderuntime.models import artifacts, synth
+    from noderuntime.models import catalogue as models
+    from noderuntime.verify import agreement
 
     out = _common.out_path(NAME, args)
     figures: dict[str, Any] = {"parity": {}, "agreement": {}, "batching": {}}

@@ -26,7 +26,7 @@
    between two decode ticks, and again after reading 64 MiB, as a tick reads a shard's
    weights and leaves the caches cold for the code that runs next.
 5. Where one decode token's time goes, step by step: the nodes of a gRPC route and of a
-   relay route record their timelines (:mod:`noderuntime.timeline`), and each token is
+   relay route record their timelines (:mod:`noderuntime.operations.timeline`), and each token is
    followed from the tail's tick through the seams, both nodes' threads, the sessions,
    the batchers and the engines back to the tail's next tick.
 6. What idling alone costs the engine, part of why its calls run slower inside a route
@@ -149,8 +149,8 @@ async def _seam_opens(count: int, tmp: Path) -> dict[str, Any]:
     session's first seam to a new peer pays the handshakes (with TLS: fetching the pinned
     certificate, then the connection's own), later ones start with their first frame.
     """
-    from noderuntime.identity import self_signed
-    from noderuntime.noderun import server_tls
+    from noderuntime.access.identity import self_signed
+    from noderuntime.services.noderun import server_tls
     from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer
 
     payload = os.urandom(DECODE_FRAME)
@@ -205,7 +205,7 @@ async def _wake_ups(count: int) -> dict[str, Any]:
     weights, not the interpreter's code and data. The engine thread is what a node's
     batches go to; ``trio.to_thread``, what they went to before, is timed beside it.
     """
-    from noderuntime.enginethread import EngineThread
+    from noderuntime.engine.thread import EngineThread
     from noderuntime.transport.grpc import AsyncioThread
 
     async def nothing() -> None:
@@ -263,7 +263,7 @@ async def _wake_ups(count: int) -> dict[str, Any]:
 
 def _in_process_recipe(threads: int) -> Any:
     """The recipe of the lanes that run the engine in this process (whole, chained, alone)."""
-    from noderuntime.engine import Recipe
+    from noderuntime.engine.llama import Recipe
 
     return Recipe(n_threads=threads, n_ctx_per_seq=512, n_seq_max=4, n_batch=512, n_ubatch=512)
 
@@ -274,8 +274,8 @@ def _engine_decode(model: str, new_tokens: int, threads: int = 2, layers: tuple[
     A range that is not the head is fed random hidden rows (its speed does not depend on
     their values); the tail samples as the whole model does.
     """
-    from noderuntime.artifacts import LayerRange
-    from noderuntime.engine import Rows, ShardEngine
+    from noderuntime.engine.llama import Rows, ShardEngine
+    from noderuntime.models.artifacts import LayerRange
     from protocol import Sampling
 
     recipe = _in_process_recipe(threads)
@@ -316,8 +316,8 @@ def _engine_after_idle(model: str, cuts: list[int], calls: int, rounds: int = 3)
     here with no network, no other process and no other thread. Bursts of each kind take
     turns ``rounds`` times; medians of the calls (ms).
     """
-    from noderuntime.artifacts import LayerRange
-    from noderuntime.engine import Rows, ShardEngine
+    from noderuntime.engine.llama import Rows, ShardEngine
+    from noderuntime.models.artifacts import LayerRange
     from protocol import Sampling
 
     recipe = _in_process_recipe(2)
@@ -373,8 +373,8 @@ def _chained_decode(model: str, new_tokens: int, cuts: list[int], threads: int =
     seam, no threads and no event loop between its shards, whose weights still take
     turns in the caches as two shards' do on one machine.
     """
-    from noderuntime.artifacts import LayerRange
-    from noderuntime.engine import Rows, ShardEngine
+    from noderuntime.engine.llama import Rows, ShardEngine
+    from noderuntime.models.artifacts import LayerRange
     from protocol import Sampling
 
     recipe = _in_process_recipe(threads)
@@ -420,7 +420,7 @@ async def _route_rate(
     Appends each shard's mean decode tick (ms) to ``ticks``, and the part of it spent in
     the engine's own call to ``engine``; the rest is the engine thread's round trip.
     """
-    from noderuntime.client import GenerationRequest, open_route_generation
+    from noderuntime.seams.client import GenerationRequest, open_route_generation
 
     session = os.urandom(16)
     request = GenerationRequest(tuple(range(100, 140)), new_tokens + 1)
@@ -464,7 +464,7 @@ def _median_ticks(ticks: list[list[float]]) -> list[float]:
 
 async def _pinned_lanes(model: Path, cuts: list[int], new_tokens: int, repeats: int) -> dict[str, Any]:
     """One core per shard process (as if each were its own 1-core host) vs the whole model on one core."""
-    from noderuntime.dialer import open_dialer
+    from noderuntime.seams.dialer import open_dialer
     from noderuntime.testing.clusters import running_cluster
 
     rates: dict[str, Any] = {"whole_1core": [], "grpc_1core_each": [], "head_alone_1core": [], "tail_alone_1core": []}
@@ -499,7 +499,7 @@ async def _lanes(
     with no seam between shards, which pays the client's seam and the node's threads only.
     The clusters of ``route_names`` run side by side.
     """
-    from noderuntime.dialer import open_dialer
+    from noderuntime.seams.dialer import open_dialer
     from noderuntime.testing.clusters import running_cluster
 
     rates: dict[str, Any] = {k: [] for k in LANES if k not in ROUTES or k in route_names} | {"chained_engine_ms": []}
@@ -576,7 +576,7 @@ def _grpc_side(shard: str) -> str:
 def token_stages(records: list[dict[str, Any]], transport: str, windows: Sequence[tuple[int, int]]) -> dict[str, Any]:
     """Median time of each step of a decode token round a 2-shard route, from the nodes' timelines.
 
-    ``records`` are the node processes' timelines (:func:`noderuntime.timeline.read`);
+    ``records`` are the node processes' timelines (:func:`noderuntime.operations.timeline.read`);
     ``windows`` are the (start, end) ``perf_counter_ns`` of each generation measured.
     Each token is followed stage by stage, taking for each the first record of it after
     the stage before; a token whose way cannot be followed to the end within its
@@ -660,8 +660,8 @@ async def _timelines(model: Path, cuts: list[int], new_tokens: int, repeats: int
     The node processes record their timelines (``NODERUNTIME_TIMELINE``); each route runs
     ``repeats`` generations of ``new_tokens``, taking turns.
     """
-    from noderuntime import timeline
-    from noderuntime.dialer import open_dialer
+    from noderuntime.operations import timeline
+    from noderuntime.seams.dialer import open_dialer
     from noderuntime.testing.clusters import running_cluster
 
     windows: dict[str, list[tuple[int, int]]] = {"grpc": [], "relay": []}
@@ -744,8 +744,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: Any, tmp: Path) -> int:
-    from noderuntime import artifacts, models, synth
-    from noderuntime.engine import Recipe
+    from noderuntime.engine.llama import Recipe
+    from noderuntime.models import artifacts, synth
+    from noderuntime.models import catalogue as models
 
     if args.demo_shape:
         model = synth.write_model(
@@ -942,7 +943,7 @@ def _main(args: Any, tmp: Path) -> int:
 
 def _largest_lanes(tmp: Path, new_tokens: int, repeats: int) -> dict[str, Any]:
     """The decode lanes on a model of Llama-3.1-8B's shape, or why they were skipped."""
-    from noderuntime import synth
+    from noderuntime.models import synth
 
     try:
         path = synth.write_model(

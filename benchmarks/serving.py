@@ -131,8 +131,10 @@ async def _level(url: str, model: str, clients: int, requests_each: int, max_tok
 
 def main(argv: list[str] | None = None) -> int:
     args = _common.parser(NAME, __doc__ or "").parse_args(argv)
-    from noderuntime import artifacts, localsystem, models
-    from noderuntime.engine import Recipe
+    from noderuntime.engine.llama import Recipe
+    from noderuntime.models import artifacts
+    from noderuntime.models import catalogue as models
+    from noderuntime.services import localsystem
 
     model = models.pull(models.DEMO_MODEL, progress=False)
     levels = [1, 4] if args.quick else [1, 4, 8]

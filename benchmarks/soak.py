@@ -39,8 +39,8 @@ import httpx
 import trio
 
 from benchmarks import _common
-from noderuntime import localsystem
-from noderuntime.engine import Recipe
+from noderuntime.engine.llama import Recipe
+from noderuntime.services import localsystem
 
 NAME = "soak"
 ENDINGS = ("complete", "stop", "disconnect_prefill", "disconnect_decode", "disconnect_between", "deadline")

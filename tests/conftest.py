@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from noderuntime import models, synth
+from noderuntime.models import catalogue as models
+from noderuntime.models import synth
 
 TINY_SHAPE = synth.ModelShape(n_layer=4, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_vocab=320, context_length=1024)
 TINY_SHAPES = synth.TINY_SHAPES

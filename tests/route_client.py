@@ -17,8 +17,8 @@ import time
 
 import trio
 
-from noderuntime.client import GenerationRequest, RouteError, open_route_generation
-from noderuntime.dialer import open_dialer
+from noderuntime.seams.client import GenerationRequest, RouteError, open_route_generation
+from noderuntime.seams.dialer import open_dialer
 from protocol import Hop, Span
 
 

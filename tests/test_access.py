@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import trio
 
-from noderuntime.client import GenerationRequest, RouteError
-from noderuntime.dialer import open_dialer
-from noderuntime.identity import Identity
-from noderuntime.signing import sign
+from noderuntime.access.identity import Identity
+from noderuntime.access.signing import sign
+from noderuntime.access.tickets import MAGIC, issue
+from noderuntime.seams.client import GenerationRequest, RouteError
+from noderuntime.seams.dialer import open_dialer
 from noderuntime.testing.clusters import Cluster, running_cluster
-from noderuntime.tickets import MAGIC, issue
 from noderuntime.transport import StreamBroken
 from noderuntime.transport.relay_client import RelayDialer
 from protocol import Hop, Span, StatusCode
@@ -265,7 +265,7 @@ async def test_a_route_plan_naming_undialable_addresses_fails_the_session_not_th
 async def test_a_node_cannot_speak_for_another_at_the_tracker() -> None:
     import httpx
 
-    from noderuntime.httpserve import serve_http
+    from noderuntime.operations.httpserve import serve_http
     from noderuntime.tracker.app import Tracker
 
     from .test_tracker import _registration

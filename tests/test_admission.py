@@ -16,12 +16,14 @@ from typing import Any
 import attrs
 import pytest
 
-from noderuntime import admission, artifacts, ggufio
-from noderuntime.admission import AdmissionError, Capability, ProbeAnswer, ProbeReferences
-from noderuntime.artifacts import LayerRange
-from noderuntime.cluster import ManagedProcess
-from noderuntime.engine import Recipe, ShardEngine
-from noderuntime.identity import Identity
+from noderuntime.access.identity import Identity
+from noderuntime.control import admission
+from noderuntime.control.admission import AdmissionError, Capability, ProbeAnswer, ProbeReferences
+from noderuntime.engine.llama import Recipe, ShardEngine
+from noderuntime.models import artifacts
+from noderuntime.models import gguf as ggufio
+from noderuntime.models.artifacts import LayerRange
+from noderuntime.services.cluster import ManagedProcess
 from noderuntime.tracker.state import NodeRecord
 
 CAPABILITY = Capability(

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from noderuntime import artifacts, synth
-from noderuntime.artifacts import ArtifactError, LayerRange
+from noderuntime.models import artifacts, synth
+from noderuntime.models.artifacts import ArtifactError, LayerRange
 
 from .conftest import TINY_SHAPE
 
@@ -157,7 +157,7 @@ def test_an_interrupted_split_leaves_no_partial_file(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A full disk (or Ctrl-C) midway must not leave gigabytes of a half-written slice behind."""
-    from noderuntime import ggufio
+    from noderuntime.models import gguf as ggufio
 
     def write_until_the_disk_fills(path: Path, *args: object, **kwargs: object) -> None:
         Path(path).write_bytes(b"the first part of a slice")

@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 import trio
 
-from noderuntime import batcher as batcher_module
-from noderuntime import scheduler
-from noderuntime.artifacts import LayerRange
-from noderuntime.batcher import Batcher, StepRequest
-from noderuntime.engine import Recipe, ShardEngine
-from noderuntime.leases import LeaseManager
-from noderuntime.scheduler import BatchPlan
-from noderuntime.steps import Rows
+from noderuntime.engine.base import Rows
+from noderuntime.engine.llama import Recipe, ShardEngine
+from noderuntime.models.artifacts import LayerRange
+from noderuntime.node import batcher as batcher_module
+from noderuntime.node import scheduler
+from noderuntime.node.batcher import Batcher, StepRequest
+from noderuntime.node.leases import LeaseManager
+from noderuntime.node.scheduler import BatchPlan
 
 RECIPE = Recipe(n_threads=1, n_ctx_per_seq=1024, n_seq_max=6, n_batch=512, n_ubatch=512)
 

@@ -10,9 +10,9 @@ import pytest
 import trio
 import trio.testing
 
-from noderuntime.batcher import Batcher, StepFailed, StepRequest
-from noderuntime.leases import LeaseManager
-from noderuntime.steps import Rows, StepResult
+from noderuntime.engine.base import Rows, StepResult
+from noderuntime.node.batcher import Batcher, StepFailed, StepRequest
+from noderuntime.node.leases import LeaseManager
 
 RUN_SECONDS = 0.010  # each batch takes 10 ms of (virtual) time
 

@@ -90,7 +90,7 @@ def test_fuzzing_every_network_entry_crashes_nothing_and_leaks_nothing(tmp_path:
 @pytest.mark.slow
 def test_a_model_twice_a_nodes_cap_is_served_by_capped_nodes(tmp_path: Path) -> None:
     """The fit lane's CI size: ~1.5 GB model, 1 GiB cgroup caps."""
-    from noderuntime.cgroups import available
+    from noderuntime.services.cgroups import available
 
     reason = available()
     skip_unless_possible(reason)
@@ -112,8 +112,8 @@ def test_a_model_twice_a_nodes_cap_is_served_by_capped_nodes(tmp_path: Path) -> 
 @pytest.mark.slow
 def test_gate_a_writes_a_contract_that_verifies(tmp_path: Path) -> None:
     """Seven lanes from one source of weights; the contract verifies, and a changed figure does not."""
-    from noderuntime import contract
     from noderuntime.cli import main as cli
+    from noderuntime.verify import contract
 
     out = tmp_path / "gate_a.json"
     figures: dict[str, Any] = _run_quick("gate_a", out)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from noderuntime import artifacts
-from noderuntime.artifacts import LayerRange
-from noderuntime.identity import load_or_create, self_signed
+from noderuntime.access.identity import load_or_create, self_signed
+from noderuntime.models import artifacts
+from noderuntime.models.artifacts import LayerRange
 
 
 def _run(python: str, cli_env: dict[str, str], *argv: str) -> str:

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from noderuntime import localsystem
+from noderuntime.services import localsystem
 
 # LiteLLM fetches a price list from the network on import unless told to use its own copy
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")

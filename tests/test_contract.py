@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from noderuntime import contract
+from noderuntime.access.identity import public_bytes
 from noderuntime.cli import main
-from noderuntime.contract import ContractError, Threshold
-from noderuntime.identity import public_bytes
+from noderuntime.verify import contract
+from noderuntime.verify.contract import ContractError, Threshold
 
 KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
 OTHER_KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(1, 33)))
@@ -303,7 +303,7 @@ import json
 import sys
 from pathlib import Path
 
-from noderuntime import contract
+from noderuntime.verify import contract
 
 
 def main(argv=None):

@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from noderuntime import artifacts, engine
-from noderuntime.artifacts import LayerRange
-from noderuntime.engine import EngineError, Recipe, Rows, ShardEngine, Vocab
+from noderuntime.engine import llama as engine
+from noderuntime.engine.llama import EngineError, Recipe, Rows, ShardEngine, Vocab
+from noderuntime.models import artifacts
+from noderuntime.models.artifacts import LayerRange
 from protocol import Sampling
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +54,7 @@ def test_stock_llama_cpp_python_is_refused_with_build_instructions(tmp_path: Pat
             _lib = ctypes.CDLL(ctypes.util.find_library("c"))
     """)
     )
-    probe = "import noderuntime.engine"
+    probe = "import noderuntime.engine.llama"
     done = subprocess.run(
         [sys.executable, "-c", probe],
         capture_output=True,
@@ -169,7 +170,7 @@ def test_sampler_chains(tiny_model: Path) -> None:
 
 RESIDENCY_PROBE = textwrap.dedent("""
     import json, sys, psutil
-    from noderuntime.engine import ShardEngine, Recipe, Rows
+    from noderuntime.engine.llama import ShardEngine, Recipe, Rows
     import numpy as np
     recipe = Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=4, n_batch=64, n_ubatch=64)
     before = psutil.Process().memory_info().rss
@@ -224,7 +225,7 @@ def test_a_vocabulary_that_fails_to_load_leaves_nothing_to_trip_on(tmp_path: Pat
 DEAD_GRAMMAR = textwrap.dedent("""
     import sys
     import numpy as np
-    from noderuntime.engine import Recipe, Rows, ShardEngine
+    from noderuntime.engine.llama import Recipe, Rows, ShardEngine
     from protocol import Sampling
     with ShardEngine(sys.argv[1], Recipe(n_threads=1, n_ctx_per_seq=256, n_seq_max=1)) as e:
         chain = e.new_sampler(Sampling(grammar=sys.argv[2]))

@@ -8,7 +8,7 @@ import time
 import pytest
 import trio
 
-from noderuntime.enginethread import EngineThread
+from noderuntime.engine.thread import EngineThread
 
 
 async def test_every_call_runs_on_the_same_thread_in_order() -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from noderuntime.cluster import ManagedProcess
+from noderuntime.services.cluster import ManagedProcess
 from tests.linkproxy import LinkProxy
 
 pytestmark = pytest.mark.slow

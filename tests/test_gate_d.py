@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from noderuntime.cluster import ROOT, ManagedProcess
-from noderuntime.identity import Identity
-from noderuntime.tickets import issue
+from noderuntime.access.identity import Identity
+from noderuntime.access.tickets import issue
+from noderuntime.services.cluster import ROOT, ManagedProcess
 from protocol import Hop, Span
 
 from . import netns

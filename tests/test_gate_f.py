@@ -19,12 +19,15 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from noderuntime import admission, agreement, artifacts, memplan, synth
-from noderuntime.admission import ProbeAnswer, ProbeReferences
-from noderuntime.artifacts import LayerRange
-from noderuntime.engine import Recipe, ShardEngine, Vocab
-from noderuntime.parity import check_parity
-from noderuntime.steps import Rows
+from noderuntime.control import admission
+from noderuntime.control.admission import ProbeAnswer, ProbeReferences
+from noderuntime.engine import memplan
+from noderuntime.engine.base import Rows
+from noderuntime.engine.llama import Recipe, ShardEngine, Vocab
+from noderuntime.models import artifacts, synth
+from noderuntime.models.artifacts import LayerRange
+from noderuntime.verify import agreement
+from noderuntime.verify.parity import check_parity
 from tests.conftest import TINY_SHAPES
 from tests.test_admission import damaged_copy
 
@@ -265,8 +268,8 @@ def test_transformers_agrees_with_a_gemma3_route(gemma3: Path) -> None:
 MOE_RESIDENCY_PROBE = """
 import json, sys, psutil
 import numpy as np
-from noderuntime.artifacts import LayerRange
-from noderuntime.engine import Recipe, Rows, ShardEngine
+from noderuntime.models.artifacts import LayerRange
+from noderuntime.engine.llama import Recipe, Rows, ShardEngine
 # weights read, not mapped: every expert of the range is resident, touched or not
 recipe = Recipe(n_threads=1, n_ctx_per_seq=256, n_seq_max=1, n_batch=8, n_ubatch=8, use_mmap=False)
 before = psutil.Process().memory_info().rss

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from openai import OpenAI
 
-from noderuntime import localsystem
-from noderuntime.engine import Recipe, ShardEngine, Vocab
-from noderuntime.steps import Rows
+from noderuntime.engine.base import Rows
+from noderuntime.engine.llama import Recipe, ShardEngine, Vocab
+from noderuntime.services import localsystem
 
 pytestmark = pytest.mark.slow
 

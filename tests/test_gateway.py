@@ -17,9 +17,9 @@ import openai
 import pytest
 from openai import OpenAI
 
-from noderuntime import localsystem
-from noderuntime.cluster import ManagedProcess
 from noderuntime.gateway.app import DEFAULT_MAX_TOKENS
+from noderuntime.services import localsystem
+from noderuntime.services.cluster import ManagedProcess
 
 pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0, "max_tokens": 24}

@@ -20,9 +20,7 @@ from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from noderuntime.chat import ChatTemplate
-from noderuntime.client import RouteError
-from noderuntime.engine import GrammarError, Vocab, check_grammar, integer_range_gbnf, json_schema_grammar
+from noderuntime.engine.llama import GrammarError, Vocab, check_grammar, integer_range_gbnf, json_schema_grammar
 from noderuntime.gateway.app import Gateway
 from noderuntime.gateway.auth import ApiKeys
 from noderuntime.gateway.errors import ApiError
@@ -30,7 +28,9 @@ from noderuntime.gateway.routing import route_error
 from noderuntime.gateway.schema import ChatCompletionRequest, CompletionRequest
 from noderuntime.gateway.served import ServedModel
 from noderuntime.gateway.textstream import TextStream
-from noderuntime.seamconn import SeamConnection
+from noderuntime.models.chat import ChatTemplate
+from noderuntime.seams.client import RouteError
+from noderuntime.seams.connection import SeamConnection
 from noderuntime.transport import FrameStream, memory_stream_pair
 from protocol import Direction, Error, OpenRoute, Phase, SeamEndpoint, Span, StatusCode, Tokens
 
@@ -433,9 +433,9 @@ async def _gateway_over(
 
     Each seam the gateway opens to the head runs ``head(stream, layers)`` as a task.
     """
-    from noderuntime.httpserve import serve_http
-    from noderuntime.identity import Identity
-    from noderuntime.signing import sign
+    from noderuntime.access.identity import Identity
+    from noderuntime.access.signing import sign
+    from noderuntime.operations.httpserve import serve_http
     from noderuntime.tracker.app import Tracker
 
     from .test_tracker import ARTIFACT, _registration

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import trio
 
-from noderuntime.client import USAGE_TIMEOUT, GenerationRequest, RouteError, open_generation
-from noderuntime.engine import Recipe
-from noderuntime.localroute import LocalRoute, open_local_route
-from noderuntime.seamconn import SeamConnection
+from noderuntime.engine.llama import Recipe
+from noderuntime.seams.client import USAGE_TIMEOUT, GenerationRequest, RouteError, open_generation
+from noderuntime.seams.connection import SeamConnection
+from noderuntime.services.localroute import LocalRoute, open_local_route
 from noderuntime.transport import FrameStream, StreamBroken, TransportError, memory_stream_pair
 from protocol import (
     Activations,

@@ -115,7 +115,7 @@ def test_packages_import_one_way() -> None:
 @pytest.mark.parametrize(
     ("library", "allowed"),
     [
-        ("llama_cpp", {"noderuntime.engine"}),
+        ("llama_cpp", {"noderuntime.engine.llama"}),
         ("grpclib", {"noderuntime.transport.grpc"}),
         ("asyncio", {"noderuntime.transport.grpc"}),
     ],

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from openai import OpenAI
 
-from noderuntime import localsystem
-from noderuntime.steps import LOGPROB_FLOOR, token_logprob
+from noderuntime.engine.base import LOGPROB_FLOOR, token_logprob
+from noderuntime.services import localsystem
 from protocol import (
     SCHEMA_MAJOR,
     Direction,

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from noderuntime import memplan
-from noderuntime.artifacts import LayerRange
-from noderuntime.cgroups import MemoryCap, available
-from noderuntime.cluster import ROOT
-from noderuntime.engine import EngineError, Recipe, ShardEngine
+from noderuntime.engine import memplan
+from noderuntime.engine.llama import EngineError, Recipe, ShardEngine
+from noderuntime.models.artifacts import LayerRange
+from noderuntime.services.cgroups import MemoryCap, available
+from noderuntime.services.cluster import ROOT
 
 from .isolation import skip_unless_possible
 
@@ -48,7 +48,7 @@ def test_ranges_that_fit_pass_and_others_say_what_would(smollm2: Path) -> None:
 
 def test_a_shard_file_over_the_limit_is_told_to_cut_a_shorter_shard(tiny_model: Path, tmp_path: Path) -> None:
     """No shorter range of a shard file can be served, so none is tried (its load would refuse it)."""
-    from noderuntime import artifacts
+    from noderuntime.models import artifacts
 
     (shard,) = artifacts.split(tiny_model, [LayerRange(0, 2)], tmp_path)
     needed = memplan.needs(shard, LayerRange(0, 2), RECIPE).total

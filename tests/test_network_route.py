@@ -9,8 +9,8 @@ import attrs
 import pytest
 import trio
 
-from noderuntime.client import GenerationRequest, RouteError
-from noderuntime.dialer import open_dialer
+from noderuntime.seams.client import GenerationRequest, RouteError
+from noderuntime.seams.dialer import open_dialer
 from noderuntime.testing.clusters import Cluster, running_cluster
 from protocol import StatusCode
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import trio
 
-from noderuntime.client import GenerationRequest, RouteError, open_generation
-from noderuntime.engine import Recipe, Rows, ShardEngine
-from noderuntime.localroute import LocalRoute, open_local_route
+from noderuntime.engine.llama import Recipe, Rows, ShardEngine
+from noderuntime.seams.client import GenerationRequest, RouteError, open_generation
+from noderuntime.services.localroute import LocalRoute, open_local_route
 from protocol import StatusCode
 
 pytestmark = pytest.mark.slow

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from noderuntime.leases import LeaseManager, SlotState
-from noderuntime.scheduler import ReadyStep, schedule
+from noderuntime.node.leases import LeaseManager, SlotState
+from noderuntime.node.scheduler import ReadyStep, schedule
 
 
 def test_leases_refuse_when_full_and_reuse_only_drained_slots() -> None:

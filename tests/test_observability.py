@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
-from noderuntime import localsystem
-from noderuntime.identity import Identity
-from noderuntime.ledger import USAGE_DOMAIN, CheckedRecord, Ledger, check
-from noderuntime.telemetry import SessionLog
+from noderuntime.access.identity import Identity
+from noderuntime.control.ledger import USAGE_DOMAIN, CheckedRecord, Ledger, check
+from noderuntime.operations.telemetry import SessionLog
+from noderuntime.services import localsystem
 from protocol import Hop, Span, UsageRecord
 
 pytestmark = pytest.mark.slow

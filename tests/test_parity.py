@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from noderuntime.parity import check_parity
+from noderuntime.verify.parity import check_parity
 
 pytestmark = pytest.mark.slow
 

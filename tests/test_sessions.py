@@ -12,11 +12,11 @@ import pytest
 import trio
 import trio.testing
 
-from noderuntime.batcher import StepOutput, StepRequest
-from noderuntime.ending import ENDINGS, EndReason, ending, idle_blame, stop_reason
-from noderuntime.leases import LeaseManager
-from noderuntime.seamconn import SeamConnection
-from noderuntime.sessions import RouteSession, SessionContext
+from noderuntime.node.batcher import StepOutput, StepRequest
+from noderuntime.node.ending import ENDINGS, EndReason, ending, idle_blame, stop_reason
+from noderuntime.node.leases import LeaseManager
+from noderuntime.node.sessions import RouteSession, SessionContext
+from noderuntime.seams.connection import SeamConnection
 from noderuntime.transport import TransportError, memory_stream_pair
 from protocol import (
     Direction,

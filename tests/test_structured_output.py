@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
-from noderuntime import localsystem
+from noderuntime.services import localsystem
 from protocol import (
     SCHEMA_MAJOR,
     Direction,

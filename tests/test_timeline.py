@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.seams import token_stages
-from noderuntime import timeline
-from noderuntime.client import GenerationRequest
-from noderuntime.dialer import open_dialer
+from noderuntime.operations import timeline
+from noderuntime.seams.client import GenerationRequest
+from noderuntime.seams.dialer import open_dialer
 from noderuntime.testing.clusters import running_cluster
 
 

@@ -19,10 +19,11 @@ import pytest
 from openai import OpenAI
 from pydantic import ValidationError
 
-from noderuntime import localsystem, synth
-from noderuntime.engine import Vocab, check_grammar, json_schema_grammar
+from noderuntime.engine.llama import Vocab, check_grammar, json_schema_grammar
 from noderuntime.gateway.schema import ChatCompletionRequest
 from noderuntime.gateway.tools import MAX_CALLS, ChatOutput, call_grammar, call_schema, hermes_history, template_traits
+from noderuntime.models import synth
+from noderuntime.services import localsystem
 
 WEATHER: dict[str, Any] = {
     "type": "function",

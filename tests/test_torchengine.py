@@ -16,13 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from noderuntime import lanes, models
-from noderuntime.artifacts import LayerRange
-from noderuntime.engine import EngineError, Vocab
-from noderuntime.steps import Rows
+from noderuntime.engine.base import Rows
+from noderuntime.engine.llama import EngineError, Vocab
+from noderuntime.models import catalogue as models
+from noderuntime.models.artifacts import LayerRange
+from noderuntime.verify import lanes
 from protocol import Sampling
 
-torchengine = pytest.importorskip("noderuntime.torchengine", reason="the transformers extra is not installed")
+torchengine = pytest.importorskip("noderuntime.engine.torch_backend", reason="the transformers extra is not installed")
 
 TOLERANCE = 1e-3
 PROMPT = "<|im_start|>user\nWhat is the tallest mountain in the world?<|im_end|>\n<|im_start|>assistant\n"
@@ -188,8 +189,8 @@ async def test_a_two_process_safetensors_route_equals_the_whole_transformers_mod
 ) -> None:
     import trio
 
-    from noderuntime.client import GenerationRequest
-    from noderuntime.dialer import open_dialer
+    from noderuntime.seams.client import GenerationRequest
+    from noderuntime.seams.dialer import open_dialer
     from noderuntime.testing.clusters import running_cluster
 
     vocab = Vocab(models.pull(progress=False))

@@ -13,11 +13,11 @@ import httpx
 import pytest
 import trio
 
-from noderuntime.admission import Capability, capability_record
-from noderuntime.httpserve import serve_http
-from noderuntime.identity import Identity
-from noderuntime.signing import sign
-from noderuntime.tickets import TicketVerifier
+from noderuntime.access.identity import Identity
+from noderuntime.access.signing import sign
+from noderuntime.access.tickets import TicketVerifier
+from noderuntime.control.admission import Capability, capability_record
+from noderuntime.operations.httpserve import serve_http
 from noderuntime.tracker.app import Tracker
 from noderuntime.tracker.client import NodeLoad, TrackerError, TrackerLink, request_route
 from noderuntime.tracker.messages import Registration

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from noderuntime.identity import Identity, self_signed
-from noderuntime.noderun import server_tls
+from noderuntime.access.identity import Identity, self_signed
+from noderuntime.access.tickets import TicketVerifier, issue
 from noderuntime.relay.server import Relay, RelayLimits, serve
+from noderuntime.services.noderun import server_tls
 from noderuntime.testing.seams import KINDS, grpc_peer, seam
-from noderuntime.tickets import TicketVerifier, issue
 from noderuntime.transport import FrameStream, StreamBroken, TransportError
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector
 from noderuntime.transport.relay_client import RelayDialer, RelayListener

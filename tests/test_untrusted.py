@@ -7,9 +7,9 @@ import struct
 
 import pytest
 
-from noderuntime import tickets
-from noderuntime.identity import Identity
-from noderuntime.ledger import USAGE_DOMAIN, Ledger, check
+from noderuntime.access import tickets
+from noderuntime.access.identity import Identity
+from noderuntime.control.ledger import USAGE_DOMAIN, Ledger, check
 from noderuntime.relay import messages as m
 from protocol import Hop, Span, UsageRecord
 

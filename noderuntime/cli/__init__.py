@@ -15,11 +15,12 @@ import platform
 import sys
 from collections.abc import Callable, Sequence
 
-from noderuntime import artifacts, models
 from noderuntime.cli import model_files, operations, serve
 from noderuntime.cli.args import CliError
-from noderuntime.cluster import ProcessError
-from noderuntime.steps import EngineError
+from noderuntime.engine.base import EngineError
+from noderuntime.models import artifacts
+from noderuntime.models import catalogue as models
+from noderuntime.services.cluster import ProcessError
 
 
 def build_parser() -> argparse.ArgumentParser:

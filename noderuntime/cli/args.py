@@ -7,7 +7,8 @@ import itertools
 import math
 from pathlib import Path
 
-from noderuntime import artifacts, models
+from noderuntime.models import artifacts
+from noderuntime.models import catalogue as models
 
 
 class CliError(Exception):
@@ -42,7 +43,7 @@ def seconds(text: str) -> float:
 
 
 def size(text: str) -> int:
-    from noderuntime.memplan import parse_bytes
+    from noderuntime.engine.memplan import parse_bytes
 
     try:
         return parse_bytes(text)
@@ -100,7 +101,7 @@ def layers(text: str) -> artifacts.LayerRange:
 
 
 def public_key(text: str) -> bytes:
-    from noderuntime.identity import IdentityError, load_public_key
+    from noderuntime.access.identity import IdentityError, load_public_key
 
     try:
         return load_public_key(text)

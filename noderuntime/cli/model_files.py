@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from noderuntime import artifacts, models
 from noderuntime.cli.args import CliError, cuts, positive_int, ranges, resolve_model
+from noderuntime.models import artifacts
+from noderuntime.models import catalogue as models
 
 
 def _cmd_shard_inspect(args: argparse.Namespace) -> int:
@@ -61,7 +62,7 @@ def _cmd_models_list(_args: argparse.Namespace) -> int:
 
 
 def _cmd_models_lanes(args: argparse.Namespace) -> int:
-    from noderuntime import lanes
+    from noderuntime.verify import lanes
 
     built = lanes.build(resolve_model(args.model), say=lambda text: print(text, file=sys.stderr))
     for name, lane in built.items():
@@ -72,7 +73,7 @@ def _cmd_models_lanes(args: argparse.Namespace) -> int:
 def _cmd_models_synth(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from noderuntime import synth
+    from noderuntime.models import synth
 
     try:
         shape = synth.ModelShape(
@@ -105,9 +106,9 @@ def _cmd_models_synth(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_parity(args: argparse.Namespace) -> int:
-    from noderuntime.engine import Recipe
-    from noderuntime.parity import check_parity
-    from noderuntime.procchain import ChainError
+    from noderuntime.engine.llama import Recipe
+    from noderuntime.verify.parity import check_parity
+    from noderuntime.verify.procchain import ChainError
 
     model = resolve_model(args.model)
     try:

@@ -21,13 +21,13 @@ from noderuntime.cli.args import (
 
 
 def _cmd_usage(args: argparse.Namespace) -> int:
-    from noderuntime.ledger import show
+    from noderuntime.control.ledger import show
 
     return show(args.ledger, as_json=args.json)
 
 
 def _cmd_probe_reference(args: argparse.Namespace) -> int:
-    from noderuntime import admission
+    from noderuntime.control import admission
 
     entries = admission.make_references(
         resolve_model(args.model),
@@ -49,7 +49,7 @@ def _cmd_probe_check(args: argparse.Namespace) -> int:
     import random
     import urllib.request
 
-    from noderuntime import admission
+    from noderuntime.control import admission
 
     references = admission.ProbeReferences.load(args.references)
     with urllib.request.urlopen(args.node + "/status", timeout=10) as response:
@@ -72,13 +72,13 @@ def _cmd_probe_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from noderuntime.status import show
+    from noderuntime.operations.status import show
 
     return show(args.tracker, as_json=args.json)
 
 
 def _cmd_bench_verify(args: argparse.Namespace) -> int:
-    from noderuntime import contract
+    from noderuntime.verify import contract
 
     path: Path = args.file
     # an unreadable or malformed file is a usage problem (2); a contract that does not verify is a failure (1)
@@ -121,7 +121,7 @@ def _cmd_bench_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from noderuntime.demo import run
+    from noderuntime.services.demo import run
 
     return run(args.prompt, args.max_tokens)
 

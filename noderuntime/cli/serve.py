@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from noderuntime import models
 from noderuntime.cli.args import (
     CliError,
     address,
@@ -23,15 +22,16 @@ from noderuntime.cli.args import (
     size,
     url,
 )
+from noderuntime.models import catalogue as models
 
 API_KEYS_ENV = "NODERUNTIME_API_KEYS"  # comma-separated; keys in argv show in `ps`
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from noderuntime import noderun
+    from noderuntime.services import noderun
 
     if args.model is None or args.local:
-        from noderuntime import localsystem
+        from noderuntime.services import localsystem
 
         return localsystem.main(args.listen or "127.0.0.1:8080", args.model or models.DEMO_MODEL)
     if args.listen is None and args.relay is None:
@@ -50,7 +50,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         raise CliError(f"{model} is a directory; give a GGUF file, or --backend transformers for safetensors")
     tls_cert, tls_key = args.tls_cert, args.tls_key
     if args.tls_self_signed:
-        from noderuntime.identity import self_signed
+        from noderuntime.access.identity import self_signed
 
         files = self_signed(Path(args.data_dir))
         tls_cert, tls_key = files.cert, files.key
@@ -80,7 +80,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_relay(args: argparse.Namespace) -> int:
-    from noderuntime import noderun
+    from noderuntime.services import noderun
     from noderuntime.transport.grpc import parse_address
 
     if not args.issuer_key:
@@ -104,7 +104,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
 
 
 def _cmd_tracker(args: argparse.Namespace) -> int:
-    from noderuntime import noderun
+    from noderuntime.services import noderun
 
     data_dir = Path(args.data_dir)
     import trio
@@ -147,7 +147,7 @@ def gateway_keys(args: argparse.Namespace) -> tuple[str, ...]:
 def _cmd_gateway(args: argparse.Namespace) -> int:
     import trio
 
-    from noderuntime import noderun
+    from noderuntime.services import noderun
 
     served = []
     for spec in args.model:

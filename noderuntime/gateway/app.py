@@ -30,7 +30,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from noderuntime.client import GenerationRequest, RouteError, open_route_generation
+from noderuntime.control.ledger import Ledger, check
 from noderuntime.gateway.auth import ApiKeys
 from noderuntime.gateway.errors import RETRY_AFTER_SECONDS, ApiError, error_response
 from noderuntime.gateway.routing import (
@@ -59,9 +59,9 @@ from noderuntime.gateway.tools import (
     ChatOutput,
     hermes_history,
 )
-from noderuntime.httpserve import BodyLimit
-from noderuntime.ledger import Ledger, check
-from noderuntime.telemetry import GatewayMetrics, exposition, trio_tasks
+from noderuntime.operations.httpserve import BodyLimit
+from noderuntime.operations.telemetry import GatewayMetrics, exposition, trio_tasks
+from noderuntime.seams.client import GenerationRequest, RouteError, open_route_generation
 from noderuntime.tracker.client import RouteGrant, TrackerError, request_route
 from protocol import Sampling, StatusCode, TokenLogprob, Tokens
 

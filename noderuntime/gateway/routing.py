@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from noderuntime.client import GenerationRequest, RouteError
 from noderuntime.gateway.errors import ApiError
+from noderuntime.seams.client import GenerationRequest, RouteError
 from noderuntime.tracker.client import RouteGrant
 from protocol import StatusCode
 

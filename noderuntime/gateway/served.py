@@ -10,8 +10,7 @@ from typing import Any
 
 import attrs
 
-from noderuntime.chat import ChatTemplate, TemplateError, prompt_tokens
-from noderuntime.engine import GrammarError, Vocab, check_grammar, json_schema_grammar
+from noderuntime.engine.llama import GrammarError, Vocab, check_grammar, json_schema_grammar
 from noderuntime.gateway.errors import ApiError
 from noderuntime.gateway.schema import (
     Constraint,
@@ -22,6 +21,7 @@ from noderuntime.gateway.tools import (
     call_schema,
     template_traits,
 )
+from noderuntime.models.chat import ChatTemplate, TemplateError, prompt_tokens
 
 
 def system_fingerprint(artifact: str, recipe: bytes) -> str:

@@ -7,14 +7,14 @@ from typing import Any
 
 import attrs
 
-from noderuntime.client import GenerationRequest
+from noderuntime.control.ledger import CheckedRecord
 from noderuntime.gateway.logprobs import CompletionLogprobs, chat_entries
 from noderuntime.gateway.routing import bad_route
 from noderuntime.gateway.served import ServedModel
 from noderuntime.gateway.tools import (
     ChatOutput,
 )
-from noderuntime.ledger import CheckedRecord
+from noderuntime.seams.client import GenerationRequest
 from protocol import TokenLogprob, Tokens
 
 

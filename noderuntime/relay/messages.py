@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from noderuntime import untrusted
+from noderuntime.access import untrusted
 
 CONTROL_DOMAIN = b"noderuntime-relay-control-v1"
 

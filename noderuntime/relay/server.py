@@ -23,10 +23,10 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
 
-from noderuntime.identity import verify
+from noderuntime.access.identity import verify
+from noderuntime.access.tickets import TicketError, TicketVerifier
+from noderuntime.operations.telemetry import RelayMetrics, exposition
 from noderuntime.relay import messages as m
-from noderuntime.telemetry import RelayMetrics, exposition
-from noderuntime.tickets import TicketError, TicketVerifier
 from noderuntime.transport.websocket import (
     KEEPALIVE_SECONDS,
     MAX_MESSAGE_BYTES,

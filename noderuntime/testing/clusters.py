@@ -14,10 +14,10 @@ from typing import Any
 import attrs
 import trio
 
-from noderuntime.client import GenerationRequest, open_route_generation
-from noderuntime.cluster import ManagedProcess
-from noderuntime.identity import Identity
-from noderuntime.tickets import issue
+from noderuntime.access.identity import Identity
+from noderuntime.access.tickets import issue
+from noderuntime.seams.client import GenerationRequest, open_route_generation
+from noderuntime.services.cluster import ManagedProcess
 from protocol import Hop, Span
 
 

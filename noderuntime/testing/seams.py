@@ -9,9 +9,9 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from noderuntime.identity import Identity
+from noderuntime.access.identity import Identity
+from noderuntime.access.tickets import TicketVerifier, issue
 from noderuntime.relay.server import Relay, serve
-from noderuntime.tickets import TicketVerifier, issue
 from noderuntime.transport import FrameStream, memory_stream_pair
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer
 from noderuntime.transport.relay_client import RelayDialer, RelayListener

@@ -2,7 +2,7 @@
 
 - ``GET  /v1/info``: the tracker's ticket-issuer public key.
 - ``POST /v1/nodes/register`` and ``POST /v1/nodes/heartbeat``: signed by the node's key
-  (see :mod:`noderuntime.signing`); a node cannot register under another node's id.
+  (see :mod:`noderuntime.access.signing`); a node cannot register under another node's id.
 - ``GET  /v1/nodes``, ``GET /v1/artifacts``: what the tracker knows.
 - ``POST /v1/nodes/probe``: a node's answer to its known-answer probe (signed).
 - ``POST /v1/routes``: a route for a session and its signed ticket (optionally behind a
@@ -10,7 +10,7 @@
 - ``GET  /metrics``: Prometheus metrics.
 
 A registration carries the node's signed capability record (see
-:mod:`noderuntime.admission`); one that does not verify, or that was measured for
+:mod:`noderuntime.control.admission`); one that does not verify, or that was measured for
 another shard, is refused. When the tracker holds probe references for the shard, the
 answer to registration (and, every ``probe_interval`` seconds, to a heartbeat) carries
 a probe seed; until the node answers it correctly it is kept out of routes.
@@ -29,12 +29,12 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from noderuntime import tickets
-from noderuntime.admission import AdmissionError, ProbeAnswer, ProbeReferences, check_capability, compare
-from noderuntime.httpserve import BodyLimit
-from noderuntime.identity import Identity
-from noderuntime.signing import SignatureChecker, SignatureError
-from noderuntime.telemetry import TrackerMetrics, exposition, trio_tasks
+from noderuntime.access import tickets
+from noderuntime.access.identity import Identity
+from noderuntime.access.signing import SignatureChecker, SignatureError
+from noderuntime.control.admission import AdmissionError, ProbeAnswer, ProbeReferences, check_capability, compare
+from noderuntime.operations.httpserve import BodyLimit
+from noderuntime.operations.telemetry import TrackerMetrics, exposition, trio_tasks
 from noderuntime.tracker.messages import Heartbeat, ProbeReply, Registration, RouteRequest
 from noderuntime.tracker.state import STEP_BUDGET_MS, NodeRecord, NoRoute, TrackerState
 from protocol import Hop, Span

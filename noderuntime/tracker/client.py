@@ -12,8 +12,8 @@ import attrs
 import httpx
 import trio
 
-from noderuntime.identity import Identity
-from noderuntime.signing import sign
+from noderuntime.access.identity import Identity
+from noderuntime.access.signing import sign
 from noderuntime.tracker.messages import Heartbeat, ProbeReply, Registration
 from protocol import Hop, Span
 
@@ -63,7 +63,7 @@ class TrackerLink:
         retry_seconds: float = 1.0,
         on_probe: Callable[[int], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
-        """``on_probe(seed)`` answers the tracker's known-answer probes (see :mod:`noderuntime.admission`)."""
+        """``on_probe(seed)`` answers the tracker's known-answer probes (see :mod:`noderuntime.control.admission`)."""
         self.url = url.rstrip("/")
         self.identity = identity
         self.registration = registration

@@ -8,7 +8,7 @@ import urllib.parse
 
 from pydantic import BaseModel, Field, field_validator
 
-from noderuntime import untrusted
+from noderuntime.access import untrusted
 
 HEX32 = r"^[0-9a-f]{64}$"
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from noderuntime.admission import Capability
+from noderuntime.control.admission import Capability
 
 DIRECT_SEAM_MS = 1.0
 RELAY_SEAM_MS = 2.5

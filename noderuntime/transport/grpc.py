@@ -40,7 +40,8 @@ from grpclib.config import Configuration
 from grpclib.encoding.base import CodecBase
 from grpclib.server import Server
 
-from noderuntime import timeline, untrusted
+from noderuntime.access import untrusted
+from noderuntime.operations import timeline
 from noderuntime.transport.base import FrameStream, StreamBroken, StreamClosed, TransportError
 from protocol import StatusCode
 

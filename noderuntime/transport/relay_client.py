@@ -9,7 +9,7 @@ from collections.abc import Callable
 import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, connect_websocket_url
 
-from noderuntime.identity import Identity
+from noderuntime.access.identity import Identity
 from noderuntime.relay import messages as m
 from noderuntime.transport.base import FrameStream, StreamBroken
 from noderuntime.transport.websocket import (

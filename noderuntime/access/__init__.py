@@ -1,0 +1,1 @@
+"""Who may do what: node identities, session tickets, signed requests, and reading what peers wrote."""

@@ -1,0 +1,181 @@
+"""Session tickets: the route issuer's signed permission for one route session.
+
+A ticket binds a session id and epoch, the artifact, every hop of the route plan
+(node id and layers) and an expiry, and is signed with the issuer's Ed25519 key (the
+tracker's; until a tracker runs, a configured key). A shard accepts ``OpenRoute`` only
+with a valid ticket that names it at its place in the plan; a relay pairs only
+holders of a valid ticket for the node they dial. Each verifier remembers the
+tickets it has accepted until they expire, so a replayed ticket is refused.
+
+Wire form: ``b"NRT1" | u16 body length | body (canonical JSON) | 64-byte signature``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from noderuntime.access import untrusted
+from noderuntime.access.identity import Identity, verify
+from protocol import Hop, Span, StatusCode
+
+MAGIC = b"NRT1"
+DOMAIN = b"noderuntime-session-ticket-v1"
+MAX_TICKET_BYTES = 8192
+
+
+class TicketError(Exception):
+    """A ticket was refused; ``code`` is the status the peer gets."""
+
+    def __init__(self, message: str, code: StatusCode = StatusCode.PERMISSION_DENIED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@attrs.frozen
+class Ticket:
+    """The decoded, verified contents of a ticket."""
+
+    issuer: bytes
+    session_id: bytes
+    epoch: int
+    artifact: bytes
+    hops: tuple[tuple[bytes, int, int], ...]  # (node id, layer start, layer end)
+    expires_unix_ms: int
+
+
+def _plan(hops: Sequence[Hop]) -> list[list[Any]]:
+    return [[h.node_id.hex(), h.layers.start, h.layers.end] for h in hops]
+
+
+def issue(
+    issuer: Identity,
+    *,
+    session_id: bytes,
+    epoch: int,
+    artifact: bytes,
+    hops: Sequence[Hop],
+    ttl_seconds: float = 600.0,
+    now: float | None = None,
+) -> bytes:
+    """A signed ticket for one route session."""
+    expires = int(((now if now is not None else time.time()) + ttl_seconds) * 1000)
+    body = json.dumps(
+        {
+            "v": 1,
+            "iss": issuer.node_id.hex(),
+            "sid": session_id.hex(),
+            "epoch": epoch,
+            "artifact": artifact.hex(),
+            "hops": _plan(hops),
+            "exp": expires,
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    ).encode()
+    return MAGIC + struct.pack(">H", len(body)) + body + issuer.sign(DOMAIN, body)
+
+
+def decode(data: bytes, trusted_issuers: Iterable[bytes]) -> Ticket:
+    """Parse and check the signature; raises :class:`TicketError`."""
+    if not data:
+        raise TicketError("no session ticket", StatusCode.UNAUTHENTICATED)
+    if len(data) > MAX_TICKET_BYTES or len(data) < 6 + 64 or data[:4] != MAGIC:
+        raise TicketError("malformed session ticket", StatusCode.UNAUTHENTICATED)
+    (length,) = struct.unpack(">H", data[4:6])
+    body, signature = data[6 : 6 + length], data[6 + length :]
+    if len(body) != length or len(signature) != 64:
+        raise TicketError("malformed session ticket", StatusCode.UNAUTHENTICATED)
+    try:
+        fields = untrusted.json_object(body, "session ticket")
+        issuer = bytes.fromhex(fields["iss"])
+        ticket = Ticket(
+            issuer=issuer,
+            session_id=bytes.fromhex(fields["sid"]),
+            epoch=untrusted.integer(fields["epoch"], "epoch"),
+            artifact=bytes.fromhex(fields["artifact"]),
+            hops=tuple(
+                (bytes.fromhex(n), untrusted.integer(a, "layer"), untrusted.integer(b, "layer"))
+                for n, a, b in fields["hops"]
+            ),
+            expires_unix_ms=untrusted.integer(fields["exp"], "expiry"),
+        )
+    except (ValueError, KeyError, TypeError):
+        raise TicketError("malformed session ticket", StatusCode.UNAUTHENTICATED) from None
+    if issuer not in set(trusted_issuers):
+        raise TicketError("session ticket from an issuer this node does not trust", StatusCode.UNAUTHENTICATED)
+    if not verify(issuer, DOMAIN, body, signature):
+        raise TicketError("session ticket signature does not verify (forged or altered)", StatusCode.UNAUTHENTICATED)
+    return ticket
+
+
+class ReplayGuard:
+    """Remembers accepted tickets until they expire (bounded)."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self._seen: dict[tuple[bytes, int, bytes], int] = {}
+        self._capacity = capacity
+
+    def accept(self, key: tuple[bytes, int, bytes], expires_unix_ms: int, now_ms: int) -> None:
+        """Record ``key``; :class:`TicketError` if it was already used."""
+        if len(self._seen) >= self._capacity:
+            self._seen = {k: exp for k, exp in self._seen.items() if exp > now_ms}
+            if len(self._seen) >= self._capacity:
+                raise TicketError("too many live tickets", StatusCode.RESOURCE_EXHAUSTED)
+        if key in self._seen and self._seen[key] > now_ms:
+            raise TicketError("session ticket already used (replay)", StatusCode.PERMISSION_DENIED)
+        self._seen[key] = expires_unix_ms
+
+
+class TicketVerifier:
+    """Checks tickets for one node (or a relay) against trusted issuers."""
+
+    def __init__(self, trusted_issuers: Iterable[bytes], *, clock: Any = time.time) -> None:
+        self.trusted = set(trusted_issuers)
+        self._clock = clock
+        self._replays = ReplayGuard()
+
+    def check(
+        self,
+        data: bytes,
+        *,
+        session_id: bytes,
+        epoch: int,
+        artifact: bytes | None,
+        hops: Sequence[Hop] | None,
+        node_id: bytes,
+        index: int | None = None,
+        consume: bool = True,
+    ) -> Ticket:
+        """Verify a ticket presented for ``node_id``; with ``consume`` it cannot be used here again.
+
+        ``artifact`` and ``hops`` may be None where the verifier does not know them (a relay).
+        """
+        ticket = decode(data, self.trusted)
+        now_ms = int(self._clock() * 1000)
+        if ticket.expires_unix_ms <= now_ms:
+            raise TicketError("session ticket expired", StatusCode.PERMISSION_DENIED)
+        if (ticket.session_id, ticket.epoch) != (session_id, epoch) or (
+            artifact is not None and ticket.artifact != artifact
+        ):
+            raise TicketError("session ticket is for another session", StatusCode.PERMISSION_DENIED)
+        if hops is not None and ticket.hops != tuple((h.node_id, h.layers.start, h.layers.end) for h in hops):
+            raise TicketError(
+                "the route plan differs from the one the ticket was issued for", StatusCode.PERMISSION_DENIED
+            )
+        names = [n for n, _, _ in ticket.hops]
+        if node_id not in names or (index is not None and (index >= len(names) or names[index] != node_id)):
+            raise TicketError("session ticket was not issued for this node (misdirected)", StatusCode.PERMISSION_DENIED)
+        if consume:
+            self._replays.accept((ticket.session_id, ticket.epoch, node_id), ticket.expires_unix_ms, now_ms)
+        return ticket
+
+
+def hops_of(ticket: Ticket) -> list[Hop]:
+    """The route plan a ticket names (addresses unknown)."""
+    return [Hop(n, Span(a, b)) for n, a, b in ticket.hops]

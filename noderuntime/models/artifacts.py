@@ -1,0 +1,375 @@
+"""Model Artifacts: GGUF inspection, fingerprints, and slicing into shard files.
+
+An artifact is identified by its *fingerprint*: a sha256 over its metadata and its
+tensor index (name, type, shape, size, and a digest of a small sample of each
+tensor's bytes), not over the whole file, so that a multi-GB model is fingerprinted
+in well under a second and a shard file can prove which artifact it was cut from.
+
+A *shard file* holds the tensors of one layer range with absolute block numbers, the
+range keys the patched llama.cpp reads (``shard.layer_start`` / ``shard.layer_end``),
+the parent's fingerprint and the parent's whole tensor index. From those the parent
+fingerprint is recomputed and every local tensor is checked against the parent index
+at load, so a file edited or cut from another model is refused.
+
+This module reads GGUF with the ``gguf`` package; it never imports ``llama_cpp``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+from gguf import GGMLQuantizationType
+from tqdm import tqdm
+
+from noderuntime.models import gguf as ggufio
+
+SHARD_START_KEY = "shard.layer_start"
+SHARD_END_KEY = "shard.layer_end"
+PARENT_FINGERPRINT_KEY = "noderuntime.parent.fingerprint"
+PARENT_INDEX_KEY = "noderuntime.parent.tensor_index"
+# Keys that describe how a file was cut, not what model it holds.
+_NON_IDENTITY_PREFIXES = ("shard.", "noderuntime.", "GGUF.")
+
+SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen3", "qwen3moe", "gemma3"})
+_FINGERPRINT_DOMAIN = b"noderuntime-artifact-v1\n"
+_SAMPLE_BYTES = 4096
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+
+
+class ArtifactError(Exception):
+    """A model file is missing, malformed, or not what it claims to be."""
+
+
+@attrs.frozen
+class LayerRange:
+    """A contiguous half-open range of transformer blocks ``[start, end)``."""
+
+    start: int
+    end: int
+
+    def __attrs_post_init__(self) -> None:
+        if self.start < 0 or self.end <= self.start:
+            raise ValueError(f"invalid layer range {self.start}:{self.end}: need 0 <= start < end")
+
+    @classmethod
+    def parse(cls, text: str) -> LayerRange:
+        """Parse ``"A:B"``."""
+        parts = text.strip().split(":")
+        if len(parts) != 2:
+            raise ValueError(f"invalid layer range {text!r}: expected START:END, e.g. 0:15")
+        try:
+            start, end = int(parts[0]), int(parts[1])
+        except ValueError:
+            raise ValueError(f"invalid layer range {text!r}: START and END must be integers") from None
+        return cls(start, end)
+
+    @classmethod
+    def parse_list(cls, text: str) -> list[LayerRange]:
+        """Parse ``"0:10,10:20,20:30"``."""
+        return [cls.parse(part) for part in text.split(",") if part.strip()]
+
+    def check_within(self, n_layer: int) -> None:
+        """Raise ``ValueError`` unless the range lies inside a model of ``n_layer`` blocks."""
+        if self.end > n_layer:
+            raise ValueError(f"layer range {self} is outside the model, which has {n_layer} layers (0:{n_layer})")
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def __contains__(self, layer: object) -> bool:
+        return isinstance(layer, int) and self.start <= layer < self.end
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.end}"
+
+
+@attrs.frozen
+class TensorEntry:
+    """One line of a tensor index."""
+
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]  # ggml order: ne0 first
+    n_bytes: int
+    sample_digest: str
+
+    def line(self) -> str:
+        """The canonical text form stored in shard files and hashed into fingerprints."""
+        shape = ",".join(str(d) for d in self.shape)
+        return f"{self.name}\t{self.ggml_type}\t{shape}\t{self.n_bytes}\t{self.sample_digest}"
+
+    @classmethod
+    def from_line(cls, line: str) -> TensorEntry:
+        """Parse :meth:`line` output; raises ``ArtifactError`` on malformed text."""
+        try:
+            name, ggml_type, shape, n_bytes, digest = line.split("\t")
+            return cls(name, int(ggml_type), tuple(int(d) for d in shape.split(",")), int(n_bytes), digest)
+        except ValueError:
+            raise ArtifactError(f"malformed tensor index line {line!r}") from None
+
+
+@attrs.frozen
+class ArtifactInfo:
+    """What a GGUF file holds, as far as routing and loading need to know."""
+
+    path: Path
+    fingerprint: str  # of the whole model: the parent's for a shard file
+    file_fingerprint: str  # of this file's own metadata and tensors
+    architecture: str
+    name: str
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    n_head: int
+    n_head_kv: int
+    context_length: int
+    file_type: int
+    quant: str
+    n_tensors: int
+    tensor_bytes: int
+    file_bytes: int
+    layer_range: LayerRange  # the whole model for an unsliced file
+    has_chat_template: bool
+
+    @property
+    def is_shard_file(self) -> bool:
+        """True when the file holds only a slice of the model."""
+        return self.layer_range != LayerRange(0, self.n_layer)
+
+
+def _open(path: Path) -> ggufio.GGUFFile:
+    if not path.is_file():
+        raise ArtifactError(f"model file not found: {path}")
+    try:
+        return ggufio.read(path)
+    except ggufio.GGUFError as exc:
+        raise ArtifactError(f"{path} is not a valid GGUF file: {exc}") from None
+    except OSError as exc:
+        raise ArtifactError(f"cannot read {path}: {exc}") from None
+
+
+def _scalar(gguf: ggufio.GGUFFile, key: str, default: Any = None) -> Any:
+    field = gguf.fields.get(key)
+    if field is None or field.type == ggufio.ARRAY:
+        return default
+    return field.value()
+
+
+def _integer(gguf: ggufio.GGUFFile, key: str, default: int | None, path: Path) -> int | None:
+    """An integer metadata value; :class:`ArtifactError` when the file stores another type."""
+    value = _scalar(gguf, key)
+    if value is None:
+        return default
+    if type(value) is not int:  # a string, a float (inf even), a bool: int() would raise untyped
+        raise ArtifactError(f"{path}: metadata {key} is {value!r:.40}, not an integer")
+    return value
+
+
+def _array_len(gguf: ggufio.GGUFFile, key: str) -> int:
+    field = gguf.fields.get(key)
+    return field.count if field is not None and field.type == ggufio.ARRAY else 0
+
+
+def _identity_fields(gguf: ggufio.GGUFFile) -> list[tuple[str, bytes]]:
+    return sorted((key, field.raw) for key, field in gguf.fields.items() if not key.startswith(_NON_IDENTITY_PREFIXES))
+
+
+def _tensor_index(gguf: ggufio.GGUFFile) -> list[TensorEntry]:
+    entries = []
+    with gguf.path.open("rb") as f:
+        fd = f.fileno()
+        for t in gguf.tensors:
+            end = t.offset + t.n_bytes
+            head = os.pread(fd, min(t.n_bytes, _SAMPLE_BYTES), t.offset)
+            tail_start = max(t.offset, end - _SAMPLE_BYTES)
+            tail = os.pread(fd, end - tail_start, tail_start)
+            digest = hashlib.sha256(head + tail).hexdigest()[:16]
+            entries.append(TensorEntry(t.name, t.ggml_type, t.shape, t.n_bytes, digest))
+    return entries
+
+
+def _fingerprint(fields: Iterable[tuple[str, bytes]], index: Iterable[TensorEntry]) -> str:
+    digest = hashlib.sha256(_FINGERPRINT_DOMAIN)
+    for name, blob in fields:
+        digest.update(hashlib.sha256(name.encode() + b"\0" + blob).digest())
+    digest.update(b"tensors\n")
+    for line in sorted(entry.line() for entry in index):
+        digest.update(line.encode() + b"\n")
+    return digest.hexdigest()
+
+
+def tensor_belongs(name: str, layers: LayerRange, n_layer: int, tied_output: bool) -> bool:
+    """Whether a shard of ``layers`` needs tensor ``name`` (the rule the llama.cpp patch applies)."""
+    match = _BLOCK_RE.match(name)
+    if match:
+        return int(match.group(1)) in layers
+    if name.startswith("token_embd."):
+        return layers.start == 0 or (tied_output and layers.end == n_layer)
+    if name.startswith(("output_norm.", "output.")):
+        return layers.end == n_layer
+    return True  # global tensors every block may use (rope factors)
+
+
+def inspect(path: str | os.PathLike[str], *, verify: bool = True) -> ArtifactInfo:
+    """Read a GGUF file's identity; for a shard file, ``verify`` checks it against its parent."""
+    path = Path(path)
+    gguf = _open(path)
+    arch = _scalar(gguf, "general.architecture")
+    if not isinstance(arch, str):
+        raise ArtifactError(f"{path} has no general.architecture")
+    n_layer = _scalar(gguf, f"{arch}.block_count")
+    n_embd = _scalar(gguf, f"{arch}.embedding_length")
+    if not isinstance(n_layer, int) or not isinstance(n_embd, int) or n_layer <= 0 or n_embd <= 0:
+        raise ArtifactError(f"{path} lacks {arch}.block_count or {arch}.embedding_length")
+    fields = _identity_fields(gguf)
+    index = _tensor_index(gguf)
+    file_fingerprint = _fingerprint(fields, index)
+    start = _integer(gguf, SHARD_START_KEY, None, path)
+    end = _integer(gguf, SHARD_END_KEY, None, path)
+    if start is None and end is None:
+        layer_range, fingerprint = LayerRange(0, n_layer), file_fingerprint
+    else:
+        try:
+            layer_range = LayerRange(start if start is not None else 0, end if end is not None else n_layer)
+            layer_range.check_within(n_layer)
+        except ValueError as exc:
+            raise ArtifactError(f"{path}: {exc}") from None
+        fingerprint = _scalar(gguf, PARENT_FINGERPRINT_KEY, "")
+        if verify:
+            _verify_slice(path, gguf, fields, index, layer_range, n_layer)
+    file_type = _integer(gguf, "general.file_type", -1, path)
+    types = {entry.ggml_type for entry in index if _BLOCK_RE.match(entry.name) and len(entry.shape) >= 2}
+    quant = "+".join(sorted(GGMLQuantizationType(t).name for t in types)) if types else "unknown"
+    n_head = _integer(gguf, f"{arch}.attention.head_count", 0, path)
+    return ArtifactInfo(
+        path=path,
+        fingerprint=str(fingerprint),
+        file_fingerprint=file_fingerprint,
+        architecture=arch,
+        name=str(_scalar(gguf, "general.name", path.stem)),
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_vocab=_array_len(gguf, "tokenizer.ggml.tokens") or _integer(gguf, f"{arch}.vocab_size", 0, path) or 0,
+        n_head=n_head or 0,
+        n_head_kv=_integer(gguf, f"{arch}.attention.head_count_kv", n_head, path) or 0,
+        context_length=_integer(gguf, f"{arch}.context_length", 0, path) or 0,
+        file_type=file_type if file_type is not None else -1,
+        quant=quant,
+        n_tensors=len(index),
+        tensor_bytes=sum(entry.n_bytes for entry in index),
+        file_bytes=path.stat().st_size,
+        layer_range=layer_range,
+        has_chat_template="tokenizer.chat_template" in gguf.fields,
+    )
+
+
+def _parent_index(path: Path, gguf: ggufio.GGUFFile) -> list[TensorEntry]:
+    field = gguf.fields.get(PARENT_INDEX_KEY)
+    if field is None or field.type != ggufio.ARRAY or field.array_type != ggufio.STRING:
+        raise ArtifactError(f"{path} is a shard file without its parent's tensor index ({PARENT_INDEX_KEY})")
+    return [TensorEntry.from_line(line) for line in field.value()]
+
+
+def _verify_slice(
+    path: Path,
+    gguf: ggufio.GGUFFile,
+    fields: list[tuple[str, bytes]],
+    index: list[TensorEntry],
+    layers: LayerRange,
+    n_layer: int,
+) -> None:
+    claimed = _scalar(gguf, PARENT_FINGERPRINT_KEY)
+    if not isinstance(claimed, str) or not claimed:
+        raise ArtifactError(f"{path} is a shard file without a parent fingerprint ({PARENT_FINGERPRINT_KEY})")
+    parent = _parent_index(path, gguf)
+    if _fingerprint(fields, parent) != claimed:
+        raise ArtifactError(
+            f"{path}: metadata or parent index does not match the parent fingerprint {claimed[:16]}…; "
+            "the file was modified after it was cut"
+        )
+    parent_lines = {entry.name: entry for entry in parent}
+    for entry in index:
+        if parent_lines.get(entry.name) != entry:
+            raise ArtifactError(f"{path}: tensor {entry.name} differs from the parent model {claimed[:16]}…")
+    tied = "output.weight" not in parent_lines
+    wanted = {name for name in parent_lines if tensor_belongs(name, layers, n_layer, tied)}
+    have = {entry.name for entry in index}
+    if have != wanted:
+        missing, extra = sorted(wanted - have), sorted(have - wanted)
+        raise ArtifactError(f"{path}: tensors do not match range {layers}: missing {missing[:5]}, extra {extra[:5]}")
+
+
+def verify_parent(info: ArtifactInfo, expected_fingerprint: str) -> None:
+    """Refuse a file that is not (a slice of) the artifact ``expected_fingerprint``."""
+    if info.fingerprint != expected_fingerprint:
+        raise ArtifactError(
+            f"{info.path} belongs to artifact {info.fingerprint[:16]}…, not the expected {expected_fingerprint[:16]}…"
+        )
+
+
+def split(
+    model: str | os.PathLike[str],
+    ranges: Sequence[LayerRange],
+    out_dir: str | os.PathLike[str],
+    *,
+    progress: bool = False,
+) -> list[Path]:
+    """Write one shard file per range (with a progress bar if asked); returns their paths."""
+    model = Path(model)
+    info = inspect(model)
+    if info.is_shard_file:
+        raise ArtifactError(f"{model} is already a shard file ({info.layer_range}); split the whole model")
+    if info.architecture not in SUPPORTED_ARCHITECTURES:
+        raise ArtifactError(f"architecture {info.architecture!r} is not supported for layer ranges")
+    if not ranges:
+        raise ArtifactError("no ranges given")
+    for layers in ranges:
+        try:
+            layers.check_within(info.n_layer)
+        except ValueError as exc:
+            raise ArtifactError(str(exc)) from None
+    gguf = _open(model)
+    parent = _tensor_index(gguf)
+    tied = not any(entry.name == "output.weight" for entry in parent)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    kept = [f.raw for key, f in gguf.fields.items() if not key.startswith(_NON_IDENTITY_PREFIXES)]
+    written = []
+    for layers in ranges:
+        target = out / f"{model.stem}.layers-{layers.start}-{layers.end}.gguf"
+        tmp = target.with_suffix(".gguf.partial")
+        extra = [
+            ggufio.uint32_field(SHARD_START_KEY, layers.start),
+            ggufio.uint32_field(SHARD_END_KEY, layers.end),
+            ggufio.string_field(PARENT_FINGERPRINT_KEY, info.fingerprint),
+            ggufio.string_array_field(PARENT_INDEX_KEY, [entry.line() for entry in parent]),
+        ]
+        tensors = [t for t in gguf.tensors if tensor_belongs(t.name, layers, info.n_layer, tied)]
+        try:
+            with (
+                model.open("rb") as source,
+                tqdm(
+                    total=sum(t.n_bytes for t in tensors),
+                    unit="B",
+                    unit_scale=True,
+                    desc=f"layers {layers}",
+                    disable=not progress,
+                ) as bar,
+            ):
+                ggufio.write(
+                    tmp, kept + extra, [(t, source) for t in tensors], alignment=gguf.alignment, progress=bar.update
+                )
+        except BaseException:  # a full disk, Ctrl-C: no half-written slice of gigabytes left behind
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, target)
+        written.append(target)
+    for path in written:
+        inspect(path)  # verifies every slice against the parent fingerprint
+    return written

@@ -1,0 +1,618 @@
+"""Route sessions: one generation on one route, as seen by one node.
+
+A :class:`RouteSession` is one task in its node's nursery with its own cancel scope
+(carrying the session's deadline). It owns the session's lease (sequence id and
+KV), its sampler chain on the tail, and its two seams: upstream (toward the client)
+and downstream (toward the tail). Whatever ends it — release, cancel, a peer gone,
+the deadline, idleness, an error — it releases the lease exactly once, tells the
+neighbours that still listen, and closes its seams.
+
+Roles follow from the hop's place in the route plan:
+
+- head (layer 0): takes the prompt tokens, runs chunked prefill and the decode steps,
+  feeding each token the tail sends back into the next step;
+- tail (last layer): samples the last position with a per-session llama.cpp sampler
+  chain and sends the token upstream, ending on a stop token or max tokens;
+- every hop: runs the Activations it receives and passes them on; passes Tokens and
+  Usage upstream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+import numpy as np
+import trio
+
+from noderuntime.node.batcher import StepFailed, StepOutput, StepRequest
+from noderuntime.node.ending import EndReason, SessionEnd, ending, idle_blame, stop_reason
+from noderuntime.node.leases import Lease
+from noderuntime.operations.telemetry import SessionLog
+from noderuntime.seams.connection import SeamConnection
+from noderuntime.transport import FrameStream, TransportError
+from protocol import (
+    Activations,
+    Cancel,
+    Direction,
+    Encoding,
+    Error,
+    Event,
+    Hop,
+    Identity,
+    Limits,
+    NamedTensor,
+    OpenRoute,
+    Phase,
+    ProtocolError,
+    Release,
+    RemoteProtocolError,
+    SeamEndpoint,
+    Span,
+    StatusCode,
+    TokenLogprob,
+    Tokens,
+    Usage,
+    UsageRecord,
+)
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class SessionContext:
+    """What a route session needs of its node: built once by the node, never the node itself."""
+
+    node_id: bytes
+    step: Callable[[StepRequest], Awaitable[StepOutput]]  # one step through the batcher
+    retire: Callable[[int, Any], None]  # free a sequence (and its sampler) between ticks
+    connect: Callable[[Hop, OpenRoute], Awaitable[FrameStream]]  # a stream to the next hop
+    sign: Callable[[bytes], bytes]  # the node's signature over a usage record
+    count_frame: Callable[[str, str, int], None]  # (transport, direction, bytes) into the metrics
+    seam_round_trip: Callable[[str, float], None]  # (transport, seconds) of a decode step's round trip
+    limits: Limits
+    encoding: Encoding  # of the hidden states sent downstream
+    prefill_chunk: int
+    idle_timeout: float
+    n_embd: int
+    n_vocab: int
+
+
+@attrs.frozen
+class SessionKey:
+    """A route session: its id and epoch."""
+
+    session_id: bytes
+    epoch: int
+
+    def __str__(self) -> str:
+        return f"{self.session_id.hex()[:12]}/{self.epoch}"
+
+
+@attrs.define
+class SessionUsage:
+    """What this node did for the session."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    compute_seconds: float = 0.0
+    started: float = attrs.Factory(time.time)
+
+
+class RouteSession:
+    """One route session on one node; see the module docstring."""
+
+    def __init__(
+        self,
+        context: SessionContext,
+        open_route: OpenRoute,
+        index: int,
+        upstream: SeamConnection,
+        lease: Lease,
+        sampler: Any,
+        deadline: float,
+    ) -> None:
+        self.context = context
+        self.open_route = open_route
+        self.index = index
+        self.hop: Hop = open_route.hops[index]
+        self.next_hop: Hop | None = open_route.hops[index + 1] if index + 1 < len(open_route.hops) else None
+        self.is_head = index == 0
+        self.is_tail = self.next_hop is None
+        theirs = open_route.header.identity
+        self.key = SessionKey(theirs.session_id, theirs.epoch)
+        self.identity = Identity(
+            theirs.request_id,
+            theirs.session_id,
+            theirs.epoch,
+            theirs.artifact_fingerprint,
+            theirs.recipe_fingerprint,
+            self.hop.layers,
+        )
+        self.upstream = upstream
+        self.downstream: SeamConnection | None = None
+        self.lease = lease
+        self.sampler = sampler
+        self.usage = SessionUsage()
+        self.log = SessionLog(log, str(self.key), theirs.request_id)
+        self._decode_sent_at: float | None = None
+        self.scope = trio.CancelScope(deadline=deadline)
+        self.end: SessionEnd | None = None
+        self.generated = 0
+        self._logprob: TokenLogprob | None = None  # the tail's last sampled token's, when asked
+        self._prompt_logprobs: list[TokenLogprob] = []  # the tail's prompt rows scored so far
+        self._inner: trio.CancelScope | None = None
+        self._tokens_in: trio.MemorySendChannel[Tokens] | None = None
+        self._last_activity = trio.current_time()
+        self._awaiting_downstream = False  # activations sent, their tokens not yet back
+        self._sends_up = 0  # sends to the previous hop under way (one that lasts waits for it to read)
+        self._released = False
+        self._driver_scope = trio.CancelScope()
+        self._driver_done = trio.Event()
+        if not self.is_head:
+            self._driver_done.set()
+
+    # --- lifecycle
+
+    def release(self) -> None:
+        """Free the KV and the slot (through the batcher); idempotent, never blocks."""
+        if self._released:
+            return
+        self._released = True
+        if self.lease.release():
+            self.context.retire(self.lease.seq_id, self.sampler)
+
+    def cancel(self, reason: EndReason = EndReason.NODE_STOPPED, message: str = "") -> None:
+        """End the session from outside (node shutdown)."""
+        self._finish(ending(reason, message))
+
+    def _finish(self, end: SessionEnd) -> None:
+        if self.end is None:
+            self.end = end
+        if self._inner is not None:
+            self._inner.cancel()
+
+    def _touch(self) -> None:
+        self._last_activity = trio.current_time()
+
+    @property
+    def kv_length(self) -> int:
+        """Positions this session holds in KV, by the steps it ran."""
+        return self.usage.prefill_tokens + self.usage.decode_tokens
+
+    async def run(self) -> SessionEnd:
+        """Serve the session to its end; returns why it ended."""
+        try:
+            with self.scope, trio.CancelScope() as inner:
+                self._inner = inner
+                await self._serve()
+            if self.end is None:
+                if self.scope.cancelled_caught:
+                    self.end = ending(EndReason.DEADLINE, "the session's deadline passed")
+                else:
+                    self.end = ending(EndReason.RELEASED)
+        except BaseException as exc:
+            if self.end is None:
+                # a defect met while serving (the node logs it and serves on), or the node stopping
+                defect = isinstance(exc, Exception)
+                if defect:
+                    self.end = ending(EndReason.DEFECT, "the node failed this session")
+                else:
+                    self.end = ending(EndReason.NODE_STOPPED, "the node is stopping")
+            raise
+        finally:
+            self.release()
+            with trio.CancelScope(shield=True):
+                await self._notify_and_close()
+        return self.end
+
+    async def _notify_and_close(self) -> None:
+        end = self.end
+        assert end is not None
+        if end.tell_downstream and self.downstream is not None and self.downstream.endpoint is not None:
+            await self.downstream.notify(
+                Cancel(self.downstream.endpoint.header(Phase.CANCEL), end.message or end.label)
+            )
+        if end.tell_upstream and self.upstream.endpoint is not None:
+            error = Error(
+                self.upstream.endpoint.header(Phase.CANCEL),
+                end.code,
+                end.message or end.label,
+                end.node_id or self.context.node_id,
+            )
+            await self.upstream.notify(error)
+        if self.downstream is not None:
+            await self.downstream.aclose()
+        await self.upstream.aclose()
+
+    # --- the work
+
+    async def _serve(self) -> None:
+        if not self.is_tail and not await self._open_downstream():
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watchdog)
+            nursery.start_soon(self._upstream_loop)
+            receive = None
+            if not self.is_tail:
+                send, receive = trio.open_memory_channel[Tokens](1)
+                self._tokens_in = send
+                nursery.start_soon(self._downstream_loop)
+            if self.is_head:
+                nursery.start_soon(self._drive_head, receive)
+
+    async def _open_downstream(self) -> bool:
+        assert self.next_hop is not None
+        try:
+            stream = await self.context.connect(self.next_hop, self.open_route)
+        except (TransportError, OSError) as exc:
+            where = f"{self.next_hop.layers.start}:{self.next_hop.layers.end}"
+            self._finish(ending(EndReason.CONNECT_FAILED, f"cannot reach the next hop ({where}): {exc}"))
+            return False
+        endpoint = SeamEndpoint(self.identity, Direction.DOWNSTREAM, peer_shard=self.next_hop.layers)
+        self.downstream = SeamConnection(
+            stream, endpoint, self.context.limits, on_frame=self.context.count_frame, label="down"
+        )
+        forward = attrs.evolve(self.open_route, header=endpoint.header(Phase.PREFILL))
+        try:
+            await self.downstream.send(forward)
+        except TransportError as exc:
+            self._finish(ending(EndReason.CONNECT_FAILED, f"next hop closed: {exc}"))
+            return False
+        return True
+
+    async def _watchdog(self) -> None:
+        idle = self.context.idle_timeout
+        while True:
+            await trio.sleep(max(0.05, idle / 4))
+            if trio.current_time() - self._last_activity > idle:
+                code, message = idle_blame(idle, sends_up=self._sends_up, awaiting_downstream=self._awaiting_downstream)
+                self._finish(ending(EndReason.IDLE, message, code))
+                return
+
+    async def _upstream_loop(self) -> None:
+        """Frames from upstream: Activations (non-head), Release, Cancel, Error."""
+        while True:
+            try:
+                event = await self.upstream.receive()
+            except RemoteProtocolError as exc:
+                await self._protocol_failure_up(exc)
+                return
+            except TransportError:
+                self._finish(ending(EndReason.UPSTREAM_CLOSED, "the upstream peer went away"))
+                return
+            self._touch()
+            if isinstance(event, Activations):
+                if self.is_head:
+                    await self._protocol_failure_up(RemoteProtocolError("the head takes no Activations"))
+                    return
+                if not await self._run_activations(event):
+                    return
+            elif isinstance(event, Release):
+                await self._stop_driver()
+                self.release()
+                if self.downstream is not None:
+                    await self._send_down(Release(self._down_endpoint().header(Phase.RELEASE), event.reason))
+                else:
+                    await self._send_usage([])
+                    self._finish(ending(EndReason.RELEASED))
+                    return
+            elif isinstance(event, Cancel | Error):
+                reason = event.reason if isinstance(event, Cancel) else event.message
+                self._finish(ending(EndReason.CANCELLED, reason))
+                return
+            else:
+                await self._protocol_failure_up(RemoteProtocolError(f"unexpected {type(event).__name__}"))
+                return
+
+    async def _downstream_loop(self) -> None:
+        """Frames from downstream: Tokens, Usage, Error, Cancel."""
+        assert self.downstream is not None
+        while True:
+            try:
+                event = await self.downstream.receive()
+                if isinstance(event, Tokens):
+                    self._check_tokens(event)
+            except RemoteProtocolError as exc:
+                await self._protocol_failure_down(exc)
+                return
+            except TransportError:
+                self._finish(ending(EndReason.DOWNSTREAM_CLOSED, "the next hop went away"))
+                return
+            self._touch()
+            self._awaiting_downstream = False
+            if isinstance(event, Tokens):
+                if self._decode_sent_at is not None:
+                    self.context.seam_round_trip(self.downstream.transport, time.perf_counter() - self._decode_sent_at)
+                    self._decode_sent_at = None
+                if self.is_head and self._tokens_in is not None:
+                    # the next decode step first: it runs in the engine thread while the token
+                    # travels on to the client
+                    with contextlib.suppress(trio.BrokenResourceError):  # the driver stopped: nothing to feed
+                        await self._tokens_in.send(event)
+                # on up with our header, and with whatever else it carries (logprobs)
+                await self._send_up(attrs.evolve(event, header=self._up_header(Phase.DECODE, event.header.positions)))
+            elif isinstance(event, Usage):
+                await self._send_usage(list(event.records))
+                self._finish(ending(EndReason.RELEASED))
+                return
+            elif isinstance(event, Error):
+                self._finish(ending(EndReason.DOWNSTREAM_ERROR, event.message, event.code, event.node_id))
+                return
+            elif isinstance(event, Cancel):
+                self._finish(ending(EndReason.DOWNSTREAM_CANCELLED, event.reason))
+                return
+
+    async def _stop_driver(self) -> None:
+        """Stop the head's prefill/decode driver between two sends, and wait until it has."""
+        self._driver_scope.cancel()
+        await self._driver_done.wait()
+
+    async def _drive_head(self, tokens_in: trio.MemoryReceiveChannel[Tokens] | None) -> None:
+        try:
+            with self._driver_scope:
+                if tokens_in is None:
+                    await self._drive(None)
+                else:
+                    with tokens_in:  # closed on exit: late tokens from downstream are then dropped
+                        await self._drive(tokens_in)
+        finally:
+            self._driver_done.set()
+
+    async def _drive(self, tokens_in: trio.MemoryReceiveChannel[Tokens] | None) -> None:
+        """The head: chunked prefill of the prompt, then one decode step per token sent back."""
+        prompt = np.asarray(self.open_route.prompt_tokens, dtype=np.int32)
+        chunk = self.context.prefill_chunk
+        position = 0
+        token: int | None = None
+        for start in range(0, len(prompt), chunk):
+            piece = prompt[start : start + chunk]
+            last = start + len(piece) == len(prompt)
+            token = await self._step(position, tokens=piece, sample=last and self.is_tail, decode=False)
+            if token is _FAILED:
+                return
+            position += len(piece)
+        while True:
+            if self.is_tail:
+                assert token is not None
+                if await self._emit_token(token, position):
+                    return
+                next_token = token
+            else:
+                assert tokens_in is not None
+                received = await tokens_in.receive()
+                if received.finished or not received.token_ids:
+                    return  # wait for Release from the client in the upstream loop
+                next_token = received.token_ids[-1]
+                if position >= self.lease.tokens:  # the tail should have finished the generation
+                    await self._protocol_failure_down(
+                        RemoteProtocolError(
+                            f"a token for position {position}, past the {self.lease.tokens} this session reserved",
+                            StatusCode.OUT_OF_RANGE,
+                        )
+                    )
+                    return
+            token = await self._step(
+                position, tokens=np.array([next_token], np.int32), sample=self.is_tail, decode=True
+            )
+            if token is _FAILED:
+                return
+            position += 1
+
+    async def _run_activations(self, event: Activations) -> bool:
+        """A non-head hop: run the rows, pass them on (or sample, on the tail)."""
+        try:
+            hidden = event.tensor("hidden_states")
+        except KeyError:
+            await self._protocol_failure_up(RemoteProtocolError("Activations without hidden_states"))
+            return False
+        positions = event.header.positions
+        if hidden.ndim != 2 or hidden.shape[0] != len(positions) or hidden.shape[1] != self.context.n_embd:
+            await self._protocol_failure_up(
+                RemoteProtocolError(
+                    f"hidden_states of shape {hidden.shape} for {len(positions)} positions and n_embd "
+                    f"{self.context.n_embd}"
+                )
+            )
+            return False
+        if positions.end > self.lease.tokens:
+            await self._protocol_failure_up(
+                RemoteProtocolError(
+                    f"position {positions.end} beyond the {self.lease.tokens} this session reserved",
+                    StatusCode.OUT_OF_RANGE,
+                )
+            )
+            return False
+        decode = event.header.phase == Phase.DECODE
+        if decode and len(positions) != 1:
+            await self._protocol_failure_up(RemoteProtocolError(f"a decode step of {len(positions)} positions"))
+            return False
+        prompt_len = len(self.open_route.prompt_tokens)
+        sample = self.is_tail and positions.end >= prompt_len
+        result = await self._step(positions.start, hidden=hidden, sample=sample, decode=decode)
+        if result is _FAILED:
+            return False
+        if self.is_tail:
+            if sample:
+                assert isinstance(result, int)
+                await self._emit_token(result, positions.end)
+            return True
+        return True
+
+    async def _step(
+        self,
+        start: int,
+        *,
+        tokens: np.ndarray | None = None,
+        hidden: np.ndarray | None = None,
+        sample: bool,
+        decode: bool,
+    ) -> Any:
+        """One step through the batcher; forwards the rows downstream; returns the sampled token."""
+        request = StepRequest(
+            self.lease.seq_id,
+            start,
+            tokens=tokens,
+            hidden=hidden,
+            sampler=self.sampler if sample else None,
+            decode=decode,
+        )
+        sampling = self.open_route.sampling
+        if self.is_tail and not decode and sampling.prompt_logprobs:
+            # each prompt row scores the prompt token after it; the last one's is the sampled token
+            prompt = self.open_route.prompt_tokens
+            after = np.arange(start + 1, start + request.n_rows + 1)
+            request.score = np.array([prompt[p] if p < len(prompt) else -1 for p in after.tolist()], np.int32)
+            request.score_top = sampling.top_logprobs
+        try:
+            output = await self.context.step(request)
+        except StepFailed as exc:
+            self._finish(ending(EndReason.ENGINE_ERROR, f"the shard failed: {exc}"))
+            return _FAILED
+        self._touch()
+        self._logprob = output.logprob
+        self._prompt_logprobs += output.scored
+        n = request.n_rows
+        if decode:
+            self.usage.decode_tokens += n
+        else:
+            self.usage.prefill_tokens += n
+        self.usage.compute_seconds += output.seconds * n / max(1, output.batch_rows)
+        if self.downstream is not None:
+            assert output.hidden is not None
+            header = self._down_endpoint().header(Phase.DECODE if decode else Phase.PREFILL, Span(start, start + n))
+            tensor = NamedTensor("hidden_states", output.hidden, self.context.encoding)
+            if not await self._send_down(Activations(header, (tensor,))):
+                return _FAILED
+            if decode:
+                self._decode_sent_at = time.perf_counter()
+        return output.token
+
+    async def _emit_token(self, token: int, position: int) -> bool:
+        """The tail: send a sampled token upstream; True when the generation is finished."""
+        self.generated += 1
+        route = self.open_route
+        reason = stop_reason(
+            token,
+            generated=self.generated,
+            max_tokens=route.max_tokens,
+            position=position,
+            reserved=self.lease.tokens,
+            stop_tokens=route.stop_token_ids,
+        )
+        header = self._up_header(Phase.DECODE, Span(position, position + 1))
+        logprobs = (self._logprob,) if self._logprob is not None else ()
+        prompt_logprobs = tuple(self._prompt_logprobs)
+        self._prompt_logprobs = []  # they travel in the first Tokens frame alone
+        event = Tokens(header, (token,), bool(reason), reason, logprobs, prompt_logprobs)
+        await self._send_up(event)
+        return bool(reason)
+
+    async def _send_usage(self, records: list[UsageRecord]) -> None:
+        body = json.dumps(
+            {
+                "node_id": self.context.node_id.hex(),
+                "layers": [self.hop.layers.start, self.hop.layers.end],
+                "request_id": self.identity.request_id,
+                "session_id": self.key.session_id.hex(),
+                "epoch": self.key.epoch,
+                "artifact": self.identity.artifact_fingerprint.hex(),
+                "prefill_tokens": self.usage.prefill_tokens,
+                "decode_tokens": self.usage.decode_tokens,
+                "compute_ms": round(self.usage.compute_seconds * 1e3, 3),
+                "bytes_in": self.upstream.bytes_received + (self.downstream.bytes_received if self.downstream else 0),
+                "bytes_out": self.upstream.bytes_sent + (self.downstream.bytes_sent if self.downstream else 0),
+                "started": round(self.usage.started, 3),
+                "ended": round(time.time(), 3),
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        ).encode()
+        own = UsageRecord(body, self.context.node_id, self.context.sign(body))
+        await self._send_up(Usage(self._up_header(Phase.RELEASE), (*records, own)))
+
+    # --- sending helpers
+
+    def _up_header(self, phase: Phase, positions: Span = Span()) -> Any:
+        assert self.upstream.endpoint is not None
+        return self.upstream.endpoint.header(phase, positions)
+
+    def _down_endpoint(self) -> SeamEndpoint:
+        assert self.downstream is not None and self.downstream.endpoint is not None
+        return self.downstream.endpoint
+
+    async def _send_up(self, event: Event) -> bool:
+        self._sends_up += 1
+        try:
+            await self.upstream.send(event)
+            return True
+        except ProtocolError:
+            if self.end is None:
+                raise  # our own misuse of the seam: a defect, not a peer that left
+            return False  # the seam closed under a failure meanwhile; the session is ending
+        except TransportError:
+            self._finish(ending(EndReason.UPSTREAM_CLOSED, "the upstream peer went away"))
+            return False
+        finally:
+            self._sends_up -= 1
+
+    async def _send_down(self, event: Event) -> bool:
+        assert self.downstream is not None
+        if isinstance(event, Activations):
+            self._awaiting_downstream = True  # from now: a send that blocks is the next hop's stall too
+        try:
+            await self.downstream.send(event)
+            return True
+        except ProtocolError:
+            if self.end is None:
+                raise
+            return False
+        except TransportError:
+            self._finish(ending(EndReason.DOWNSTREAM_CLOSED, "the next hop went away"))
+            return False
+
+    def _check_tokens(self, event: Tokens) -> None:
+        """Tokens from downstream must be in the vocabulary (llama.cpp would fail the
+        head's whole batch) and must not take the session past its reservation."""
+        n_vocab = self.context.n_vocab
+        if not all(0 <= t < n_vocab for t in event.token_ids):
+            raise RemoteProtocolError(f"token ids outside the vocabulary of {n_vocab}", StatusCode.OUT_OF_RANGE)
+        if event.token_ids and not event.finished and event.header.positions.end >= self.lease.tokens:
+            raise RemoteProtocolError(
+                f"an unfinished generation at position {event.header.positions.end}, past the "
+                f"{self.lease.tokens} this session reserved",
+                StatusCode.OUT_OF_RANGE,
+            )
+
+    # Both failures end the session before telling the peer: the notice is sent shielded,
+    # and meanwhile no other task of the session may send on a seam that is closing.
+
+    async def _protocol_failure_down(self, error: ProtocolError) -> None:
+        assert self.downstream is not None
+        self._finish(ending(EndReason.DOWNSTREAM_PROTOCOL_ERROR, f"the next hop broke the protocol: {error.message}"))
+        await self.downstream.fail(error, self.context.node_id)
+
+    async def _protocol_failure_up(self, error: ProtocolError) -> None:
+        self._finish(ending(EndReason.UPSTREAM_PROTOCOL_ERROR, error.message, error.code))
+        await self.upstream.fail(error, self.context.node_id)
+
+
+class _Failed:
+    """Marks a step that ended the session."""
+
+
+_FAILED: Any = _Failed()
+
+
+def deadline_from_unix_ms(deadline_unix_ms: int, default_seconds: float) -> float:
+    """The trio deadline for a session: the client's, or ``default_seconds`` from now."""
+    if deadline_unix_ms <= 0:
+        return trio.current_time() + default_seconds
+    remaining = deadline_unix_ms / 1000.0 - time.time()
+    return trio.current_time() + min(remaining, default_seconds) if math.isfinite(remaining) else math.inf

@@ -1,0 +1,132 @@
+"""``noderuntime status --tracker URL``: the nodes a tracker knows, their load, and the routes they form."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from noderuntime.control.admission import Capability
+from noderuntime.tracker.state import NodeRecord, all_routes, route_cost
+
+
+def fetch(tracker: str) -> list[dict[str, Any]]:
+    """The tracker's ``/v1/nodes``."""
+    with urllib.request.urlopen(tracker.rstrip("/") + "/v1/nodes", timeout=10) as response:
+        try:
+            nodes: list[dict[str, Any]] = json.loads(response.read())["nodes"]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            raise ValueError(f"{tracker} did not answer /v1/nodes with a node list") from None
+    if not isinstance(nodes, list) or not all(isinstance(n, dict) for n in nodes):
+        raise ValueError(f"{tracker} did not answer /v1/nodes with a node list")
+    return nodes
+
+
+def _record(node: dict[str, Any]) -> NodeRecord:
+    return NodeRecord(
+        node_id=bytes.fromhex(node["node_id"]),
+        artifact=node["artifact"],
+        n_layer=node["n_layer"],
+        layers=(int(node["layers"][0]), int(node["layers"][1])),
+        recipe=node["recipe"],
+        address=node["address"],
+        relay=node["relay"],
+        tls_cert_sha256=b"",
+        slots=node["slots"],
+        ctx_per_session=node["ctx_per_session"],
+        model_name=node["model_name"],
+        active_sessions=node["active_sessions"],
+        free_slots=node["free_slots"],
+        queue_depth=node["queue_depth"],
+        step_ms=node["step_ms"],
+        measured=Capability.from_json(node["capability"]) if node.get("capability") else None,
+        probe_required=bool(node.get("probe_required")),
+        probe_passed=node.get("probe_passed"),
+    )
+
+
+def _decode(node: dict[str, Any]) -> str:
+    capability = node.get("capability")
+    if not capability:
+        return "-"
+    return "/".join(f"{float(t):.1f}" for _, t in sorted(capability["decode_ms"].items(), key=lambda i: int(i[0])))
+
+
+def _prefill(node: dict[str, Any]) -> str:
+    capability = node.get("capability")
+    if not capability:
+        return "-"
+    return f"{1e3 / float(capability['prefill_ms_per_token']):.0f}"
+
+
+def _probe(node: dict[str, Any]) -> str:
+    passed = node.get("probe_passed")
+    if passed is True:
+        return "ok"
+    if passed is False:
+        return "FAIL"
+    return "pending" if node.get("probe_required") else "-"
+
+
+def routes(nodes: list[dict[str, Any]]) -> list[tuple[str, list[NodeRecord], float]]:
+    """Every complete route per artifact, cheapest first."""
+    try:
+        records = [_record(n) for n in nodes]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # AdmissionError is a ValueError
+        raise ValueError(
+            f"the tracker's node list is not what this version reads: {type(exc).__name__}: {exc}"
+        ) from None
+    out = []
+    for artifact in sorted({r.artifact for r in records}):
+        mine = [r for r in records if r.artifact == artifact and r.admitted]
+        if mine:
+            for route in all_routes(mine, mine[0].n_layer):
+                out.append((artifact, route, route_cost(route)))
+    return sorted(out, key=lambda item: (item[0], item[2]))
+
+
+def show(tracker: str, *, as_json: bool = False) -> int:
+    """Print the status table (or JSON); exit status 1 if the tracker is unreachable."""
+    try:
+        nodes = fetch(tracker)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"noderuntime: error: cannot read {tracker}/v1/nodes: {exc}")
+        return 1
+    found = routes(nodes)
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "nodes": nodes,
+                    "routes": [
+                        {
+                            "artifact": a,
+                            "hops": [[r.node_id.hex()[:16], *r.layers] for r in route],
+                            "cost_ms": round(c, 2),
+                        }
+                        for a, route, c in found
+                    ],
+                },
+                indent=2,
+            )
+        )
+        return 0
+    header = (
+        f"{'node':<12} {'model':<20} {'layers':>8} {'recipe':<8} {'reach':<12} {'load':>7} {'cap':>4} "
+        f"{'decode ms b1/b8':>16} {'prefill t/s':>11} {'now ms':>7} {'probe':>7} {'seen':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for n in nodes:
+        print(
+            f"{n['node_id'][:12]:<12} {n['model_name'][:20]:<20} {n['layers'][0]:>3}:{n['layers'][1]:<4} "
+            f"{n['recipe'][:8]:<8} {n['reachability']:<12} {n['active_sessions']:>3}/{n['slots']:<3} "
+            f"{n.get('capacity', n['slots']):>4} {_decode(n):>16} {_prefill(n):>11} {n['estimated_step_ms']:>7.1f} "
+            f"{_probe(n):>7} {n['seconds_since_heartbeat']:>5.1f}s"
+        )
+    print(f"\n{len(found)} complete route(s)")
+    for artifact, route, cost in found[:20]:
+        chain = " -> ".join(f"{r.node_id.hex()[:8]}[{r.layers[0]}:{r.layers[1]}]" for r in route)
+        print(f"  {artifact[:12]}  {chain}  ~{cost:.1f} ms/step")
+    return 0

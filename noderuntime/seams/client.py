@@ -1,0 +1,222 @@
+"""The client end of a route: opens a route session on the head and reads its tokens.
+
+Used by the gateway, the tests and the benchmarks::
+
+    async with open_generation(stream, hops, request, artifact=..., recipe=...) as gen:
+        while (tokens := await gen.next()) is not None:
+            ...
+
+Leaving the block normally releases the session on every hop and collects the
+usage records; leaving it by an exception or cancellation cancels the session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from noderuntime.seams.connection import SeamConnection
+from noderuntime.transport import FrameStream, TransportError
+from protocol import (
+    Cancel,
+    Direction,
+    Error,
+    Hop,
+    Identity,
+    Limits,
+    OpenRoute,
+    Phase,
+    ProtocolError,
+    Release,
+    RemoteProtocolError,
+    Sampling,
+    SeamEndpoint,
+    Span,
+    StatusCode,
+    Tokens,
+    Usage,
+    UsageRecord,
+)
+
+USAGE_TIMEOUT = 5.0
+
+
+@attrs.frozen
+class GenerationRequest:
+    """What to generate."""
+
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    sampling: Sampling = Sampling()
+    stop_token_ids: tuple[int, ...] = ()
+    deadline_unix_ms: int = 0
+    request_id: str = ""
+
+
+class RouteError(Exception):
+    """The route ended the session: ``code`` is a gRPC status, ``node_id`` who reported it."""
+
+    def __init__(self, message: str, code: StatusCode, node_id: bytes = b"") -> None:
+        super().__init__(message)
+        self.code = code
+        self.node_id = node_id
+
+
+class Generation:
+    """An open route session, from the client's side."""
+
+    def __init__(self, conn: SeamConnection, session_id: bytes, epoch: int) -> None:
+        self.conn = conn
+        self.session_id = session_id
+        self.epoch = epoch
+        self.tokens: list[int] = []
+        self.finished = False
+        self.finish_reason = ""
+        self.usage: tuple[UsageRecord, ...] | None = None
+        self.failed = False  # the route ended the session with an error: nothing to release
+
+    @property
+    def endpoint(self) -> SeamEndpoint:
+        """This seam's state machine."""
+        assert self.conn.endpoint is not None
+        return self.conn.endpoint
+
+    async def next(self) -> Tokens | None:
+        """The next tokens from the route; ``None`` once the generation finished."""
+        if self.finished:
+            return None
+        event = await self._receive()
+        if isinstance(event, Tokens):
+            self.tokens.extend(event.token_ids)
+            if event.finished:
+                self.finished = True
+                self.finish_reason = event.finish_reason
+            return event
+        self.failed = True  # a broken head: do not wait on it for usage records
+        raise RouteError(f"unexpected {type(event).__name__} from the head", StatusCode.INTERNAL)
+
+    async def _receive(self) -> object:
+        try:
+            event = await self.conn.receive()
+        except RemoteProtocolError as exc:
+            self.failed = True
+            await self.conn.fail(exc)
+            raise RouteError(f"the head broke the protocol: {exc.message}", exc.code) from None
+        except TransportError as exc:
+            self.failed = True
+            raise RouteError(f"the route closed: {exc}", StatusCode.UNAVAILABLE) from None
+        if isinstance(event, Error):
+            self.failed = True
+            raise RouteError(event.message, event.code, event.node_id)
+        if isinstance(event, Cancel):
+            self.failed = True
+            raise RouteError(event.reason or "cancelled by the route", StatusCode.CANCELLED)
+        return event
+
+    async def release(self, reason: str = "done") -> tuple[UsageRecord, ...]:
+        """End the session normally and collect every hop's usage record."""
+        await self.conn.send(Release(self.endpoint.header(Phase.RELEASE), reason))
+        with trio.fail_after(USAGE_TIMEOUT):
+            while True:
+                event = await self._receive()
+                if isinstance(event, Usage):
+                    self.usage = event.records
+                    return event.records
+                # tokens generated after our Release crossed the route are dropped
+
+
+@asynccontextmanager
+async def open_route_generation(
+    connector: Any,
+    hops: Sequence[Hop],
+    request: GenerationRequest,
+    *,
+    artifact: bytes,
+    recipe: bytes,
+    ticket: bytes = b"",
+    session_id: bytes | None = None,
+    epoch: int = 0,
+    limits: Limits = Limits(),
+) -> AsyncIterator[Generation]:
+    """Like :func:`open_generation`, dialling the head with ``connector`` (direct or through its relay)."""
+    session_id = session_id or os.urandom(16)
+    identity = Identity(request.request_id, session_id, epoch, artifact, recipe, Span())
+    probe = OpenRoute(
+        SeamEndpoint(identity, Direction.DOWNSTREAM).header(Phase.PREFILL),
+        tuple(hops),
+        request.sampling,
+        (),
+        1,
+        (),
+        0,
+        ticket,
+    )
+    try:
+        stream = await connector.connect(hops[0], probe)
+    except TransportError as exc:
+        raise RouteError(f"cannot reach the head: {exc}", exc.code) from None
+    async with open_generation(
+        stream,
+        hops,
+        request,
+        artifact=artifact,
+        recipe=recipe,
+        ticket=ticket,
+        session_id=session_id,
+        epoch=epoch,
+        limits=limits,
+    ) as generation:
+        yield generation
+
+
+@asynccontextmanager
+async def open_generation(
+    stream: FrameStream,
+    hops: Sequence[Hop],
+    request: GenerationRequest,
+    *,
+    artifact: bytes,
+    recipe: bytes,
+    ticket: bytes = b"",
+    session_id: bytes | None = None,
+    epoch: int = 0,
+    limits: Limits = Limits(),
+) -> AsyncIterator[Generation]:
+    """Open a route session over ``stream`` (to the head); see the module docstring."""
+    session_id = session_id or os.urandom(16)
+    identity = Identity(request.request_id, session_id, epoch, artifact, recipe, Span())
+    endpoint = SeamEndpoint(identity, Direction.DOWNSTREAM, peer_shard=hops[0].layers)
+    conn = SeamConnection(stream, endpoint, limits, label="client")
+    generation = Generation(conn, session_id, epoch)
+    try:
+        await conn.send(
+            OpenRoute(
+                endpoint.header(Phase.PREFILL),
+                tuple(hops),
+                request.sampling,
+                request.prompt_tokens,
+                request.max_tokens,
+                request.stop_token_ids,
+                request.deadline_unix_ms,
+                ticket,
+            )
+        )
+        try:
+            yield generation
+        except BaseException:
+            await conn.notify(Cancel(endpoint.header(Phase.CANCEL), "the client went away"))
+            raise
+        if not generation.failed:
+            # the tokens were delivered; a lost usage record does not fail the request
+            with contextlib.suppress(RouteError, ProtocolError, TransportError, trio.TooSlowError):
+                await generation.release()
+    except TransportError as exc:
+        raise RouteError(f"the route closed: {exc}", StatusCode.UNAVAILABLE) from None
+    finally:
+        await conn.aclose()

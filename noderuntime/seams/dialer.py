@@ -1,0 +1,39 @@
+"""The client side of the network: reach a route's head directly or through its relay.
+
+Used by the gateway, tests and benchmarks::
+
+    async with open_dialer() as dialer:
+        stream = await dialer.connect(route.hops[0], open_route)
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
+from noderuntime.seams.network import NetworkConnector
+from noderuntime.transport.grpc import AsyncioThread, GrpcConnector
+from noderuntime.transport.relay_client import RelayDialer
+from protocol import Limits
+
+
+@asynccontextmanager
+async def open_dialer(limits: Limits = Limits()) -> AsyncIterator[NetworkConnector]:
+    """A connector with its own gRPC runtime and relay connections, closed on exit."""
+    runtime = AsyncioThread()
+    grpc = GrpcConnector(runtime, max_frame_bytes=limits.max_frame_bytes)
+    try:
+        async with trio.open_nursery() as nursery:
+            yield NetworkConnector(grpc, RelayDialer(nursery))
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # the nursery only hosts websocket readers: an error is the caller's own, unwrap it
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+    finally:
+        with trio.CancelScope(shield=True):
+            await grpc.close()
+        runtime.close()

@@ -1,0 +1,160 @@
+"""Starting and stopping noderuntime processes (nodes, relays, trackers, gateways).
+
+Used by the multi-process tests, the benchmarks and ``noderuntime up`` with no
+arguments. Each process prints one ``{"event": "ready", ...}`` JSON line on stdout
+when it serves; :class:`ManagedProcess` waits for it and keeps the rest of the
+output (for error messages) in a bounded buffer.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import ctypes.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from noderuntime.services.cgroups import MemoryCap
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class ProcessError(RuntimeError):
+    """A process did not become ready, or exited."""
+
+
+class ManagedProcess:
+    """One child process running ``python -m noderuntime ...``."""
+
+    def __init__(
+        self,
+        name: str,
+        args: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        prefix: Sequence[str] = (),
+        cwd: Path | None = None,
+        cap: MemoryCap | None = None,
+    ) -> None:
+        """``prefix`` goes before the interpreter (e.g. ``ip netns exec HOST``); ``cap`` is a
+        memory cgroup the process runs in from its first allocation."""
+        self.name = name
+        self.argv = [*prefix, sys.executable, "-m", "noderuntime", *args]
+        self._env = {**os.environ, **(env or {})}
+        self._env.setdefault("PYTHONPATH", str(ROOT))
+        self._env["PYTHONUNBUFFERED"] = "1"
+        self._cwd = cwd
+        self.cap = cap
+        self.proc: subprocess.Popen[str] | None = None
+        self.info: dict[str, Any] = {}
+        self.output: collections.deque[str] = collections.deque(maxlen=400)
+        self._ready = threading.Event()
+
+    def start(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Start and wait for the ready line; returns its fields."""
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the process without waiting (see :meth:`wait_ready`)."""
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self._env,
+            cwd=self._cwd,
+            start_new_session=True,
+            preexec_fn=self._before_exec,
+        )
+        threading.Thread(target=self._read, name=f"{self.name}-output", daemon=True).start()
+
+    def _before_exec(self) -> None:
+        _die_with_parent()
+        if self.cap is not None:
+            self.cap.join()
+
+    def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Wait for the ready line; returns its fields."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.05):
+            if self.proc.poll() is not None:
+                raise ProcessError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise ProcessError(f"{self.name} was not ready within {timeout:.0f} s:\n{self.tail()}")
+        return self.info
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line.rstrip("\n"))
+            if not self._ready.is_set() and line.startswith('{"event": "ready"'):
+                self.info = json.loads(line)
+                self._ready.set()
+
+    def tail(self, lines: int = 40) -> str:
+        """The last lines the process printed."""
+        return "\n".join(list(self.output)[-lines:])
+
+    @property
+    def pid(self) -> int:
+        """The child's pid."""
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        """Whether the process still runs."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, signum: int) -> None:
+        """Send a signal (SIGSTOP, SIGCONT, SIGKILL...)."""
+        if self.alive():
+            assert self.proc is not None
+            os.kill(self.proc.pid, signum)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM (a clean drain), then SIGKILL after ``timeout``; the exit status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            with _suppress():
+                os.kill(self.proc.pid, signal.SIGCONT)  # a stopped process cannot drain
+                os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group."""
+        if self.proc is not None and self.proc.poll() is None:
+            with _suppress():
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def _die_with_parent() -> None:
+    # children must not outlive a parent that was killed without running its cleanup
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class _suppress:  # a tiny contextlib.suppress for ProcessLookupError only
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> bool:
+        return kind is not None and issubclass(kind, ProcessLookupError | PermissionError)

@@ -1,0 +1,202 @@
+"""``noderuntime up`` with no arguments (or ``up --local --model M``): the whole system on this machine.
+
+A tracker, a relay, two shard nodes of the model (the demo model by default; any known
+model or GGUF file; the second node reachable only through the relay, as a node behind
+NAT would be) and the gateway, each its own process. Prints the base URL and a ``curl``
+example; Ctrl-C stops everything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import attrs
+import platformdirs
+
+from noderuntime.control import admission
+from noderuntime.models import artifacts
+from noderuntime.models import catalogue as models
+from noderuntime.services.cluster import ManagedProcess, ProcessError
+
+
+@attrs.define
+class LocalSystem:
+    """The processes of a running local system."""
+
+    processes: list[ManagedProcess]
+    gateway_url: str
+    tracker_url: str
+    model_id: str
+    ledger: Path
+
+    def stop(self) -> None:
+        """Stop every process, gateway first."""
+        for process in reversed(self.processes):
+            process.stop()
+
+
+def _wait_routable(tracker_url: str, artifact: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(tracker_url + "/v1/artifacts", timeout=5) as response:
+                known = json.loads(response.read())["artifacts"]
+            if known.get(artifact, {}).get("routable"):
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise ProcessError("the nodes did not register a complete route with the tracker in time")
+
+
+def _model_path(model: str, *, quiet: bool) -> tuple[Path, str]:
+    """A known model's pulled file and name, or a GGUF file and its stem as the served id."""
+    if model in models.KNOWN_MODELS:
+        return models.pull(model, progress=not quiet), model
+    path = Path(model)
+    if not path.is_file():
+        known = ", ".join(sorted(models.KNOWN_MODELS))
+        raise ProcessError(f"model {model!r} is neither a GGUF file nor a known model ({known})")
+    return path.resolve(), path.stem
+
+
+def start(
+    *,
+    model_name: str = models.DEMO_MODEL,
+    listen: str = "127.0.0.1:8080",
+    data_root: Path | None = None,
+    cuts: tuple[int, ...] | None = None,
+    slots: int = 8,
+    ctx: int = 2048,
+    quiet: bool = False,
+) -> LocalSystem:
+    """Start the processes and wait until a route serves; the caller stops them.
+
+    ``model_name`` is a known model's name or a GGUF file's path.
+    """
+    path, model_id = _model_path(model_name, quiet=quiet)
+    info = artifacts.inspect(path)
+    cuts = cuts or (0, info.n_layer // 2, info.n_layer)
+    # nodes on one machine share its cores: oversubscribed OpenMP teams stall each other
+    # at every barrier (2 nodes x 2 threads on 2 cores: 4 sessions ran at 8 tok/s instead of 64)
+    threads = max(1, (os.cpu_count() or 2) // (len(cuts) - 1))
+    root = data_root or Path(platformdirs.user_data_dir("noderuntime")) / "local-system"
+    processes: list[ManagedProcess] = []
+
+    def launch(name: str, args: list[str]) -> dict[str, Any]:
+        process = ManagedProcess(name, args)
+        processes.append(process)
+        ready = process.start(120)
+        if not quiet:
+            print(f"  {name:<8} ready (pid {process.pid})", flush=True)
+        return ready
+
+    try:
+        # the tracker probes every shard against answers computed here, from the same file
+        references = root / "tracker" / "probe-references.json"
+        references.parent.mkdir(parents=True, exist_ok=True)
+        entries = admission.make_references(
+            path, itertools.pairwise(cuts), seeds=8, recipe_options={"n_threads": threads}
+        )
+        references.write_text(json.dumps({"references": entries}) + "\n")
+        tracker = launch(
+            "tracker",
+            [
+                "tracker",
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+                str(root / "tracker"),
+                "--probe-references",
+                str(references),
+                "--require-probe",
+            ],
+        )
+        relay = launch("relay", ["relay", "--listen", "127.0.0.1:0", "--issuer-key", tracker["issuer_key"]])
+        for i, (a, b) in enumerate(itertools.pairwise(cuts)):
+            reach = ["--relay", relay["url"]] if i == len(cuts) - 2 and len(cuts) > 2 else ["--listen", "127.0.0.1:0"]
+            launch(
+                f"node{i}",
+                [
+                    "up",
+                    "--model",
+                    str(path),
+                    "--layers",
+                    f"{a}:{b}",
+                    "--tracker",
+                    tracker["url"],
+                    "--data-dir",
+                    str(root / f"node{i}"),
+                    "--slots",
+                    str(slots),
+                    "--ctx",
+                    str(ctx),
+                    "--threads",
+                    str(threads),
+                    *reach,
+                ],
+            )
+        _wait_routable(tracker["url"], info.fingerprint)
+        gateway = launch(
+            "gateway",
+            [
+                "gateway",
+                "--tracker",
+                tracker["url"],
+                "--listen",
+                listen,
+                "--model",
+                f"{model_id}={path}",
+                "--ctx",
+                str(ctx),
+                "--ledger",
+                str(root / "gateway" / "ledger.sqlite"),
+            ],
+        )
+    except BaseException:
+        for process in reversed(processes):
+            process.stop()
+        raise
+    return LocalSystem(processes, gateway["url"], tracker["url"], model_id, root / "gateway" / "ledger.sqlite")
+
+
+def main(listen: str, model_name: str) -> int:
+    """Run the local system until Ctrl-C (or SIGTERM)."""
+    print("starting the local system: tracker, relay, 2 shard nodes, gateway", flush=True)
+    system = start(model_name=model_name, listen=listen)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # also when started in the background (SIGINT ignored)
+        signal.signal(signum, lambda *_: stop.set())
+    print(
+        f"\nOpenAI-compatible API at {system.gateway_url}/v1  (tracker {system.tracker_url})\n\n"
+        f"  curl {system.gateway_url}/v1/chat/completions -H 'content-type: application/json' \\\n"
+        f'    -d \'{{"model": "{system.model_id}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n\n'
+        f"  noderuntime status --tracker {system.tracker_url}\n\nCtrl-C stops everything.",
+        flush=True,
+    )
+    print(
+        json.dumps(
+            {"event": "ready", "url": system.gateway_url, "tracker": system.tracker_url, "model": system.model_id}
+        ),
+        flush=True,
+    )
+    try:
+        while not stop.wait(0.5):
+            for process in system.processes:
+                if not process.alive():
+                    print(f"{process.name} exited:\n{process.tail()}", file=sys.stderr)
+                    stop.set()
+    except KeyboardInterrupt:
+        pass
+    print("stopping...", flush=True)
+    system.stop()
+    return 0

@@ -1,0 +1,528 @@
+"""Running processes: a shard node (``noderuntime up --model ...``) and a relay (``noderuntime relay``).
+
+Each prints one JSON line starting with ``{"event": "ready"`` when it serves (with its
+node id, address and ports), runs until SIGINT or SIGTERM, then drains: sessions end
+with an error frame to their peers, KV is released, listeners close.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import ssl
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from noderuntime.access import identity
+from noderuntime.access.tickets import TicketVerifier
+from noderuntime.control import admission
+from noderuntime.control.ledger import Ledger
+from noderuntime.engine import memplan
+from noderuntime.engine.llama import Recipe, ShardEngine
+from noderuntime.engine.thread import EngineThread
+from noderuntime.models import artifacts
+from noderuntime.models.artifacts import LayerRange
+from noderuntime.node.core import Node, NodeConfig
+from noderuntime.operations.httpserve import Routes, json_handler, serve_http
+from noderuntime.operations.telemetry import trio_tasks
+from noderuntime.seams.network import NetworkConnector, ticket_check
+from noderuntime.tracker.client import NodeLoad, TrackerError, TrackerLink, fetch_info
+from noderuntime.tracker.messages import Registration
+from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer, parse_address
+from noderuntime.transport.relay_client import RelayDialer, RelayListener
+from protocol import Limits, Span
+
+if TYPE_CHECKING:
+    from noderuntime.relay.server import RelayLimits
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class NodeOptions:
+    """Everything ``noderuntime up`` needs to run one shard node."""
+
+    model: Path
+    layers: LayerRange | None
+    listen: str | None  # HOST:PORT of the gRPC listener; None for a relay-only node
+    data_dir: Path
+    issuer_keys: tuple[bytes, ...]
+    advertise: str | None = None
+    relay: str | None = None
+    threads: int = 2
+    slots: int = 8
+    ctx_per_session: int = 2048
+    batch: int = 512
+    flash_attn: str = "off"
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    idle_timeout: float = 60.0
+    expected_fingerprint: str | None = None
+    tracker: str | None = None  # register with this tracker and take its issuer key
+    http: str | None = "127.0.0.1:0"  # status (and metrics) endpoint
+    memory_limit: int | None = None  # bytes: refuse a shard that would not fit, load weights unmapped
+    mmap: bool = True  # map the model file (pages shared with the page cache) or read the shard's weights
+    backend: str = "llama.cpp"  # or "transformers": a safetensors directory run by torchengine
+
+
+class TlsFilesError(ValueError):
+    """A certificate and key that cannot serve TLS."""
+
+
+def server_tls(cert: Path, key: Path, *, alpn: Sequence[str] = ("h2",)) -> ssl.SSLContext:
+    """A TLS server context (for HTTP/2 unless ``alpn`` says otherwise); :class:`TlsFilesError` if unusable."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert, key)
+    except OSError as exc:  # missing, unreadable, not PEM, a key that is not the certificate's (SSLError)
+        raise TlsFilesError(f"cannot use the certificate {cert} with the key {key}: {exc}") from None
+    if alpn:
+        context.set_alpn_protocols(list(alpn))
+    return context
+
+
+def announce(info: dict[str, Any]) -> None:
+    """The ready line on stdout."""
+    print(json.dumps({"event": "ready", **info}), flush=True)
+
+
+async def run_node(
+    opts: NodeOptions,
+    *,
+    task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
+    on_node: Callable[[Node], None] | None = None,
+) -> None:
+    """Serve one shard until cancelled.
+
+    Long, for a reason: the engine, its thread, the gRPC runtime, server and connector and
+    the node's tasks are opened in order here and closed in reverse in this one ``finally``,
+    where a reader can check that each is closed once, whatever failed.
+    """
+    if opts.listen is None and opts.relay is None:
+        raise ValueError("a node needs --listen, --relay, or both")
+    me = identity.load_or_create(opts.data_dir)
+    issuer_keys = opts.issuer_keys
+    if opts.tracker and not issuer_keys:
+        issuer_keys = (await _tracker_issuer_key(opts.tracker),)
+    # bad certificate files fail here, before the model loads
+    tls = server_tls(opts.tls_cert, opts.tls_key) if opts.tls_cert and opts.tls_key else None
+    pin = identity.TlsFiles(opts.tls_cert, opts.tls_key).cert_sha256 if opts.tls_cert and opts.tls_key else b""
+    # every call that touches the engine runs on this one thread (see enginethread)
+    engine_thread = EngineThread()
+    try:
+        info, recipe, layers, engine = await _load_engine(opts, engine_thread)
+    except BaseException:
+        engine_thread.close()
+        raise
+    try:
+        # timed before the node admits anything: the shard has the cores to itself
+        capability = await engine_thread.run(functools.partial(admission.measure, engine))
+    except BaseException:
+        engine.close()
+        engine_thread.close()
+        raise
+    log.info(
+        "measured layers %s: prefill %.2f ms/token, decode %s",
+        layers,
+        capability.prefill_ms_per_token,
+        ", ".join(f"{t:.2f} ms at batch {b}" for b, t in capability.decode_ms),
+    )
+    limits = Limits()
+    runtime = AsyncioThread()
+    grpc_connector = GrpcConnector(runtime, max_frame_bytes=limits.max_frame_bytes)
+    server: GrpcServer | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            verifier = TicketVerifier(issuer_keys)
+            config = NodeConfig(
+                layers=Span(layers.start, layers.end),
+                n_layer=info.n_layer,
+                artifact_fingerprint=bytes.fromhex(info.fingerprint),
+                recipe_fingerprint=bytes.fromhex(recipe.fingerprint(info.quant)),
+                n_slots=opts.slots,
+                ctx_per_seq=opts.ctx_per_session,
+                max_batch_tokens=opts.batch,
+                prefill_chunk=min(256, opts.batch),
+                idle_timeout=opts.idle_timeout,
+                limits=limits,
+            )
+            node = Node(
+                engine,
+                config,
+                me.node_id,
+                NetworkConnector(grpc_connector, RelayDialer(nursery)),
+                ticket_check=ticket_check(verifier, me.node_id),
+                signer=lambda body: me.sign(b"noderuntime-usage-v1", body),
+                engine_thread=engine_thread,
+            )
+            node.capability = capability.to_json()
+            await nursery.start(node.run)
+            address = ""
+            if opts.listen is not None:
+                host, port = parse_address(opts.listen, listen=True)
+                server = GrpcServer(runtime, node.accept, max_frame_bytes=limits.max_frame_bytes)
+                bound = await server.start(host, port, tls)
+                address = opts.advertise or f"{host}:{bound}"
+            listener: RelayListener | None = None
+            if opts.relay is not None:
+                listener = RelayListener(opts.relay, me, node.accept)
+                await nursery.start(listener.run)
+            http_url = ""
+            if opts.http is not None:
+                status = node_status(node, me.node_id, listener, node.connector)
+                routes = Routes(
+                    {"/status": json_handler(status), "/metrics": node.metrics_exposition},
+                    {"/probe": probe_handler(node)},
+                )
+                http_url = await nursery.start(serve_http, routes, opts.http)
+            # what the tracker and the ready line are told of this node
+            shown = {
+                "node_id": me.node_id.hex(),
+                "artifact": info.fingerprint,
+                "n_layer": info.n_layer,
+                "layers": [layers.start, layers.end],
+                "recipe": recipe.fingerprint(info.quant),
+                "address": address,
+                "relay": opts.relay or "",
+                "tls_cert_sha256": pin.hex(),
+                "slots": opts.slots,
+                "ctx_per_session": opts.ctx_per_session,
+            }
+            if opts.tracker is not None:
+                record = admission.capability_record(
+                    me,
+                    artifact=info.fingerprint,
+                    layers=(layers.start, layers.end),
+                    recipe=recipe.fingerprint(info.quant),
+                    capability=capability,
+                )
+                registration = Registration(**shown, model_name=info.name, capability=record)
+
+                async def answer_probe(seed: int) -> dict[str, Any]:
+                    return (await node.probe(seed)).to_json()
+
+                link = TrackerLink(opts.tracker, me, registration, node_load(node), on_probe=answer_probe)
+                await nursery.start(link.run)
+            if on_node is not None:
+                on_node(node)
+            task_status.started({**shown, "pid": os.getpid(), "http": http_url, "capability": capability.to_json()})
+            log.info(
+                "node %s serving layers %s of %s at %s%s",
+                me.node_id.hex()[:12],
+                layers,
+                info.name,
+                address or "(no direct address)",
+                f" and through {opts.relay}" if opts.relay else "",
+            )
+    finally:
+        with trio.CancelScope(shield=True):
+            if server is not None:
+                await server.close()
+            await grpc_connector.close()
+        runtime.close()
+        engine.close()
+        engine_thread.close()
+
+
+async def _load_engine(opts: NodeOptions, engine_thread: EngineThread) -> tuple[artifacts.ArtifactInfo, Any, Any, Any]:
+    """(the model file's info, the recipe, the layers, the engine), loaded on ``engine_thread``.
+
+    With ``--memory-limit`` the plan is checked first: a shard that cannot fit is refused
+    before anything is allocated.
+    """
+    if opts.backend == "transformers":
+        info, recipe, engine = await engine_thread.run(functools.partial(_torch_engine, opts))
+        return info, recipe, engine.layers, engine
+    info = artifacts.inspect(opts.model)
+    layers = opts.layers or info.layer_range
+    recipe = Recipe(
+        n_threads=opts.threads,
+        n_ctx_per_seq=opts.ctx_per_session,
+        n_seq_max=opts.slots,
+        n_batch=opts.batch,
+        n_ubatch=opts.batch,
+        flash_attn="on" if opts.flash_attn == "on" else "off",
+        use_mmap=opts.mmap,
+    )
+    if opts.memory_limit is not None:
+        recipe = memplan.capped(recipe)
+        limit = opts.memory_limit
+        planned = await trio.to_thread.run_sync(lambda: memplan.check(opts.model, layers, recipe, limit))
+        log.info("layers %s will hold %s of the %s limit", layers, planned.describe(), memplan.human(limit))
+    engine = await engine_thread.run(
+        lambda: ShardEngine(opts.model, recipe, layers, expected_fingerprint=opts.expected_fingerprint)
+    )
+    return info, recipe, layers, engine
+
+
+def _torch_engine(opts: NodeOptions) -> tuple[artifacts.ArtifactInfo, Any, Any]:
+    """The Transformers engine of ``opts`` (torch loads only for nodes that ask for it)."""
+    from noderuntime.engine.torch_backend import TorchEngine, TorchRecipe
+
+    recipe = TorchRecipe(
+        n_threads=opts.threads, n_ctx_per_seq=opts.ctx_per_session, n_seq_max=opts.slots, n_batch=opts.batch
+    )
+    engine = TorchEngine(opts.model, recipe, opts.layers, expected_fingerprint=opts.expected_fingerprint)
+    return engine.info, recipe, engine
+
+
+async def _tracker_issuer_key(url: str) -> bytes:
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        while True:
+            try:
+                info = await fetch_info(client, url)
+                key = bytes.fromhex(info["issuer_key"])
+                log.info("trusting session tickets from the tracker's key %s", key.hex())
+                return key
+            except (TrackerError, KeyError, ValueError) as exc:
+                log.warning("waiting for the tracker at %s: %s", url, exc)
+                await trio.sleep(1.0)
+
+
+def node_load(node: Node) -> Callable[[], NodeLoad]:
+    """What a node reports in its heartbeats."""
+
+    def load() -> NodeLoad:
+        stats = node.statistics()
+        return NodeLoad(
+            active_sessions=stats.active_sessions,
+            free_slots=stats.leases.slots_free,
+            queue_depth=stats.batcher.waiting,
+            step_ms=round(stats.batcher.recent_tick_seconds * 1e3, 3),
+        )
+
+    return load
+
+
+def probe_handler(node: Node) -> Any:
+    """``GET /probe?seed=N``: any peer may check this shard against a reference it holds."""
+
+    async def handle(query: dict[str, str]) -> tuple[int, str, bytes]:
+        try:
+            seed = int(query.get("seed", ""))
+            answer = await node.probe(seed, patience=5.0)
+        except ValueError as exc:  # AdmissionError too
+            return 400, "application/json", json.dumps({"error": str(exc) or "seed must be an integer"}).encode()
+        return 200, "application/json", json.dumps(answer.to_json()).encode()
+
+    return handle
+
+
+def node_status(node: Node, node_id: bytes, listener: RelayListener | None, connector: Any) -> Any:
+    """The producer of a node's ``/status`` document."""
+
+    grpc = getattr(connector, "grpc", None)  # a relay-only node has none
+
+    async def status() -> dict[str, Any]:
+        stats = node.statistics()
+        return {
+            "node_id": node_id.hex(),
+            "layers": [node.config.layers.start, node.config.layers.end],
+            "capability": node.capability,
+            "tasks": trio_tasks(),
+            "artifact": node.config.artifact_fingerprint.hex(),
+            "recipe": node.config.recipe_fingerprint.hex(),
+            "active_sessions": stats.active_sessions,
+            "slots_total": stats.leases.slots_total,
+            "slots_leased": stats.leases.slots_leased,
+            "slots_draining": stats.leases.slots_draining,
+            "slots_free": stats.leases.slots_free,
+            "kv_cells": await node.kv_cells_used(),
+            "samplers_live": node.engine.live_samplers,
+            "sessions_opened": stats.sessions_opened,
+            "sessions_ended": stats.sessions_ended,
+            "admissions_refused": stats.admissions_refused,
+            "batcher": attrs.asdict(stats.batcher),
+            "relay_connected": listener.connected if listener is not None else None,
+            "seams": {
+                "direct": getattr(connector, "direct_attempts", 0),
+                "relay": getattr(connector, "relay_attempts", 0),
+                "fallbacks": getattr(connector, "fallbacks", 0),
+                "spares": getattr(grpc, "spares", 0),
+                "dead_spares_dropped": getattr(grpc, "spares_dropped", 0),
+            },
+        }
+
+    return status
+
+
+async def run_until_signal(main: Callable[..., Awaitable[None]], *args: Any) -> None:
+    """Run ``main(*args, task_status=...)`` and announce readiness; SIGINT/SIGTERM drain it."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            info = await nursery.start(main, *args)
+            announce(info)
+
+            async def watch() -> None:
+                async for signum in signals:
+                    log.info("received %s: draining", signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(watch)
+
+
+async def run_relay(
+    host: str,
+    port: int,
+    issuer_keys: tuple[bytes, ...],
+    *,
+    tls: ssl.SSLContext | None = None,
+    http: str | None = "127.0.0.1:0",
+    limits: RelayLimits | None = None,
+    task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve a relay until cancelled; ``http`` serves its ``/status``."""
+    from noderuntime.relay.server import Relay, RelayLimits, serve
+
+    relay = Relay(TicketVerifier(issuer_keys), limits=limits or RelayLimits())
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(functools.partial(serve, relay, host, port, tls=tls))
+        bound = server.port
+        scheme = "wss" if tls else "ws"
+        http_url = ""
+        if http is not None:
+
+            async def status() -> dict[str, Any]:
+                return {**attrs.asdict(relay.statistics()), "tasks": trio_tasks()}
+
+            routes = Routes({"/status": json_handler(status), "/metrics": relay.metrics_exposition})
+            http_url = await nursery.start(serve_http, routes, http)
+        task_status.started({"url": f"{scheme}://{host}:{bound}", "port": bound, "pid": os.getpid(), "http": http_url})
+        log.info("relay listening on %s://%s:%d", scheme, host, bound)
+
+
+def _run_main(main: Callable[..., Awaitable[None]], *args: Any) -> int:
+    try:
+        trio.run(run_until_signal, main, *args)
+    except BaseExceptionGroup as group:
+        # a failure before the service was up (a model that does not fit, a port in use)
+        # comes wrapped by the nursery; the user needs the error itself
+        leaf: BaseException = group
+        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+            leaf = leaf.exceptions[0]
+        if leaf is group:
+            raise
+        raise leaf from None
+    return 0
+
+
+def main_node(opts: NodeOptions) -> int:
+    """Run a node in this process until a signal; the exit status."""
+    return _run_main(run_node, opts)
+
+
+def main_relay(
+    host: str,
+    port: int,
+    issuer_keys: tuple[bytes, ...],
+    tls: ssl.SSLContext | None,
+    http: str | None,
+    limits: RelayLimits | None = None,
+) -> int:
+    """Run a relay in this process until a signal; the exit status."""
+    return _run_main(lambda **kw: run_relay(host, port, issuer_keys, tls=tls, http=http, limits=limits, **kw))
+
+
+__all__ = ["NodeOptions", "main_node", "main_relay", "run_node", "run_relay"]
+
+
+async def run_tracker(
+    listen: str,
+    data_dir: Path,
+    *,
+    api_key: str | None = None,
+    expire_after: float = 10.0,
+    probe_references: tuple[Path, ...] = (),
+    require_probe: bool = False,
+    probe_interval: float = 600.0,
+    probe_tolerance: float = admission.DEFAULT_TOLERANCE,
+    task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve a tracker until cancelled."""
+    from noderuntime.tracker.app import Tracker
+
+    tracker_identity = identity.load_or_create(data_dir)
+    references = admission.ProbeReferences.load(probe_references)
+    tracker = Tracker(
+        tracker_identity,
+        expire_after=expire_after,
+        api_key=api_key,
+        references=references,
+        require_probe=require_probe,
+        probe_interval=probe_interval,
+        probe_tolerance=probe_tolerance,
+    )
+    if probe_references:
+        log.info("probe references: %d answers from %d file(s)", len(references), len(probe_references))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tracker.expire_loop)
+        url = await nursery.start(serve_http, tracker.app, listen)
+        task_status.started({"url": url, "issuer_key": tracker_identity.node_id.hex(), "pid": os.getpid()})
+        log.info("tracker at %s, issuer key %s", url, tracker_identity.node_id.hex())
+
+
+@attrs.frozen
+class GatewayOptions:
+    """What ``noderuntime gateway`` needs."""
+
+    tracker: str
+    listen: str
+    models: tuple[tuple[str, Path], ...]  # (model id, GGUF file holding its vocabulary)
+    api_keys: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    tracker_key: str | None = None
+    request_timeout: float = 600.0
+    ctx: int | None = None
+    queue_timeout: float = 10.0
+    ledger: Path | None = None
+
+
+async def run_gateway(
+    opts: GatewayOptions, *, task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve the OpenAI-compatible gateway until cancelled."""
+    import time
+
+    from noderuntime.engine.llama import Vocab
+    from noderuntime.gateway.app import Gateway
+    from noderuntime.gateway.served import ServedModel
+    from noderuntime.models.chat import ChatTemplate
+    from noderuntime.seams.dialer import open_dialer
+
+    served = []
+    for model_id, path in opts.models:
+        info = artifacts.inspect(path)
+        vocab = await trio.to_thread.run_sync(Vocab, path)
+        template = None
+        if vocab.chat_template:
+            bos = vocab.piece(vocab.bos, special=True).decode("utf-8", "replace") if vocab.bos >= 0 else ""
+            eos = vocab.piece(vocab.eos, special=True).decode("utf-8", "replace") if vocab.eos >= 0 else ""
+            template = ChatTemplate(vocab.chat_template, bos_token=bos, eos_token=eos)
+        served.append(
+            ServedModel(model_id, info.fingerprint, vocab, template, int(time.time()), opts.ctx or info.context_length)
+        )
+    async with open_dialer() as dialer, trio.open_nursery() as nursery:
+        gateway = Gateway(
+            served,
+            opts.tracker,
+            dialer,
+            api_keys=opts.api_keys,
+            cors_origins=opts.cors_origins,
+            tracker_key=opts.tracker_key,
+            request_timeout=opts.request_timeout,
+            queue_timeout=opts.queue_timeout,
+            ledger=Ledger(opts.ledger) if opts.ledger else None,
+        )
+        url = await nursery.start(serve_http, gateway.app, opts.listen)
+        task_status.started({"url": url, "models": [m.model_id for m in served], "pid": os.getpid()})
+        log.info("gateway at %s serving %s", url, ", ".join(m.model_id for m in served))

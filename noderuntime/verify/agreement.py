@@ -1,0 +1,131 @@
+"""Gate F's cross-implementation check: a route against Transformers' own model class.
+
+Parity (Gate B) shows that shards reproduce the whole model in llama.cpp; it cannot show
+that llama.cpp computes the architecture. Here the same weights, dequantized to float32,
+run through a route of float32 shards (separate processes) and through Transformers'
+``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``Gemma3ForCausalLM``, teacher-forced over
+the same tokens; the report gives top-1 agreement and the KL divergence between the two
+next-token distributions at every position.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from noderuntime.engine.llama import Recipe
+from noderuntime.models.artifacts import inspect
+from noderuntime.verify import lanes
+from noderuntime.verify.parity import ranges_from_cuts
+from noderuntime.verify.procchain import ProcessChain
+
+_CHUNK = 128  # rows a step: the logits of a 262k vocabulary stay near 130 MB a step
+
+
+def route_logits(model: Path, cuts: Sequence[int], tokens: np.ndarray, *, threads: int = 2) -> np.ndarray:
+    """Teacher-forced logits of every position of ``tokens`` through shards in separate processes.
+
+    The KV cache is float32 too: llama.cpp's default f16 keys alone move logits by up to
+    0.3 against a float32 reference, which would measure the cache, not the architecture.
+    """
+    n = len(tokens)
+    context = max(256, -(-n // 256) * 256)
+    recipe = Recipe(
+        n_threads=threads, n_ctx_per_seq=context, n_seq_max=1, n_batch=_CHUNK, n_ubatch=_CHUNK, kv_type="f32"
+    )
+    out = []
+    with ProcessChain(model, ranges_from_cuts(cuts), recipe) as chain:
+        for first in range(0, n, _CHUNK):
+            rows = np.arange(first, min(n, first + _CHUNK), dtype=np.int32)
+            result = chain.step(np.zeros(len(rows), np.int32), rows, np.ones(len(rows), bool), tokens[rows])
+            assert result.logits is not None  # the tail of a chain always returns logits
+            out.append(result.logits)
+    return np.concatenate(out)
+
+
+def compare_logits(reference: np.ndarray, ours: np.ndarray) -> dict[str, float]:
+    """Top-1 agreement and KL(reference || ours) per position, in float64."""
+    ref = reference.astype(np.float64)
+    got = ours.astype(np.float64)
+    ref_log = ref - ref.max(axis=1, keepdims=True)
+    ref_log -= np.log(np.exp(ref_log).sum(axis=1, keepdims=True))
+    got_log = got - got.max(axis=1, keepdims=True)
+    got_log -= np.log(np.exp(got_log).sum(axis=1, keepdims=True))
+    kl = (np.exp(ref_log) * (ref_log - got_log)).sum(axis=1)
+    return {
+        "top1_agreement": float(np.mean(ref.argmax(axis=1) == got.argmax(axis=1))),
+        "mean_kl": float(kl.mean()),
+        "max_kl": float(kl.max()),
+        "max_abs_logit_diff": float(np.abs(ref - got).max()),
+    }
+
+
+def check_agreement(
+    model: str | os.PathLike[str], cuts: Sequence[int], tokens: Sequence[int], *, threads: int = 2
+) -> dict[str, Any]:
+    """Compare a float32 route of ``model`` with Transformers on the same float32 weights."""
+    from noderuntime.engine import torch_backend as torchengine  # torch loads only for this check
+
+    source = Path(model)
+    info = inspect(source)
+    ids = np.asarray(tokens, dtype=np.int32)
+    with tempfile.TemporaryDirectory(prefix="nr-agreement-") as tmp:
+        if info.file_type == 0:  # already all float32
+            f32 = source
+        else:
+            f32 = Path(tmp) / f"{source.stem}.f32.gguf"
+            lanes.float_gguf(source, f32)
+        ours = route_logits(f32, cuts, ids, threads=threads)
+        reference = torchengine.transformers_logits(f32, ids.tolist(), threads=threads)
+    return {
+        "model": str(source),
+        "architecture": info.architecture,
+        "fingerprint": info.fingerprint,
+        "cuts": list(cuts),
+        "tokens": len(ids),
+        "reference": "transformers " + torchengine.versions()["transformers"],
+        **compare_logits(reference, ours),
+    }
+
+
+def perplexity(logits: np.ndarray, tokens: np.ndarray) -> float:
+    """exp of the mean negative log-likelihood of ``tokens[1:]`` under ``logits[:-1]``."""
+    x = logits[:-1].astype(np.float64)
+    x -= x.max(axis=1, keepdims=True)
+    logp = x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+    return float(np.exp(-logp[np.arange(len(x)), tokens[1:]].mean()))
+
+
+def check_perplexity(
+    model: str | os.PathLike[str], cuts: Sequence[int], tokens: Sequence[int], *, threads: int = 2
+) -> dict[str, Any]:
+    """Perplexity of ``tokens`` through a route of ``model`` as it is, the whole model, and Transformers.
+
+    Transformers reads the same file through its GGUF loader (dequantized to float32):
+    the figure a user of Transformers would get from these weights.
+    """
+    from noderuntime.engine import torch_backend as torchengine  # torch loads only for this check
+
+    path = Path(model)
+    ids = np.asarray(tokens, dtype=np.int32)
+    route = route_logits(path, cuts, ids, threads=threads)
+    whole = route_logits(path, [cuts[0], cuts[-1]], ids, threads=threads)
+    reference = torchengine.transformers_logits(path, ids.tolist(), threads=threads)
+    figures: dict[str, Any] = {
+        "tokens": len(ids),
+        "cuts": list(cuts),
+        "route": perplexity(route, ids),
+        "whole_model": perplexity(whole, ids),
+        "transformers_dequantized": perplexity(reference, ids),
+        "route_logits_equal_whole": bool(np.array_equal(route, whole)),
+    }
+    figures["route_over_transformers"] = figures["route"] / figures["transformers_dequantized"]
+    return figures
+
+
+__all__ = ["check_agreement", "check_perplexity", "compare_logits", "perplexity", "route_logits"]

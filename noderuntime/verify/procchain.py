@@ -1,0 +1,158 @@
+"""A chain of shard engines, each in its own OS process, driven step by step.
+
+This is the engine-level harness behind ``noderuntime check parity`` and the
+process-separation tests: the driver sends a batch of rows to the first process,
+hands each process's hidden rows to the next, and reads the tail's result. It has
+none of the node machinery (sessions, batcher, protocol); it exists to show that
+disjoint ranges in separate processes compute exactly what the whole model does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+import attrs
+import numpy as np
+
+from noderuntime.models.artifacts import LayerRange
+
+
+class ChainError(RuntimeError):
+    """A shard process failed or died."""
+
+
+@attrs.frozen(eq=False)
+class ShardOutput:
+    """What one shard process returned for a step."""
+
+    hidden: np.ndarray | None
+    logits: np.ndarray | None
+    seconds: float
+
+
+def _worker(conn: Connection, model: str, layers: LayerRange, recipe: Any, output_hidden: bool) -> None:
+    # Imported here: the engine loads llama.cpp, which only the worker needs.
+    from noderuntime.engine.llama import EngineError, Rows, ShardEngine
+
+    try:
+        engine = ShardEngine(model, recipe, layers, output_hidden=output_hidden)
+    except EngineError as exc:
+        conn.send(("error", str(exc)))
+        return
+    conn.send(("ready", {"memory": attrs.asdict(engine.memory()), "pid": os.getpid()}))
+    with engine:
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:
+                return
+            if message[0] == "stop":
+                return
+            if message[0] == "remove":
+                engine.remove_sequence(message[1])
+                conn.send(("ok", None))
+                continue
+            _, seq_ids, positions, outputs, tokens, hidden = message
+            try:
+                result = engine.run(Rows(seq_ids, positions, outputs, tokens=tokens, hidden=hidden), want_logits=True)
+            except EngineError as exc:
+                conn.send(("error", str(exc)))
+                continue
+            conn.send(("ok", ShardOutput(result.hidden, result.logits, result.seconds)))
+
+
+class ProcessChain:
+    """Shard processes for consecutive ranges; use as a context manager."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        ranges: Sequence[LayerRange],
+        recipe: Any,
+        *,
+        output_hidden: bool = False,
+        models: Sequence[str | os.PathLike[str]] | None = None,
+    ) -> None:
+        """Start one process per range. ``models`` gives a file per range (sliced files)."""
+        for a, b in itertools.pairwise(ranges):
+            if a.end != b.start:
+                raise ValueError(f"ranges {a} and {b} are not contiguous")
+        self.ranges = list(ranges)
+        self.seconds = [0.0] * len(ranges)
+        self.info: list[dict[str, Any]] = []
+        ctx = mp.get_context("spawn")
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        paths = list(models) if models is not None else [model] * len(ranges)
+        try:
+            for path, layers in zip(paths, ranges, strict=True):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_worker, args=(child, str(path), layers, recipe, output_hidden), daemon=True)
+                proc.start()
+                child.close()
+                self._conns.append(parent)
+                self._procs.append(proc)
+            for conn, layers in zip(self._conns, ranges, strict=True):
+                status, payload = self._recv(conn, layers)
+                if status != "ready":
+                    raise ChainError(f"shard {layers} failed to load: {payload}")
+                self.info.append(payload)
+        except BaseException:
+            self.close()
+            raise
+
+    def _recv(self, conn: Connection, layers: LayerRange) -> tuple[str, Any]:
+        try:
+            message: tuple[str, Any] = conn.recv()
+            return message
+        except EOFError:
+            raise ChainError(f"shard process {layers} exited") from None
+
+    def step(self, seq_ids: np.ndarray, positions: np.ndarray, outputs: np.ndarray, tokens: np.ndarray) -> ShardOutput:
+        """Run one batch through every process; returns the tail's output."""
+        hidden = None
+        result: ShardOutput | None = None
+        for i, (conn, layers) in enumerate(zip(self._conns, self.ranges, strict=True)):
+            started = time.perf_counter()
+            conn.send(("run", seq_ids, positions, outputs, tokens if i == 0 else None, hidden))
+            status, payload = self._recv(conn, layers)
+            if status != "ok":
+                raise ChainError(f"shard {layers}: {payload}")
+            self.seconds[i] += time.perf_counter() - started
+            result = payload
+            hidden = payload.hidden
+        assert result is not None
+        return result
+
+    def remove_sequence(self, seq_id: int) -> None:
+        """Drop a sequence's KV on every shard."""
+        for conn, layers in zip(self._conns, self.ranges, strict=True):
+            conn.send(("remove", seq_id))
+            self._recv(conn, layers)
+
+    def close(self) -> None:
+        """Stop every process; idempotent."""
+        for conn in self._conns:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(("stop",))
+            conn.close()
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._conns.clear()
+        self._procs.clear()
+
+    def __enter__(self) -> ProcessChain:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
