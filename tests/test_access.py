@@ -194,7 +194,7 @@ async def test_nobody_else_joins_or_reads_a_relayed_session(cluster: Cluster) ->
 async def test_a_relay_control_connection_must_prove_the_key_it_claims(cluster: Cluster) -> None:
     from trio_websocket import ConnectionClosed, open_websocket_url
 
-    from noderuntime.relay import messages
+    from noderuntime.transport import relay_messages as messages
 
     assert cluster.relay_info is not None
     impostor = Identity.generate()
@@ -214,7 +214,7 @@ async def test_bytes_that_break_json_parsers_end_one_connection_not_the_node_or_
     """Deep nesting raises RecursionError and 1e999 overflows int(): neither is a ValueError."""
     from trio_websocket import ConnectionClosed, open_websocket_url
 
-    from noderuntime.relay import messages
+    from noderuntime.transport import relay_messages as messages
 
     assert cluster.relay_info is not None
     url = cluster.relay_info["url"]

@@ -123,3 +123,30 @@ def test_packages_import_one_way() -> None:
 def test_one_module_imports_each_foreign_runtime(library: str, allowed: set[str]) -> None:
     importers = {name for name, imported in GRAPH.items() if library in imported and name.startswith("noderuntime")}
     assert importers == allowed
+
+
+def _package(module: str) -> str:
+    """``noderuntime.node.core`` -> ``noderuntime.node``; top-level packages as they are."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "noderuntime" and len(parts) > 1 else parts[0]
+
+
+def test_packages_of_the_runtime_import_one_way() -> None:
+    """No two of noderuntime's packages import each other, at any distance: a layer cake."""
+    edges: dict[str, set[str]] = collections.defaultdict(set)
+    for name, imported in GRAPH.items():
+        edges[_package(name)] |= {_package(i) for i in imported if i in MODULES and _package(i) != _package(name)}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            node = todo.pop()
+            if node == goal:
+                return True
+            if node not in seen:
+                seen.add(node)
+                todo += edges.get(node, ())
+        return False
+
+    both_ways = sorted((a, b) for a in edges for b in edges[a] if a < b and reaches(b, a))
+    assert both_ways == []

@@ -411,7 +411,7 @@ async def test_relay_authenticates_controls_and_pairs_only_ticket_holders() -> N
 async def test_relay_caps_its_nodes_and_the_handshakes_one_address_leaves_open() -> None:
     from trio_websocket import ConnectionRejected, open_websocket_url
 
-    from noderuntime.relay import messages
+    from noderuntime.transport import relay_messages as messages
 
     issuer, first, second = Identity.generate(), Identity.generate(), Identity.generate()
     limits = RelayLimits(max_nodes=1, max_handshakes_per_host=2)
@@ -438,7 +438,7 @@ async def test_relay_caps_its_nodes_and_the_handshakes_one_address_leaves_open()
 
 
 async def test_relay_caps_the_nodes_one_address_holds() -> None:
-    from noderuntime.relay import messages
+    from noderuntime.transport import relay_messages as messages
 
     issuer, nodes = Identity.generate(), [Identity.generate() for _ in range(3)]
     relay = Relay(TicketVerifier([issuer.node_id]), limits=RelayLimits(max_nodes_per_host=2))
@@ -596,7 +596,7 @@ async def _control_answer(url: str, identity: Identity) -> int:
     """A control handshake with a good signature: 0 when welcomed, else the relay's close code."""
     from trio_websocket import ConnectionClosed, open_websocket_url
 
-    from noderuntime.relay import messages
+    from noderuntime.transport import relay_messages as messages
 
     async with open_websocket_url(url + "/control") as ws:
         nonce = messages.hex_field(messages.load(await ws.get_message(), "challenge"), "nonce", 32)
@@ -613,7 +613,7 @@ async def _control_answer(url: str, identity: Identity) -> int:
 async def _hello_with_wrong_signature(url: str, claimed: bytes) -> int:
     from trio_websocket import ConnectionClosed, open_websocket_url
 
-    from noderuntime.relay import messages
+    from noderuntime.transport import relay_messages as messages
 
     async with open_websocket_url(url + "/control") as ws:
         messages.load(await ws.get_message(), "challenge")

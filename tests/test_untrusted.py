@@ -10,7 +10,7 @@ import pytest
 from noderuntime.access import tickets
 from noderuntime.access.identity import Identity
 from noderuntime.control.ledger import USAGE_DOMAIN, Ledger, check
-from noderuntime.relay import messages as m
+from noderuntime.transport import relay_messages as m
 from protocol import Hop, Span, UsageRecord
 
 # each breaks a parser that only expects ValueError: RecursionError, int(inf), a non-object

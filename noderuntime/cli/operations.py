@@ -72,7 +72,7 @@ def _cmd_probe_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from noderuntime.operations.status import show
+    from noderuntime.tracker.status import show
 
     return show(args.tracker, as_json=args.json)
 

@@ -26,7 +26,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 from noderuntime.access.identity import verify
 from noderuntime.access.tickets import TicketError, TicketVerifier
 from noderuntime.operations.telemetry import RelayMetrics, exposition
-from noderuntime.relay import messages as m
+from noderuntime.transport import relay_messages as m
 from noderuntime.transport.websocket import (
     KEEPALIVE_SECONDS,
     MAX_MESSAGE_BYTES,

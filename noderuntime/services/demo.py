@@ -18,8 +18,8 @@ from openai import OpenAI
 
 from noderuntime.control import ledger
 from noderuntime.models import catalogue as models
-from noderuntime.operations import status
 from noderuntime.services import localsystem
+from noderuntime.tracker import status
 
 
 def run(prompt: str, max_tokens: int, model_name: str = models.DEMO_MODEL) -> int:

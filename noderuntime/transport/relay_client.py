@@ -10,7 +10,7 @@ import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, connect_websocket_url
 
 from noderuntime.access.identity import Identity
-from noderuntime.relay import messages as m
+from noderuntime.transport import relay_messages as m
 from noderuntime.transport.base import FrameStream, StreamBroken
 from noderuntime.transport.websocket import (
     KEEPALIVE_SECONDS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
-from noderuntime.relay import messages as m
+from noderuntime.transport import relay_messages as m
 from noderuntime.transport.base import StreamBroken, StreamClosed
 from protocol import Limits, StatusCode
 
