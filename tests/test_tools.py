@@ -231,8 +231,8 @@ def test_a_forced_call_always_parses(which: str, request: pytest.FixtureRequest)
     system: localsystem.LocalSystem = request.getfixturevalue(which)
     client = _client(system)
     named = {"type": "function", "function": {"name": "get_weather"}}
-    for seed in range(9):
-        # a named function, one call of any tool, or up to MAX_CALLS calls
+    for seed in range(6):
+        # a named function, one call of any tool, or up to MAX_CALLS calls: each twice
         choice, parallel = [(named, None), ("required", False), ("required", True)][seed % 3]
         reply = client.chat.completions.create(
             model=system.model_id,
