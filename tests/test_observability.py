@@ -14,11 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from openai import OpenAI
 
 from noderuntime.access.identity import Identity
-from noderuntime.control.ledger import USAGE_DOMAIN, CheckedRecord, Ledger, check
+from noderuntime.control.ledger import USAGE_DOMAIN, CheckedRecord, Ledger, UsageBody, check
 from noderuntime.operations.telemetry import SessionLog
 from noderuntime.services import localsystem
 from protocol import Hop, Span, UsageRecord
@@ -216,3 +217,17 @@ def test_session_log_lines_name_the_session_and_epoch(caplog: pytest.LogCaptureF
     with caplog.at_level(logging.INFO, logger="noderuntime.test"):
         log.info("opened: layers %s", "0:15")
     assert caplog.messages == ["session=0123456789ab/3 request=req-1 opened: layers 0:15"]
+
+
+def test_a_usage_body_a_node_signs_is_what_the_ledger_checks() -> None:
+    node = Identity.generate()
+    body = UsageBody(node.node_id.hex(), (0, 15), "req-9", "ab" * 16, 0, "cd" * 32, 12, 5, 3.25, 100, 200, 1.0, 2.0)
+    record = UsageRecord(body.encode(), node.node_id, node.sign(USAGE_DOMAIN, body.encode()))
+    hops = [Hop(node.node_id, Span(0, 15))]
+    checked = check(record, request_id="req-9", hops=hops)
+    assert checked.valid and checked.fields["decode_tokens"] == 5 and checked.fields["layers"] == [0, 15]
+    # canonical: the bytes signed do not depend on how the body was built
+    assert body.encode() == attrs.evolve(body).encode() and b" " not in body.encode()
+    forged = attrs.evolve(body, decode_tokens=-5).encode()
+    lying = UsageRecord(forged, node.node_id, node.sign(USAGE_DOMAIN, forged))
+    assert not check(lying, request_id="req-9", hops=hops).valid

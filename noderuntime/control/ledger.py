@@ -55,6 +55,35 @@ CREATE INDEX IF NOT EXISTS records_node ON records(node_id);
 
 
 @attrs.frozen
+class UsageBody:
+    """One shard's usage of one session: the JSON a node signs and a gateway's ledger reads."""
+
+    node_id: str  # hex
+    layers: tuple[int, int]
+    request_id: str
+    session_id: str  # hex
+    epoch: int
+    artifact: str  # hex fingerprint
+    prefill_tokens: int
+    decode_tokens: int
+    compute_ms: float
+    bytes_in: int
+    bytes_out: int
+    started: float  # unix seconds
+    ended: float
+
+    def encode(self) -> bytes:
+        """Canonical JSON (sorted keys, no spaces): the bytes that are signed."""
+        fields = attrs.asdict(self)
+        fields["layers"] = list(self.layers)
+        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
+# what the ledger sums: a signed record is still the node's word, so each must be a count
+_COUNTS = ("prefill_tokens", "decode_tokens", "bytes_in", "bytes_out")
+
+
+@attrs.frozen
 class CheckedRecord:
     """A usage record and the verdict on it."""
 
@@ -79,9 +108,8 @@ def check(record: UsageRecord, *, request_id: str, hops: Sequence[Hop]) -> Check
     layers = fields.get("layers")
     if not any(h.node_id == record.node_id and [h.layers.start, h.layers.end] == layers for h in hops):
         return CheckedRecord(record, fields, False, "node or layers not on the request's route")
-    # the ledger sums these: a signed record is still the node's word, so each must be a count
     try:
-        for key in ("prefill_tokens", "decode_tokens", "bytes_in", "bytes_out"):
+        for key in _COUNTS:
             untrusted.integer(fields.get(key), key)
         compute_ms = fields.get("compute_ms")
         if isinstance(compute_ms, bool) or not isinstance(compute_ms, int | float) or not 0 <= compute_ms < math.inf:

@@ -20,7 +20,6 @@ Roles follow from the hop's place in the route plan:
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import time
@@ -31,6 +30,7 @@ import attrs
 import numpy as np
 import trio
 
+from noderuntime.control.ledger import UsageBody
 from noderuntime.node.batcher import StepFailed, StepOutput, StepRequest
 from noderuntime.node.ending import EndReason, SessionEnd, ending, idle_blame, stop_reason
 from noderuntime.node.leases import Lease
@@ -515,24 +515,20 @@ class RouteSession:
         return bool(reason)
 
     async def _send_usage(self, records: list[UsageRecord]) -> None:
-        body = json.dumps(
-            {
-                "node_id": self.context.node_id.hex(),
-                "layers": [self.hop.layers.start, self.hop.layers.end],
-                "request_id": self.identity.request_id,
-                "session_id": self.key.session_id.hex(),
-                "epoch": self.key.epoch,
-                "artifact": self.identity.artifact_fingerprint.hex(),
-                "prefill_tokens": self.usage.prefill_tokens,
-                "decode_tokens": self.usage.decode_tokens,
-                "compute_ms": round(self.usage.compute_seconds * 1e3, 3),
-                "bytes_in": self.upstream.bytes_received + (self.downstream.bytes_received if self.downstream else 0),
-                "bytes_out": self.upstream.bytes_sent + (self.downstream.bytes_sent if self.downstream else 0),
-                "started": round(self.usage.started, 3),
-                "ended": round(time.time(), 3),
-            },
-            sort_keys=True,
-            separators=(",", ":"),
+        body = UsageBody(
+            node_id=self.context.node_id.hex(),
+            layers=(self.hop.layers.start, self.hop.layers.end),
+            request_id=self.identity.request_id,
+            session_id=self.key.session_id.hex(),
+            epoch=self.key.epoch,
+            artifact=self.identity.artifact_fingerprint.hex(),
+            prefill_tokens=self.usage.prefill_tokens,
+            decode_tokens=self.usage.decode_tokens,
+            compute_ms=round(self.usage.compute_seconds * 1e3, 3),
+            bytes_in=self.upstream.bytes_received + (self.downstream.bytes_received if self.downstream else 0),
+            bytes_out=self.upstream.bytes_sent + (self.downstream.bytes_sent if self.downstream else 0),
+            started=round(self.usage.started, 3),
+            ended=round(time.time(), 3),
         ).encode()
         own = UsageRecord(body, self.context.node_id, self.context.sign(body))
         await self._send_up(Usage(self._up_header(Phase.RELEASE), (*records, own)))
