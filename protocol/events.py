@@ -60,6 +60,10 @@ class Identity:
     recipe_fingerprint: bytes
     shard: Span
 
+    def at(self, shard: Span) -> Identity:
+        """The same session as the hop at ``shard`` names it (each end of a seam names its own range)."""
+        return attrs.evolve(self, shard=shard)
+
 
 @attrs.frozen
 class Header:

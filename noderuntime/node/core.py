@@ -396,14 +396,7 @@ class Node:
                 StatusCode.RESOURCE_EXHAUSTED,
             )
         ident = open_route.header.identity
-        mine = Identity(
-            ident.request_id,
-            ident.session_id,
-            ident.epoch,
-            ident.artifact_fingerprint,
-            ident.recipe_fingerprint,
-            self.config.layers,
-        )
+        mine = ident.at(self.config.layers)
         endpoint = SeamEndpoint(mine, Direction.UPSTREAM, peer_shard=ident.shard)
         endpoint.receive(open_route)
         conn.endpoint = endpoint
@@ -422,14 +415,7 @@ class Node:
         SessionLog(log, f"{theirs.session_id.hex()[:12]}/{theirs.epoch}", theirs.request_id).info(
             "refused: %s (%s)", error.message, error.code.name
         )
-        mine = Identity(
-            theirs.request_id,
-            theirs.session_id,
-            theirs.epoch,
-            theirs.artifact_fingerprint,
-            theirs.recipe_fingerprint,
-            self.config.layers,
-        )
+        mine = theirs.at(self.config.layers)
         endpoint = SeamEndpoint(mine, Direction.UPSTREAM)
         await conn.notify(Error(endpoint.header(Phase.CANCEL), error.code, error.message, self.node_id))
         await conn.aclose()

@@ -45,7 +45,6 @@ from protocol import (
     Error,
     Event,
     Hop,
-    Identity,
     Limits,
     NamedTensor,
     OpenRoute,
@@ -127,14 +126,7 @@ class RouteSession:
         self.is_tail = self.next_hop is None
         theirs = open_route.header.identity
         self.key = SessionKey(theirs.session_id, theirs.epoch)
-        self.identity = Identity(
-            theirs.request_id,
-            theirs.session_id,
-            theirs.epoch,
-            theirs.artifact_fingerprint,
-            theirs.recipe_fingerprint,
-            self.hop.layers,
-        )
+        self.identity = theirs.at(self.hop.layers)
         self.upstream = upstream
         self.downstream: SeamConnection | None = None
         self.lease = lease
