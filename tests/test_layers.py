@@ -150,3 +150,16 @@ def test_packages_of_the_runtime_import_one_way() -> None:
 
     both_ways = sorted((a, b) for a in edges for b in edges[a] if a < b and reaches(b, a))
     assert both_ways == []
+
+
+def test_the_public_api_resolves_and_import_noderuntime_loads_no_engine() -> None:
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, noderuntime\n"
+        "assert 'llama_cpp' not in sys.modules and 'torch' not in sys.modules\n"
+        "for name in noderuntime.__all__: getattr(noderuntime, name)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
