@@ -1,20 +1,28 @@
-"""Serving benchmark: the whole system through its gateway vs llama-cpp-python's own OpenAI server.
+"""Serving: the whole stack against llama.cpp's own server, side by side, on this machine.
 
     python -m benchmarks.serving [--quick] [--out PATH]
 
-Both serve SmolLM2-135M Q4_1 with 2 threads per process on this machine: ours as the
-local system (tracker, relay, two shard processes — the second behind the relay —
-and the gateway), theirs as one ``python -m llama_cpp.server`` process with the whole
-model. At 1, 4 and 8 concurrent streaming clients (greedy, the same prompts, 48
-tokens each, two requests per client), measured side by side level by level: time
-to first token, inter-token latency p50/p95 (gaps between streamed chunks) and
-aggregate tokens/s (chunks over the wall time of the level).
+Lanes, one at a time on the same machine, the same model (SmolLM2-135M Q4_1) and the
+same client (streaming chat, greedy, the same prompts each with a unique first line so
+that no server reuses a cached prefix, two requests per client):
+
+- ``llama_server``: llama.cpp's ``llama-server -np 16`` (continuous batching), built
+  from the same vendored llama.cpp, patches and CMake flags as the wheel
+  (``kernels_patch/build.py --server``, cached beside it), 2 threads;
+- ``llama_cpp_python``: llama-cpp-python's own server, 2 threads;
+- ``one_node``: one whole-model node behind the gateway (tracker, gateway, one node);
+- ``local_system``: the default ``noderuntime up`` (2 shards, the second via the relay);
+- ``grpc_route``: 2 shards, both over gRPC, no relay.
+
+At 1, 4, 8 and 16 concurrent clients (``--quick``: 1 and 4): TTFT p50/p95,
+inter-token latency p50/p95 (gaps between streamed chunks), aggregate tokens/s
+(chunks over the level's wall time) and CPU seconds per token of every process
+of the lane. Ratios against ``llama_server`` per level.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -129,6 +137,81 @@ async def _level(url: str, model: str, clients: int, requests_each: int, max_tok
     }
 
 
+LEVELS = [1, 4, 8, 16]
+LLAMA_SERVER_PORT = 18124
+LLAMA_CPP_PYTHON_PORT = 18123
+
+
+def _start_llama_server(binary: Path, model: Path, port: int, slots: int, ctx: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [
+            str(binary),
+            "--model",
+            str(model),
+            "--threads",
+            "2",
+            "--parallel",
+            str(slots),
+            "--ctx-size",
+            str(ctx * slots),  # shared by the slots: each holds ctx
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("llama-server did not start")
+
+
+def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    import psutil
+
+    out = {}
+    for name, pid in pids.items():
+        try:
+            times = psutil.Process(pid).cpu_times()
+            out[name] = times.user + times.system + times.children_user + times.children_system
+        except psutil.Error:
+            out[name] = 0.0
+    return out
+
+
+def _llama_server() -> Path:
+    """llama-server built from the wheel's sources and flags (kernels_patch/build.py, cached outside the clone)."""
+    script = Path(__file__).resolve().parents[1] / "kernels_patch" / "build.py"
+    command = [sys.executable, str(script), "--python", sys.executable, "--server"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"cannot build llama-server: {done.stderr[-2000:]}")
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def _run_lane(
+    url: str, model_id: str, pids: dict[str, int], levels: list[int], requests_each: int, max_tokens: int
+) -> dict[str, Any]:
+    trio.run(_level, url, model_id, 1, 1, 4)  # warm-up
+    figures: dict[str, Any] = {}
+    for level in levels:
+        before = _cpu_seconds(pids)
+        result = trio.run(_level, url, model_id, level, requests_each, max_tokens)
+        after = _cpu_seconds(pids)
+        tokens = max(1, result["chunks"])
+        result["cpu_s_per_token"] = {name: (after[name] - before[name]) / tokens for name in pids}
+        result["cpu_s_per_token_total"] = sum(result["cpu_s_per_token"].values())
+        figures[str(level)] = result
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _common.parser(NAME, __doc__ or "").parse_args(argv)
     from noderuntime.engine.llama import Recipe
@@ -137,48 +220,75 @@ def main(argv: list[str] | None = None) -> int:
     from noderuntime.services import localsystem
 
     model = models.pull(models.DEMO_MODEL, progress=False)
-    levels = [1, 4] if args.quick else [1, 4, 8]
-    requests_each = 1 if args.quick else 2
-    max_tokens = 24 if args.quick else 48
-    figures: dict[str, Any] = {"noderuntime": {}, "llama_cpp_server": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        system = localsystem.start(listen="127.0.0.1:0", data_root=Path(tmp), slots=16, ctx=1024, quiet=True)
-        node_threads = max(1, (os.cpu_count() or 2) // 2)
-        theirs = _start_llama_cpp_server(model, 18123)
-        try:
-            targets = {
-                "noderuntime": (system.gateway_url, system.model_id),
-                "llama_cpp_server": ("http://127.0.0.1:18123", str(model)),
-            }
-            for url, model_id in targets.values():  # warm-up
-                trio.run(_level, url, model_id, 1, 1, 4)
-            for level in levels:
-                for name, (url, model_id) in targets.items():
-                    figures[name][str(level)] = trio.run(_level, url, model_id, level, requests_each, max_tokens)
-        finally:
-            theirs.terminate()
-            theirs.wait(10)
-            system.stop()
-    figures["aggregate_ratio_noderuntime_over_llama_cpp"] = {
-        str(n): figures["noderuntime"][str(n)]["tokens_per_s"] / figures["llama_cpp_server"][str(n)]["tokens_per_s"]
-        for n in levels
-    }
     info = artifacts.inspect(model)
+    levels = [1, 4] if args.quick else LEVELS
+    requests_each = 1 if args.quick else 2
+    max_tokens = 24 if args.quick else 64
+    slots, ctx = 16, 1024
+    server = _llama_server()
+    figures: dict[str, Any] = {}
+    lanes = ["llama_server", "llama_cpp_python", "one_node", "local_system", "grpc_route"]
+    for lane in lanes:
+        if lane in ("llama_server", "llama_cpp_python"):
+            if lane == "llama_server":
+                proc = _start_llama_server(server, model, LLAMA_SERVER_PORT, slots, ctx)
+                url = f"http://127.0.0.1:{LLAMA_SERVER_PORT}"
+            else:
+                proc = _start_llama_cpp_server(model, LLAMA_CPP_PYTHON_PORT)
+                url = f"http://127.0.0.1:{LLAMA_CPP_PYTHON_PORT}"
+            try:
+                figures[lane] = _run_lane(url, str(model), {lane: proc.pid}, levels, requests_each, max_tokens)
+            finally:
+                proc.terminate()
+                proc.wait(10)
+            continue
+        cuts = (0, info.n_layer) if lane == "one_node" else None
+        with tempfile.TemporaryDirectory() as tmp:
+            system = localsystem.start(
+                listen="127.0.0.1:0",
+                data_root=Path(tmp),
+                slots=slots,
+                ctx=ctx,
+                quiet=True,
+                cuts=cuts,
+                relay_last=lane != "grpc_route",
+            )
+            try:
+                pids = {p.name: p.pid for p in system.processes}
+                figures[lane] = _run_lane(system.gateway_url, system.model_id, pids, levels, requests_each, max_tokens)
+            finally:
+                system.stop()
+    base = figures["llama_server"]
+    figures["ratios_over_llama_server"] = {
+        lane: {
+            str(n): {
+                "tokens_per_s": figures[lane][str(n)]["tokens_per_s"] / base[str(n)]["tokens_per_s"],
+                "ttft_p50": figures[lane][str(n)]["ttft_p50_ms"] / base[str(n)]["ttft_p50_ms"],
+                "itl_p50": figures[lane][str(n)]["itl_p50_ms"] / base[str(n)]["itl_p50_ms"],
+            }
+            for n in levels
+        }
+        for lane in lanes[1:]
+    }
     path = _common.out_path(NAME, args)
     _common.write(
         path,
         NAME,
         args,
-        Recipe(n_threads=2, n_ctx_per_seq=1024).describe(info.quant),
+        Recipe(n_threads=2, n_ctx_per_seq=ctx).describe(info.quant),
         figures,
         settings={
             "levels": levels,
             "requests_per_client": requests_each,
             "max_tokens": max_tokens,
-            "noderuntime": "local system: 2 shard processes (0:15 direct, 15:30 via relay), slots 16, "
-            f"{node_threads} thread(s) each (co-located nodes split the cores)",
-            "llama_cpp_server": "python -m llama_cpp.server, whole model, n_threads 2, n_ctx 1024",
-            "llama_cpp_python": _version(),
+            "slots": slots,
+            "ctx_per_session": ctx,
+            "llama_server": f"llama-server from the patched sources, --parallel {slots}, --threads 2 ({server})",
+            "llama_cpp_python": "python -m llama_cpp.server, whole model, n_threads 2, n_ctx 1024",
+            "one_node": "tracker, gateway, one node with the whole model, 2 threads",
+            "local_system": "tracker, relay, 2 shard processes (0:15 direct, 15:30 via relay), 1 thread each, gateway",
+            "grpc_route": "tracker, 2 shard processes over gRPC, 1 thread each, gateway",
+            "llama_cpp_python_version": _version(),
         },
     )
     png = _common.plot(
@@ -186,19 +296,27 @@ def main(argv: list[str] | None = None) -> int:
         "Streaming chat completions, aggregate throughput",
         "concurrent clients",
         "tokens / s",
-        {
-            name: (levels, [figures[name][str(n)]["tokens_per_s"] for n in levels])
-            for name in ("noderuntime", "llama_cpp_server")
-        },
+        {lane: (levels, [figures[lane][str(n)]["tokens_per_s"] for n in levels]) for lane in lanes},
     )
     rows = []
     for level in levels:
-        for name in ("noderuntime", "llama_cpp_server"):
-            f = figures[name][str(level)]
+        for lane in lanes:
+            f = figures[lane][str(level)]
+            ratio = f["tokens_per_s"] / base[str(level)]["tokens_per_s"]
             rows.append(
-                [level, name, f["tokens_per_s"], f["ttft_p50_ms"], f["ttft_p95_ms"], f["itl_p50_ms"], f["itl_p95_ms"]]
+                [
+                    level,
+                    lane,
+                    f["tokens_per_s"],
+                    ratio,
+                    f["ttft_p50_ms"],
+                    f["itl_p50_ms"],
+                    f["itl_p95_ms"],
+                    f["cpu_s_per_token_total"] * 1e3,
+                ]
             )
-    print(_common.table(["clients", "server", "tok/s", "TTFT p50 ms", "TTFT p95", "ITL p50 ms", "ITL p95"], rows))
+    header = ["clients", "lane", "tok/s", "x llama-server", "TTFT p50 ms", "ITL p50 ms", "ITL p95", "CPU ms/token"]
+    print(_common.table(header, rows))
     print(f"\nwrote {path} and {png}")
     return 0
 

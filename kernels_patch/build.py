@@ -4,6 +4,7 @@ Standard library only: this runs before the project's virtual environment has
 anything in it.
 
     python3 kernels_patch/build.py --python .venv/bin/python [--install]
+    python3 kernels_patch/build.py --python .venv/bin/python --server   # llama-server, the serving baseline
 
 Steps: download the pinned sdist with pip, verify its sha256, apply the patch
 series in ``kernels_patch/patches`` to its vendored llama.cpp, give the package
@@ -299,6 +300,80 @@ def cached_wheel(python: str) -> Path:
         return slot / wheel.name
 
 
+def build_server(python: str, out_dir: Path) -> Path:
+    """Build llama.cpp's ``llama-server`` from the same patched sources and flags as the wheel.
+
+    The baseline a user would run instead of this project (``benchmarks.serving``): the
+    same commit, the same CMake flags, the same patches (which change nothing outside
+    ranged shards, so the whole-model server is llama.cpp's own).
+    """
+    subprocess.run([python, "-m", "pip", "install", "--quiet", *BUILD_REQUIREMENTS], check=True)
+    cmake = Path(python).parent / "cmake"
+    sdist = fetch_sdist(python)
+    with tempfile.TemporaryDirectory(prefix="nr-llama-server-") as tmp:
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        source = Path(tmp) / f"{SDIST_NAME}-{SDIST_VERSION}"
+        apply_patches(source)
+        llama = source / "vendor" / "llama.cpp"
+        build = Path(tmp) / "build"
+        env = dict(os.environ)
+        launcher: list[str] = []
+        if shutil.which("ccache"):
+            launcher = ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
+            env.setdefault("CCACHE_DIR", str(cache_root() / "ccache"))
+            env.setdefault("CCACHE_BASEDIR", str(tmp))
+            env.setdefault("CCACHE_NOHASHDIR", "true")
+        started = time.monotonic()
+        print("kernels_patch: building llama-server (a few minutes)", flush=True)
+        configure = [
+            str(cmake),
+            "-S",
+            str(llama),
+            "-B",
+            str(build),
+            "-G",
+            "Ninja",
+            *CMAKE_ARGS,
+            *launcher,
+            "-DLLAMA_BUILD_SERVER=ON",
+            "-DLLAMA_BUILD_TOOLS=ON",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_CURL=OFF",
+            "-DBUILD_SHARED_LIBS=OFF",
+        ]
+        env["PATH"] = str(Path(python).parent) + os.pathsep + env.get("PATH", "")  # ninja from the venv
+        subprocess.run(configure, check=True, env=env, stdout=subprocess.DEVNULL)
+        jobs = str(os.cpu_count() or 2)
+        subprocess.run([str(cmake), "--build", str(build), "--target", "llama-server", "-j", jobs], check=True, env=env)
+        binary = build / "bin" / "llama-server"
+        if not binary.exists():
+            raise BuildError(f"the build made no {binary}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(binary, out_dir / "llama-server")
+        print(f"kernels_patch: built llama-server in {time.monotonic() - started:.0f} s", flush=True)
+    return out_dir / "llama-server"
+
+
+def cached_server(python: str) -> Path:
+    """``llama-server`` for this patch, flags and CPU: from the cache (keyed as the wheel is), or built now."""
+    slot = cache_root() / "servers" / cache_key()
+    with _locked(cache_root() / "servers" / ".lock"):
+        binary = slot / "llama-server"
+        digest_file = slot / "llama-server.sha256"
+        if binary.exists() and digest_file.exists() and sha256_file(binary) == digest_file.read_text().strip():
+            return binary
+        shutil.rmtree(slot, ignore_errors=True)
+        staging = slot.with_name(slot.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        built = build_server(python, staging)
+        (staging / "llama-server.sha256").write_text(sha256_file(built) + "\n")
+        (staging / "marker.json").write_text(json.dumps(marker(), indent=2) + "\n")
+        os.replace(staging, slot)
+        return slot / "llama-server"
+
+
 def installed_marker(python: str) -> dict[str, object] | None:
     """The marker of the llama-cpp-python installed in the target environment, if it has one."""
     probe = (
@@ -321,9 +396,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", default=sys.executable, help="interpreter of the target environment")
     parser.add_argument("--install", action="store_true", help="install the wheel into that environment")
     parser.add_argument("--print-version", action="store_true", help="print the local version and exit")
+    parser.add_argument("--server", action="store_true", help="build (or take from the cache) llama-server instead")
     args = parser.parse_args(argv)
     if args.print_version:
         print(local_version())
+        return 0
+    if args.server:
+        try:
+            print(cached_server(args.python))
+        except (BuildError, subprocess.CalledProcessError, OSError) as exc:
+            print(f"kernels_patch: error: {exc}", file=sys.stderr)
+            return 1
         return 0
     try:
         wheel = cached_wheel(args.python)

@@ -163,3 +163,12 @@ def test_the_public_api_resolves_and_import_noderuntime_loads_no_engine() -> Non
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
+
+
+def test_modules_that_name_the_checkout_find_it() -> None:
+    """Paths computed from a module's own place, which a move into a package changes."""
+    from noderuntime.services import cluster
+    from noderuntime.verify import contract
+
+    assert (cluster.ROOT / "pyproject.toml").exists() and (cluster.ROOT / "tests").is_dir()
+    assert (contract._ROOT / "benchmarks").is_dir()

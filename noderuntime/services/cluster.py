@@ -25,7 +25,7 @@ from typing import Any
 
 from noderuntime.services.cgroups import MemoryCap
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: noderuntime/services/cluster.py
 
 
 class ProcessError(RuntimeError):

@@ -78,10 +78,12 @@ def start(
     slots: int = 8,
     ctx: int = 2048,
     quiet: bool = False,
+    relay_last: bool = True,
 ) -> LocalSystem:
     """Start the processes and wait until a route serves; the caller stops them.
 
-    ``model_name`` is a known model's name or a GGUF file's path.
+    ``model_name`` is a known model's name or a GGUF file's path. With two shards or more,
+    the last is reachable only through the relay, unless ``relay_last`` is False.
     """
     path, model_id = _model_path(model_name, quiet=quiet)
     info = artifacts.inspect(path)
@@ -123,7 +125,8 @@ def start(
         )
         relay = launch("relay", ["relay", "--listen", "127.0.0.1:0", "--issuer-key", tracker["issuer_key"]])
         for i, (a, b) in enumerate(itertools.pairwise(cuts)):
-            reach = ["--relay", relay["url"]] if i == len(cuts) - 2 and len(cuts) > 2 else ["--listen", "127.0.0.1:0"]
+            behind_relay = relay_last and i == len(cuts) - 2 and len(cuts) > 2
+            reach = ["--relay", relay["url"]] if behind_relay else ["--listen", "127.0.0.1:0"]
             launch(
                 f"node{i}",
                 [

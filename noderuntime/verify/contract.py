@@ -33,7 +33,7 @@ from noderuntime.access import identity
 
 FORMAT_VERSION = 1
 SIGNATURE_DOMAIN = b"noderuntime-contract-v1"
-_ROOT = Path(__file__).resolve().parents[1]  # the project, whose benchmarks/ a contract may rerun
+_ROOT = Path(__file__).resolve().parents[2]  # the project, whose benchmarks/ a contract may rerun
 REQUIRED_FIELDS = ("contract", "benchmark", "args", "inputs", "figures", "thresholds")
 
 # The comparison a threshold makes between its left figure and its right-hand side.
