@@ -48,17 +48,17 @@ class TextStream:
             self.stopped = True
             self.text += out
             return out
-        keep = 0 if final else max((_overlap(self._held, s) for s in self.stop), default=0)
+        keep = 0 if final else max((overlap(self._held, s) for s in self.stop), default=0)
         out = self._held[: len(self._held) - keep]
         self._held = self._held[len(self._held) - keep :]
         self.text += out
         return out
 
 
-def _overlap(text: str, stop: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``stop``."""
-    for n in range(min(len(text), len(stop) - 1), 0, -1):
-        if text.endswith(stop[:n]):
+def overlap(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``: text to hold back."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if text.endswith(marker[:n]):
             return n
     return 0
 

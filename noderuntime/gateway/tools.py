@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 import attrs
 
+from noderuntime.gateway.textstream import overlap
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
@@ -155,14 +157,6 @@ def _parse_call(text: str, names: Collection[str]) -> ToolCall | None:
     return ToolCall("call_" + uuid.uuid4().hex[:24], value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _overlap(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
-
-
 @attrs.define
 class Delta:
     """What one push released: OpenAI's delta fields."""
@@ -239,7 +233,7 @@ class ChatOutput:
 
     def _release_upto(self, delta: Delta, marker: str, *, final: bool, trailing: str = "") -> None:
         """Release held text but what may be the start of ``marker`` (and ``trailing`` characters before it)."""
-        keep = 0 if final else _overlap(self._held, marker)
+        keep = 0 if final else overlap(self._held, marker)
         if trailing and not final:
             rest = self._held[: len(self._held) - keep]
             keep += len(rest) - len(rest.rstrip(trailing))
