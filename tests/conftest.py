@@ -7,11 +7,13 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from noderuntime.models import catalogue as models
 from noderuntime.models import synth
+from noderuntime.services import localsystem
 
 TINY_SHAPE = synth.ModelShape(n_layer=4, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_vocab=320, context_length=1024)
 TINY_SHAPES = synth.TINY_SHAPES
@@ -57,6 +59,18 @@ def cli_env() -> dict[str, str]:
 def python() -> str:
     """The interpreter running the tests."""
     return sys.executable
+
+
+def local_system(data_root: Path, **options: Any) -> Iterator[localsystem.LocalSystem]:
+    """A real local system on loopback (tracker, relay, shard nodes, gateway), stopped after use.
+
+    For module fixtures: ``yield from local_system(tmp_path_factory.mktemp(NAME), slots=...)``.
+    """
+    running = localsystem.start(listen="127.0.0.1:0", data_root=data_root, quiet=True, **options)
+    try:
+        yield running
+    finally:
+        running.stop()
 
 
 @pytest.fixture(autouse=True)

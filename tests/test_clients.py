@@ -25,6 +25,8 @@ import litellm
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
+from .conftest import local_system
+
 pytestmark = [
     pytest.mark.slow,
     # LiteLLM's own typed dicts, as pydantic reads them: nothing of ours
@@ -59,13 +61,7 @@ WEATHER_TOOL = {
 
 @pytest.fixture(scope="module")
 def system(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[localsystem.LocalSystem]:
-    running = localsystem.start(
-        listen="127.0.0.1:0", data_root=tmp_path_factory.mktemp("clients"), slots=4, ctx=1024, quiet=True
-    )
-    try:
-        yield running
-    finally:
-        running.stop()
+    yield from local_system(tmp_path_factory.mktemp("clients"), slots=4, ctx=1024)
 
 
 def _chat(system: localsystem.LocalSystem, **options: Any) -> ChatOpenAI:

@@ -21,6 +21,8 @@ from noderuntime.gateway.app import DEFAULT_MAX_TOKENS
 from noderuntime.services import localsystem
 from noderuntime.services.cluster import ManagedProcess
 
+from .conftest import local_system
+
 pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0, "max_tokens": 24}
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -28,13 +30,7 @@ MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
 @pytest.fixture(scope="module")
 def system(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[localsystem.LocalSystem]:
-    running = localsystem.start(
-        listen="127.0.0.1:0", data_root=tmp_path_factory.mktemp("system"), slots=16, ctx=1024, quiet=True
-    )
-    try:
-        yield running
-    finally:
-        running.stop()
+    yield from local_system(tmp_path_factory.mktemp("system"), slots=16, ctx=1024)
 
 
 @pytest.fixture

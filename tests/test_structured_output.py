@@ -35,6 +35,8 @@ from protocol import (
     Tokens,
 )
 
+from .conftest import local_system
+
 pytestmark = pytest.mark.slow
 
 PERSON = {
@@ -85,13 +87,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def system(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[localsystem.LocalSystem]:
-    running = localsystem.start(
-        listen="127.0.0.1:0", data_root=tmp_path_factory.mktemp("structured"), slots=8, ctx=1024, quiet=True
-    )
-    try:
-        yield running
-    finally:
-        running.stop()
+    yield from local_system(tmp_path_factory.mktemp("structured"), slots=8, ctx=1024)
 
 
 @pytest.fixture

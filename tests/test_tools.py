@@ -25,6 +25,8 @@ from noderuntime.gateway.tools import MAX_CALLS, ChatOutput, call_grammar, call_
 from noderuntime.models import synth
 from noderuntime.services import localsystem
 
+from .conftest import local_system
+
 WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
@@ -191,24 +193,16 @@ def test_bad_tool_requests_are_refused(extra: dict[str, Any], problem: str) -> N
 # --- end to end
 
 
-def _system(model: str, tmp: Path) -> Iterator[localsystem.LocalSystem]:
-    running = localsystem.start(model_name=model, listen="127.0.0.1:0", data_root=tmp, slots=4, ctx=1024, quiet=True)
-    try:
-        yield running
-    finally:
-        running.stop()
-
-
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[localsystem.LocalSystem]:
     folder = tmp_path_factory.mktemp("tools-qwen3")
     path = synth.write_model(folder / "qwen3.gguf", synth.TINY_SHAPES["qwen3"], quant="Q8_0", seed=5)
-    yield from _system(str(path), folder / "system")
+    yield from local_system(folder / "system", model_name=str(path), slots=4, ctx=1024)
 
 
 @pytest.fixture(scope="module")
 def smol(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[localsystem.LocalSystem]:
-    yield from _system(str(smollm2), tmp_path_factory.mktemp("tools-smol"))
+    yield from local_system(tmp_path_factory.mktemp("tools-smol"), model_name=str(smollm2), slots=4, ctx=1024)
 
 
 def _client(system: localsystem.LocalSystem) -> OpenAI:
