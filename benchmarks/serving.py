@@ -50,6 +50,19 @@ PROMPTS = [
 ]
 
 
+def _ready(proc: subprocess.Popen[bytes], url: str, what: str) -> subprocess.Popen[bytes]:
+    """``proc`` once ``url`` answers (within a minute); killed, and an error, if it does not."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return proc
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"{what} did not start")
+
+
 def _start_llama_cpp_server(model: Path, port: int) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [
@@ -72,15 +85,7 @@ def _start_llama_cpp_server(model: Path, port: int) -> subprocess.Popen[bytes]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-            return proc
-        except OSError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("llama-cpp-python's server did not start")
+    return _ready(proc, f"http://127.0.0.1:{port}/v1/models", "llama-cpp-python's server")
 
 
 async def _client(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -162,15 +167,7 @@ def _start_llama_server(binary: Path, model: Path, port: int, slots: int, ctx: i
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return proc
-        except OSError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("llama-server did not start")
+    return _ready(proc, f"http://127.0.0.1:{port}/health", "llama-server")
 
 
 def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
