@@ -5,12 +5,20 @@ anything in it.
 
     python3 kernels_patch/build.py --python .venv/bin/python [--install]
     python3 kernels_patch/build.py --python .venv/bin/python --server   # llama-server, the serving baseline
+    python3 kernels_patch/build.py --python .venv/bin/python --backend vulkan --install
+    python3 kernels_patch/build.py --python .venv/bin/python --backend vulkan --locate   # JSON, builds nothing
 
 Steps: download the pinned sdist with pip, verify its sha256, apply the patch
-series in ``kernels_patch/patches`` to its vendored llama.cpp, give the package
-a local version label carrying the patch hash, build the wheel with explicit
-CMake flags, and keep it in a cache outside the clone. The cache key is the
-sdist hash + patch hash + flags + CPU features, so a second run does not build.
+series in ``kernels_patch/patches`` (and ``patches/<backend>/`` for a GPU backend)
+to its vendored llama.cpp, give the package a local version label carrying the
+patch hash (and the backend), build the wheel with explicit CMake flags, and keep
+it in a cache outside the clone. The cache key is the sdist hash + patch hash +
+flags + CPU features (+ backend), so a second run does not build.
+
+``--backend cpu`` (the default) installs into the environment. A GPU backend's
+``--install`` unpacks the wheel into its own folder, ``<cache>/backends/<key>/site``:
+the environment keeps the CPU wheel, and a process that serves on the GPU runs with
+that folder first on ``PYTHONPATH`` (see README.md, "Backends").
 """
 
 from __future__ import annotations
@@ -18,10 +26,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import glob
 import hashlib
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -30,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 HERE = Path(__file__).resolve().parent
 PATCH_DIR = HERE / "patches"
@@ -85,30 +96,151 @@ _CPU_FLAG_PREFIXES = (
 
 MARKER_NAME = "_noderuntime_patch.json"
 
+BACKENDS = ("cpu", "vulkan", "cuda", "hip", "metal")
+# Turing, Ampere (A100 and RTX 30), Ada (RTX 40), Blackwell (RTX 50); a plain number is
+# SASS plus PTX, so newer cards JIT from the highest below them (Hopper from 89). The
+# pinned CMake turns 120 into 120a (needs CUDA 12.8).
+DEFAULT_CUDA_ARCH = "75;80;86;89;120"
+# RDNA2 (RX 6000), RDNA3 (RX 7000: Navi 31, 32, 33), RDNA4 (RX 9000)
+DEFAULT_HIP_TARGETS = "gfx1030;gfx1100;gfx1101;gfx1102;gfx1200;gfx1201"
+# the ggml switch each GPU backend turns on
+_SWITCH = {"vulkan": "GGML_VULKAN", "cuda": "GGML_CUDA", "hip": "GGML_HIP", "metal": "GGML_METAL"}
+
 
 class BuildError(RuntimeError):
     """The wheel could not be produced; the message says why and what to do."""
 
 
-def patch_files() -> list[Path]:
-    """The patch series, in the order it applies."""
+# a NamedTuple, not a dataclass: tests load this file by path, outside sys.modules, where a
+# dataclass with postponed annotations cannot be made
+class Target(NamedTuple):
+    """What a build is for: the ggml backend and, for CUDA and HIP, the GPU architectures."""
+
+    backend: str = "cpu"
+    cuda_arch: str = DEFAULT_CUDA_ARCH
+    hip_targets: str = DEFAULT_HIP_TARGETS
+
+    @property
+    def is_cpu(self) -> bool:
+        """The default build, installed into the environment itself."""
+        return self.backend == "cpu"
+
+
+CPU = Target()
+
+
+def patch_files(target: Target = CPU) -> list[Path]:
+    """The patch series, in the order it applies: the shared ones, then the backend's own."""
     files = sorted(PATCH_DIR.glob("*.patch"))
     if not files:
         raise BuildError(f"no patches found in {PATCH_DIR}")
-    return files
+    # a backend's patches touch only its own sources; kept apart so the CPU wheel's
+    # patch hash (and so its cache key and version) does not move when they change
+    return files + sorted((PATCH_DIR / target.backend).glob("*.patch")) if not target.is_cpu else files
 
 
-def patch_hash() -> str:
+def _patch_name(path: Path) -> str:
+    """``0003-x.patch`` for a shared patch, ``vulkan/0007-y.patch`` for a backend's."""
+    return path.relative_to(PATCH_DIR).as_posix()
+
+
+def patch_hash(target: Target = CPU) -> str:
     """A short hash over the names and contents of the patch series."""
     digest = hashlib.sha256()
-    for path in patch_files():
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in patch_files(target):
+        digest.update(_patch_name(path).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
 
 
-def local_version() -> str:
-    """The version the patched wheel carries, e.g. ``0.3.36+nr.1a2b3c4d5e6f``."""
-    return f"{SDIST_VERSION}+nr.{patch_hash()}"
+def local_version(target: Target = CPU) -> str:
+    """The version the patched wheel carries: ``0.3.36+nr.1a2b3c4d5e6f``, ``...+nr.<hash>.vulkan``."""
+    label = f"{SDIST_VERSION}+nr.{patch_hash(target)}"
+    return label if target.is_cpu else f"{label}.{target.backend}"
+
+
+def cmake_args(target: Target = CPU) -> list[str]:
+    """The CMake flags of a build: the CPU wheel's, with the backend's switch on and its architectures."""
+    if target.is_cpu:
+        return list(CMAKE_ARGS)
+    if target.backend not in _SWITCH:
+        raise BuildError(f"unknown backend {target.backend!r}; choose one of {', '.join(BACKENDS)}")
+    switch = _SWITCH[target.backend]
+    args = [f"-D{switch}=ON" if arg == f"-D{switch}=OFF" else arg for arg in CMAKE_ARGS]
+    if f"-D{switch}=ON" not in args:
+        args.append(f"-D{switch}=ON")
+    if target.backend == "cuda":
+        # explicit: GGML_NATIVE would otherwise ask for the build machine's own GPU ("native")
+        args.append(f"-DCMAKE_CUDA_ARCHITECTURES={target.cuda_arch}")
+    elif target.backend == "hip":
+        args.append(f"-DGPU_TARGETS={target.hip_targets}")  # the pinned CMake also reads AMDGPU_TARGETS
+    return args
+
+
+def _found(patterns: list[str]) -> bool:
+    return any(glob.glob(pattern) for pattern in patterns)
+
+
+def missing_toolchain(target: Target = CPU) -> list[str]:
+    """What the backend's build needs and this machine lacks, each with the package that has it.
+
+    Checked before anything is downloaded or compiled, so a missing header is one clear
+    line, not a CMake error ten minutes in.
+    """
+    missing: list[str] = []
+    sdk = os.environ.get("VULKAN_SDK", "/nonexistent")
+    if target.backend == "vulkan":
+        if not (shutil.which("glslc") or Path(sdk, "bin", "glslc").exists()):
+            missing.append("glslc, the GLSL to SPIR-V compiler (Debian: glslc)")
+        if not _found([f"{d}/vulkan/vulkan.hpp" for d in (f"{sdk}/include", "/usr/include", "/usr/local/include")]):
+            missing.append("the Vulkan C++ headers, vulkan/vulkan.hpp (Debian: libvulkan-dev)")
+        libs = ["/usr/lib/*/libvulkan.so", "/usr/lib/libvulkan.so", "/usr/local/lib/libvulkan.*"]
+        if not _found([*libs, f"{sdk}/lib/libvulkan.*"]):
+            missing.append("the Vulkan loader to link against, libvulkan.so (Debian: libvulkan-dev)")
+        spirv = "SPIRV-Headers/SPIRV-HeadersConfig.cmake"
+        places = ["/usr/share/cmake", "/usr/lib/*/cmake", "/usr/local/share/cmake", "/usr/local/lib/cmake", sdk]
+        if not _found([f"{p}/{spirv}" for p in places] + [f"{sdk}/**/{spirv}"]):
+            missing.append("the SPIR-V headers' CMake package, SPIRV-HeadersConfig.cmake (Debian: spirv-headers)")
+    elif target.backend == "cuda":
+        cuda = os.environ.get("CUDA_PATH") or os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+        if not (shutil.which("nvcc") or Path(cuda, "bin", "nvcc").exists()):
+            missing.append("nvcc, the CUDA Toolkit's compiler (NVIDIA CUDA Toolkit 12.8 or later for Blackwell)")
+    elif target.backend == "hip":
+        if not _hipconfig():
+            missing.append("hipconfig and the ROCm HIP compiler (AMD ROCm, e.g. /opt/rocm)")
+    elif target.backend == "metal" and platform.system() != "Darwin":
+        missing.append("macOS: the Metal backend builds only there")
+    return missing
+
+
+def _hipconfig() -> str | None:
+    return shutil.which("hipconfig") or next(iter(glob.glob("/opt/rocm*/bin/hipconfig")), None)
+
+
+def _backend_env(target: Target, env: dict[str, str]) -> None:
+    """Environment a backend's CMake needs beyond its flags (HIP: which clang, where ROCm is)."""
+    if target.backend == "hip":
+        hipconfig = _hipconfig()
+        if hipconfig:
+            for name, flag in (("HIPCXX", "-l"), ("HIP_PATH", "-R")):
+                if name not in env:
+                    out = subprocess.run([hipconfig, flag], capture_output=True, text=True, check=True).stdout.strip()
+                    env[name] = out + "/clang" if name == "HIPCXX" else out
+    if target.backend == "cuda" and not shutil.which("nvcc"):
+        cuda = env.get("CUDA_PATH") or env.get("CUDA_HOME") or "/usr/local/cuda"
+        env["PATH"] = str(Path(cuda, "bin")) + os.pathsep + env.get("PATH", "")
+
+
+def _check_toolchain(target: Target) -> None:
+    missing = missing_toolchain(target)
+    if missing:
+        hint = ""
+        if target.backend == "vulkan":
+            hint = (
+                "\non Debian or Ubuntu: apt-get install -y glslc libvulkan-dev spirv-headers"
+                " (and mesa-vulkan-drivers vulkan-tools to run it)"
+            )
+        listed = "\n  - ".join(missing)
+        raise BuildError(f"the {target.backend} build needs what this machine lacks:\n  - {listed}{hint}")
 
 
 def cpu_features() -> str:
@@ -122,9 +254,11 @@ def cpu_features() -> str:
     return platform.machine() + ":" + ",".join(sorted(flags))
 
 
-def cache_key() -> str:
-    """Everything that changes the built binary: sdist, patches, flags, CPU."""
-    parts = [SDIST_SHA256, patch_hash(), " ".join(CMAKE_ARGS), cpu_features()]
+def cache_key(target: Target = CPU) -> str:
+    """Everything that changes the built binary: sdist, patches, flags, CPU (and backend)."""
+    parts = [SDIST_SHA256, patch_hash(target), " ".join(cmake_args(target)), cpu_features()]
+    if not target.is_cpu:  # the CPU key stays what it was before backends existed: its caches stay valid
+        parts.append(f"backend={target.backend}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -195,44 +329,52 @@ def fetch_sdist(python: str) -> Path:
     return path
 
 
-def apply_patches(source: Path) -> None:
+def apply_patches(source: Path, target: Target = CPU) -> None:
     """Apply every patch to the vendored llama.cpp; any rejected hunk is an error."""
-    target = source / "vendor" / "llama.cpp"
-    for patch in patch_files():
+    tree = source / "vendor" / "llama.cpp"
+    for patch in patch_files(target):
         result = subprocess.run(
-            ["patch", "-p1", "--forward", "--batch", "--no-backup-if-mismatch", "-d", str(target), "-i", str(patch)],
+            ["patch", "-p1", "--forward", "--batch", "--no-backup-if-mismatch", "-d", str(tree), "-i", str(patch)],
             capture_output=True,
             text=True,
         )
         if result.returncode != 0:
-            raise BuildError(f"{patch.name} does not apply:\n{result.stdout}{result.stderr}")
+            raise BuildError(f"{_patch_name(patch)} does not apply:\n{result.stdout}{result.stderr}")
 
 
-def marker() -> dict[str, object]:
-    """What the wheel built now records about itself: patch, commit, flags, CPU."""
-    return {
-        "patch_hash": patch_hash(),
-        "patches": [p.name for p in patch_files()],
+def marker(target: Target = CPU) -> dict[str, object]:
+    """What the wheel built now records about itself: patch, commit, flags, CPU, backend.
+
+    A marker without ``backend`` is a CPU build: the CPU wheel's marker is what it was
+    before backends existed, so a cached CPU wheel still matches it.
+    """
+    found: dict[str, object] = {
+        "patch_hash": patch_hash(target),
+        "patches": [_patch_name(p) for p in patch_files(target)],
         "llama_cpp_commit": LLAMA_CPP_COMMIT,
         "sdist_sha256": SDIST_SHA256,
-        "cmake_args": CMAKE_ARGS,
+        "cmake_args": cmake_args(target),
         "cpu_features": cpu_features(),
     }
+    if not target.is_cpu:
+        found["backend"] = target.backend
+    return found
 
 
-def label_package(source: Path) -> None:
+def label_package(source: Path, target: Target = CPU) -> None:
     """Give the package the local version and a marker naming the patch."""
     init = source / "llama_cpp" / "__init__.py"
     text = init.read_text()
     stock = f'__version__ = "{SDIST_VERSION}"'
     if stock not in text:
         raise BuildError(f"cannot find {stock!r} in {init}")
-    init.write_text(text.replace(stock, f'__version__ = "{local_version()}"'))
-    (source / "llama_cpp" / MARKER_NAME).write_text(json.dumps(marker(), indent=2) + "\n")
+    init.write_text(text.replace(stock, f'__version__ = "{local_version(target)}"'))
+    (source / "llama_cpp" / MARKER_NAME).write_text(json.dumps(marker(target), indent=2) + "\n")
 
 
-def build_wheel(python: str, out_dir: Path) -> Path:
+def build_wheel(python: str, out_dir: Path, target: Target = CPU) -> Path:
     """Build the patched wheel into ``out_dir`` and return its path."""
+    _check_toolchain(target)
     # first: pip prepares the sdist's metadata even to download it, with this backend
     subprocess.run([python, "-m", "pip", "install", "--quiet", *BUILD_REQUIREMENTS], check=True)
     sdist = fetch_sdist(python)
@@ -240,20 +382,27 @@ def build_wheel(python: str, out_dir: Path) -> Path:
         with tarfile.open(sdist) as tar:
             tar.extractall(tmp, filter="data")
         source = Path(tmp) / f"{SDIST_NAME}-{SDIST_VERSION}"
-        apply_patches(source)
-        label_package(source)
+        apply_patches(source, target)
+        label_package(source, target)
         env = dict(os.environ)
-        cmake_args = list(CMAKE_ARGS)
+        _backend_env(target, env)
+        flags = cmake_args(target)
         if shutil.which("ccache"):
             # a compiler cache does not change the binary, so it is not part of the key
-            cmake_args += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
+            flags += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
             env.setdefault("CCACHE_DIR", str(cache_root() / "ccache"))
             # hits across builds from different temporary directories
             env.setdefault("CCACHE_BASEDIR", str(source))
             env.setdefault("CCACHE_NOHASHDIR", "true")
         env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
+        # scikit-build-core splits cmake.args at ";", so a CMake list (CUDA architectures,
+        # HIP targets) travels in CMAKE_ARGS, which it splits like a shell; nothing else
+        # may come in that way: the flags are the ones the cache key names
+        listed = [flag for flag in flags if ";" in flag]
+        flags = [flag for flag in flags if ";" not in flag]
+        env["CMAKE_ARGS"] = " ".join(shlex.quote(flag) for flag in listed)
         started = time.monotonic()
-        print(f"kernels_patch: building llama-cpp-python {local_version()} (several minutes)", flush=True)
+        print(f"kernels_patch: building llama-cpp-python {local_version(target)} (several minutes)", flush=True)
         subprocess.run(
             [
                 python,
@@ -265,7 +414,7 @@ def build_wheel(python: str, out_dir: Path) -> Path:
                 "--wheel-dir",
                 str(out_dir),
                 "-C",
-                "cmake.args=" + ";".join(cmake_args),
+                "cmake.args=" + ";".join(flags),
                 "-C",
                 "cmake.build-type=Release",
                 "-C",
@@ -282,31 +431,91 @@ def build_wheel(python: str, out_dir: Path) -> Path:
     return wheels[0]
 
 
-def cached_wheel(python: str) -> Path:
+def _cached(slot: Path) -> Path | None:
+    found = sorted(slot.glob("llama_cpp_python-*.whl"))
+    digest_file = slot / "wheel.sha256"
+    if found and digest_file.exists() and sha256_file(found[0]) == digest_file.read_text().strip():
+        return found[0]
+    return None
+
+
+def cached_wheel(python: str, target: Target = CPU) -> Path:
     """The wheel for this patch, flags and CPU: from the cache, or built now."""
-    slot = cache_root() / "wheels" / cache_key()
+    slot = cache_root() / "wheels" / cache_key(target)
     with _locked(cache_root() / "wheels" / ".lock"):
-        found = sorted(slot.glob("llama_cpp_python-*.whl"))
-        digest_file = slot / "wheel.sha256"
-        if found and digest_file.exists() and sha256_file(found[0]) == digest_file.read_text().strip():
-            return found[0]
+        found = _cached(slot)
+        if found is not None:
+            return found
         shutil.rmtree(slot, ignore_errors=True)
         staging = slot.with_name(slot.name + ".tmp")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        wheel = build_wheel(python, staging)
+        wheel = build_wheel(python, staging, target)
         (staging / "wheel.sha256").write_text(sha256_file(wheel) + "\n")
         os.replace(staging, slot)
         return slot / wheel.name
 
 
-def build_server(python: str, out_dir: Path) -> Path:
+def site_dir(target: Target) -> Path:
+    """Where a GPU backend's wheel is unpacked for ``PYTHONPATH``: ``<cache>/backends/<key>/site``."""
+    return cache_root() / "backends" / cache_key(target) / "site"
+
+
+def _installed_site(target: Target) -> Path | None:
+    site = site_dir(target)
+    wheel = _cached(cache_root() / "wheels" / cache_key(target))
+    stamp = site.with_name("wheel.sha256")
+    if wheel is None or not stamp.exists() or not (site / "llama_cpp" / MARKER_NAME).exists():
+        return None
+    return site if stamp.read_text().strip() == (wheel.parent / "wheel.sha256").read_text().strip() else None
+
+
+def install_site(python: str, target: Target) -> Path:
+    """Unpack the backend's wheel (built now if need be) into its own folder; the environment is untouched.
+
+    ``pip install --target`` without dependencies: the folder holds ``llama_cpp`` and its
+    dist-info only, and the environment's numpy and jinja2 serve it.
+    """
+    wheel = cached_wheel(python, target)
+    site = site_dir(target)
+    with _locked(site.parent.parent / ".lock"):
+        if _installed_site(target) is not None:
+            return site
+        staging = site.parent.with_name(site.parent.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        subprocess.run(
+            [python, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(staging / "site"), str(wheel)],
+            check=True,
+        )
+        shutil.copy2(wheel.parent / "wheel.sha256", staging / "wheel.sha256")
+        shutil.rmtree(site.parent, ignore_errors=True)
+        os.replace(staging, site.parent)
+    return site
+
+
+def locate(target: Target) -> dict[str, object]:
+    """Where a build is, if it is anywhere, and what its toolchain lacks; builds nothing."""
+    wheel = _cached(cache_root() / "wheels" / cache_key(target))
+    site = None if target.is_cpu else _installed_site(target)
+    return {
+        "backend": target.backend,
+        "key": cache_key(target),
+        "version": local_version(target),
+        "patch_hash": patch_hash(target),
+        "wheel": str(wheel) if wheel else None,
+        "site": str(site) if site else None,
+        "missing": missing_toolchain(target),
+    }
+
+
+def build_server(python: str, out_dir: Path, target: Target = CPU) -> Path:
     """Build llama.cpp's ``llama-server`` from the same patched sources and flags as the wheel.
 
     The baseline a user would run instead of this project (``benchmarks.serving``): the
     same commit, the same CMake flags, the same patches (which change nothing outside
     ranged shards, so the whole-model server is llama.cpp's own).
     """
+    _check_toolchain(target)
     subprocess.run([python, "-m", "pip", "install", "--quiet", *BUILD_REQUIREMENTS], check=True)
     cmake = Path(python).parent / "cmake"
     sdist = fetch_sdist(python)
@@ -314,10 +523,11 @@ def build_server(python: str, out_dir: Path) -> Path:
         with tarfile.open(sdist) as tar:
             tar.extractall(tmp, filter="data")
         source = Path(tmp) / f"{SDIST_NAME}-{SDIST_VERSION}"
-        apply_patches(source)
+        apply_patches(source, target)
         llama = source / "vendor" / "llama.cpp"
         build = Path(tmp) / "build"
         env = dict(os.environ)
+        _backend_env(target, env)
         launcher: list[str] = []
         if shutil.which("ccache"):
             launcher = ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
@@ -334,7 +544,7 @@ def build_server(python: str, out_dir: Path) -> Path:
             str(build),
             "-G",
             "Ninja",
-            *CMAKE_ARGS,
+            *cmake_args(target),
             *launcher,
             "-DLLAMA_BUILD_SERVER=ON",
             "-DLLAMA_BUILD_TOOLS=ON",
@@ -356,9 +566,9 @@ def build_server(python: str, out_dir: Path) -> Path:
     return out_dir / "llama-server"
 
 
-def cached_server(python: str) -> Path:
+def cached_server(python: str, target: Target = CPU) -> Path:
     """``llama-server`` for this patch, flags and CPU: from the cache (keyed as the wheel is), or built now."""
-    slot = cache_root() / "servers" / cache_key()
+    slot = cache_root() / "servers" / cache_key(target)
     with _locked(cache_root() / "servers" / ".lock"):
         binary = slot / "llama-server"
         digest_file = slot / "llama-server.sha256"
@@ -367,9 +577,9 @@ def cached_server(python: str) -> Path:
         shutil.rmtree(slot, ignore_errors=True)
         staging = slot.with_name(slot.name + ".tmp")
         shutil.rmtree(staging, ignore_errors=True)
-        built = build_server(python, staging)
+        built = build_server(python, staging, target)
         (staging / "llama-server.sha256").write_text(sha256_file(built) + "\n")
-        (staging / "marker.json").write_text(json.dumps(marker(), indent=2) + "\n")
+        (staging / "marker.json").write_text(json.dumps(marker(target), indent=2) + "\n")
         os.replace(staging, slot)
         return slot / "llama-server"
 
@@ -394,22 +604,41 @@ def installed_marker(python: str) -> dict[str, object] | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--python", default=sys.executable, help="interpreter of the target environment")
-    parser.add_argument("--install", action="store_true", help="install the wheel into that environment")
+    parser.add_argument(
+        "--install",
+        action="store_true",
+        help="install the wheel: cpu into that environment, a GPU backend into <cache>/backends/<key>/site",
+    )
     parser.add_argument("--print-version", action="store_true", help="print the local version and exit")
     parser.add_argument("--server", action="store_true", help="build (or take from the cache) llama-server instead")
+    parser.add_argument("--backend", choices=BACKENDS, default="cpu", help="the ggml backend to build (default cpu)")
+    parser.add_argument("--cuda-arch", default=DEFAULT_CUDA_ARCH, help="CMAKE_CUDA_ARCHITECTURES for --backend cuda")
+    parser.add_argument("--hip-targets", default=DEFAULT_HIP_TARGETS, help="GPU_TARGETS for --backend hip")
+    parser.add_argument(
+        "--locate", action="store_true", help="print where the build is cached (JSON) and what its toolchain lacks"
+    )
     args = parser.parse_args(argv)
+    target = Target(args.backend, cuda_arch=args.cuda_arch, hip_targets=args.hip_targets)
     if args.print_version:
-        print(local_version())
+        print(local_version(target))
+        return 0
+    if args.locate:
+        print(json.dumps(locate(target)))
         return 0
     if args.server:
         try:
-            print(cached_server(args.python))
+            print(cached_server(args.python, target))
         except (BuildError, subprocess.CalledProcessError, OSError) as exc:
             print(f"kernels_patch: error: {exc}", file=sys.stderr)
             return 1
         return 0
     try:
-        wheel = cached_wheel(args.python)
+        if not target.is_cpu and args.install:
+            site = install_site(args.python, target)
+            print(f"kernels_patch: llama-cpp-python {local_version(target)} in {site}")
+            print(f"kernels_patch: a process serves on {target.backend} with PYTHONPATH={site}")
+            return 0
+        wheel = cached_wheel(args.python, target)
         print(f"kernels_patch: wheel {wheel}")
         if args.install:
             # the same version can be built with other flags (or for another CPU): the
