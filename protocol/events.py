@@ -196,7 +196,11 @@ class Error:
 
 @attrs.frozen
 class Credit:
-    """Flow control: the receiver allows this many more frames."""
+    """Flow control, reserved: the receiver would allow this many more frames.
+
+    The schema carries it and the state machine lets it travel upstream, but no hop sends
+    or honours it: backpressure comes from the transports.
+    """
 
     header: Header
     frames: int

@@ -181,7 +181,8 @@ class SeamEndpoint:
     # --- receiving
 
     def receive(self, event: Event) -> Event | None:
-        """Check an event from the peer; ``None`` for an exact retry of the last step (ignore it)."""
+        """Check an event from the peer; ``None`` for one that repeats the last accepted step id
+        (a retry, ignored whatever it carries)."""
         track = self._in
         header = event.header
         if header.schema_major != SCHEMA_MAJOR:
@@ -265,5 +266,5 @@ def required_minor(open_route: OpenRoute) -> int:
 
 
 def error_event(endpoint: SeamEndpoint, error: ProtocolError, node_id: bytes = b"") -> Error:
-    """The Error frame that tells the peer about ``error`` (Error is allowed in any open state)."""
+    """The Error frame that tells the peer about ``error`` (Error is allowed in any state but closed)."""
     return Error(endpoint.header(Phase.CANCEL), error.code, error.message, node_id)

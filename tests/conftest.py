@@ -92,6 +92,7 @@ def _no_session_defects(request: pytest.FixtureRequest, caplog: pytest.LogCaptur
 # heaviest), and `pytest -m TIER` runs one; `make test` runs them all.
 TIERS = {
     "pure": (  # no I/O: codecs, schemas, tables, the import graph
+        "test_claims_pure",
         "test_contract",
         "test_isolation",
         "test_layers",
@@ -104,6 +105,7 @@ TIERS = {
     ),
     "memory": (  # trio tasks over memory streams, fakes in place of the engine, often the autojump clock
         "test_batcher",
+        "test_claims_memory",
         "test_enginethread",
         "test_node_pure",
         "test_sessions",

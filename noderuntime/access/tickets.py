@@ -115,7 +115,8 @@ def decode(data: bytes, trusted_issuers: Iterable[bytes]) -> Ticket:
 
 
 class ReplayGuard:
-    """Remembers accepted tickets until they expire (bounded)."""
+    """Remembers accepted tickets until they expire; holding ``capacity`` live ones, it refuses
+    any more (RESOURCE_EXHAUSTED) until some expire."""
 
     def __init__(self, capacity: int = 100_000) -> None:
         self._seen: dict[tuple[bytes, int, bytes], int] = {}

@@ -17,8 +17,8 @@ random and keeps a node whose answer does not match out of every route. Whoever 
 the weights can compute an answer; whoever does not (or holds damaged or different
 weights under the same fingerprint) cannot.
 
-The engine functions here are synchronous and must run where the engine is owned
-(the batcher's worker thread, or before the node serves).
+The engine functions here are synchronous and must run where the engine is owned: on
+the engine's thread, through ``Batcher.exclusive`` once the node serves, or before it does.
 """
 
 from __future__ import annotations

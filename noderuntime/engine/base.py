@@ -52,7 +52,9 @@ LOGPROB_FLOOR = -9999.0
 def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     """``token``'s log-probability under ``logits`` (one row, before any sampler's transforms).
 
-    With the ``top`` most likely tokens and theirs, most likely first (ties: lower id first).
+    With the ``top`` most likely tokens and theirs, most likely first, ties in id order. Of
+    tokens tied at the cut-off, which make the list is numpy's partition's choice (the same
+    for the same logits), not always the lowest ids.
     """
     row = logits.astype(np.float64, copy=False)
     peak = float(row.max())
@@ -73,8 +75,9 @@ def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
 class Engine(Protocol):
     """What the node and its batcher need of an engine: the llama.cpp one, the Transformers one, or a test's fake.
 
-    The batcher alone calls :meth:`run` and :meth:`remove_sequence`; sessions get
-    sampler chains from :meth:`new_sampler`.
+    Once the node serves, its batcher alone calls :meth:`run` and :meth:`remove_sequence`
+    (a probe's too, through ``Batcher.exclusive``); the node makes a tail session's sampler
+    chain with :meth:`new_sampler` when it admits the session.
     """
 
     is_head: bool

@@ -6,8 +6,10 @@ llama.cpp (see ``kernels_patch/``) and runs batches of rows, each row being
 returns the pre-norm residual of every row; the tail returns logits of the rows that
 asked for output, and can sample them with per-session llama.cpp sampler chains.
 
-Everything here is synchronous and unlocked: one owner (the node's batcher, in one
-worker thread at a time) calls it. ``llama_decode`` releases the GIL.
+Everything here is synchronous and unlocked: its calls never overlap because one owner
+makes them, the node's batcher, which runs batches and probes on the engine's one thread
+(:mod:`noderuntime.engine.thread`) and removes KV between them on the event loop's.
+``llama_decode`` releases the GIL.
 """
 
 from __future__ import annotations
@@ -521,7 +523,8 @@ class ShardEngine:
         self._load(is_range and not info.is_shard_file, dry_run)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model)))
         self._buffers = _BatchBuffers(recipe.n_batch, self.n_embd, takes_hidden=not self.is_head)
-        self._live_samplers: set[int] = set()  # set add/discard are atomic: chains close on the engine thread
+        # set add/discard are atomic: a chain dropped unclosed closes in __del__, on the collector's thread
+        self._live_samplers: set[int] = set()
 
     def _load(self, override_range: bool, dry_run: bool) -> None:
         mparams = llama_cpp.llama_model_default_params()

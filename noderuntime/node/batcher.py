@@ -11,7 +11,8 @@ Everything else that touches the engine is queued and done by the loop between r
 removing a finished session's KV and freeing its sampler chain (:meth:`Batcher.retire`;
 only then is the sequence slot handed back to the lease manager), a known-answer probe
 (:meth:`Batcher.exclusive`) and reads of the engine's state (:meth:`Batcher.between_runs`).
-So the batcher is the engine's only caller.
+So the batcher is the only caller of what runs on the engine's context or changes it; the
+node makes sampler chains at admission, and they read only the vocabulary.
 """
 
 from __future__ import annotations

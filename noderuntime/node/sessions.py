@@ -304,7 +304,8 @@ class RouteSession:
                 return
 
     async def _downstream_loop(self) -> None:
-        """Frames from downstream: Tokens, Usage, Error, Cancel."""
+        """Frames from downstream: Tokens, Usage, Error, Cancel (a Credit, which no hop sends,
+        is passed over, though it counts as activity for the watchdog)."""
         assert self.downstream is not None
         while True:
             try:
@@ -599,7 +600,8 @@ _FAILED: Any = _Failed()
 
 
 def deadline_from_unix_ms(deadline_unix_ms: int, default_seconds: float) -> float:
-    """The trio deadline for a session: the client's, or ``default_seconds`` from now."""
+    """The trio deadline for a session: the client's, but no later than ``default_seconds``
+    from now (the node's bound, and the deadline of a client that set none)."""
     if deadline_unix_ms <= 0:
         return trio.current_time() + default_seconds
     remaining = deadline_unix_ms / 1000.0 - time.time()

@@ -171,9 +171,10 @@ class TrackerState:
     def note_session(self, node_ids: Iterable[bytes]) -> None:
         """Count a routed session in its nodes' load until their next heartbeat reports the truth.
 
-        Only the cost sees it: eligibility follows the free slots nodes report, because
-        most sessions end between two heartbeats, and a node that is really full refuses
-        at once (the gateway then asks for another route).
+        The cost sees it, and so does the capacity of a node whose measured step time allows
+        fewer sessions than its slots (see :meth:`NodeRecord.has_room`). The free slots stay
+        those the node reports: most sessions end between two heartbeats, and a node that is
+        really full refuses at once (the gateway then asks for another route).
         """
         for nid in node_ids:
             record = self.nodes.get(nid)
