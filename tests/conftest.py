@@ -94,6 +94,7 @@ TIERS = {
     "pure": (  # no I/O: codecs, schemas, tables, the import graph
         "test_claims_pure",
         "test_contract",
+        "test_grpclib_private",
         "test_isolation",
         "test_layers",
         "test_protocol_chunks",

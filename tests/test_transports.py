@@ -195,10 +195,10 @@ async def _until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
 async def test_grpc_keepalive_finds_a_link_cut_long_after_the_connection_opened(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from noderuntime.transport import grpc
+    from noderuntime.transport.grpc import wire
 
-    monkeypatch.setattr(grpc, "KEEPALIVE_SECONDS", 0.2)
-    monkeypatch.setattr(grpc, "KEEPALIVE_TIMEOUT", 0.5)
+    monkeypatch.setattr(wire, "KEEPALIVE_SECONDS", 0.2)
+    monkeypatch.setattr(wire, "KEEPALIVE_TIMEOUT", 0.5)
     async with grpc_peer() as (connector, port, streams), link_proxy(port) as proxy:
         client = await connector.open(f"127.0.0.1:{proxy.port}")
         await client.send(b"hello")
