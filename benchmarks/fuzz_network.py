@@ -49,7 +49,7 @@ from noderuntime.access.identity import Identity as NodeIdentity
 from noderuntime.access.signing import sign
 from noderuntime.engine.llama import Recipe
 from noderuntime.services import localsystem
-from noderuntime.transport import TransportError
+from noderuntime.transport import TransportError, relay_messages
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector
 from protocol import (
     Activations,
@@ -273,10 +273,10 @@ async def _send_and_listen(connector: GrpcConnector, address: str, frames: list[
 
 def _relay_message(rng: random.Random) -> str | bytes:
     valid = [
-        {"type": "hello", "node_id": os.urandom(32).hex(), "signature": os.urandom(64).hex()},
-        {"type": "dial", "target": os.urandom(32).hex(), "session": os.urandom(16).hex(), "epoch": 0, "ticket": "00"},
-        {"type": "paired"},
-        {"type": "incoming", "pair": "ab"},
+        relay_messages.Hello(os.urandom(32), os.urandom(64)),
+        relay_messages.Dial(os.urandom(32), os.urandom(16), 0, b"\0"),
+        relay_messages.Paired(),
+        relay_messages.Incoming(os.urandom(16)),
     ]
     choice = rng.randrange(6)
     if choice == 5:  # JSON that ends a parser with RecursionError, or a number int() cannot take
@@ -285,7 +285,7 @@ def _relay_message(rng: random.Random) -> str | bytes:
         return rng.randbytes(rng.randint(0, 2000))
     if choice == 1:
         return "".join(chr(rng.randint(32, 0x2FF)) for _ in range(rng.randint(0, 300)))
-    base = json.dumps(rng.choice(valid))
+    base = rng.choice(valid).encode()
     if choice == 2:
         return base
     if choice == 3:

@@ -199,11 +199,10 @@ async def test_a_relay_control_connection_must_prove_the_key_it_claims(cluster: 
     assert cluster.relay_info is not None
     impostor = Identity.generate()
     async with open_websocket_url(cluster.relay_info["url"] + "/control") as ws:
-        challenge = messages.load(await ws.get_message(), "challenge")
-        nonce = bytes.fromhex(challenge["nonce"])
+        challenge = messages.decode(await ws.get_message(), messages.Challenge)
         # the tail's id, signed with another key: taking over its control connection fails
-        signature = impostor.sign(messages.CONTROL_DOMAIN, nonce)
-        await ws.send_message(messages.dump("hello", node_id=cluster.hops[1].node_id.hex(), signature=signature.hex()))
+        signature = impostor.sign(messages.CONTROL_DOMAIN, challenge.nonce)
+        await ws.send_message(messages.Hello(cluster.hops[1].node_id, signature).encode())
         with pytest.raises(ConnectionClosed) as closed:
             await ws.get_message()
     assert closed.value.reason is not None and closed.value.reason.code == messages.CLOSE_UNAUTHENTICATED
@@ -222,7 +221,7 @@ async def test_bytes_that_break_json_parsers_end_one_connection_not_the_node_or_
     for path in ("/dial", "/control"):
         async with open_websocket_url(url + path) as ws:
             if path == "/control":
-                messages.load(await ws.get_message(), "challenge")
+                messages.decode(await ws.get_message(), messages.Challenge)
             await ws.send_message(nested)
             with pytest.raises(ConnectionClosed) as closed:
                 await ws.get_message()

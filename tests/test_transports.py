@@ -599,11 +599,11 @@ async def _control_answer(url: str, identity: Identity) -> int:
     from noderuntime.transport import relay_messages as messages
 
     async with open_websocket_url(url + "/control") as ws:
-        nonce = messages.hex_field(messages.load(await ws.get_message(), "challenge"), "nonce", 32)
-        signature = identity.sign(messages.CONTROL_DOMAIN, nonce)
-        await ws.send_message(messages.dump("hello", node_id=identity.node_id.hex(), signature=signature.hex()))
+        challenge = messages.decode(await ws.get_message(), messages.Challenge)
+        signature = identity.sign(messages.CONTROL_DOMAIN, challenge.nonce)
+        await ws.send_message(messages.Hello(identity.node_id, signature).encode())
         try:
-            messages.load(await ws.get_message(), "welcome")
+            messages.decode(await ws.get_message(), messages.Welcome)
         except ConnectionClosed as exc:
             assert exc.reason is not None
             return exc.reason.code
@@ -616,8 +616,8 @@ async def _hello_with_wrong_signature(url: str, claimed: bytes) -> int:
     from noderuntime.transport import relay_messages as messages
 
     async with open_websocket_url(url + "/control") as ws:
-        messages.load(await ws.get_message(), "challenge")
-        await ws.send_message(messages.dump("hello", node_id=claimed.hex(), signature="00" * 64))
+        messages.decode(await ws.get_message(), messages.Challenge)
+        await ws.send_message(messages.Hello(claimed, bytes(64)).encode())
         try:
             await ws.get_message()
         except ConnectionClosed as exc:

@@ -46,7 +46,7 @@ def test_a_ticket_whose_numbers_are_not_integers_is_refused() -> None:
 @pytest.mark.parametrize("text", [*HOSTILE, "[" * (m.MAX_CONTROL_BYTES - 10)])
 def test_a_relay_control_message_that_breaks_parsers_is_a_control_error(text: str) -> None:
     with pytest.raises(m.ControlError):
-        m.load(text, "dial")
+        m.decode(text, m.Dial)
 
 
 @pytest.mark.parametrize(
@@ -104,3 +104,67 @@ def test_a_usage_record_body_that_breaks_parsers_is_flagged(body: str) -> None:
     record = UsageRecord(body.encode(), node.node_id, node.sign(USAGE_DOMAIN, body.encode()))
     verdict = check(record, request_id="r1", hops=[Hop(node.node_id, Span(0, 30))])
     assert not verdict.valid
+
+
+# --- relay control messages
+
+NONCE, NODE, SIGNATURE, SESSION = b"\x01" * 32, b"\x02" * 32, b"\x03" * 64, b"\x04" * 16
+
+
+@pytest.mark.parametrize(
+    ("message", "text"),
+    [
+        (m.Challenge(NONCE), '{"type":"challenge","nonce":"' + NONCE.hex() + '"}'),
+        (m.Hello(NODE, SIGNATURE), f'{{"type":"hello","node_id":"{NODE.hex()}","signature":"{SIGNATURE.hex()}"}}'),
+        (m.Welcome(), '{"type":"welcome"}'),
+        (m.Incoming(SESSION), '{"type":"incoming","pair":"' + SESSION.hex() + '"}'),
+        (
+            m.Dial(NODE, SESSION, 7, b"\xab\xcd"),
+            f'{{"type":"dial","target":"{NODE.hex()}","session":"{SESSION.hex()}","epoch":7,"ticket":"abcd"}}',
+        ),
+        (m.Paired(), '{"type":"paired"}'),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, m.Message) else "",
+)
+def test_a_relay_control_message_reads_back_what_it_writes_in_the_format_peers_speak(
+    message: m.Message, text: str
+) -> None:
+    assert message.encode() == text  # byte for byte what relays and nodes of earlier versions send
+    assert m.decode(text, type(message)) == message
+
+
+def _dial(**change: object) -> str:
+    fields = {"type": "dial", "target": NODE.hex(), "session": SESSION.hex(), "epoch": 0, "ticket": "00", **change}
+    return json.dumps({k: v for k, v in fields.items() if v is not None})
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"),
+    [
+        pytest.param(m.Hello(NODE, SIGNATURE).encode(), m.Dial, id="another-type"),
+        pytest.param('{"nonce": "' + NONCE.hex() + '"}', m.Challenge, id="no-type"),
+        pytest.param(_dial(target=None), m.Dial, id="missing-target"),
+        pytest.param(_dial(ticket=None), m.Dial, id="missing-ticket"),
+        pytest.param(_dial(epoch=None), m.Dial, id="missing-epoch"),
+        pytest.param(_dial(target=5), m.Dial, id="target-not-text"),
+        pytest.param(_dial(target="zz" * 32), m.Dial, id="target-not-hex"),
+        pytest.param(_dial(ticket="abc"), m.Dial, id="ticket-odd-hex"),
+        pytest.param(_dial(target=NODE[:31].hex()), m.Dial, id="target-short"),
+        pytest.param(_dial(session=(SESSION + b"x").hex()), m.Dial, id="session-long"),
+        pytest.param(_dial(epoch=-1), m.Dial, id="epoch-negative"),
+        pytest.param(_dial(epoch=True), m.Dial, id="epoch-bool"),
+        pytest.param(_dial(epoch=1.5), m.Dial, id="epoch-float"),
+        pytest.param(_dial(epoch="3"), m.Dial, id="epoch-text"),
+        pytest.param(_dial(epoch=2**64), m.Dial, id="epoch-huge"),
+        pytest.param('{"type": "dial", "epoch": 1e999}', m.Dial, id="epoch-inf"),
+        pytest.param(_dial(ticket="00" * (m.MAX_CONTROL_BYTES // 2)), m.Dial, id="oversized"),
+        pytest.param(m.Paired().encode().encode(), m.Paired, id="binary"),
+        pytest.param('{"type":"hello","node_id":"' + NODE.hex() + '"}', m.Hello, id="missing-signature"),
+        pytest.param(m.Hello(NODE, SIGNATURE[:63]).encode(), m.Hello, id="signature-short"),
+        pytest.param('{"type":"challenge","nonce":["01"]}', m.Challenge, id="nonce-a-list"),
+        pytest.param('{"type":"incoming","pair":"ab"}', m.Incoming, id="pair-short"),
+    ],
+)
+def test_a_malformed_relay_control_message_is_a_control_error(text: str | bytes, kind: type[m.Message]) -> None:
+    with pytest.raises(m.ControlError):
+        m.decode(text, kind)

@@ -6,7 +6,7 @@ the relay checks the ticket, tells the node over its control connection to dial
 ``/accept/<pair>``, pairs the two connections and forwards every binary message
 both ways as it is — it never decodes activations. Buffers are bounded (one queued
 message per connection), so a side that stops reading stalls the other side instead
-of growing memory. See :mod:`relay.messages` for the control vocabulary.
+of growing memory. See :mod:`noderuntime.transport.relay_messages` for the control vocabulary.
 """
 
 from __future__ import annotations
@@ -267,16 +267,15 @@ class Relay:
         nonce = os.urandom(32)
         try:
             with trio.fail_after(self.handshake_timeout):
-                await ws.send_message(m.dump("challenge", nonce=nonce.hex()))
-                hello = m.load(await ws.get_message(), "hello")
-            node_id = m.hex_field(hello, "node_id", 32)
-            signature = m.hex_field(hello, "signature", 64)
+                await ws.send_message(m.Challenge(nonce).encode())
+                hello = m.decode(await ws.get_message(), m.Hello)
         except (m.ControlError, trio.TooSlowError) as exc:
             await self._refuse(ws, m.CLOSE_POLICY, f"bad control handshake: {exc}", "control_handshake")
             return
         except ConnectionClosed:
             return
-        if not verify(node_id, m.CONTROL_DOMAIN, nonce, signature):
+        node_id = hello.node_id
+        if not verify(node_id, m.CONTROL_DOMAIN, nonce, hello.signature):
             await self._refuse(ws, m.CLOSE_UNAUTHENTICATED, "control signature does not verify", "control_auth")
             return
         handshake.release()
@@ -298,7 +297,7 @@ class Relay:
                 await previous.aclose(m.CLOSE_NORMAL, "replaced by a newer control connection")
         log.info("node %s connected to the relay", node_id.hex()[:12])
         try:
-            await ws.send_message(m.dump("welcome"))
+            await ws.send_message(m.Welcome().encode())
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._keep_alive, ws, node_id, nursery.cancel_scope)
                 try:
@@ -328,25 +327,21 @@ class Relay:
     async def _dial(self, ws: WebSocketConnection, handshake: _Handshake) -> None:
         try:
             with trio.fail_after(self.handshake_timeout):
-                request = m.load(await ws.get_message(), "dial")
-            target = m.hex_field(request, "target", 32)
-            session = m.hex_field(request, "session", 16)
-            ticket = m.hex_field(request, "ticket")
-            epoch = request.get("epoch")
-            if not isinstance(epoch, int) or epoch < 0:
-                raise m.ControlError("epoch must be a non-negative integer")
+                dial = m.decode(await ws.get_message(), m.Dial)
         except (m.ControlError, trio.TooSlowError) as exc:
             await self._refuse(ws, m.CLOSE_POLICY, f"bad dial request: {exc}", "dial_malformed")
             return
         except ConnectionClosed:
             return
         try:
-            self.verifier.check(ticket, session_id=session, epoch=epoch, artifact=None, hops=None, node_id=target)
+            self.verifier.check(
+                dial.ticket, session_id=dial.session, epoch=dial.epoch, artifact=None, hops=None, node_id=dial.target
+            )
         except TicketError as exc:
             await self._refuse(ws, m.CLOSE_FORBIDDEN, f"ticket refused: {exc}", "ticket")
             return
         handshake.release()
-        control = self.nodes.get(target)
+        control = self.nodes.get(dial.target)
         if control is None:
             await self._refuse(
                 ws, m.CLOSE_NOT_CONNECTED, "the target node is not connected to this relay", "not_connected"
@@ -355,19 +350,19 @@ class Relay:
         if len(self._pending) + self._active >= self.limits.max_pairs:
             await self._refuse(ws, m.CLOSE_BUSY, "the relay is at its pair limit", "busy")
             return
-        pair_id = os.urandom(16).hex()
-        pair = _Pair(ws, target)
-        self._pending[pair_id] = pair
+        pair_id = os.urandom(16)
+        pair = _Pair(ws, dial.target)
+        self._pending[pair_id.hex()] = pair
         try:
             try:
-                await control.send_message(m.dump("incoming", pair=pair_id))
+                await control.send_message(m.Incoming(pair_id).encode())
                 with trio.fail_after(self.accept_timeout):
                     await pair.accepted.wait()
             except (ConnectionClosed, trio.TooSlowError):
                 await self._refuse(ws, m.CLOSE_TIMEOUT, "the target node did not dial in", "accept_timeout")
                 return
             finally:
-                self._pending.pop(pair_id, None)
+                self._pending.pop(pair_id.hex(), None)
             assert pair.acceptor is not None
             await self._forward(pair)
         finally:
@@ -390,7 +385,7 @@ class Relay:
         self._total += 1
         try:
             for ws in (a, b):
-                await ws.send_message(m.dump("paired"))
+                await ws.send_message(m.Paired().encode())
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._pipe, pair, a, b, nursery.cancel_scope)
                 nursery.start_soon(self._pipe, pair, b, a, nursery.cancel_scope)

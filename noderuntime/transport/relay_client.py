@@ -46,7 +46,7 @@ async def _connect(nursery: trio.Nursery, url: str, tls: ssl.SSLContext | None) 
 async def _expect_paired(ws: WebSocketConnection, url: str) -> None:
     try:
         with trio.fail_after(HANDSHAKE_TIMEOUT):
-            m.load(await ws.get_message(), "paired")
+            m.decode(await ws.get_message(), m.Paired)
     except ConnectionClosed as exc:
         reason = exc.reason
         code = reason.code if reason else None
@@ -76,9 +76,7 @@ class RelayDialer:
         url = relay_url.rstrip("/") + "/dial"
         ws = await _connect(self._nursery, url, self._tls)
         try:
-            await ws.send_message(
-                m.dump("dial", target=target.hex(), session=session_id.hex(), epoch=epoch, ticket=ticket.hex())
-            )
+            await ws.send_message(m.Dial(target, session_id, epoch, ticket).encode())
             await _expect_paired(ws, relay_url)
         except ConnectionClosed:
             raise StreamBroken(f"the relay at {relay_url} closed the dial", StatusCode.UNAVAILABLE) from None
@@ -134,10 +132,8 @@ class RelayListener:
                             # must be found out, or this node stays unreachable for good
                             nursery.start_soon(self._watch, ws, listening, watching)
                             while True:
-                                incoming = m.load(await ws.get_message(), "incoming")
-                                pair = incoming.get("pair")
-                                if isinstance(pair, str) and pair.isalnum() and len(pair) <= 64:
-                                    nursery.start_soon(self._accept, nursery, pair)
+                                incoming = m.decode(await ws.get_message(), m.Incoming)
+                                nursery.start_soon(self._accept, nursery, incoming.pair.hex())
                         log.warning("the relay %s stopped answering pings; reconnecting", self.url)
                     finally:
                         watching.cancel()
@@ -160,11 +156,10 @@ class RelayListener:
 
     async def _hello(self, ws: WebSocketConnection) -> None:
         with trio.fail_after(HANDSHAKE_TIMEOUT):
-            challenge = m.load(await ws.get_message(), "challenge")
-            nonce = m.hex_field(challenge, "nonce", 32)
-            signature = self.identity.sign(m.CONTROL_DOMAIN, nonce)
-            await ws.send_message(m.dump("hello", node_id=self.identity.node_id.hex(), signature=signature.hex()))
-            m.load(await ws.get_message(), "welcome")
+            challenge = m.decode(await ws.get_message(), m.Challenge)
+            signature = self.identity.sign(m.CONTROL_DOMAIN, challenge.nonce)
+            await ws.send_message(m.Hello(self.identity.node_id, signature).encode())
+            m.decode(await ws.get_message(), m.Welcome)
 
     async def _accept(self, nursery: trio.Nursery, pair: str) -> None:
         try:
