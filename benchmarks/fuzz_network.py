@@ -49,6 +49,7 @@ from noderuntime.access.identity import Identity as NodeIdentity
 from noderuntime.access.signing import sign
 from noderuntime.engine.llama import Recipe
 from noderuntime.services import localsystem
+from noderuntime.tracker.messages import RouteReply
 from noderuntime.transport import TransportError, relay_messages
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector
 from protocol import (
@@ -56,7 +57,6 @@ from protocol import (
     Direction,
     FrameDecoder,
     FrameEncoder,
-    Hop,
     Identity,
     Limits,
     NamedTensor,
@@ -114,25 +114,22 @@ def _get(url: str) -> dict[str, Any]:
 # --- gRPC seams
 
 
-async def _route(http: httpx.AsyncClient, tracker: str, artifact: str) -> dict[str, Any]:
+async def _route(http: httpx.AsyncClient, tracker: str, artifact: str) -> RouteReply:
     for _ in range(100):
         response = await http.post(tracker + "/v1/routes", json={"artifact": artifact, "tokens": 64})
         if response.status_code == 200:
-            route: dict[str, Any] = response.json()
-            return route
+            return RouteReply.model_validate_json(response.content)
         await trio.sleep(0.2)  # the head is full of sessions still ending
     raise RuntimeError(f"no route: {response.text}")
 
 
 def _open_route_frames(
-    route: dict[str, Any], artifact: str, hostile: str = ""
+    route: RouteReply, artifact: str, hostile: str = ""
 ) -> tuple[list[bytes], SeamEndpoint, FrameEncoder]:
     """A valid OpenRoute for ``route`` or, with ``hostile``, one that is well-formed but
     built to break what reads it (see :data:`HOSTILE_OPENINGS`)."""
-    hops = tuple(
-        Hop(bytes.fromhex(h["node_id"]), Span(*h["layers"]), h["address"], h["relay"], b"") for h in route["hops"]
-    )
-    ticket = bytes.fromhex(route["ticket"])
+    hops = tuple(hop.hop() for hop in route.hops)
+    ticket = bytes.fromhex(route.ticket)
     sampling = Sampling()
     if hostile.startswith("ticket_"):  # the issuer's signature cannot be forged: the body is parsed first
         body = {"ticket_nested": b"[" * 3000, "ticket_overflow": b'{"epoch":1e999,"exp":1e999}'}[hostile]
@@ -147,7 +144,7 @@ def _open_route_frames(
     elif hostile == "penalty_window":
         sampling = Sampling(repeat_penalty=1.1, penalty_last_n=2**31 - 1)
     identity = Identity(
-        "fuzz", bytes.fromhex(route["session_id"]), 0, bytes.fromhex(artifact), bytes.fromhex(route["recipe"]), Span()
+        "fuzz", bytes.fromhex(route.session_id), 0, bytes.fromhex(artifact), bytes.fromhex(route.recipe), Span()
     )
     endpoint = SeamEndpoint(identity, Direction.DOWNSTREAM, peer_shard=hops[0].layers)
     encoder = FrameEncoder(Limits())

@@ -19,11 +19,11 @@ import trio
 
 from noderuntime.seams.client import GenerationRequest, RouteError, open_route_generation
 from noderuntime.seams.dialer import open_dialer
-from protocol import Hop, Span
+from noderuntime.tracker.messages import decode_hops
 
 
 async def main(spec: dict) -> dict:  # type: ignore[type-arg]
-    hops = tuple(Hop(bytes.fromhex(h["node_id"]), Span(*h["layers"]), h["address"], h["relay"]) for h in spec["hops"])
+    hops = decode_hops(spec["hops"])
     request = GenerationRequest(tuple(spec["prompt"]), spec["max_tokens"])
     killed_at = None
     tokens: list[int] = []

@@ -259,6 +259,25 @@ async def test_a_registration_that_peers_could_not_use_is_refused_and_the_tracke
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 5000,
+        b'{"epoch": 1e999}',
+        b"[]",
+        b'{"session_id": "00", "epoch": 0, "ticket": "00", "recipe": "00", "hops": []}',
+        b'{"error": "route granted"}',
+    ],
+)
+async def test_a_malformed_route_grant_is_a_tracker_error(body: bytes) -> None:
+    """A gateway reads the tracker's route with the tracker's own message type; nonsense is a TrackerError."""
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+    async with httpx.AsyncClient(transport=transport) as client:
+        with pytest.raises(TrackerError, match="malformed route") as refused:
+            await request_route(client, "http://tracker", ARTIFACT, 100)
+    assert refused.value.status == 200
+
+
 async def test_nodes_register_again_after_a_tracker_restart() -> None:
     me = Identity.generate()
     first = Tracker(Identity.generate(), expire_after=2.0)

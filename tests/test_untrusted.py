@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import struct
 
+import pydantic
 import pytest
 
 from noderuntime.access import tickets
 from noderuntime.access.identity import Identity
 from noderuntime.control.ledger import USAGE_DOMAIN, Ledger, check
+from noderuntime.tracker.messages import RouteHop, RouteReply, decode_hops, encode_hops
 from noderuntime.transport import relay_messages as m
 from protocol import Hop, Span, UsageRecord
 
@@ -168,3 +170,62 @@ def _dial(**change: object) -> str:
 def test_a_malformed_relay_control_message_is_a_control_error(text: str | bytes, kind: type[m.Message]) -> None:
     with pytest.raises(m.ControlError):
         m.decode(text, kind)
+
+
+# --- hops and route grants, as the tracker writes them and gateways and route clients read them
+
+HOPS = (
+    Hop(NODE, Span(0, 15), "10.0.0.1:7000", "", b"\x05" * 32),
+    Hop(b"\x06" * 32, Span(15, 30), "", "wss://relay.example:443"),
+)
+
+
+def test_hops_read_back_what_they_write_with_the_keys_gateways_expect() -> None:
+    encoded = encode_hops(HOPS)
+    assert encoded[1] == {
+        "node_id": "06" * 32,
+        "layers": [15, 30],
+        "address": "",
+        "relay": "wss://relay.example:443",
+        "tls_cert_sha256": "",
+    }
+    assert decode_hops(json.loads(json.dumps(encoded))) == HOPS
+    reply = RouteReply(
+        session_id=SESSION.hex(),
+        epoch=0,
+        ticket="abcd",
+        recipe="12" * 8,
+        cost_ms=1.5,
+        ctx_per_session=512,
+        hops=[RouteHop.of(hop) for hop in HOPS],
+    )
+    text = json.dumps(reply.model_dump(mode="json"))
+    assert list(json.loads(text)) == ["session_id", "epoch", "ticket", "recipe", "cost_ms", "ctx_per_session", "hops"]
+    assert tuple(hop.hop() for hop in RouteReply.model_validate_json(text).hops) == HOPS
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"node_id": "ab"},
+        {"node_id": "zz" * 32},
+        {"node_id": None},
+        {"layers": [5, 5]},
+        {"layers": [0]},
+        {"layers": [-1, 3]},
+        {"layers": "0:15"},
+        {"address": 7},
+        {"tls_cert_sha256": "xy" * 32},
+        {"tls_cert_sha256": "ab"},
+    ],
+)
+def test_a_malformed_hop_is_a_validation_error(change: dict[str, object]) -> None:
+    hop = {**encode_hops(HOPS)[0], **change}
+    with pytest.raises(pydantic.ValidationError):
+        decode_hops([{k: v for k, v in hop.items() if v is not None}])
+
+
+@pytest.mark.parametrize("text", [*HOSTILE, '{"hops": []}', '{"hops": 5}'])
+def test_a_route_grant_that_breaks_parsers_is_a_validation_error(text: str) -> None:
+    with pytest.raises(pydantic.ValidationError):
+        RouteReply.model_validate_json(text)

@@ -35,7 +35,7 @@ from noderuntime.access.signing import SignatureChecker, SignatureError
 from noderuntime.control.admission import AdmissionError, ProbeAnswer, ProbeReferences, check_capability, compare
 from noderuntime.operations.httpserve import BodyLimit
 from noderuntime.operations.telemetry import TrackerMetrics, exposition, trio_tasks
-from noderuntime.tracker.messages import Heartbeat, ProbeReply, Registration, RouteRequest
+from noderuntime.tracker.messages import Heartbeat, ProbeReply, Registration, RouteHop, RouteReply, RouteRequest
 from noderuntime.tracker.state import STEP_BUDGET_MS, NodeRecord, NoRoute, TrackerState
 from protocol import Hop, Span
 
@@ -288,27 +288,16 @@ class Tracker:
         self.state.note_session(n.node_id for n in choice.nodes)
         self.routes_issued += 1
         self.metrics.routes.labels("issued").inc()
-        return JSONResponse(
-            {
-                "session_id": session_id.hex(),
-                "epoch": 0,
-                "ticket": ticket.hex(),
-                "recipe": choice.nodes[0].recipe,
-                "cost_ms": round(choice.cost_ms, 3),
-                # the longest session every hop of the route can hold (prompt and reply)
-                "ctx_per_session": min(n.ctx_per_session for n in choice.nodes),
-                "hops": [
-                    {
-                        "node_id": n.node_id.hex(),
-                        "layers": list(n.layers),
-                        "address": n.address,
-                        "relay": n.relay,
-                        "tls_cert_sha256": n.tls_cert_sha256.hex(),
-                    }
-                    for n in choice.nodes
-                ],
-            }
+        reply = RouteReply(
+            session_id=session_id.hex(),
+            epoch=0,
+            ticket=ticket.hex(),
+            recipe=choice.nodes[0].recipe,
+            cost_ms=round(choice.cost_ms, 3),
+            ctx_per_session=min(n.ctx_per_session for n in choice.nodes),
+            hops=[RouteHop.of(hop) for hop in hops],
         )
+        return JSONResponse(reply.model_dump(mode="json"))
 
 
 def _public(record: NodeRecord, now: float, step_budget_ms: float) -> dict[str, Any]:

@@ -11,11 +11,13 @@ from typing import Any
 import attrs
 import httpx
 import trio
+from pydantic import ValidationError
 
+from noderuntime.access import untrusted
 from noderuntime.access.identity import Identity
 from noderuntime.access.signing import sign
-from noderuntime.tracker.messages import Heartbeat, ProbeReply, Registration
-from protocol import Hop, Span
+from noderuntime.tracker.messages import Heartbeat, ProbeReply, Registration, RouteReply
+from protocol import Hop
 
 log = logging.getLogger(__name__)
 
@@ -179,27 +181,23 @@ async def request_route(
         raise TrackerError(f"the tracker {url} is unreachable: {exc}") from None
     if response.status_code != 200:
         try:
-            detail = response.json()
+            detail = untrusted.json_object(response.text, "the tracker's answer")
         except ValueError:
             detail = {"error": response.text[:200]}
         message = detail.get("error") or detail.get("detail") or response.text[:200]
         raise TrackerError(str(message), response.status_code, full=bool(detail.get("full")))
-    data = response.json()
-    hops = tuple(
-        Hop(
-            bytes.fromhex(h["node_id"]),
-            Span(*h["layers"]),
-            h["address"],
-            h["relay"],
-            bytes.fromhex(h["tls_cert_sha256"]),
-        )
-        for h in data["hops"]
-    )
+    try:
+        reply = RouteReply.model_validate_json(response.content)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        message = f"the tracker {url} sent a malformed route: {where}: {first['msg']}"
+        raise TrackerError(message, response.status_code) from None
     return RouteGrant(
-        hops,
-        bytes.fromhex(data["session_id"]),
-        int(data["epoch"]),
-        bytes.fromhex(data["ticket"]),
-        bytes.fromhex(data["recipe"]),
-        int(data.get("ctx_per_session", 0)),
+        tuple(hop.hop() for hop in reply.hops),
+        bytes.fromhex(reply.session_id),
+        reply.epoch,
+        bytes.fromhex(reply.ticket),
+        bytes.fromhex(reply.recipe),
+        reply.ctx_per_session,
     )

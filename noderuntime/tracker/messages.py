@@ -1,16 +1,26 @@
-"""The JSON a node and a tracker exchange, defined once: the tracker validates with these,
-and a node builds its messages with them.
+"""The JSON a node, a gateway and a tracker exchange, defined once: the tracker validates
+with these and the others build their messages with them; a gateway validates a route
+grant (:class:`RouteReply`) with them in turn.
+
+A route's hops travel as :class:`RouteHop` objects: :func:`encode_hops` writes them and
+:func:`decode_hops` reads them back as :class:`protocol.Hop` values, raising pydantic's
+``ValidationError`` (a ``ValueError``) on anything malformed.
 """
 
 from __future__ import annotations
 
 import urllib.parse
+from collections.abc import Iterable
+from typing import Any
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, TypeAdapter, field_validator
 
 from noderuntime.access import untrusted
+from noderuntime.access.tickets import MAX_TICKET_BYTES
+from protocol import Hop, Span
 
 HEX32 = r"^[0-9a-f]{64}$"
+MAX_LAYERS = 4096
 
 
 class Registration(BaseModel):
@@ -19,7 +29,7 @@ class Registration(BaseModel):
     node_id: str = Field(pattern=HEX32)
     artifact: str = Field(pattern=HEX32)
     model_name: str = Field(default="", max_length=200)
-    n_layer: int = Field(gt=0, le=4096)
+    n_layer: int = Field(gt=0, le=MAX_LAYERS)
     layers: tuple[int, int]
     recipe: str = Field(pattern=r"^[0-9a-f]{16}$")
     address: str = Field(default="", max_length=300)  # HOST:PORT for direct seams, or none
@@ -88,3 +98,68 @@ class RouteRequest(BaseModel):
     tokens: int = Field(gt=0, le=1 << 22)
     exclude: list[str] = Field(default_factory=list, max_length=256)
     ttl_seconds: float = Field(default=600.0, gt=0, le=86400)
+
+
+class RouteHop(BaseModel):
+    """One hop of a route: a node, the layers it runs for the route, and how to reach it."""
+
+    node_id: str = Field(pattern=HEX32)
+    layers: tuple[int, int]
+    address: str = Field(default="", max_length=300)  # HOST:PORT, or none: through the relay only
+    relay: str = Field(default="", max_length=300)
+    tls_cert_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, value: tuple[int, int]) -> tuple[int, int]:
+        start, end = value
+        if not 0 <= start < end <= MAX_LAYERS:
+            raise ValueError(f"layers must be [start, end] with 0 <= start < end <= {MAX_LAYERS}")
+        return value
+
+    @classmethod
+    def of(cls, hop: Hop) -> RouteHop:
+        """The JSON form of ``hop``."""
+        return cls(
+            node_id=hop.node_id.hex(),
+            layers=(hop.layers.start, hop.layers.end),
+            address=hop.address,
+            relay=hop.relay,
+            tls_cert_sha256=hop.tls_cert_sha256.hex(),
+        )
+
+    def hop(self) -> Hop:
+        """The hop this names."""
+        return Hop(
+            bytes.fromhex(self.node_id),
+            Span(*self.layers),
+            self.address,
+            self.relay,
+            bytes.fromhex(self.tls_cert_sha256),
+        )
+
+
+class RouteReply(BaseModel):
+    """The tracker's answer to a :class:`RouteRequest`: a route and the ticket for one session on it."""
+
+    session_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    epoch: int = Field(ge=0, lt=2**63)
+    ticket: str = Field(pattern=r"^([0-9a-f]{2})+$", max_length=2 * MAX_TICKET_BYTES)
+    recipe: str = Field(pattern=r"^[0-9a-f]{16}$")
+    cost_ms: float = 0.0  # what the tracker estimated the route costs per step, in ms
+    # the longest session every hop of the route can hold (prompt and reply); 0: not said
+    ctx_per_session: int = Field(default=0, ge=0, le=1 << 22)
+    hops: list[RouteHop] = Field(min_length=1, max_length=256)
+
+
+_HOPS: TypeAdapter[list[RouteHop]] = TypeAdapter(list[RouteHop])
+
+
+def encode_hops(hops: Iterable[Hop]) -> list[dict[str, Any]]:
+    """``hops`` as JSON values."""
+    return [RouteHop.of(hop).model_dump(mode="json") for hop in hops]
+
+
+def decode_hops(data: Any) -> tuple[Hop, ...]:
+    """A JSON list of hops (as :func:`encode_hops` writes it); ``ValidationError`` when malformed."""
+    return tuple(hop.hop() for hop in _HOPS.validate_python(data))
