@@ -52,6 +52,7 @@ from noderuntime.models import synth
 from noderuntime.models.artifacts import LayerRange
 from noderuntime.services.cgroups import MemoryCap, available
 from noderuntime.services.cluster import ManagedProcess, ProcessError
+from noderuntime.services.ready import GatewayReady, NodeReady, R, TrackerReady, expect
 
 NAME = "fit"
 SLOTS = 2
@@ -206,17 +207,18 @@ def serving(model: Path, ranges: Sequence[LayerRange | None], cap: int | None, r
     processes: list[ManagedProcess] = []
     caps: list[MemoryCap] = []
 
-    def launch(process: ManagedProcess, timeout: float = 120) -> dict[str, Any]:
+    def launch(process: ManagedProcess, kind: type[R], timeout: float = 120) -> R:
         processes.append(process)
-        return process.start(timeout)
+        return expect(process.start(timeout), kind)
 
     try:
         tracker = launch(
-            ManagedProcess("tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(root / "tracker")])
+            ManagedProcess("tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(root / "tracker")]),
+            TrackerReady,
         )
         nodes = []
         for i, layers in enumerate(ranges):
-            extra = ["--tracker", tracker["url"]]
+            extra = ["--tracker", tracker.url]
             if layers is not None:
                 extra += ["--layers", str(layers)]
             limit = None
@@ -227,7 +229,7 @@ def serving(model: Path, ranges: Sequence[LayerRange | None], cap: int | None, r
             else:
                 extra += ["--no-mmap"]  # like for like: the capped nodes read their weights too
             node = ManagedProcess(f"node{i}", _node_args(model, root / f"node{i}", extra), cap=limit)
-            launch(node, timeout=600)
+            launch(node, NodeReady, timeout=600)
             nodes.append((node, limit, layers))
         gateway = launch(
             ManagedProcess(
@@ -235,7 +237,7 @@ def serving(model: Path, ranges: Sequence[LayerRange | None], cap: int | None, r
                 [
                     "gateway",
                     "--tracker",
-                    tracker["url"],
+                    tracker.url,
                     "--listen",
                     "127.0.0.1:0",
                     "--model",
@@ -245,9 +247,10 @@ def serving(model: Path, ranges: Sequence[LayerRange | None], cap: int | None, r
                     "--ledger",
                     str(root / "ledger.sqlite"),
                 ],
-            )
+            ),
+            GatewayReady,
         )
-        yield {"gateway": gateway["url"], "nodes": nodes}
+        yield {"gateway": gateway.url, "nodes": nodes}
     finally:
         for process in reversed(processes):
             process.stop()
@@ -305,7 +308,7 @@ def measure(system: dict[str, Any], lane: Lane) -> dict[str, Any]:
     runs = [generate(system["gateway"], lane.max_tokens) for _ in range(lane.requests)]
     nodes = []
     for node, limit, layers in system["nodes"]:
-        status = httpx.get(node.info["http"] + "/status", timeout=10).json()
+        status = httpx.get(expect(node.info, NodeReady).http + "/status", timeout=10).json()
         nodes.append(
             {
                 "layers": str(layers) if layers is not None else "all",

@@ -49,6 +49,7 @@ from noderuntime.access.identity import Identity as NodeIdentity
 from noderuntime.access.signing import sign
 from noderuntime.engine.llama import Recipe
 from noderuntime.services import localsystem
+from noderuntime.services.ready import NodeReady, RelayReady, expect
 from noderuntime.tracker.messages import RouteReply
 from noderuntime.transport import TransportError, relay_messages
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector
@@ -398,12 +399,7 @@ def _schemathesis(base: str, examples: int, model: str | None) -> collections.Co
 
 
 def _sample_tasks(system: localsystem.LocalSystem) -> dict[str, int]:
-    urls = {
-        p.name: (
-            system.gateway_url if p.name == "gateway" else system.tracker_url if p.name == "tracker" else p.info["http"]
-        )
-        for p in system.processes
-    }
+    urls = {p.name: p.info.http if isinstance(p.info, NodeReady | RelayReady) else p.info.url for p in system.processes}
     return {name: int(_get(url + "/status")["tasks"]) for name, url in urls.items()}
 
 
@@ -423,7 +419,7 @@ def _answer(system: localsystem.LocalSystem) -> str:
 
 
 def _idle(system: localsystem.LocalSystem, within: float = 90.0) -> list[dict[str, Any]]:
-    urls = [p.info["http"] + "/status" for p in system.processes if p.name.startswith("node")]
+    urls = [expect(p.info, NodeReady).http + "/status" for p in system.processes if p.name.startswith("node")]
     deadline = time.monotonic() + within
     while True:
         states = [_get(u) for u in urls]
@@ -450,13 +446,13 @@ def main() -> int:
             before = _answer(system)
             _idle(system)
             baseline = _sample_tasks(system)
-            head = next(p.info for p in system.processes if p.name == "node0")
-            relay = next(p.info for p in system.processes if p.name == "relay")
-            artifact = head["artifact"]
+            head = expect(next(p.info for p in system.processes if p.name == "node0"), NodeReady)
+            relay = expect(next(p.info for p in system.processes if p.name == "relay"), RelayReady)
+            artifact = head.artifact
             started = time.monotonic()
             entries: dict[str, Any] = {}
-            entries["grpc_seam"] = trio.run(_fuzz_grpc, head["address"], system.tracker_url, artifact, per_entry, rng)
-            entries["relay"] = trio.run(_fuzz_relay, relay["url"], per_entry, rng)
+            entries["grpc_seam"] = trio.run(_fuzz_grpc, head.address, system.tracker_url, artifact, per_entry, rng)
+            entries["relay"] = trio.run(_fuzz_relay, relay.url, per_entry, rng)
             me = NodeIdentity.generate()
             tracker_posts = {
                 "/v1/nodes/register": {

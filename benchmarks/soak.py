@@ -41,6 +41,8 @@ import trio
 from benchmarks import _common
 from noderuntime.engine.llama import Recipe
 from noderuntime.services import localsystem
+from noderuntime.services.cluster import ManagedProcess
+from noderuntime.services.ready import NodeReady, RelayReady, expect
 
 NAME = "soak"
 ENDINGS = ("complete", "stop", "disconnect_prefill", "disconnect_decode", "disconnect_between", "deadline")
@@ -103,25 +105,22 @@ def _proc_sample(pid: int) -> dict[str, int]:
     return {"rss_kib": rss, "fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
-def _status_url(process: Any, system: localsystem.LocalSystem) -> str:
-    if process.name == "gateway":
-        return system.gateway_url + "/status"
-    if process.name == "tracker":
-        return system.tracker_url + "/status"
-    return str(process.info["http"]) + "/status"
+def _status_url(process: ManagedProcess) -> str:
+    info = process.info
+    return (info.http if isinstance(info, NodeReady | RelayReady) else info.url) + "/status"
 
 
 def _sample(system: localsystem.LocalSystem) -> dict[str, dict[str, int]]:
     out = {}
     for process in system.processes:
         sample = _proc_sample(process.pid)
-        sample["tasks"] = int(_get(_status_url(process, system))["tasks"])
+        sample["tasks"] = int(_get(_status_url(process))["tasks"])
         out[process.name] = sample
     return out
 
 
 def _wait_idle(system: localsystem.LocalSystem, within: float = 60.0) -> list[dict[str, Any]]:
-    urls = [p.info["http"] + "/status" for p in system.processes if p.name.startswith("node")]
+    urls = [expect(p.info, NodeReady).http + "/status" for p in system.processes if p.name.startswith("node")]
     deadline = time.monotonic() + within
     while True:
         states = [_get(u) for u in urls]

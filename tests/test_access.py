@@ -110,12 +110,12 @@ async def test_a_relay_pair_needs_a_valid_ticket(cluster: Cluster) -> None:
         dialer = RelayDialer(nursery)
         for ticket in (b"", os.urandom(200), cluster.ticket(session, issuer=Identity.generate())):
             with pytest.raises(StreamBroken) as refused:
-                await dialer.dial(cluster.relay_info["url"], tail.node_id, session_id=session, epoch=0, ticket=ticket)
+                await dialer.dial(cluster.relay_info.url, tail.node_id, session_id=session, epoch=0, ticket=ticket)
             assert refused.value.code == StatusCode.PERMISSION_DENIED
         # a ticket for the session that names another node is not a ticket to this one
         wrong = issue(cluster.issuer, session_id=session, epoch=0, artifact=cluster.artifact, hops=cluster.hops[:1])
         with pytest.raises(StreamBroken) as refused:
-            await dialer.dial(cluster.relay_info["url"], tail.node_id, session_id=session, epoch=0, ticket=wrong)
+            await dialer.dial(cluster.relay_info.url, tail.node_id, session_id=session, epoch=0, ticket=wrong)
         assert refused.value.code == StatusCode.PERMISSION_DENIED
 
 
@@ -130,11 +130,11 @@ async def test_a_seam_whose_first_frame_is_not_a_frame_gets_a_typed_status_at_on
         if hop == 0:
             runtime = AsyncioThread()
             connector = GrpcConnector(runtime, max_frame_bytes=1 << 20)
-            stream: Any = await connector.open(cluster.infos[0]["address"])
+            stream: Any = await connector.open(cluster.infos[0].address)
         else:
             assert cluster.relay_info is not None
             stream = await RelayDialer(nursery).dial(
-                cluster.relay_info["url"],
+                cluster.relay_info.url,
                 cluster.hops[1].node_id,
                 session_id=session,
                 epoch=0,
@@ -176,12 +176,12 @@ async def test_nobody_else_joins_or_reads_a_relayed_session(cluster: Cluster) ->
         relay = RelayDialer(nursery)
         # the same session's ticket, seen on the wire: it was used, so it opens nothing
         with pytest.raises(StreamBroken) as refused:
-            await relay.dial(cluster.relay_info["url"], tail.node_id, session_id=session, epoch=0, ticket=ticket)
+            await relay.dial(cluster.relay_info.url, tail.node_id, session_id=session, epoch=0, ticket=ticket)
         assert refused.value.code == StatusCode.PERMISSION_DENIED
         # a valid ticket of its own gets a seam of its own: none of the other session's frames
         other = os.urandom(16)
         stream = await relay.dial(
-            cluster.relay_info["url"], tail.node_id, session_id=other, epoch=0, ticket=cluster.ticket(other)
+            cluster.relay_info.url, tail.node_id, session_id=other, epoch=0, ticket=cluster.ticket(other)
         )
         with trio.move_on_after(2.0) as silent:
             await stream.receive()
@@ -198,7 +198,7 @@ async def test_a_relay_control_connection_must_prove_the_key_it_claims(cluster: 
 
     assert cluster.relay_info is not None
     impostor = Identity.generate()
-    async with open_websocket_url(cluster.relay_info["url"] + "/control") as ws:
+    async with open_websocket_url(cluster.relay_info.url + "/control") as ws:
         challenge = messages.decode(await ws.get_message(), messages.Challenge)
         # the tail's id, signed with another key: taking over its control connection fails
         signature = impostor.sign(messages.CONTROL_DOMAIN, challenge.nonce)
@@ -216,7 +216,7 @@ async def test_bytes_that_break_json_parsers_end_one_connection_not_the_node_or_
     from noderuntime.transport import relay_messages as messages
 
     assert cluster.relay_info is not None
-    url = cluster.relay_info["url"]
+    url = cluster.relay_info.url
     nested = "[" * 3000  # a ticket must fit a 4096-byte OpenRoute field
     for path in ("/dial", "/control"):
         async with open_websocket_url(url + path) as ws:

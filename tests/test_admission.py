@@ -23,7 +23,9 @@ from noderuntime.engine.llama import Recipe, ShardEngine
 from noderuntime.models import artifacts
 from noderuntime.models import gguf as ggufio
 from noderuntime.models.artifacts import LayerRange
+from noderuntime.services import ready
 from noderuntime.services.cluster import ManagedProcess
+from noderuntime.tracker.messages import RouteReply
 from noderuntime.tracker.state import NodeRecord
 
 CAPABILITY = Capability(
@@ -239,8 +241,8 @@ def test_the_tracker_routes_only_shards_that_pass_their_probe(smollm2: Path, tmp
             ],
         )
         processes.append(tracker)
-        url = tracker.start()["url"]
-        infos = {}
+        url = ready.expect(tracker.start(), ready.TrackerReady).url
+        infos: dict[str, ready.NodeReady] = {}
         for name, path, layers in (
             ("head", smollm2, "0:15"),
             ("tail", smollm2, "15:30"),
@@ -270,8 +272,8 @@ def test_the_tracker_routes_only_shards_that_pass_their_probe(smollm2: Path, tmp
                 ],
             )
             processes.append(node)
-            infos[name] = node.start(90)
-        ids = {name: info["node_id"] for name, info in infos.items()}
+            infos[name] = ready.expect(node.start(90), ready.NodeReady)
+        ids = {name: info.node_id for name, info in infos.items()}
         deadline = time.monotonic() + 30
         while True:
             nodes = {n["node_id"]: n for n in _get(url + "/v1/nodes")["nodes"]}
@@ -289,8 +291,10 @@ def test_the_tracker_routes_only_shards_that_pass_their_probe(smollm2: Path, tmp
 
         chosen = set()
         for _ in range(40):
-            route = _post(url + "/v1/routes", {"artifact": infos["head"]["artifact"], "tokens": 64})
-            chosen.update(h["node_id"] for h in route["hops"])
+            route = RouteReply.model_validate(
+                _post(url + "/v1/routes", {"artifact": infos["head"].artifact, "tokens": 64})
+            )
+            chosen.update(h.node_id for h in route.hops)
         assert ids["damaged"] not in chosen and ids["tail"] in chosen
 
         metrics = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
@@ -319,7 +323,7 @@ def test_the_tracker_routes_only_shards_that_pass_their_probe(smollm2: Path, tmp
                     "probe",
                     "check",
                     "--node",
-                    infos[name]["http"],
+                    infos[name].http,
                     "--references",
                     str(references),
                 ],

@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from noderuntime.services.cluster import ManagedProcess
+from noderuntime.services.ready import GatewayReady, NodeReady, Ready, RelayReady, TrackerReady, expect
 from tests.linkproxy import LinkProxy
 
 pytestmark = pytest.mark.slow
@@ -78,11 +79,11 @@ class Rig:
         self.model = model
         self.root = root
         self.processes: dict[str, ManagedProcess] = {}
-        self.infos: dict[str, dict[str, Any]] = {}
+        self.infos: dict[str, Ready] = {}
         self.tracker_url = ""
         self.gateway_url = ""
 
-    def launch(self, name: str, args: list[str], timeout: float = 90) -> dict[str, Any]:
+    def launch(self, name: str, args: list[str], timeout: float = 90) -> Ready:
         process = ManagedProcess(name, args)
         self.processes[name] = process
         self.infos[name] = info = process.start(timeout)
@@ -101,14 +102,16 @@ class Rig:
                 "3",
             ],
         )
-        self.tracker_url = info["url"]
+        self.tracker_url = expect(info, TrackerReady).url
         return self.tracker_url
 
     def relay(self, port: int = 0) -> str:
         key = _get(self.tracker_url + "/v1/info")["issuer_key"]
-        return str(self.launch("relay", ["relay", "--listen", f"127.0.0.1:{port}", "--issuer-key", key])["url"])
+        return expect(
+            self.launch("relay", ["relay", "--listen", f"127.0.0.1:{port}", "--issuer-key", key]), RelayReady
+        ).url
 
-    def node(self, name: str, layers: str, *reach: str) -> dict[str, Any]:
+    def node(self, name: str, layers: str, *reach: str) -> Ready:
         return self.launch(
             name,
             [
@@ -150,11 +153,11 @@ class Rig:
                 "2",
             ],
         )
-        self.gateway_url = info["url"]
+        self.gateway_url = expect(info, GatewayReady).url
         return self.gateway_url
 
     def status(self, name: str) -> dict[str, Any]:
-        return _get(self.infos[name]["http"] + "/status")
+        return _get(expect(self.infos[name], NodeReady).http + "/status")
 
     def serving(self, names: Sequence[str]) -> str:
         """Which of these nodes has a session now."""

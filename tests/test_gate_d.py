@@ -9,12 +9,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 from noderuntime.access.identity import Identity
 from noderuntime.access.tickets import issue
 from noderuntime.services.cluster import ROOT, ManagedProcess
-from protocol import Hop, Span
+from noderuntime.services.ready import NodeReady, RelayReady, expect
+from noderuntime.tracker.messages import encode_hops
 
 from . import netns
 from .isolation import skip_unless_possible
@@ -86,7 +88,7 @@ def test_route_across_hosts_with_a_relay_only_node(smollm2: Path, tmp_path: Path
         )
         processes = [relay]
         try:
-            port = relay.start()["port"]
+            port = expect(relay.start(), RelayReady).port
             specs = [
                 ("head", "0:10", ["--listen", f"{a['head']}:0"]),
                 ("mid", "10:20", ["--listen", f"{a['mid']}:0"]),
@@ -119,27 +121,18 @@ def test_route_across_hosts_with_a_relay_only_node(smollm2: Path, tmp_path: Path
                 process.launch()
                 processes.append(process)
                 nodes.append(process)
-            infos = [p.wait_ready(90) for p in nodes]
-            hops = [
-                {
-                    "node_id": i["node_id"],
-                    "layers": i["layers"],
-                    "address": i["address"],
-                    # the relay as the dialling host sees it, on network A
-                    "relay": f"ws://{a['relay_a']}:{port}" if i["relay"] else "",
-                }
-                for i in infos
-            ]
-            plan = [Hop(bytes.fromhex(h["node_id"]), Span(*h["layers"]), h["address"], h["relay"]) for h in hops]
-            artifact = bytes.fromhex(infos[0]["artifact"])
-            status_urls = [(host, info["http"]) for (host, _, _), info in zip(specs, infos, strict=True)]
+            infos = [expect(p.wait_ready(90), NodeReady) for p in nodes]
+            # the relay as the dialling host sees it, on network A
+            plan = [attrs.evolve(i.hop(), relay=f"ws://{a['relay_a']}:{port}" if i.relay else "") for i in infos]
+            artifact = bytes.fromhex(infos[0].artifact)
+            status_urls = [(host, info.http) for (host, _, _), info in zip(specs, infos, strict=True)]
 
             def spec(session: bytes, request: Any, **extra: Any) -> dict[str, Any]:
                 ticket = issue(issuer, session_id=session, epoch=0, artifact=artifact, hops=plan)
                 return {
-                    "hops": hops,
-                    "artifact": infos[0]["artifact"],
-                    "recipe": infos[0]["recipe"],
+                    "hops": encode_hops(plan),
+                    "artifact": infos[0].artifact,
+                    "recipe": infos[0].recipe,
                     "ticket": ticket.hex(),
                     "session_id": session.hex(),
                     "prompt": list(request.prompt_tokens),
@@ -153,7 +146,7 @@ def test_route_across_hosts_with_a_relay_only_node(smollm2: Path, tmp_path: Path
                 print(*(p.tail() for p in processes), sep="\n----\n")
             assert tuple(result["tokens"]) == solo_greedy(smollm2, request)
             _wait_idle(hosts, status_urls)
-            assert _status(hosts, "mid", infos[1]["http"])["seams"]["relay"] == 1
+            assert _status(hosts, "mid", infos[1].http)["seams"]["relay"] == 1
 
             # the relay dies in the middle of a generation
             long = type(request)(tuple(range(300, 340)), 400)

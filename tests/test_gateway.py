@@ -20,6 +20,7 @@ from openai import OpenAI
 from noderuntime.gateway.app import DEFAULT_MAX_TOKENS
 from noderuntime.services import localsystem
 from noderuntime.services.cluster import ManagedProcess
+from noderuntime.services.ready import GatewayReady, NodeReady, R, TrackerReady, expect
 
 from .conftest import local_system
 
@@ -45,7 +46,7 @@ def _get(url: str) -> dict[str, Any]:
 
 
 def _wait_nodes_idle(system: localsystem.LocalSystem, within: float = 20.0) -> None:
-    urls = [p.info["http"] for p in system.processes if p.name.startswith("node")]
+    urls = [p.info.http for p in system.processes if p.name.startswith("node")]
     deadline = time.monotonic() + within
     while True:
         states = [_get(u + "/status") for u in urls]
@@ -198,7 +199,7 @@ def test_a_client_that_disconnects_mid_stream_frees_every_node(system: localsyst
         lines = response.iter_lines()
         for _ in range(12):
             next(lines)
-        busy = [_get(p.info["http"] + "/status") for p in system.processes if p.name.startswith("node")]
+        busy = [_get(p.info.http + "/status") for p in system.processes if p.name.startswith("node")]
         assert all(s["active_sessions"] == 1 for s in busy)
     # the connection is closed here, in the middle of the generation
     _wait_nodes_idle(system, within=10)
@@ -221,15 +222,16 @@ EXPIRE = 8
 def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_path: Path) -> None:
     processes: list[ManagedProcess] = []
 
-    def launch(name: str, args: list[str]) -> dict[str, Any]:
+    def launch(name: str, args: list[str], kind: type[R]) -> R:
         process = ManagedProcess(name, args)
         processes.append(process)
-        return process.start(90)
+        return expect(process.start(90), kind)
 
     try:
         tracker = launch(
             "tracker",
             ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t"), "--expire-after", str(EXPIRE)],
+            TrackerReady,
         )
         ids: dict[str, str] = {}
         for name, layers in (("a", "0:15"), ("b", "15:30"), ("c", "0:15"), ("d", "15:30")):
@@ -244,7 +246,7 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
                     "--listen",
                     "127.0.0.1:0",
                     "--tracker",
-                    tracker["url"],
+                    tracker.url,
                     "--data-dir",
                     str(tmp_path / name),
                     "--slots",
@@ -252,13 +254,14 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
                     "--ctx",
                     "512",
                 ],
-            )["node_id"]
+                NodeReady,
+            ).node_id
         gateway = launch(
             "gateway",
             [
                 "gateway",
                 "--tracker",
-                tracker["url"],
+                tracker.url,
                 "--listen",
                 "127.0.0.1:0",
                 "--model",
@@ -266,8 +269,9 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
                 "--ctx",
                 "512",
             ],
+            GatewayReady,
         )
-        url = gateway["url"]
+        url = gateway.url
 
         def ask() -> httpx.Response:
             return httpx.post(
@@ -284,7 +288,7 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
         # of a request it served, might never be chosen while the other lives. Costs are read
         # once both tails have heartbeated since that request: the killed one's stays frozen.
         while True:
-            tails = [n for n in _get(tracker["url"] + "/v1/nodes")["nodes"] if n["layers"] == [15, 30]]
+            tails = [n for n in _get(tracker.url + "/v1/nodes")["nodes"] if n["layers"] == [15, 30]]
             if all(time.time() - n["seconds_since_heartbeat"] > served_at for n in tails):
                 break
             assert time.time() - served_at < 10, f"the tails did not heartbeat: {tails}"
@@ -355,7 +359,7 @@ def test_a_full_route_waits_briefly_then_answers_429(smollm2: Path, tmp_path: Pa
     try:
         tracker = ManagedProcess("tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t")])
         processes.append(tracker)
-        tracker_url = tracker.start()["url"]
+        tracker_url = expect(tracker.start(), TrackerReady).url
         node = ManagedProcess(
             "node",
             [
@@ -393,7 +397,7 @@ def test_a_full_route_waits_briefly_then_answers_429(smollm2: Path, tmp_path: Pa
             ],
         )
         processes.append(gateway)
-        url = gateway.start()["url"]
+        url = expect(gateway.start(), GatewayReady).url
         # counting goes on for the whole max_tokens: the slot stays taken
         busy = {"model": "smollm2-135m", "prompt": "1, 2, 3, 4,", "max_tokens": 900, "temperature": 0, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=busy, timeout=60) as response:

@@ -12,7 +12,6 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import attrs
 import pytest
@@ -22,6 +21,7 @@ from noderuntime.access.identity import Identity
 from noderuntime.control.ledger import USAGE_DOMAIN, CheckedRecord, Ledger, UsageBody, check
 from noderuntime.operations.telemetry import SessionLog
 from noderuntime.services import localsystem
+from noderuntime.services.ready import Ready
 from protocol import Hop, Span, UsageRecord
 
 pytestmark = pytest.mark.slow
@@ -87,7 +87,7 @@ def _ask(client: OpenAI, system: localsystem.LocalSystem, *, stream: bool, max_t
     return done.usage.completion_tokens
 
 
-def _process(system: localsystem.LocalSystem, name: str) -> dict[str, Any]:
+def _process(system: localsystem.LocalSystem, name: str) -> Ready:
     return next(p.info for p in system.processes if p.name == name)
 
 
@@ -102,7 +102,7 @@ def test_every_process_exports_prometheus_metrics(client: OpenAI, system: locals
     assert _sample(gateway, "noderuntime_gateway_usage_records_total", valid="true") >= 4  # two hops, two requests
 
     for name, seam in (("node0", "grpc"), ("node1", "relay")):
-        node = _text(_process(system, name)["http"] + "/metrics")
+        node = _text(_process(system, name).http + "/metrics")
         assert _sample(node, "noderuntime_sessions_opened_total") >= 2
         assert _sample(node, "noderuntime_sessions_ended_total", reason="released") >= 2
         assert _sample(node, "noderuntime_node_decode_tokens_total") >= produced - 2
@@ -113,13 +113,13 @@ def test_every_process_exports_prometheus_metrics(client: OpenAI, system: locals
         # every request has finished: nothing is held (a release may still be on its way)
         for gauge in ("noderuntime_node_sequence_slots_in_use", "noderuntime_node_kv_cells_in_use"):
             deadline = time.monotonic() + 10
-            while _sample(_text(_process(system, name)["http"] + "/metrics"), gauge) and time.monotonic() < deadline:
+            while _sample(_text(_process(system, name).http + "/metrics"), gauge) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert _sample(_text(_process(system, name)["http"] + "/metrics"), gauge) == 0, gauge
+            assert _sample(_text(_process(system, name).http + "/metrics"), gauge) == 0, gauge
         assert _sample(node, "noderuntime_node_probes_total") >= 1  # the tracker probed it before routing to it
         # the head sends activations into the tail's relay seam; the tail receives them there
         assert _sample(node, "noderuntime_seam_bytes_total", transport=seam, direction="in") > 0
-    head = _text(_process(system, "node0")["http"] + "/metrics")
+    head = _text(_process(system, "node0").http + "/metrics")
     assert _sample(head, "noderuntime_seam_round_trip_seconds_count", transport="relay") > 0
 
     tracker = _text(system.tracker_url + "/metrics")
@@ -127,7 +127,7 @@ def test_every_process_exports_prometheus_metrics(client: OpenAI, system: locals
     assert _sample(tracker, "noderuntime_tracker_routes_total", outcome="issued") >= 2
     assert _sample(tracker, "noderuntime_tracker_probes_total", result="passed") == 2
 
-    relay = _text(_process(system, "relay")["http"] + "/metrics")
+    relay = _text(_process(system, "relay").http + "/metrics")
     assert _sample(relay, "noderuntime_relay_nodes_connected") == 1
     assert _sample(relay, "noderuntime_relay_bytes_forwarded_total") > 0
 

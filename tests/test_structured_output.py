@@ -191,7 +191,7 @@ def test_a_schema_given_as_text_is_followed(client: OpenAI, system: localsystem.
 def test_bad_constraints_are_400s_that_reach_no_node(
     system: localsystem.LocalSystem, body: dict[str, Any], param: str
 ) -> None:
-    nodes = [p.info["http"] for p in system.processes if p.name.startswith("node")]
+    nodes = [p.info.http for p in system.processes if p.name.startswith("node")]
     before = [httpx.get(u + "/metrics", timeout=10).text.count("sessions_opened") for u in nodes]
     request = {"model": system.model_id, "messages": [{"role": "user", "content": "hi"}], **body}
     response = httpx.post(system.gateway_url + "/v1/chat/completions", json=request, timeout=30)
@@ -256,7 +256,7 @@ def test_a_grammar_session_cancelled_mid_reply_frees_its_grammar(system: localsy
             seen += line.startswith("data: ")
             if seen >= 3:
                 break  # hang up mid-reply
-    urls = [p.info["http"] + "/status" for p in system.processes if p.name.startswith("node")]
+    urls = [p.info.http + "/status" for p in system.processes if p.name.startswith("node")]
     deadline = time.monotonic() + 20
     while True:
         states = [httpx.get(u, timeout=10).json() for u in urls]

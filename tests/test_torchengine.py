@@ -205,7 +205,7 @@ async def test_a_two_process_safetensors_route_equals_the_whole_transformers_mod
     with running_cluster(
         path, [0, 15, 30], tmp_path, extra=["--backend", "transformers"], slots=4, threads=1
     ) as cluster:
-        assert cluster.infos[0]["artifact"] == torchengine.inspect(path).fingerprint
+        assert cluster.infos[0].artifact == torchengine.inspect(path).fingerprint
         got: dict[int, tuple[int, ...]] = {}
         async with open_dialer() as dialer:
 

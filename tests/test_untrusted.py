@@ -1,4 +1,5 @@
-"""JSON that peers write (tickets, relay control messages, usage records) is refused, typed, however built."""
+"""JSON that others write (tickets, relay control messages, usage records, route grants, ready lines) is
+refused, typed, however built; each typed message reads back what it writes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from noderuntime.access import tickets
 from noderuntime.access.identity import Identity
 from noderuntime.control.ledger import USAGE_DOMAIN, Ledger, check
+from noderuntime.services import ready
 from noderuntime.tracker.messages import RouteHop, RouteReply, decode_hops, encode_hops
 from noderuntime.transport import relay_messages as m
 from protocol import Hop, Span, UsageRecord
@@ -229,3 +231,80 @@ def test_a_malformed_hop_is_a_validation_error(change: dict[str, object]) -> Non
 def test_a_route_grant_that_breaks_parsers_is_a_validation_error(text: str) -> None:
     with pytest.raises(pydantic.ValidationError):
         RouteReply.model_validate_json(text)
+
+
+# --- ready lines
+
+NODE_READY = ready.NodeReady(
+    node_id=NODE.hex(),
+    artifact="cd" * 32,
+    n_layer=30,
+    layers=(0, 15),
+    recipe="ef" * 8,
+    address="127.0.0.1:7000",
+    relay="ws://127.0.0.1:7001",
+    tls_cert_sha256="",
+    slots=4,
+    ctx_per_session=512,
+    pid=42,
+    http="http://127.0.0.1:7002",
+    capability={"decode_ms": [[1, 2.5]]},
+)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        NODE_READY,
+        ready.RelayReady(url="ws://127.0.0.1:7001", port=7001, pid=43, http=""),
+        ready.TrackerReady(url="http://127.0.0.1:7003", issuer_key="ab" * 32, pid=44),
+        ready.GatewayReady(url="http://127.0.0.1:8080", models=("a", "b"), pid=45),
+        ready.SystemReady(url="http://127.0.0.1:8080", tracker="http://127.0.0.1:7003", model="a"),
+    ],
+    ids=lambda line: line.PROCESS,
+)
+def test_a_ready_line_reads_back_what_it_writes(line: ready.Ready) -> None:
+    text = ready.dump(line)
+    assert text.startswith(ready.PREFIX) and "\n" not in text
+    assert ready.parse(text) == line
+    assert ready.expect(ready.parse(text), type(line)) == line
+
+
+def test_a_node_ready_line_names_its_hop() -> None:
+    assert NODE_READY.hop() == Hop(NODE, Span(0, 15), "127.0.0.1:7000", "ws://127.0.0.1:7001")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"event": "started"},
+        {"process": "printer"},
+        {"pid": None},
+        {"pid": "42"},
+        {"pid": True},
+        {"n_layer": 30.0},
+        {"layers": [0, 15, 30]},
+        {"layers": [0, "15"]},
+        {"layers": 15},
+        {"capability": []},
+        {"node_id": "ab"},
+        {"node_id": "zz" * 32},
+        {"tls_cert_sha256": "ab"},
+        {"address": None},
+    ],
+)
+def test_a_malformed_ready_line_is_a_ready_error(change: dict[str, object]) -> None:
+    fields = {**json.loads(ready.dump(NODE_READY)), **change}
+    with pytest.raises(ready.ReadyError):
+        ready.parse(json.dumps({k: v for k, v in fields.items() if v is not None}))
+
+
+@pytest.mark.parametrize("text", [*HOSTILE, "", "ready"])
+def test_a_ready_line_that_breaks_parsers_is_a_ready_error(text: str) -> None:
+    with pytest.raises(ready.ReadyError):
+        ready.parse(text)
+
+
+def test_a_ready_line_of_another_process_is_a_ready_error() -> None:
+    with pytest.raises(ready.ReadyError, match="relay"):
+        ready.expect(NODE_READY, ready.RelayReady)

@@ -1,9 +1,9 @@
 """Starting and stopping noderuntime processes (nodes, relays, trackers, gateways).
 
 Used by the multi-process tests, the benchmarks and ``noderuntime up`` with no
-arguments. Each process prints one ``{"event": "ready", ...}`` JSON line on stdout
-when it serves; :class:`ManagedProcess` waits for it and keeps the rest of the
-output (for error messages) in a bounded buffer.
+arguments. Each process prints its ready line on stdout when it serves
+(:mod:`noderuntime.services.ready`); :class:`ManagedProcess` waits for it and keeps the
+rest of the output (for error messages) in a bounded buffer.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import collections
 import contextlib
 import ctypes
 import ctypes.util
-import json
 import os
 import signal
 import subprocess
@@ -21,9 +20,10 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
+from noderuntime.services import ready
 from noderuntime.services.cgroups import MemoryCap
+from noderuntime.services.ready import Ready
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: noderuntime/services/cluster.py
 
@@ -55,12 +55,13 @@ class ManagedProcess:
         self._cwd = cwd
         self.cap = cap
         self.proc: subprocess.Popen[str] | None = None
-        self.info: dict[str, Any] = {}
+        self._info: Ready | None = None
+        self._malformed = ""  # why a ready line could not be read
         self.output: collections.deque[str] = collections.deque(maxlen=400)
         self._ready = threading.Event()
 
-    def start(self, timeout: float = 60.0) -> dict[str, Any]:
-        """Start and wait for the ready line; returns its fields."""
+    def start(self, timeout: float = 60.0) -> Ready:
+        """Start and wait for the ready line; returns it."""
         self.launch()
         return self.wait_ready(timeout)
 
@@ -83,8 +84,8 @@ class ManagedProcess:
         if self.cap is not None:
             self.cap.join()
 
-    def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
-        """Wait for the ready line; returns its fields."""
+    def wait_ready(self, timeout: float = 60.0) -> Ready:
+        """Wait for the ready line; returns it."""
         assert self.proc is not None
         deadline = time.monotonic() + timeout
         while not self._ready.wait(0.05):
@@ -95,12 +96,22 @@ class ManagedProcess:
                 raise ProcessError(f"{self.name} was not ready within {timeout:.0f} s:\n{self.tail()}")
         return self.info
 
+    @property
+    def info(self) -> Ready:
+        """The process's ready line; :class:`ProcessError` before it came, or when malformed."""
+        if self._info is None:
+            raise ProcessError(f"{self.name} has not said it is ready{self._malformed}")
+        return self._info
+
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
             self.output.append(line.rstrip("\n"))
-            if not self._ready.is_set() and line.startswith('{"event": "ready"'):
-                self.info = json.loads(line)
+            if not self._ready.is_set() and line.startswith(ready.PREFIX):
+                try:
+                    self._info = ready.parse(line)
+                except ready.ReadyError as exc:
+                    self._malformed = f": its ready line is malformed ({exc})"
                 self._ready.set()
 
     def tail(self, lines: int = 40) -> str:

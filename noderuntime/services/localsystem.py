@@ -17,7 +17,6 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import attrs
 import platformdirs
@@ -25,7 +24,9 @@ import platformdirs
 from noderuntime.control import admission
 from noderuntime.models import artifacts
 from noderuntime.models import catalogue as models
+from noderuntime.services import ready
 from noderuntime.services.cluster import ManagedProcess, ProcessError
+from noderuntime.services.ready import GatewayReady, NodeReady, R, RelayReady, SystemReady, TrackerReady, expect
 
 
 @attrs.define
@@ -94,13 +95,13 @@ def start(
     root = data_root or Path(platformdirs.user_data_dir("noderuntime")) / "local-system"
     processes: list[ManagedProcess] = []
 
-    def launch(name: str, args: list[str]) -> dict[str, Any]:
+    def launch(name: str, args: list[str], kind: type[R]) -> R:
         process = ManagedProcess(name, args)
         processes.append(process)
-        ready = process.start(120)
+        served = expect(process.start(120), kind)
         if not quiet:
             print(f"  {name:<8} ready (pid {process.pid})", flush=True)
-        return ready
+        return served
 
     try:
         # the tracker probes every shard against answers computed here, from the same file
@@ -122,11 +123,12 @@ def start(
                 str(references),
                 "--require-probe",
             ],
+            TrackerReady,
         )
-        relay = launch("relay", ["relay", "--listen", "127.0.0.1:0", "--issuer-key", tracker["issuer_key"]])
+        relay = launch("relay", ["relay", "--listen", "127.0.0.1:0", "--issuer-key", tracker.issuer_key], RelayReady)
         for i, (a, b) in enumerate(itertools.pairwise(cuts)):
             behind_relay = relay_last and i == len(cuts) - 2 and len(cuts) > 2
-            reach = ["--relay", relay["url"]] if behind_relay else ["--listen", "127.0.0.1:0"]
+            reach = ["--relay", relay.url] if behind_relay else ["--listen", "127.0.0.1:0"]
             launch(
                 f"node{i}",
                 [
@@ -136,7 +138,7 @@ def start(
                     "--layers",
                     f"{a}:{b}",
                     "--tracker",
-                    tracker["url"],
+                    tracker.url,
                     "--data-dir",
                     str(root / f"node{i}"),
                     "--slots",
@@ -147,14 +149,15 @@ def start(
                     str(threads),
                     *reach,
                 ],
+                NodeReady,
             )
-        _wait_routable(tracker["url"], info.fingerprint)
+        _wait_routable(tracker.url, info.fingerprint)
         gateway = launch(
             "gateway",
             [
                 "gateway",
                 "--tracker",
-                tracker["url"],
+                tracker.url,
                 "--listen",
                 listen,
                 "--model",
@@ -164,12 +167,13 @@ def start(
                 "--ledger",
                 str(root / "gateway" / "ledger.sqlite"),
             ],
+            GatewayReady,
         )
     except BaseException:
         for process in reversed(processes):
             process.stop()
         raise
-    return LocalSystem(processes, gateway["url"], tracker["url"], model_id, root / "gateway" / "ledger.sqlite")
+    return LocalSystem(processes, gateway.url, tracker.url, model_id, root / "gateway" / "ledger.sqlite")
 
 
 def main(listen: str, model_name: str) -> int:
@@ -187,10 +191,7 @@ def main(listen: str, model_name: str) -> int:
         flush=True,
     )
     print(
-        json.dumps(
-            {"event": "ready", "url": system.gateway_url, "tracker": system.tracker_url, "model": system.model_id}
-        ),
-        flush=True,
+        ready.dump(SystemReady(url=system.gateway_url, tracker=system.tracker_url, model=system.model_id)), flush=True
     )
     try:
         while not stop.wait(0.5):

@@ -1,6 +1,6 @@
 """Running processes: a shard node (``noderuntime up --model ...``) and a relay (``noderuntime relay``).
 
-Each prints one JSON line starting with ``{"event": "ready"`` when it serves (with its
+Each prints its ready line (:mod:`noderuntime.services.ready`) when it serves (with its
 node id, address and ports), runs until SIGINT or SIGTERM, then drains: sessions end
 with an error frame to their peers, KV is released, listeners close.
 """
@@ -33,6 +33,8 @@ from noderuntime.node.core import Node, NodeConfig
 from noderuntime.operations.httpserve import Routes, json_handler, serve_http
 from noderuntime.operations.telemetry import trio_tasks
 from noderuntime.seams.network import NetworkConnector, ticket_check
+from noderuntime.services import ready
+from noderuntime.services.ready import GatewayReady, NodeReady, Ready, RelayReady, TrackerReady
 from noderuntime.tracker.client import NodeLoad, TrackerError, TrackerLink, fetch_info
 from noderuntime.tracker.messages import Registration
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer, parse_address
@@ -88,15 +90,15 @@ def server_tls(cert: Path, key: Path, *, alpn: Sequence[str] = ("h2",)) -> ssl.S
     return context
 
 
-def announce(info: dict[str, Any]) -> None:
+def announce(info: Ready) -> None:
     """The ready line on stdout."""
-    print(json.dumps({"event": "ready", **info}), flush=True)
+    print(ready.dump(info), flush=True)
 
 
 async def run_node(
     opts: NodeOptions,
     *,
-    task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[NodeReady] = trio.TASK_STATUS_IGNORED,
     on_node: Callable[[Node], None] | None = None,
 ) -> None:
     """Serve one shard until cancelled.
@@ -183,18 +185,21 @@ async def run_node(
                 )
                 http_url = await nursery.start(serve_http, routes, opts.http)
             # what the tracker and the ready line are told of this node
-            shown = {
-                "node_id": me.node_id.hex(),
-                "artifact": info.fingerprint,
-                "n_layer": info.n_layer,
-                "layers": [layers.start, layers.end],
-                "recipe": recipe.fingerprint(info.quant),
-                "address": address,
-                "relay": opts.relay or "",
-                "tls_cert_sha256": pin.hex(),
-                "slots": opts.slots,
-                "ctx_per_session": opts.ctx_per_session,
-            }
+            shown = NodeReady(
+                node_id=me.node_id.hex(),
+                artifact=info.fingerprint,
+                n_layer=info.n_layer,
+                layers=(layers.start, layers.end),
+                recipe=recipe.fingerprint(info.quant),
+                address=address,
+                relay=opts.relay or "",
+                tls_cert_sha256=pin.hex(),
+                slots=opts.slots,
+                ctx_per_session=opts.ctx_per_session,
+                pid=os.getpid(),
+                http=http_url,
+                capability=capability.to_json(),
+            )
             if opts.tracker is not None:
                 record = admission.capability_record(
                     me,
@@ -203,7 +208,20 @@ async def run_node(
                     recipe=recipe.fingerprint(info.quant),
                     capability=capability,
                 )
-                registration = Registration(**shown, model_name=info.name, capability=record)
+                registration = Registration(
+                    node_id=shown.node_id,
+                    artifact=shown.artifact,
+                    model_name=info.name,
+                    n_layer=shown.n_layer,
+                    layers=shown.layers,
+                    recipe=shown.recipe,
+                    address=shown.address,
+                    relay=shown.relay,
+                    tls_cert_sha256=shown.tls_cert_sha256,
+                    slots=shown.slots,
+                    ctx_per_session=shown.ctx_per_session,
+                    capability=record,
+                )
 
                 async def answer_probe(seed: int) -> dict[str, Any]:
                     return (await node.probe(seed)).to_json()
@@ -212,7 +230,7 @@ async def run_node(
                 await nursery.start(link.run)
             if on_node is not None:
                 on_node(node)
-            task_status.started({**shown, "pid": os.getpid(), "http": http_url, "capability": capability.to_json()})
+            task_status.started(shown)
             log.info(
                 "node %s serving layers %s of %s at %s%s",
                 me.node_id.hex()[:12],
@@ -379,7 +397,7 @@ async def run_relay(
     tls: ssl.SSLContext | None = None,
     http: str | None = "127.0.0.1:0",
     limits: RelayLimits | None = None,
-    task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[RelayReady] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve a relay until cancelled; ``http`` serves its ``/status``."""
     from noderuntime.relay.server import Relay, RelayLimits, serve
@@ -397,7 +415,7 @@ async def run_relay(
 
             routes = Routes({"/status": json_handler(status), "/metrics": relay.metrics_exposition})
             http_url = await nursery.start(serve_http, routes, http)
-        task_status.started({"url": f"{scheme}://{host}:{bound}", "port": bound, "pid": os.getpid(), "http": http_url})
+        task_status.started(RelayReady(url=f"{scheme}://{host}:{bound}", port=bound, pid=os.getpid(), http=http_url))
         log.info("relay listening on %s://%s:%d", scheme, host, bound)
 
 
@@ -446,7 +464,7 @@ async def run_tracker(
     require_probe: bool = False,
     probe_interval: float = 600.0,
     probe_tolerance: float = admission.DEFAULT_TOLERANCE,
-    task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[TrackerReady] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve a tracker until cancelled."""
     from noderuntime.tracker.app import Tracker
@@ -467,7 +485,7 @@ async def run_tracker(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(tracker.expire_loop)
         url = await nursery.start(serve_http, tracker.app, listen)
-        task_status.started({"url": url, "issuer_key": tracker_identity.node_id.hex(), "pid": os.getpid()})
+        task_status.started(TrackerReady(url=url, issuer_key=tracker_identity.node_id.hex(), pid=os.getpid()))
         log.info("tracker at %s, issuer key %s", url, tracker_identity.node_id.hex())
 
 
@@ -488,7 +506,7 @@ class GatewayOptions:
 
 
 async def run_gateway(
-    opts: GatewayOptions, *, task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED
+    opts: GatewayOptions, *, task_status: trio.TaskStatus[GatewayReady] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Serve the OpenAI-compatible gateway until cancelled."""
     import time
@@ -524,5 +542,5 @@ async def run_gateway(
             ledger=Ledger(opts.ledger) if opts.ledger else None,
         )
         url = await nursery.start(serve_http, gateway.app, opts.listen)
-        task_status.started({"url": url, "models": [m.model_id for m in served], "pid": os.getpid()})
+        task_status.started(GatewayReady(url=url, models=tuple(m.model_id for m in served), pid=os.getpid()))
         log.info("gateway at %s serving %s", url, ", ".join(m.model_id for m in served))

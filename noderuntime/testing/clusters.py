@@ -18,7 +18,8 @@ from noderuntime.access.identity import Identity
 from noderuntime.access.tickets import issue
 from noderuntime.seams.client import GenerationRequest, open_route_generation
 from noderuntime.services.cluster import ManagedProcess
-from protocol import Hop, Span
+from noderuntime.services.ready import NodeReady, RelayReady, expect
+from protocol import Hop
 
 
 @attrs.define
@@ -27,18 +28,18 @@ class Cluster:
 
     issuer: Identity
     nodes: list[ManagedProcess]
-    infos: list[dict[str, Any]]
+    infos: list[NodeReady]
     relay: ManagedProcess | None
-    relay_info: dict[str, Any] | None
+    relay_info: RelayReady | None
     hops: tuple[Hop, ...]
 
     @property
     def artifact(self) -> bytes:
-        return bytes.fromhex(self.infos[0]["artifact"])
+        return bytes.fromhex(self.infos[0].artifact)
 
     @property
     def recipe(self) -> bytes:
-        return bytes.fromhex(self.infos[0]["recipe"])
+        return bytes.fromhex(self.infos[0].recipe)
 
     def ticket(
         self,
@@ -59,7 +60,7 @@ class Cluster:
         )
 
     async def status(self, index: int) -> dict[str, Any]:
-        url = self.infos[index]["http"] + "/status"
+        url = self.infos[index].http + "/status"
 
         def fetch() -> dict[str, Any]:
             with urllib.request.urlopen(url, timeout=10) as response:
@@ -164,7 +165,7 @@ def running_cluster(
                 ["relay", "--listen", f"{relay_host}:0", "--issuer-key", key, "--http", f"{relay_host}:0"],
                 prefix=relay_prefix,
             )
-            relay_info = relay.start()
+            relay_info = expect(relay.start(), RelayReady)
         ranges = list(itertools.pairwise(cuts))
         for i, (a, b) in enumerate(ranges):
             host = hosts[i] if hosts else "127.0.0.1"
@@ -193,23 +194,14 @@ def running_cluster(
             if i not in relay_only:
                 args += ["--listen", f"{host}:0"]
             if relay_info is not None:
-                args += ["--relay", relay_url_for[i] if relay_url_for else relay_info["url"]]
+                args += ["--relay", relay_url_for[i] if relay_url_for else relay_info.url]
             if i in tls:
                 args += ["--tls-self-signed"]
             process = ManagedProcess(f"node{i}", args, env=env, prefix=prefix[i] if prefix else ())
             process.launch()
             processes.append(process)
-        infos = [p.wait_ready(90) for p in processes]
-        hops = tuple(
-            Hop(
-                bytes.fromhex(info["node_id"]),
-                Span(*info["layers"]),
-                info["address"],
-                info["relay"],
-                bytes.fromhex(info["tls_cert_sha256"]),
-            )
-            for info in infos
-        )
+        infos = [expect(p.wait_ready(90), NodeReady) for p in processes]
+        hops = tuple(info.hop() for info in infos)
         cluster = Cluster(issuer, processes, infos, relay, relay_info, hops)
         yield cluster
     finally:
