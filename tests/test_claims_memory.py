@@ -647,11 +647,6 @@ async def test_a_head_that_cannot_be_reached_is_a_route_error_with_the_transport
 # --- a node's tracker link
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="TrackerLink.run answers a probe that comes with a registration twice: once in the "
-    "registration branch and again after it (the second answer is refused with 409)",
-)
 async def test_each_probe_the_tracker_sends_is_answered_once(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -31,6 +31,14 @@ class TrackerError(Exception):
         self.full = full
 
 
+def _answer(response: httpx.Response, what: str) -> dict[str, Any]:
+    """The tracker's JSON answer to a ``what``; :class:`TrackerError` if it is not an object."""
+    try:
+        return untrusted.json_object(response.content, f"the tracker's answer to a {what}")
+    except ValueError as exc:
+        raise TrackerError(str(exc), response.status_code) from None
+
+
 async def fetch_info(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
     """The tracker's ``/v1/info``."""
     try:
@@ -86,11 +94,14 @@ class TrackerLink:
         }
         return await client.post(self.url + path, content=data, headers=headers, timeout=10)
 
-    async def _answer_probe(self, client: httpx.AsyncClient, response: httpx.Response) -> None:
-        challenge = response.json().get("probe")
+    async def _answer_probe(self, client: httpx.AsyncClient, body: dict[str, Any]) -> None:
+        challenge = body.get("probe")
         if not challenge or self._on_probe is None:
             return
-        seed = int(challenge["seed"])
+        try:
+            seed = untrusted.integer(challenge.get("seed") if isinstance(challenge, dict) else None, "probe seed")
+        except ValueError as exc:
+            raise TrackerError(f"the tracker's probe is malformed: {exc}", 200) from None
         try:
             answer = await self._on_probe(seed)
         except ValueError as exc:
@@ -100,7 +111,7 @@ class TrackerLink:
         reply = await self._post(client, "/v1/nodes/probe", reply_body)
         self.probes_answered += 1
         if reply.status_code == 200:
-            verdict = reply.json()
+            verdict = _answer(reply, "probe answer")
             self.probe_verdicts.append(verdict)
             log.log(
                 logging.INFO if verdict.get("passed") else logging.ERROR,
@@ -123,11 +134,18 @@ class TrackerLink:
                         response = await self._post(client, "/v1/nodes/register", body)
                         if response.status_code != 200:
                             raise TrackerError(f"registration refused: {response.text[:200]}", response.status_code)
-                        interval = float(response.json().get("heartbeat_seconds", 2.0))
+                        body = _answer(response, "registration")
+                        interval = body.get("heartbeat_seconds", 2.0)
+                        if (
+                            isinstance(interval, bool)
+                            or not isinstance(interval, int | float)
+                            or not 0 < interval < 3600
+                        ):
+                            raise TrackerError("the tracker's heartbeat interval is not a number of seconds", 200)
                         self.registered = True
                         self.registrations += 1
                         log.info("registered with the tracker %s", self.url)
-                        await self._answer_probe(client, response)
+                        await self._answer_probe(client, body)
                         if not started:
                             started = True
                             task_status.started()
@@ -141,7 +159,7 @@ class TrackerLink:
                         if response.status_code != 200:
                             raise TrackerError(f"heartbeat refused: {response.text[:200]}", response.status_code)
                         self.heartbeats += 1
-                    await self._answer_probe(client, response)
+                        await self._answer_probe(client, _answer(response, "heartbeat"))
                 except (httpx.HTTPError, TrackerError) as exc:
                     if self.registered:
                         log.warning("tracker %s unreachable (%s); retrying", self.url, exc)
