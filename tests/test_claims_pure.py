@@ -160,10 +160,6 @@ def test_a_probe_answer_passes_on_its_digest_or_within_tolerance_and_nothing_els
     assert not nan_verdict.passed and nan_verdict.relative_error == math.inf
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ProbeReferences.load lets json's RecursionError escape: a deeply nested file is not an AdmissionError",
-)
 def test_a_reference_file_that_breaks_the_json_parser_is_an_admission_error(tmp_path: Path) -> None:
     """admission.ProbeReferences.load: "AdmissionError names the first bad one"."""
     good = tmp_path / "good.json"

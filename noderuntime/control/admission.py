@@ -306,7 +306,7 @@ class ProbeReferences:
         entries = []
         for path in paths:
             try:
-                data = json.loads(Path(path).read_text())
+                data = untrusted.json_object(Path(path).read_bytes(), "the file")
                 for item in data["references"]:
                     key = (str(item["artifact"]), (int(item["layers"][0]), int(item["layers"][1])), str(item["recipe"]))
                     entries.append((key, ProbeAnswer.from_json(item)))
