@@ -73,6 +73,16 @@ def local_system(data_root: Path, **options: Any) -> Iterator[localsystem.LocalS
         running.stop()
 
 
+@pytest.fixture(scope="session")
+def smol_system(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[localsystem.LocalSystem]:
+    """The demo model's default local system with 16 slots, shared by the modules that only ask it things.
+
+    Starting a local system costs about 15 s (five processes, probe references); the
+    modules that neither stop its processes nor change its options share this one.
+    """
+    yield from local_system(tmp_path_factory.mktemp("smol-system"), slots=16, ctx=1024)
+
+
 @pytest.fixture(autouse=True)
 def _no_session_defects(request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     """Fail a test whose in-process node ended a session on a defect of ours, unless it expects one.

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Literal
 
 import jsonschema
@@ -24,8 +22,6 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 import litellm
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
-
-from .conftest import local_system
 
 pytestmark = [
     pytest.mark.slow,
@@ -60,8 +56,8 @@ WEATHER_TOOL = {
 
 
 @pytest.fixture(scope="module")
-def system(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[localsystem.LocalSystem]:
-    yield from local_system(tmp_path_factory.mktemp("clients"), slots=4, ctx=1024)
+def system(smol_system: localsystem.LocalSystem) -> localsystem.LocalSystem:
+    return smol_system
 
 
 def _chat(system: localsystem.LocalSystem, **options: Any) -> ChatOpenAI:

@@ -7,7 +7,6 @@ import json
 import signal
 import time
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -22,16 +21,14 @@ from noderuntime.services import localsystem
 from noderuntime.services.cluster import ManagedProcess
 from noderuntime.services.ready import GatewayReady, NodeReady, R, TrackerReady, expect
 
-from .conftest import local_system
-
 pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0, "max_tokens": 24}
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
 
 @pytest.fixture(scope="module")
-def system(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[localsystem.LocalSystem]:
-    yield from local_system(tmp_path_factory.mktemp("system"), slots=16, ctx=1024)
+def system(smol_system: localsystem.LocalSystem) -> localsystem.LocalSystem:
+    return smol_system
 
 
 @pytest.fixture

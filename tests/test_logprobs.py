@@ -8,8 +8,6 @@ shard nodes, gateway): the head passes the tail's logprobs on to the gateway.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -36,16 +34,14 @@ from protocol import (
     Tokens,
 )
 
-from .conftest import local_system
-
 pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
 @pytest.fixture(scope="module")
-def system(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[localsystem.LocalSystem]:
-    yield from local_system(tmp_path_factory.mktemp("logprobs"), slots=4, ctx=1024)
+def system(smol_system: localsystem.LocalSystem) -> localsystem.LocalSystem:
+    return smol_system
 
 
 @pytest.fixture

@@ -10,8 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -34,8 +32,6 @@ from protocol import (
     StatusCode,
     Tokens,
 )
-
-from .conftest import local_system
 
 pytestmark = pytest.mark.slow
 
@@ -86,8 +82,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def system(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[localsystem.LocalSystem]:
-    yield from local_system(tmp_path_factory.mktemp("structured"), slots=8, ctx=1024)
+def system(smol_system: localsystem.LocalSystem) -> localsystem.LocalSystem:
+    return smol_system
 
 
 @pytest.fixture

@@ -201,8 +201,8 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[localsystem.Loca
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[localsystem.LocalSystem]:
-    yield from local_system(tmp_path_factory.mktemp("tools-smol"), model_name=str(smollm2), slots=4, ctx=1024)
+def smol(smol_system: localsystem.LocalSystem) -> localsystem.LocalSystem:
+    return smol_system
 
 
 def _client(system: localsystem.LocalSystem) -> OpenAI:
