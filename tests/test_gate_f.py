@@ -26,7 +26,7 @@ from noderuntime.engine.base import Rows
 from noderuntime.engine.llama import Recipe, ShardEngine, Vocab
 from noderuntime.models import artifacts, synth
 from noderuntime.models.artifacts import LayerRange
-from noderuntime.verify import agreement
+from noderuntime.verify import agreement, lanes
 from noderuntime.verify.parity import check_parity
 from tests.conftest import TINY_SHAPES
 from tests.test_admission import damaged_copy
@@ -257,11 +257,23 @@ def test_transformers_agrees_with_our_float32_route(arch: str, tiny_models: dict
     assert report["top1_agreement"] >= 0.99 and report["mean_kl"] <= 1e-3, report
 
 
+@pytest.fixture(scope="module")
+def gemma3_text(gemma3: Path) -> np.ndarray:
+    """Real text, past Gemma 3's 512-token sliding window."""
+    return np.asarray(Vocab(gemma3).tokenize(PUBLIC_DOMAIN.read_text())[:768], dtype=np.int32)
+
+
+@pytest.fixture(scope="module")
+def gemma3_transformers(gemma3: Path, gemma3_text: np.ndarray) -> np.ndarray:
+    """Transformers' logits over that text, computed once for the two checks that compare with them."""
+    return agreement.reference_logits(lanes.hf_copy(gemma3), gemma3_text)
+
+
 @pytest.mark.slow
-def test_transformers_agrees_with_a_gemma3_route(gemma3: Path) -> None:
-    # real text, past the 512-token sliding window
-    tokens = Vocab(gemma3).tokenize(PUBLIC_DOMAIN.read_text())[:768]
-    report = agreement.check_agreement(gemma3, [0, 1, 9, 18], tokens)
+def test_transformers_agrees_with_a_gemma3_route(
+    gemma3: Path, gemma3_text: np.ndarray, gemma3_transformers: np.ndarray
+) -> None:
+    report = agreement.check_agreement(gemma3, [0, 1, 9, 18], gemma3_text, reference=gemma3_transformers)
     assert report["top1_agreement"] >= 0.99 and report["mean_kl"] <= 1e-3, report
 
 
@@ -319,8 +331,9 @@ def test_an_moe_middle_shard_resides_in_its_layers_experts_included(tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_gemma3_perplexity_through_a_route_is_the_whole_models_and_near_transformers(gemma3: Path) -> None:
-    tokens = Vocab(gemma3).tokenize(PUBLIC_DOMAIN.read_text())[:1024]
-    figures = agreement.check_perplexity(gemma3, [0, 9, 18], tokens)
+def test_gemma3_perplexity_through_a_route_is_the_whole_models_and_near_transformers(
+    gemma3: Path, gemma3_text: np.ndarray, gemma3_transformers: np.ndarray
+) -> None:
+    figures = agreement.check_perplexity(gemma3, [0, 9, 18], gemma3_text, reference=gemma3_transformers)
     assert figures["route_logits_equal_whole"] and figures["route"] == figures["whole_model"]
     assert abs(figures["route_over_transformers"] - 1) <= 0.02, figures

@@ -739,14 +739,19 @@ def transformers_logits(gguf_path: Path, tokens: Sequence[int], *, threads: int 
     The weights come through Transformers' GGUF loader (dequantized to float32), so
     ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` or ``Gemma3ForCausalLM`` compute the
     architecture as Transformers implements it: the independent reference that Gate F's
-    cross-implementation check compares a route with.
+    cross-implementation check compares a route with. ``gguf_path`` may also be a folder
+    that :func:`export_safetensors` wrote in F32: the same weights, without the loader's
+    minute of dequantizing in Python.
     """
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, **_config_gaps(gguf_path)
-    )
+    if gguf_path.is_dir():
+        model: Any = AutoModelForCausalLM.from_pretrained(str(gguf_path), dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, **_config_gaps(gguf_path)
+        )
     model.eval()
     with torch.inference_mode():
         out = model(torch.tensor([list(tokens)], dtype=torch.long))

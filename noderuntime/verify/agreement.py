@@ -11,7 +11,6 @@ next-token distributions at every position.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -65,22 +64,40 @@ def compare_logits(reference: np.ndarray, ours: np.ndarray) -> dict[str, float]:
     }
 
 
+def reference_logits(model: str | os.PathLike[str], tokens: Sequence[int], *, threads: int = 2) -> np.ndarray:
+    """Transformers' logits of every position of ``tokens``, its GGUF loader dequantizing ``model``.
+
+    ``model`` may be a GGUF file or its :func:`lanes.hf_copy` (the same weights, loaded in
+    seconds rather than a minute). The loader and :func:`lanes.float_gguf` dequantize with the
+    same ``gguf`` functions, so these are the reference for a float32 route of ``model`` as
+    well as for ``model`` itself: pass them as ``reference`` to both checks below to run
+    Transformers once.
+    """
+    from noderuntime.engine import torch_backend as torchengine  # torch loads only for this check
+
+    return torchengine.transformers_logits(Path(model), [int(t) for t in tokens], threads=threads)
+
+
 def check_agreement(
-    model: str | os.PathLike[str], cuts: Sequence[int], tokens: Sequence[int], *, threads: int = 2
+    model: str | os.PathLike[str],
+    cuts: Sequence[int],
+    tokens: Sequence[int],
+    *,
+    threads: int = 2,
+    reference: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """Compare a float32 route of ``model`` with Transformers on the same float32 weights."""
+    """Compare a float32 route of ``model`` with Transformers on the same float32 weights.
+
+    ``reference``: :func:`reference_logits` of ``model`` and ``tokens``, if already computed.
+    """
     from noderuntime.engine import torch_backend as torchengine  # torch loads only for this check
 
     source = Path(model)
     info = inspect(source)
     ids = np.asarray(tokens, dtype=np.int32)
-    with tempfile.TemporaryDirectory(prefix="nr-agreement-") as tmp:
-        if info.file_type == 0:  # already all float32
-            f32 = source
-        else:
-            f32 = Path(tmp) / f"{source.stem}.f32.gguf"
-            lanes.float_gguf(source, f32)
-        ours = route_logits(f32, cuts, ids, threads=threads)
+    f32 = source if info.file_type == 0 else lanes.float_copy(source)  # file type 0: already all float32
+    ours = route_logits(f32, cuts, ids, threads=threads)
+    if reference is None:
         reference = torchengine.transformers_logits(f32, ids.tolist(), threads=threads)
     return {
         "model": str(source),
@@ -102,20 +119,25 @@ def perplexity(logits: np.ndarray, tokens: np.ndarray) -> float:
 
 
 def check_perplexity(
-    model: str | os.PathLike[str], cuts: Sequence[int], tokens: Sequence[int], *, threads: int = 2
+    model: str | os.PathLike[str],
+    cuts: Sequence[int],
+    tokens: Sequence[int],
+    *,
+    threads: int = 2,
+    reference: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Perplexity of ``tokens`` through a route of ``model`` as it is, the whole model, and Transformers.
 
     Transformers reads the same file through its GGUF loader (dequantized to float32):
-    the figure a user of Transformers would get from these weights.
+    the figure a user of Transformers would get from these weights. ``reference``:
+    :func:`reference_logits` of ``model`` and ``tokens``, if already computed.
     """
-    from noderuntime.engine import torch_backend as torchengine  # torch loads only for this check
-
     path = Path(model)
     ids = np.asarray(tokens, dtype=np.int32)
     route = route_logits(path, cuts, ids, threads=threads)
     whole = route_logits(path, [cuts[0], cuts[-1]], ids, threads=threads)
-    reference = torchengine.transformers_logits(path, ids.tolist(), threads=threads)
+    if reference is None:
+        reference = reference_logits(path, ids.tolist(), threads=threads)
     figures: dict[str, Any] = {
         "tokens": len(ids),
         "cuts": list(cuts),
@@ -128,4 +150,4 @@ def check_perplexity(
     return figures
 
 
-__all__ = ["check_agreement", "check_perplexity", "compare_logits", "perplexity", "route_logits"]
+__all__ = ["check_agreement", "check_perplexity", "compare_logits", "perplexity", "reference_logits", "route_logits"]

@@ -26,7 +26,7 @@ import numpy as np
 from noderuntime.models import catalogue as models
 from noderuntime.models import gguf as ggufio
 
-__all__ = ["LANES", "Lane", "build", "float_gguf", "lanes_dir"]
+__all__ = ["LANES", "Lane", "build", "float_copy", "float_gguf", "hf_copy", "lanes_dir"]
 
 
 @attrs.frozen
@@ -58,8 +58,9 @@ LANES: dict[str, tuple[str, str]] = {
 
 
 def lanes_dir(source: Path) -> Path:
-    """Where the lanes of ``source`` live (keyed by the source's size and name)."""
-    return models.models_dir().parent / "lanes" / f"{source.stem}-{source.stat().st_size}"
+    """Where the lanes of ``source`` live: keyed by its name and contents, so a file rewritten
+    with other weights (a random-weight model of the same shape) never meets another's lanes."""
+    return models.models_dir().parent / "lanes" / f"{source.stem}-{models.sha256_file(source)[:16]}"
 
 
 def float_gguf(source: Path, out: Path) -> None:
@@ -87,6 +88,35 @@ def float_gguf(source: Path, out: Path) -> None:
     partial.rename(out)
 
 
+def float_copy(source: Path, *, root: Path | None = None) -> Path:
+    """``source`` dequantized to float32 by :func:`float_gguf`, made once under the lanes' cache.
+
+    The Gate A lane ``gguf-f32`` of ``source`` is this file.
+    """
+    root = root or lanes_dir(source)
+    path = root / "gguf-f32.gguf"
+    if not path.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        float_gguf(source, partial)
+        partial.rename(path)
+    return path
+
+
+def hf_copy(source: Path, *, root: Path | None = None) -> Path:
+    """``source`` read by Transformers' GGUF loader and saved as F32 safetensors, made once under
+    the lanes' cache (the Gate A lane ``hf-f32`` of ``source``)."""
+    from noderuntime.engine import torch_backend as torchengine  # torch loads only for this
+
+    root = root or lanes_dir(source)
+    path = root / "hf-f32"
+    if not (path / "config.json").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+        torchengine.export_safetensors(source, path, "F32")
+    return path
+
+
 def build(source: Path, *, root: Path | None = None, say: Callable[[str], None] = print) -> dict[str, Lane]:
     """Make every lane of ``source`` that is not already made; return them all by name."""
     from noderuntime.engine import llama as engine
@@ -105,7 +135,7 @@ def build(source: Path, *, root: Path | None = None, say: Callable[[str], None] 
     base = lanes["gguf-f32"].path
     if not base.exists():
         say(f"lanes: dequantizing {source.name} to float32")
-        float_gguf(source, base)
+        float_copy(source, root=root)
     for name in ("gguf-f16", "gguf-q8_0", "gguf-q4_k_m"):
         lane = lanes[name]
         if not lane.path.exists():
@@ -119,8 +149,7 @@ def build(source: Path, *, root: Path | None = None, say: Callable[[str], None] 
 
         if not (f32 / "config.json").exists():
             say("lanes: saving F32 safetensors through Transformers' GGUF loader")
-            shutil.rmtree(f32, ignore_errors=True)
-            torchengine.export_safetensors(source, f32, "F32")
+            hf_copy(source, root=root)
         say("lanes: casting them to BF16")
         shutil.rmtree(bf16, ignore_errors=True)
         torchengine.cast_safetensors(f32, bf16, "BF16")
