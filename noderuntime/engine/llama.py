@@ -29,6 +29,8 @@ from typing import Any, Literal
 import attrs
 import numpy as np
 
+from noderuntime.engine import backends
+from noderuntime.engine.backends import BackendMismatchError, NoDeviceError
 from noderuntime.engine.base import EngineError, GrammarError, Rows, StepResult, token_logprob
 from noderuntime.models import artifacts
 from noderuntime.models.artifacts import ArtifactError, ArtifactInfo, LayerRange
@@ -47,6 +49,7 @@ __all__ = [
     "Vocab",
     "build_info",
     "check_grammar",
+    "device_report",
     "json_schema_grammar",
     "quantize",
 ]
@@ -83,6 +86,8 @@ def _import_llama_cpp() -> tuple[Any, dict[str, Any]]:
             f"the installed llama-cpp-python {llama_cpp.__version__} is a stock build without layer-range "
             f"execution; {_BUILD_HINT}"
         )
+    import llama_cpp._ggml  # the ggml library, for its device list
+
     marker_path = Path(llama_cpp.__file__).with_name("_noderuntime_patch.json")
     marker: dict[str, Any] = {}
     if marker_path.exists():
@@ -126,14 +131,83 @@ llama_cpp.llama_backend_init()
 
 
 def build_info() -> dict[str, Any]:
-    """What the installed kernels are: llama.cpp commit, patch hash, wheel version."""
+    """What the loaded kernels are: llama.cpp commit, patch hash, wheel version, backend."""
     return {
         "llama_cpp_python": importlib.metadata.version("llama_cpp_python"),
         "llama_cpp_commit": _PATCH_MARKER.get("llama_cpp_commit", "unknown"),
         "patch_hash": _PATCH_MARKER.get("patch_hash", "unknown"),
         "cmake_args": _PATCH_MARKER.get("cmake_args", []),
-        "backend": "cpu",
+        # the CPU wheel's marker predates backends and names none
+        "backend": _PATCH_MARKER.get("backend", "cpu"),
     }
+
+
+def _bind_ggml_devices() -> Any:
+    # ggml's device registry (ggml-backend.h), which llama-cpp-python does not bind
+    ggml = llama_cpp._ggml.libggml
+    ptr, size_p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)
+    for name, argtypes, restype in (
+        ("ggml_backend_dev_count", [], ctypes.c_size_t),
+        ("ggml_backend_dev_get", [ctypes.c_size_t], ptr),
+        ("ggml_backend_dev_name", [ptr], ctypes.c_char_p),
+        ("ggml_backend_dev_description", [ptr], ctypes.c_char_p),
+        ("ggml_backend_dev_type", [ptr], ctypes.c_int),
+        ("ggml_backend_dev_memory", [ptr, size_p, size_p], None),
+        ("ggml_backend_dev_backend_reg", [ptr], ptr),
+        ("ggml_backend_reg_name", [ptr], ctypes.c_char_p),
+    ):
+        function = getattr(ggml, name)
+        function.argtypes, function.restype = argtypes, restype
+    return ggml
+
+
+_ggml = _bind_ggml_devices()
+_DEVICE_KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}  # enum ggml_backend_dev_type
+
+
+def _device_handles() -> list[tuple[Any, str, str]]:
+    """(handle, name, registry name) of every device this build of ggml sees."""
+    found = []
+    for i in range(_ggml.ggml_backend_dev_count()):
+        dev = _ggml.ggml_backend_dev_get(i)
+        name = _ggml.ggml_backend_dev_name(dev).decode()
+        registry = _ggml.ggml_backend_reg_name(_ggml.ggml_backend_dev_backend_reg(dev)).decode()
+        found.append((dev, name, registry))
+    return found
+
+
+def device_report() -> list[dict[str, Any]]:
+    """The devices the loaded build sees, as JSON-able dicts: what ``backends`` asks in a subprocess."""
+    report = []
+    for dev, name, registry in _device_handles():
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        _ggml.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        report.append(
+            {
+                "name": name,
+                "description": _ggml.ggml_backend_dev_description(dev).decode("utf-8", "replace"),
+                "kind": _DEVICE_KINDS.get(_ggml.ggml_backend_dev_type(dev), "unknown"),
+                "registry": registry,
+                "memory_free": free.value,
+                "memory_total": total.value,
+            }
+        )
+    return report
+
+
+def _find_device(device: str) -> Any:
+    """The ggml device handle for ``"vulkan:0"`` and the like; typed errors when it is not here."""
+    kind, index = backends.parse_device(device)
+    loaded = build_info()["backend"]
+    if loaded != kind:
+        raise BackendMismatchError(
+            f"device {device} needs the {kind} build of llama-cpp-python, and this process loaded the {loaded} "
+            f"build: run it with noderuntime.engine.backends.runtime({kind!r}) (its folder first on PYTHONPATH)"
+        )
+    own = [dev for dev, _name, registry in _device_handles() if registry in backends.REGISTRY_NAMES[kind]]
+    if index >= len(own):
+        raise NoDeviceError(f"device {device} is not here: the {kind} build sees {len(own)} {kind} device(s)")
+    return own[index]
 
 
 # what `quantize` makes, by llama.cpp's file-type names
@@ -192,6 +266,12 @@ class Recipe:
     # f16 as llama.cpp defaults; f32 when a float32 route must match a float32 reference
     # (Gate F's cross-implementation check: f16 keys alone move logits by up to 0.3)
     kv_type: KvType = "f16"
+    # where the layers and their KV live: "cpu", or one GPU as "<backend>:<index>" ("vulkan:0",
+    # "cuda:0", "hip:0", "metal:0"); a GPU needs its backend's build loaded (engine.backends)
+    device: str = "cpu"
+    # on a GPU, how many local layers it holds, counted back from the end of the range as
+    # llama.cpp counts; None: all of them, and the output layer. Always 0 on the CPU.
+    gpu_layers: int | None = None
 
     def __attrs_post_init__(self) -> None:
         # llama.cpp takes these as 32-bit integers, and ctypes truncates silently: an n_ctx of
@@ -210,9 +290,12 @@ class Recipe:
             raise ValueError("flash_attn must be 'on' or 'off'")
         if self.kv_type not in _KV_TYPES:
             raise ValueError(f"kv_type must be one of {', '.join(_KV_TYPES)}")
+        backends.parse_device(self.device)
+        if self.gpu_layers is not None and (self.gpu_layers < 0 or (self.device == "cpu" and self.gpu_layers)):
+            raise ValueError("gpu_layers must be None or a count >= 0 of layers, and 0 on the cpu device")
 
     def describe(self, quant: str) -> dict[str, Any]:
-        """The recipe as published: kernels, quant, threads, backend, attention, ubatch."""
+        """The recipe as published: kernels, quant, threads, backend, device, attention, ubatch."""
         info = build_info()
         return {
             "llama_cpp_commit": info["llama_cpp_commit"],
@@ -220,6 +303,8 @@ class Recipe:
             "quant": quant,
             "threads": self.n_threads,
             "backend": info["backend"],
+            "device": self.device,
+            "gpu_layers": 0 if self.device == "cpu" else ("all" if self.gpu_layers is None else self.gpu_layers),
             "flash_attn": self.flash_attn,
             "n_ubatch": self.n_ubatch,
             "repack": self.repack,
@@ -231,8 +316,15 @@ class Recipe:
 
         Threads are left out: they are each owner's choice and reported in :meth:`describe`,
         but they do not change a shard's interface (only, in corner cases, low-order bits).
+        So is the device's index: which of a node's GPUs runs a shard is its owner's choice,
+        the kind of device is not. On the CPU the device adds nothing to the backend, and
+        leaving it out keeps CPU fingerprints what they were before devices existed.
         """
         shared = {k: v for k, v in self.describe(quant).items() if k != "threads"}
+        if self.device == "cpu":
+            del shared["device"], shared["gpu_layers"]
+        else:
+            shared["device"] = backends.parse_device(self.device)[0]
         blob = json.dumps(shared, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -526,9 +618,25 @@ class ShardEngine:
         # set add/discard are atomic: a chain dropped unclosed closes in __del__, on the collector's thread
         self._live_samplers: set[int] = set()
 
+    def _gpu_layers(self) -> int:
+        """llama.cpp's ``n_gpu_layers`` for this range: it offloads layers ``il >= n_layer + 1 - n``."""
+        if self.recipe.device == "cpu":
+            return 0
+        local = self.recipe.gpu_layers
+        if local is None or local >= len(self.layers):
+            return self.info.n_layer + 1  # every layer and the output layer (the tail's lm_head)
+        return self.info.n_layer + 1 - self.layers.end + local
+
     def _load(self, override_range: bool, dry_run: bool) -> None:
         mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = 0
+        # an explicit, NULL-terminated device list: none on the CPU (a GPU build then keeps
+        # every op on the CPU too), the one named device otherwise
+        devices = (ctypes.c_void_p * 2)()
+        if self.recipe.device != "cpu":
+            devices[0] = _find_device(self.recipe.device)
+        self._devices = devices  # read during load only; kept alive until then
+        mparams.devices = ctypes.addressof(devices)
+        mparams.n_gpu_layers = self._gpu_layers()
         mparams.no_alloc = dry_run
         mparams.use_extra_bufts = self.recipe.repack
         # a dry run with a mapping aborts in llama.cpp; it reads no tensor data anyway
@@ -572,6 +680,7 @@ class ShardEngine:
             else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
         cparams.embeddings = self.output_hidden or not self.is_tail
+        cparams.offload_kqv = True  # a GPU layer's KV lives on its GPU (no effect on the CPU)
         cparams.no_perf = True
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:

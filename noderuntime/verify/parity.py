@@ -12,11 +12,13 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
-from noderuntime.engine.llama import Recipe, Rows, ShardEngine
+from noderuntime.engine.backends import BackendRuntime
+from noderuntime.engine.llama import Recipe, Rows, ShardEngine, StepResult
 from noderuntime.models.artifacts import LayerRange, inspect
-from noderuntime.verify.procchain import ProcessChain
+from noderuntime.verify.procchain import ProcessChain, ShardOutput
 
 
 def ranges_from_cuts(cuts: Sequence[int]) -> list[LayerRange]:
@@ -24,6 +26,19 @@ def ranges_from_cuts(cuts: Sequence[int]) -> list[LayerRange]:
     if len(cuts) < 2:
         raise ValueError("need at least two cut points, e.g. 0,15,30")
     return [LayerRange(a, b) for a, b in itertools.pairwise(cuts)]
+
+
+def _step(
+    whole: ShardEngine | ProcessChain,
+    seq_ids: np.ndarray,
+    positions: np.ndarray,
+    outputs: np.ndarray,
+    tokens: np.ndarray,
+) -> StepResult | ShardOutput:
+    """One batch through the whole model, in this process or in one of its own."""
+    if isinstance(whole, ProcessChain):
+        return whole.step(seq_ids, positions, outputs, tokens)
+    return whole.run(Rows(seq_ids, positions, outputs, tokens=tokens), want_logits=True)
 
 
 def check_parity(
@@ -34,8 +49,13 @@ def check_parity(
     prompt_lengths: Sequence[int] = (23, 41),
     recipe: Recipe | None = None,
     seed: int = 0,
+    runtime: BackendRuntime | None = None,
 ) -> dict[str, Any]:
-    """Compare shards in separate processes with the whole model; returns a JSON-able report."""
+    """Compare shards in separate processes with the whole model; returns a JSON-able report.
+
+    With a ``runtime`` (a GPU backend's build), the whole model runs in a process of its
+    own as well: this process keeps the environment's CPU build.
+    """
     info = inspect(model)
     ranges = ranges_from_cuts(cuts)
     if ranges[0].start != 0 or ranges[-1].end != info.n_layer:
@@ -55,10 +75,12 @@ def check_parity(
     max_hidden = 0.0
     exact = True
     generated: dict[str, list[list[int]]] = {"whole": [[] for _ in prompts], "chain": [[] for _ in prompts]}
-    with (
-        ShardEngine(model, recipe, output_hidden=True) as whole,
-        ProcessChain(model, ranges, recipe, output_hidden=True) as chain,
-    ):
+    whole: ShardEngine | ProcessChain = (
+        ProcessChain(model, [LayerRange(0, info.n_layer)], recipe, output_hidden=True, runtime=runtime)
+        if runtime is not None and runtime.site is not None
+        else ShardEngine(model, recipe, output_hidden=True)
+    )
+    with whole, ProcessChain(model, ranges, recipe, output_hidden=True, runtime=runtime) as chain:
         cursor = [len(p) for p in prompts]
         next_tokens = {"whole": tokens, "chain": tokens}
         for step in range(n_tokens + 1):
@@ -68,7 +90,7 @@ def check_parity(
                 outputs = np.ones(n_seq, dtype=bool)
                 last_rows = np.arange(n_seq)
                 cursor = [c + 1 for c in cursor]
-            a = whole.run(Rows(seq_ids, positions, outputs, tokens=next_tokens["whole"]), want_logits=True)
+            a = _step(whole, seq_ids, positions, outputs, next_tokens["whole"])
             b = chain.step(seq_ids, positions, outputs, next_tokens["chain"])
             assert a.logits is not None and b.logits is not None and a.hidden is not None and b.hidden is not None
             exact &= bool(np.array_equal(a.logits, b.logits) and np.array_equal(a.hidden, b.hidden))
@@ -83,7 +105,9 @@ def check_parity(
                     generated[side][s].append(tok)
                 next_tokens[side] = np.array(picked, dtype=np.int32)
         shard_memory = [entry["memory"] for entry in chain.info]
-        whole_memory = whole.memory()
+        # as the shards' processes describe it: their build of llama.cpp, not necessarily this one's
+        described = chain.info[0]["recipe"]
+        whole_memory = whole.info[0]["memory"] if isinstance(whole, ProcessChain) else attrs.asdict(whole.memory())
     return {
         "model": str(model),
         "fingerprint": info.fingerprint,
@@ -91,7 +115,7 @@ def check_parity(
         "tokens": n_tokens,
         "prompt_lengths": list(prompt_lengths),
         "seed": seed,
-        "recipe": recipe.describe(info.quant),
+        "recipe": described,
         "max_abs_diff_logits": max_logits,
         "max_abs_diff_hidden": max_hidden,
         "logits_and_hidden_equal": exact,
@@ -99,6 +123,6 @@ def check_parity(
         "generated_whole": generated["whole"],
         "generated_chain": generated["chain"],
         "shard_memory": shard_memory,
-        "whole_memory": {"weights": whole_memory.weights, "kv": whole_memory.kv, "compute": whole_memory.compute},
+        "whole_memory": whole_memory,
         "parity": exact and generated["whole"] == generated["chain"],
     }

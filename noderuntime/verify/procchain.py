@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from noderuntime.engine.backends import BackendRuntime
 from noderuntime.models.artifacts import LayerRange
 
 
@@ -37,16 +38,27 @@ class ShardOutput:
     seconds: float
 
 
-def _worker(conn: Connection, model: str, layers: LayerRange, recipe: Any, output_hidden: bool) -> None:
-    # Imported here: the engine loads llama.cpp, which only the worker needs.
-    from noderuntime.engine.llama import EngineError, Rows, ShardEngine
-
+def _worker(
+    conn: Connection,
+    model: str,
+    layers: LayerRange,
+    recipe: dict[str, Any],
+    output_hidden: bool,
+    runtime: BackendRuntime | None,
+) -> None:
     try:
-        engine = ShardEngine(model, recipe, layers, output_hidden=output_hidden)
-    except EngineError as exc:
-        conn.send(("error", str(exc)))
+        if runtime is not None:
+            runtime.activate()  # before the engine loads llama_cpp: this backend's build
+        # Imported here: the engine loads llama.cpp, which only the worker needs. (The recipe
+        # comes as a dict for this reason: unpickling a Recipe would import it first.)
+        from noderuntime.engine.llama import EngineError, Recipe, Rows, ShardEngine
+
+        engine = ShardEngine(model, Recipe(**recipe), layers, output_hidden=output_hidden)
+    except RuntimeError as exc:  # EngineError, and a backend's typed errors, are RuntimeErrors
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", {"memory": attrs.asdict(engine.memory()), "pid": os.getpid()}))
+    ready = {"memory": attrs.asdict(engine.memory()), "pid": os.getpid(), "recipe": engine.recipe_description()}
+    conn.send(("ready", ready))
     with engine:
         while True:
             try:
@@ -79,8 +91,13 @@ class ProcessChain:
         *,
         output_hidden: bool = False,
         models: Sequence[str | os.PathLike[str]] | None = None,
+        runtime: BackendRuntime | None = None,
     ) -> None:
-        """Start one process per range. ``models`` gives a file per range (sliced files)."""
+        """Start one process per range. ``models`` gives a file per range (sliced files).
+
+        ``runtime`` makes every process load that backend's build of llama.cpp (see
+        :mod:`noderuntime.engine.backends`); the default is the environment's own.
+        """
         for a, b in itertools.pairwise(ranges):
             if a.end != b.start:
                 raise ValueError(f"ranges {a} and {b} are not contiguous")
@@ -94,7 +111,11 @@ class ProcessChain:
         try:
             for path, layers in zip(paths, ranges, strict=True):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_worker, args=(child, str(path), layers, recipe, output_hidden), daemon=True)
+                proc = ctx.Process(
+                    target=_worker,
+                    args=(child, str(path), layers, attrs.asdict(recipe), output_hidden, runtime),
+                    daemon=True,
+                )
                 proc.start()
                 child.close()
                 self._conns.append(parent)
