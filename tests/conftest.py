@@ -151,6 +151,7 @@ TIERS = {
         "test_tools",
         "test_torchengine",
         "test_transports",
+        "test_vulkan",
     ),
     "isolation": ("test_gate_d",),  # network namespaces (root); memory caps are in processes' modules
 }

@@ -1,0 +1,125 @@
+"""Gate B on Vulkan: shards in separate processes equal the whole model on Vulkan, bit for bit.
+
+The chain's processes and the whole model's each load the Vulkan build of llama.cpp from
+its own folder (``noderuntime.engine.backends``); this process keeps the CPU build. On a
+machine without a GPU the device is Mesa's llvmpipe, a software renderer that runs ggml's
+real Vulkan shaders on the CPU. The Vulkan tests skip, saying why, when this machine cannot
+build the backend (glslc, libvulkan-dev, spirv-headers) or has no Vulkan device; the first
+run builds the wheel into the cache (minutes), later runs take it from there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from noderuntime.engine import backends
+from noderuntime.engine.backends import BackendMismatchError, BackendRuntime, NoDeviceError
+from noderuntime.engine.llama import Recipe, ShardEngine
+from noderuntime.verify.parity import check_parity
+
+ROOT = Path(__file__).resolve().parents[1]
+VULKAN = Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=2, n_batch=512, n_ubatch=512, device="vulkan:0")
+
+
+def _build_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("nr_build", ROOT / "kernels_patch" / "build.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def vulkan() -> BackendRuntime:
+    """The Vulkan build, built on first use, with llvmpipe allowed; skips when this machine cannot have it."""
+    found = backends.locate("vulkan")
+    if found["site"] is None and found["missing"]:
+        pytest.skip("the Vulkan backend cannot be built here: " + "; ".join(found["missing"]))
+    try:
+        return backends.runtime("vulkan", build=True, software=True)
+    except NoDeviceError as exc:
+        pytest.skip(f"no Vulkan device: {exc}")
+
+
+def test_the_vulkan_build_has_its_own_patches_key_and_version() -> None:
+    build = _build_module()
+    cpu, vulkan = build.Target("cpu"), build.Target("vulkan")
+    # the Vulkan-only patch stays out of the CPU series: the CPU wheel's key is what it was
+    assert not any("vulkan" in path.as_posix() for path in build.patch_files())
+    assert build.patch_files(vulkan)[-1].name == "0007-vulkan-without-layer-settings.patch"
+    assert build.cache_key() == build.cache_key(cpu) != build.cache_key(vulkan)
+    assert build.local_version(vulkan) == f"0.3.36+nr.{build.patch_hash(vulkan)}.vulkan"
+    assert "-DGGML_VULKAN=ON" in build.cmake_args(vulkan) and "-DGGML_VULKAN=OFF" in build.cmake_args()
+    assert "backend" not in build.marker() and build.marker(vulkan)["backend"] == "vulkan"
+    cuda = build.cmake_args(build.Target("cuda", cuda_arch="86;89"))
+    assert "-DGGML_CUDA=ON" in cuda and "-DCMAKE_CUDA_ARCHITECTURES=86;89" in cuda
+    assert "-DGPU_TARGETS=gfx1100" in build.cmake_args(build.Target("hip", hip_targets="gfx1100"))
+
+
+def test_the_device_is_part_of_the_recipe_and_its_fingerprint() -> None:
+    cpu, gpu = Recipe(), Recipe(device="vulkan:0")
+    assert cpu.describe("Q4_1")["device"] == "cpu" and gpu.describe("Q4_1")["gpu_layers"] == "all"
+    assert cpu.fingerprint("Q4_1") != gpu.fingerprint("Q4_1")
+    # which GPU of a node runs a shard is its owner's choice, as threads are; how many layers it holds is not
+    assert gpu.fingerprint("Q4_1") == Recipe(device="vulkan:1").fingerprint("Q4_1")
+    assert gpu.fingerprint("Q4_1") != Recipe(device="vulkan:0", gpu_layers=2).fingerprint("Q4_1")
+    for bad in ({"device": "gpu"}, {"device": "vulkan"}, {"device": "cpu", "gpu_layers": 3}):
+        with pytest.raises(ValueError):
+            Recipe(**bad)  # type: ignore[arg-type]
+
+
+def test_a_gpu_device_needs_its_backends_build(tiny_model: Path) -> None:
+    # this process loaded the CPU build: a Vulkan shard here is a typed error, not a CPU shard
+    with pytest.raises(BackendMismatchError, match="needs the vulkan build"):
+        ShardEngine(tiny_model, VULKAN)
+
+
+def test_a_vulkan_shard_holds_its_layers_and_kv_on_the_device(vulkan: BackendRuntime, tiny_model: Path) -> None:
+    probe = textwrap.dedent(f"""
+        import json, logging
+        records = []
+        class Keep(logging.Handler):
+            def emit(self, record): records.append(record.getMessage())
+        log = logging.getLogger("noderuntime.llama_cpp")
+        log.setLevel(logging.DEBUG)
+        log.addHandler(Keep())
+        from noderuntime.engine.llama import Recipe, ShardEngine, build_info
+        from noderuntime.models.artifacts import LayerRange
+        recipe = Recipe(n_threads=2, n_ctx_per_seq=256, n_seq_max=1, n_batch=64, n_ubatch=64, device="vulkan:0")
+        with ShardEngine({str(tiny_model)!r}, recipe, LayerRange(1, 3)) as engine:
+            print(json.dumps({{"backend": build_info()["backend"], "log": records}}))
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=vulkan.environ())
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["backend"] == "vulkan"
+    log = "\n".join(report["log"])
+    assert "Vulkan0 model buffer size" in log, log
+    assert "Vulkan0 KV buffer size" in log, log
+    assert "CPU KV buffer size" not in log, log
+
+
+def test_tiny_random_model_shards_equal_whole_model_on_vulkan(vulkan: BackendRuntime, tiny_model: Path) -> None:
+    report = check_parity(tiny_model, [0, 1, 3, 4], n_tokens=32, prompt_lengths=(5, 17), recipe=VULKAN, runtime=vulkan)
+    assert report["recipe"]["backend"] == "vulkan" and report["recipe"]["device"] == "vulkan:0"
+    assert report["parity"], report
+
+
+def test_smollm2_shards_equal_whole_model_on_vulkan(vulkan: BackendRuntime, smollm2: Path) -> None:
+    # llvmpipe decodes SmolLM2 at about 1 token/s, so one cut (one-layer shards at both ends and
+    # a 28-layer middle: three seams) and 8 tokens, not the CPU gate's three cuts of 32 tokens
+    cuts = [0, 1, 29, 30]
+    report = check_parity(smollm2, cuts, n_tokens=8, prompt_lengths=(9, 15), recipe=VULKAN, runtime=vulkan)
+    assert report["recipe"]["backend"] == "vulkan"
+    assert report["max_abs_diff_logits"] == 0.0
+    assert report["max_abs_diff_hidden"] == 0.0
+    assert report["greedy_tokens_equal"]
+    assert report["generated_whole"][0] != report["generated_whole"][1]
