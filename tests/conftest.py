@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from noderuntime.engine import backends
+from noderuntime.engine.backends import BackendRuntime
 from noderuntime.models import catalogue as models
 from noderuntime.models import synth
 from noderuntime.services import localsystem
@@ -45,6 +47,18 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def gemma3() -> Path:
     """Gemma 3 270M pretrained Q4_K_M (real weights), pulled and verified once per machine."""
     return models.pull("gemma3-270m", progress=False)
+
+
+@pytest.fixture(scope="session")
+def vulkan() -> BackendRuntime:
+    """The Vulkan build, built on first use, with llvmpipe allowed; skips when this machine cannot have it."""
+    found = backends.locate("vulkan")
+    if found["site"] is None and found["missing"]:
+        pytest.skip("the Vulkan backend cannot be built here: " + "; ".join(found["missing"]))
+    try:
+        return backends.runtime("vulkan", build=True, software=True)
+    except backends.NoDeviceError as exc:
+        pytest.skip(f"no Vulkan device: {exc}")
 
 
 @pytest.fixture
@@ -136,6 +150,7 @@ TIERS = {
         "test_benchmarks",
         "test_cli",
         "test_clients",
+        "test_devices",
         "test_faults",
         "test_gate_f",
         "test_gate_f_served",

@@ -20,8 +20,7 @@ from types import ModuleType
 
 import pytest
 
-from noderuntime.engine import backends
-from noderuntime.engine.backends import BackendMismatchError, BackendRuntime, NoDeviceError
+from noderuntime.engine.backends import BackendMismatchError, BackendRuntime
 from noderuntime.engine.llama import Recipe, ShardEngine
 from noderuntime.verify.parity import check_parity
 
@@ -35,18 +34,6 @@ def _build_module() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="module")
-def vulkan() -> BackendRuntime:
-    """The Vulkan build, built on first use, with llvmpipe allowed; skips when this machine cannot have it."""
-    found = backends.locate("vulkan")
-    if found["site"] is None and found["missing"]:
-        pytest.skip("the Vulkan backend cannot be built here: " + "; ".join(found["missing"]))
-    try:
-        return backends.runtime("vulkan", build=True, software=True)
-    except NoDeviceError as exc:
-        pytest.skip(f"no Vulkan device: {exc}")
 
 
 def test_the_vulkan_build_has_its_own_patches_key_and_version() -> None:

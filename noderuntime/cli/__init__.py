@@ -57,6 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``noderuntime`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # what the command was given, for a command that must run again in another environment
+    # (a node on a GPU backend re-executes itself with that backend's build of llama.cpp)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     _fix_mmap_threshold()
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

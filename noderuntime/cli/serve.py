@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ from noderuntime.cli.args import (
     default_data_dir,
     layers,
     listen_address,
+    non_negative_int,
     positive_int,
     public_key,
     relay_url,
@@ -25,9 +28,60 @@ from noderuntime.cli.args import (
 from noderuntime.models import catalogue as models
 
 API_KEYS_ENV = "NODERUNTIME_API_KEYS"  # comma-separated; keys in argv show in `ps`
+# set in the environment of a node re-executed on its device's backend: it must not do so again
+DEVICE_BACKEND_ENV = "NODERUNTIME_DEVICE_BACKEND"
+
+
+def _check_device(args: argparse.Namespace) -> str:
+    """The backend ``--device`` needs ("cpu", "vulkan", ...); CliError for a flag that cannot be."""
+    from noderuntime.engine.backends import parse_device
+
+    try:
+        kind, _index = parse_device(args.device)
+    except ValueError as exc:
+        raise CliError(f"--device {args.device!r}: {exc}") from None
+    if kind == "cpu" and args.gpu_layers:
+        raise CliError("--gpu-layers counts layers on a GPU; --device cpu holds none")
+    if kind != "cpu" and (args.model is None or args.local):
+        raise CliError("--device places one node's shard; give it with --model (and without --local)")
+    if kind != "cpu" and args.backend == "transformers":
+        raise CliError("--device takes a GPU for llama.cpp; the transformers backend runs on the CPU")
+    return kind
+
+
+def _run_on_backend(kind: str, args: argparse.Namespace) -> None:
+    """Make this node process load ``kind``'s build of llama.cpp, re-executing it when it would not.
+
+    ``noderuntime up`` starts in the environment's CPU build; a GPU backend's build lives in
+    a folder of its own (:mod:`noderuntime.engine.backends`). The process replaces itself
+    (same pid, same output), so whoever started it sees one node either way. The node
+    checks at start that the build it loaded is ``kind``'s (``noderun``).
+    """
+    from noderuntime.engine import backends
+
+    if os.environ.get(DEVICE_BACKEND_ENV) == kind:
+        return  # already re-executed: the node's own check says whether that worked
+    try:
+        runtime = backends.runtime(kind, software=args.allow_software_gpu)
+    except backends.NoDeviceError as exc:
+        if kind != "vulkan" or args.allow_software_gpu:
+            raise
+        raise backends.NoDeviceError(f"{exc}; --allow-software-gpu lets a software renderer serve") from None
+    spec = importlib.util.find_spec("llama_cpp")
+    origin = Path(spec.origin).resolve().parent.parent if spec is not None and spec.origin else None
+    if runtime.site is not None and origin == runtime.site.resolve():
+        return  # started with the backend's folder first on its path
+    env = runtime.environ()
+    env[DEVICE_BACKEND_ENV] = kind
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "noderuntime", *args.argv], env)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    kind = _check_device(args)
+    if kind != "cpu":
+        _run_on_backend(kind, args)
     from noderuntime.services import noderun
 
     if args.model is None or args.local:
@@ -75,6 +129,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         memory_limit=args.memory_limit,
         mmap=args.mmap,
         backend=args.backend,
+        device=args.device,
+        gpu_layers=args.gpu_layers,
     )
     return noderun.main_node(opts)
 
@@ -235,6 +291,22 @@ def _add_up(sub: Any) -> None:
         dest="mmap",
         action="store_false",
         help="read the shard's weights into memory instead of mapping the file (implied by --memory-limit)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the shard's layers and KV live: cpu (default), or one GPU as vulkan:N, cuda:N or hip:N "
+        "(runs the node with that backend's build of llama.cpp: kernels_patch/build.py --backend ... --install)",
+    )
+    p.add_argument(
+        "--gpu-layers",
+        type=non_negative_int,
+        help="on a GPU, how many of the shard's layers it holds, counted from the end (default: all)",
+    )
+    p.add_argument(
+        "--allow-software-gpu",
+        action="store_true",
+        help="let --device vulkan:N name a software renderer (Mesa's llvmpipe): Vulkan's code path on the CPU",
     )
     p.set_defaults(func=_cmd_up)
 

@@ -186,7 +186,10 @@ def _runtime(backend: str, build: bool, software: bool) -> BackendRuntime:
         command = " ".join(build_command(backend))
         if found["missing"]:
             lacks = "; ".join(found["missing"])
-            raise BackendNotBuiltError(f"the {backend} build is not in the cache and cannot be built here: {lacks}")
+            raise BackendNotBuiltError(
+                f"the {backend} build is not in the cache and cannot be built here: {lacks}; "
+                f"with that installed, build it with `{command}`"
+            )
         if not build:
             raise BackendNotBuiltError(f"the {backend} build is not in the cache; build it with `{command}`")
         done = subprocess.run(build_command(backend), capture_output=True, text=True)

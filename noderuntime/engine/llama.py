@@ -49,6 +49,7 @@ __all__ = [
     "Vocab",
     "build_info",
     "check_grammar",
+    "describe_device",
     "device_report",
     "json_schema_grammar",
     "quantize",
@@ -208,6 +209,16 @@ def _find_device(device: str) -> Any:
     if index >= len(own):
         raise NoDeviceError(f"device {device} is not here: the {kind} build sees {len(own)} {kind} device(s)")
     return own[index]
+
+
+def describe_device(device: str) -> str:
+    """What ``device`` is here: ``"cpu"``, or the GPU's own description ("NVIDIA GeForce RTX 4090",
+    "llvmpipe (LLVM 15.0.6, 256 bits)"); :class:`BackendMismatchError` when this process loaded
+    another backend's build, :class:`NoDeviceError` when the device is not there."""
+    if backends.parse_device(device)[0] == "cpu":
+        return "cpu"
+    description: bytes = _ggml.ggml_backend_dev_description(_find_device(device))
+    return description.decode("utf-8", "replace")
 
 
 # what `quantize` makes, by llama.cpp's file-type names

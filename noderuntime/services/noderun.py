@@ -25,7 +25,8 @@ from noderuntime.access.tickets import TicketVerifier
 from noderuntime.control import admission
 from noderuntime.control.ledger import Ledger
 from noderuntime.engine import memplan
-from noderuntime.engine.llama import Recipe, ShardEngine
+from noderuntime.engine.backends import BackendMismatchError, parse_device
+from noderuntime.engine.llama import Recipe, ShardEngine, build_info, describe_device
 from noderuntime.engine.thread import EngineThread
 from noderuntime.models import artifacts
 from noderuntime.models.artifacts import LayerRange
@@ -72,6 +73,8 @@ class NodeOptions:
     memory_limit: int | None = None  # bytes: refuse a shard that would not fit, load weights unmapped
     mmap: bool = True  # map the model file (pages shared with the page cache) or read the shard's weights
     backend: str = "llama.cpp"  # or "transformers": a safetensors directory run by torchengine
+    device: str = "cpu"  # where the layers and KV live: "cpu", "vulkan:0", "cuda:1", ... (Recipe.device)
+    gpu_layers: int | None = None  # on a GPU, how many local layers it holds (None: all)
 
 
 class TlsFilesError(ValueError):
@@ -178,7 +181,7 @@ async def run_node(
                 await nursery.start(listener.run)
             http_url = ""
             if opts.http is not None:
-                status = node_status(node, me.node_id, listener, node.connector)
+                status = node_status(node, me.node_id, listener, node.connector, device=opts.device)
                 routes = Routes(
                     {"/status": json_handler(status), "/metrics": node.metrics_exposition},
                     {"/probe": probe_handler(node)},
@@ -199,6 +202,7 @@ async def run_node(
                 pid=os.getpid(),
                 http=http_url,
                 capability=capability.to_json(),
+                device=opts.device,
             )
             if opts.tracker is not None:
                 record = admission.capability_record(
@@ -221,6 +225,7 @@ async def run_node(
                     slots=shown.slots,
                     ctx_per_session=shown.ctx_per_session,
                     capability=record,
+                    device=shown.device,
                 )
 
                 async def answer_probe(seed: int) -> dict[str, Any]:
@@ -260,6 +265,8 @@ async def _load_engine(opts: NodeOptions, engine_thread: EngineThread) -> tuple[
         return info, recipe, engine.layers, engine
     info = artifacts.inspect(opts.model)
     layers = opts.layers or info.layer_range
+    if opts.device != "cpu":
+        log.info("layers %s on %s: %s", layers, opts.device, check_device(opts.device))
     recipe = Recipe(
         n_threads=opts.threads,
         n_ctx_per_seq=opts.ctx_per_session,
@@ -268,6 +275,8 @@ async def _load_engine(opts: NodeOptions, engine_thread: EngineThread) -> tuple[
         n_ubatch=opts.batch,
         flash_attn="on" if opts.flash_attn == "on" else "off",
         use_mmap=opts.mmap,
+        device=opts.device,
+        gpu_layers=opts.gpu_layers,
     )
     if opts.memory_limit is not None:
         recipe = memplan.capped(recipe)
@@ -278,6 +287,23 @@ async def _load_engine(opts: NodeOptions, engine_thread: EngineThread) -> tuple[
         lambda: ShardEngine(opts.model, recipe, layers, expected_fingerprint=opts.expected_fingerprint)
     )
     return info, recipe, layers, engine
+
+
+def check_device(device: str) -> str:
+    """The description of ``device``, once this process's llama.cpp is its backend's build and sees it.
+
+    A node on a GPU runs with that backend's build (``noderuntime up`` re-executes itself
+    with it); anything else is a typed error before the model loads:
+    :class:`BackendMismatchError`, or :class:`NoDeviceError` for an index that is not there.
+    """
+    kind, _index = parse_device(device)
+    loaded = build_info()["backend"]
+    if loaded != kind:
+        raise BackendMismatchError(
+            f"device {device} needs the {kind} build of llama.cpp, and this node loaded the {loaded} build "
+            f"(run it as `noderuntime up --device {device} ...`, which starts it on that build)"
+        )
+    return describe_device(device)
 
 
 def _torch_engine(opts: NodeOptions) -> tuple[artifacts.ArtifactInfo, Any, Any]:
@@ -335,7 +361,9 @@ def probe_handler(node: Node) -> Any:
     return handle
 
 
-def node_status(node: Node, node_id: bytes, listener: RelayListener | None, connector: Any) -> Any:
+def node_status(
+    node: Node, node_id: bytes, listener: RelayListener | None, connector: Any, *, device: str = "cpu"
+) -> Any:
     """The producer of a node's ``/status`` document."""
 
     grpc = getattr(connector, "grpc", None)  # a relay-only node has none
@@ -349,6 +377,7 @@ def node_status(node: Node, node_id: bytes, listener: RelayListener | None, conn
             "tasks": trio_tasks(),
             "artifact": node.config.artifact_fingerprint.hex(),
             "recipe": node.config.recipe_fingerprint.hex(),
+            "device": device,
             "active_sessions": stats.active_sessions,
             "slots_total": stats.leases.slots_total,
             "slots_leased": stats.leases.slots_leased,

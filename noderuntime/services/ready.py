@@ -51,6 +51,7 @@ class NodeReady:
     pid: int
     http: str  # its /status and /metrics endpoint, or none
     capability: dict[str, Any]  # what it measured (admission.Capability.to_json())
+    device: str = "cpu"  # where its layers and KV live: "cpu", "vulkan:0", "cuda:1", ...
 
     def hop(self) -> Hop:
         """The node as a hop of a route plan."""

@@ -21,6 +21,7 @@ from protocol import Hop, Span
 
 HEX32 = r"^[0-9a-f]{64}$"
 MAX_LAYERS = 4096
+DEVICE = r"^(cpu|(vulkan|cuda|hip|metal):[0-9]{1,4})$"  # engine.backends.parse_device, bounded
 
 
 class Registration(BaseModel):
@@ -38,6 +39,8 @@ class Registration(BaseModel):
     slots: int = Field(gt=0, le=4096)
     ctx_per_session: int = Field(gt=0, le=1 << 22)
     capability: dict[str, str]  # {"body": signed JSON text, "signature": hex}
+    # where its layers and KV live (the recipe fingerprint names the kind of device, not the index)
+    device: str = Field(default="cpu", pattern=DEVICE)
 
     @field_validator("address")
     @classmethod

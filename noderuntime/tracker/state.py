@@ -47,6 +47,7 @@ class NodeRecord:
     slots: int
     ctx_per_session: int
     model_name: str = ""
+    device: str = "cpu"  # where its layers and KV live ("vulkan:0"): shown, not routed on
     # load, from heartbeats
     active_sessions: int = 0
     free_slots: int = 0

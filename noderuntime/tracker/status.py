@@ -36,6 +36,7 @@ def _record(node: dict[str, Any]) -> NodeRecord:
         slots=node["slots"],
         ctx_per_session=node["ctx_per_session"],
         model_name=node["model_name"],
+        device=str(node.get("device", "cpu")),
         active_sessions=node["active_sessions"],
         free_slots=node["free_slots"],
         queue_depth=node["queue_depth"],
@@ -113,7 +114,7 @@ def show(tracker: str, *, as_json: bool = False) -> int:
         )
         return 0
     header = (
-        f"{'node':<12} {'model':<20} {'layers':>8} {'recipe':<8} {'reach':<12} {'load':>7} {'cap':>4} "
+        f"{'node':<12} {'model':<20} {'layers':>8} {'recipe':<8} {'device':<9} {'reach':<12} {'load':>7} {'cap':>4} "
         f"{'decode ms b1/b8':>16} {'prefill t/s':>11} {'now ms':>7} {'probe':>7} {'seen':>6}"
     )
     print(header)
@@ -121,7 +122,8 @@ def show(tracker: str, *, as_json: bool = False) -> int:
     for n in nodes:
         print(
             f"{n['node_id'][:12]:<12} {n['model_name'][:20]:<20} {n['layers'][0]:>3}:{n['layers'][1]:<4} "
-            f"{n['recipe'][:8]:<8} {n['reachability']:<12} {n['active_sessions']:>3}/{n['slots']:<3} "
+            f"{n['recipe'][:8]:<8} {str(n.get('device', 'cpu'))[:9]:<9} {n['reachability']:<12} "
+            f"{n['active_sessions']:>3}/{n['slots']:<3} "
             f"{n.get('capacity', n['slots']):>4} {_decode(n):>16} {_prefill(n):>11} {n['estimated_step_ms']:>7.1f} "
             f"{_probe(n):>7} {n['seconds_since_heartbeat']:>5.1f}s"
         )
