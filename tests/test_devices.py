@@ -116,9 +116,17 @@ def test_a_malformed_device_is_refused(device: str, tiny_model: Path, tmp_path: 
     assert line.startswith(f"noderuntime: error: --device {device!r}: device must be 'cpu' or '<backend>:<index>'")
 
 
-def test_gpu_layers_on_the_cpu_are_refused(tiny_model: Path, tmp_path: Path) -> None:
-    line = _error(_up(tiny_model, tmp_path, "--gpu-layers", "2"))
-    assert "--gpu-layers counts layers on a GPU" in line
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (("--gpu-layers", "2"), "--gpu-layers counts layers on a GPU"),
+        (("--device", "vulkan:0", "--memory-limit", "1G"), "--memory-limit plans a CPU shard's memory"),
+    ],
+)
+def test_flags_a_device_does_not_take_are_refused(
+    flags: tuple[str, ...], says: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    assert says in _error(_up(tiny_model, tmp_path, *flags))
 
 
 def test_a_device_that_is_not_there_is_refused(vulkan: BackendRuntime, tiny_model: Path, tmp_path: Path) -> None:

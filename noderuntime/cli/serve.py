@@ -46,6 +46,9 @@ def _check_device(args: argparse.Namespace) -> str:
         raise CliError("--device places one node's shard; give it with --model (and without --local)")
     if kind != "cpu" and args.backend == "transformers":
         raise CliError("--device takes a GPU for llama.cpp; the transformers backend runs on the CPU")
+    if kind != "cpu" and args.memory_limit is not None:
+        # its plan sums the shard's buffers as host memory; on a GPU they live in device memory
+        raise CliError("--memory-limit plans a CPU shard's memory; it does not size a shard on a GPU yet")
     return kind
 
 
