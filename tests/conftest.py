@@ -158,6 +158,7 @@ TIERS = {
         "test_lint",
         "test_logprobs",
         "test_memplan",
+        "test_mixed_route",
         "test_network_route",
         "test_observability",
         "test_parity",

@@ -57,7 +57,12 @@ def _worker(
     except RuntimeError as exc:  # EngineError, and a backend's typed errors, are RuntimeErrors
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
-    ready = {"memory": attrs.asdict(engine.memory()), "pid": os.getpid(), "recipe": engine.recipe_description()}
+    ready = {
+        "memory": attrs.asdict(engine.memory()),
+        "pid": os.getpid(),
+        "recipe": engine.recipe_description(),
+        "fingerprint": engine.recipe.fingerprint(engine.info.quant),
+    }
     conn.send(("ready", ready))
     with engine:
         while True:
@@ -92,11 +97,15 @@ class ProcessChain:
         output_hidden: bool = False,
         models: Sequence[str | os.PathLike[str]] | None = None,
         runtime: BackendRuntime | None = None,
+        recipes: Sequence[Any] | None = None,
+        runtimes: Sequence[BackendRuntime | None] | None = None,
     ) -> None:
         """Start one process per range. ``models`` gives a file per range (sliced files).
 
         ``runtime`` makes every process load that backend's build of llama.cpp (see
         :mod:`noderuntime.engine.backends`); the default is the environment's own.
+        ``recipes`` and ``runtimes`` give each range its own (a route that mixes devices:
+        a Vulkan shard between CPU shards), in place of ``recipe`` and ``runtime``.
         """
         for a, b in itertools.pairwise(ranges):
             if a.end != b.start:
@@ -108,12 +117,16 @@ class ProcessChain:
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         paths = list(models) if models is not None else [model] * len(ranges)
+        each_recipe = list(recipes) if recipes is not None else [recipe] * len(ranges)
+        each_runtime = list(runtimes) if runtimes is not None else [runtime] * len(ranges)
+        if not len(each_recipe) == len(each_runtime) == len(ranges):
+            raise ValueError("give one recipe and one runtime per range")
         try:
-            for path, layers in zip(paths, ranges, strict=True):
+            for path, layers, own_recipe, own_runtime in zip(paths, ranges, each_recipe, each_runtime, strict=True):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
                     target=_worker,
-                    args=(child, str(path), layers, attrs.asdict(recipe), output_hidden, runtime),
+                    args=(child, str(path), layers, attrs.asdict(own_recipe), output_hidden, own_runtime),
                     daemon=True,
                 )
                 proc.start()
