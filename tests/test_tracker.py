@@ -21,7 +21,7 @@ from noderuntime.operations.httpserve import serve_http
 from noderuntime.tracker.app import Tracker
 from noderuntime.tracker.client import NodeLoad, TrackerError, TrackerLink, request_route
 from noderuntime.tracker.messages import Registration
-from noderuntime.tracker.state import MAX_ROUTES, NodeRecord, NoRoute, TrackerState, all_routes
+from noderuntime.tracker.state import MAX_ROUTES, NodeRecord, NoRoute, TrackerState, all_routes, unmixed
 
 ARTIFACT = "ab" * 32
 
@@ -93,6 +93,20 @@ def test_a_maze_of_dead_ends_is_not_searched_and_a_layer_count_in_the_minority_j
     state = state_with(liar, node("a", (0, 10)), node("b", (10, 30)))
     assert {tuple(n.node_id[:1] for n in state.choose(ARTIFACT, 10).nodes) for _ in range(10)} == {(b"a", b"b")}
     assert state.artifacts()[ARTIFACT]["n_layer"] == 30
+
+
+def test_status_says_why_recipes_of_one_artifact_share_no_route() -> None:
+    cpu = node("a", (0, 15), recipe="c" * 16)
+    gpu = attrs.evolve(node("b", (15, 30), recipe="g" * 16), device="vulkan:0")
+    other = node("c", (15, 30), recipe="f" * 16)
+    assert not all_routes([cpu, gpu], 30)  # a CPU head and a Vulkan tail form no route
+    lines = unmixed([cpu, gpu, other])
+    assert len(lines) == 3
+    across = next(line for line in lines if "cccccccc (cpu) and gggggggg (vulkan)" in line)
+    assert "tolerance" in across and "benchmarks.backends" in across
+    alike = next(line for line in lines if "cccccccc (cpu) and ffffffff (cpu)" in line)
+    assert "kernels or settings differ" in alike
+    assert unmixed([cpu, attrs.evolve(cpu, node_id=b"x" * 32, layers=(15, 30))]) == []
 
 
 def test_full_nodes_are_avoided_and_all_full_is_told_apart_from_no_route() -> None:

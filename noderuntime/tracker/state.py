@@ -282,3 +282,31 @@ def all_routes(nodes: Sequence[NodeRecord], n_layer: int) -> list[list[NodeRecor
         if (0, recipe) in viable:
             extend([], 0, recipe)
     return routes
+
+
+def unmixed(nodes: Sequence[NodeRecord]) -> list[str]:
+    """Why nodes of one artifact with different recipes form no route together: a line per pair.
+
+    Every hop of a route runs one recipe (the seam frames carry one, and nodes refuse
+    another). Across devices a route could only be held to a measured tolerance
+    (``benchmarks.backends`` certifies one pair of recipes), which routes do not use yet.
+    """
+    lines = []
+    for artifact in sorted({n.artifact for n in nodes}):
+        devices: dict[str, set[str]] = {}
+        for node in nodes:
+            if node.artifact == artifact:
+                devices.setdefault(node.recipe, set()).add(node.device.partition(":")[0])
+        recipes = sorted(devices)
+        for i, a in enumerate(recipes):
+            for b in recipes[i + 1 :]:
+                where = f"{artifact[:12]}: recipes {a[:8]} ({'/'.join(sorted(devices[a]))}) and {b[:8]} "
+                where += f"({'/'.join(sorted(devices[b]))}) share no route: "
+                if devices[a] != devices[b]:
+                    lines.append(
+                        where + "their devices agree only within a tolerance, and a route runs one recipe "
+                        "(a certificate from benchmarks.backends covers such a pair; routes do not mix yet)"
+                    )
+                else:
+                    lines.append(where + "their kernels or settings differ (quant, ubatch, flash attention, KV)")
+    return lines

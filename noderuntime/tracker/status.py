@@ -8,7 +8,7 @@ import urllib.request
 from typing import Any
 
 from noderuntime.control.admission import Capability
-from noderuntime.tracker.state import NodeRecord, all_routes, route_cost
+from noderuntime.tracker.state import NodeRecord, all_routes, route_cost, unmixed
 
 
 def fetch(tracker: str) -> list[dict[str, Any]]:
@@ -70,14 +70,18 @@ def _probe(node: dict[str, Any]) -> str:
     return "pending" if node.get("probe_required") else "-"
 
 
-def routes(nodes: list[dict[str, Any]]) -> list[tuple[str, list[NodeRecord], float]]:
-    """Every complete route per artifact, cheapest first."""
+def _records(nodes: list[dict[str, Any]]) -> list[NodeRecord]:
     try:
-        records = [_record(n) for n in nodes]
+        return [_record(n) for n in nodes]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:  # AdmissionError is a ValueError
         raise ValueError(
             f"the tracker's node list is not what this version reads: {type(exc).__name__}: {exc}"
         ) from None
+
+
+def routes(nodes: list[dict[str, Any]]) -> list[tuple[str, list[NodeRecord], float]]:
+    """Every complete route per artifact, cheapest first."""
+    records = _records(nodes)
     out = []
     for artifact in sorted({r.artifact for r in records}):
         mine = [r for r in records if r.artifact == artifact and r.admitted]
@@ -95,6 +99,7 @@ def show(tracker: str, *, as_json: bool = False) -> int:
         print(f"noderuntime: error: cannot read {tracker}/v1/nodes: {exc}")
         return 1
     found = routes(nodes)
+    apart = unmixed(_records(nodes))
     if as_json:
         print(
             json.dumps(
@@ -108,6 +113,7 @@ def show(tracker: str, *, as_json: bool = False) -> int:
                         }
                         for a, route, c in found
                     ],
+                    "unmixed": apart,
                 },
                 indent=2,
             )
@@ -131,4 +137,6 @@ def show(tracker: str, *, as_json: bool = False) -> int:
     for artifact, route, cost in found[:20]:
         chain = " -> ".join(f"{r.node_id.hex()[:8]}[{r.layers[0]}:{r.layers[1]}]" for r in route)
         print(f"  {artifact[:12]}  {chain}  ~{cost:.1f} ms/step")
+    for line in apart:
+        print(f"  not mixed: {line}")
     return 0
