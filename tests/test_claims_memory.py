@@ -38,6 +38,7 @@ from noderuntime.transport import StreamBroken, StreamClosed, TransportError, me
 from protocol import (
     Activations,
     Cancel,
+    Credit,
     Direction,
     Encoding,
     Error,
@@ -690,3 +691,71 @@ async def test_each_probe_the_tracker_sends_is_answered_once(
         nursery.cancel_scope.cancel()
     assert posted[0] == "/v1/nodes/register"
     assert answered == [5] and link.probes_answered == 1
+
+
+# --- a session's idle watchdog
+
+
+async def test_a_next_hop_that_sends_only_credits_does_not_keep_a_session_alive(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """sessions._downstream_loop: a Credit, which no hop sends, is passed over and is not progress."""
+    ours, theirs = memory_stream_pair()
+    down_ours, down_theirs = memory_stream_pair()
+    first, second = Span(0, 2), Span(2, 4)
+    hops = (Hop(NODE_ID, first), Hop(b"m" * 32, second))
+
+    @attrs.define
+    class Head(FakeNode):
+        async def step(self, request: StepRequest) -> StepOutput:
+            await trio.sleep(STEP_SECONDS)
+            return StepOutput(np.zeros((request.n_rows, 8), np.float32), None, request.n_rows, STEP_SECONDS)
+
+        async def connect(self, hop: Hop, open_route: OpenRoute) -> Any:
+            return down_ours
+
+    async def next_hop() -> None:
+        conn = SeamConnection(down_theirs)
+        opening = await conn.receive()
+        assert isinstance(opening, OpenRoute)
+        endpoint = SeamEndpoint(opening.header.identity.at(second), Direction.UPSTREAM, peer_shard=first)
+        endpoint.receive(opening)
+        conn.endpoint = endpoint
+        async with trio.open_nursery() as inner:
+
+            async def drain() -> None:
+                with contextlib.suppress(TransportError):
+                    while True:
+                        await conn.receive()
+
+            inner.start_soon(drain)
+            with contextlib.suppress(TransportError):
+                while True:  # "flow control" every second, and never a token
+                    await trio.sleep(1.0)
+                    await conn.send(Credit(endpoint.header(Phase.DECODE), 4))
+
+    client = SeamConnection(ours, SeamEndpoint(_identity(), Direction.DOWNSTREAM, peer_shard=first))
+    assert client.endpoint is not None
+    await client.send(OpenRoute(client.endpoint.header(Phase.PREFILL), hops, Sampling(), (1, 2, 3), 4))
+    upstream, opening = await _as_the_first_hop_of(theirs, first)
+    node = Head()
+    lease = LeaseManager(2, 64).acquire(7)
+    assert lease is not None
+    session = RouteSession(node.context(), opening, 0, upstream, lease, object(), trio.current_time() + 600)
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(next_hop)
+        await session.run()
+        nursery.cancel_scope.cancel()
+    assert session.end is not None and session.end.reason is EndReason.IDLE, session.end
+    assert trio.current_time() - started <= 30.0 * 1.5  # the idle timeout, not the 600 s deadline
+
+
+async def _as_the_first_hop_of(stream: Any, shard: Span) -> tuple[SeamConnection, OpenRoute]:
+    conn = SeamConnection(stream)
+    opening = await conn.receive()
+    assert isinstance(opening, OpenRoute)
+    endpoint = SeamEndpoint(opening.header.identity.at(shard), Direction.UPSTREAM, peer_shard=Span())
+    endpoint.receive(opening)
+    conn.endpoint = endpoint
+    return conn, opening

@@ -40,6 +40,7 @@ from noderuntime.transport import FrameStream, TransportError
 from protocol import (
     Activations,
     Cancel,
+    Credit,
     Direction,
     Encoding,
     Error,
@@ -305,7 +306,7 @@ class RouteSession:
 
     async def _downstream_loop(self) -> None:
         """Frames from downstream: Tokens, Usage, Error, Cancel (a Credit, which no hop sends,
-        is passed over, though it counts as activity for the watchdog)."""
+        is passed over: it is not progress, so a hop that sends only Credits is still idle)."""
         assert self.downstream is not None
         while True:
             try:
@@ -318,6 +319,8 @@ class RouteSession:
             except TransportError:
                 self._finish(ending(EndReason.DOWNSTREAM_CLOSED, "the next hop went away"))
                 return
+            if isinstance(event, Credit):
+                continue
             self._touch()
             self._awaiting_downstream = False
             if isinstance(event, Tokens):
