@@ -17,7 +17,8 @@ from typing import Any, ClassVar, TypeVar
 import attrs
 
 from noderuntime.access import untrusted
-from protocol import Hop, Span
+from noderuntime.tracker.messages import RouteHop
+from protocol import Hop
 
 PREFIX = '{"event": "ready"'  # every ready line starts so; other output never does
 
@@ -54,14 +55,14 @@ class NodeReady:
     device: str = "cpu"  # where its layers and KV live: "cpu", "vulkan:0", "cuda:1", ...
 
     def hop(self) -> Hop:
-        """The node as a hop of a route plan."""
-        return Hop(
-            bytes.fromhex(self.node_id),
-            Span(*self.layers),
-            self.address,
-            self.relay,
-            bytes.fromhex(self.tls_cert_sha256),
-        )
+        """The node as a hop of a route plan (as a route grant would name it)."""
+        return RouteHop(
+            node_id=self.node_id,
+            layers=self.layers,
+            address=self.address,
+            relay=self.relay,
+            tls_cert_sha256=self.tls_cert_sha256,
+        ).hop()
 
 
 @attrs.frozen

@@ -15,6 +15,7 @@ by tensor), so the lanes differ only in precision and runtime.
 
 from __future__ import annotations
 
+import functools
 import io
 import shutil
 from collections.abc import Callable
@@ -60,7 +61,14 @@ LANES: dict[str, tuple[str, str]] = {
 def lanes_dir(source: Path) -> Path:
     """Where the lanes of ``source`` live: keyed by its name and contents, so a file rewritten
     with other weights (a random-weight model of the same shape) never meets another's lanes."""
-    return models.models_dir().parent / "lanes" / f"{source.stem}-{models.sha256_file(source)[:16]}"
+    stat = source.stat()
+    return models.models_dir().parent / "lanes" / f"{source.stem}-{_digest(source, stat.st_size, stat.st_mtime_ns)}"
+
+
+@functools.lru_cache(maxsize=16)
+def _digest(source: Path, size: int, mtime_ns: int) -> str:
+    # hashed once a process for each version of a file: the lanes of one model are asked for often
+    return models.sha256_file(source)[:16]
 
 
 def float_gguf(source: Path, out: Path) -> None:
