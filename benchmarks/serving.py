@@ -143,6 +143,7 @@ async def _level(url: str, model: str, clients: int, requests_each: int, max_tok
 
 
 LEVELS = [1, 4, 8, 16]
+LANES = ["llama_server", "llama_cpp_python", "one_node", "local_system", "grpc_route"]
 LLAMA_SERVER_PORT = 18124
 LLAMA_CPP_PYTHON_PORT = 18123
 
@@ -210,7 +211,10 @@ def _run_lane(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _common.parser(NAME, __doc__ or "").parse_args(argv)
+    p = _common.parser(NAME, __doc__ or "")
+    p.add_argument("--lanes", default=",".join(LANES), help="comma-separated lanes to run (llama_server always runs)")
+    p.add_argument("--levels", default=None, help="comma-separated client counts (default 1,4,8,16; --quick 1,4)")
+    args = p.parse_args(argv)
     from noderuntime.engine.llama import Recipe
     from noderuntime.models import artifacts
     from noderuntime.models import catalogue as models
@@ -219,12 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     model = models.pull(models.DEMO_MODEL, progress=False)
     info = artifacts.inspect(model)
     levels = [1, 4] if args.quick else LEVELS
+    if args.levels:
+        levels = [int(n) for n in args.levels.split(",")]
     requests_each = 1 if args.quick else 2
     max_tokens = 24 if args.quick else 64
     slots, ctx = 16, 1024
     server = _llama_server()
     figures: dict[str, Any] = {}
-    lanes = ["llama_server", "llama_cpp_python", "one_node", "local_system", "grpc_route"]
+    lanes = ["llama_server"] + [lane for lane in LANES[1:] if lane in args.lanes.split(",")]
     for lane in lanes:
         if lane in ("llama_server", "llama_cpp_python"):
             if lane == "llama_server":

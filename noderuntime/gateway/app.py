@@ -59,6 +59,7 @@ from noderuntime.gateway.tools import (
     ChatOutput,
     hermes_history,
 )
+from noderuntime.operations import timeline
 from noderuntime.operations.httpserve import BodyLimit
 from noderuntime.operations.telemetry import GatewayMetrics, exposition, trio_tasks
 from noderuntime.seams.client import GenerationRequest, RouteError, open_route_generation
@@ -225,7 +226,9 @@ class Gateway:
         backoff = 0.05
         while True:
             try:
+                timeline.mark("gateway.granting")
                 grant = await self._grant(model, len(request.prompt_tokens) + request.max_tokens, exclude)
+                timeline.mark("gateway.granted")
             except ApiError as exc:
                 if exc.status == 429 and trio.current_time() + backoff < queue_until:
                     await trio.sleep(backoff)
@@ -250,8 +253,10 @@ class Gateway:
                             epoch=grant.epoch,
                         )
                     )
+                    timeline.mark("gateway.opened")
                     with trio.fail_after(time_left(request)):
                         first = await gen.next()
+                    timeline.mark("gateway.first_tokens")
                 except trio.TooSlowError:
                     raise silent_route() from None
                 except RouteError as exc:
@@ -388,15 +393,11 @@ class Gateway:
             kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
             return error_response(ApiError(exc.status_code, str(exc.detail), kind))
 
-        @app.middleware("http")
-        async def count(request: Request, call_next: Any) -> Any:
-            response = await call_next(request)
-            if request.url.path.startswith("/v1/"):
-                # by the route that matched, never the raw path: anyone may send any path,
-                # and each label value is a series the process keeps for good
-                route = getattr(request.scope.get("route"), "path", "")
-                self.metrics.requests.labels(route or "unmatched", str(response.status_code)).inc()
-            return response
+        # outermost, so refusals by the layers inside count too; the router has put the route
+        # that matched into the (shared) scope by the time the answer starts. A plain ASGI
+        # wrapper, not Starlette's BaseHTTPMiddleware: that one passes every chunk of a
+        # streamed reply through a channel to another task.
+        app.add_middleware(CountRequests, metrics=self.metrics)
 
         self._routes(app)
         return app
@@ -466,6 +467,7 @@ class Gateway:
 
         @app.post("/v1/chat/completions", response_model=None)
         async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+            timeline.mark("gateway.received")
             model = self._model(body.model)
             if model.template is None:
                 raise ApiError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
@@ -480,6 +482,7 @@ class Gateway:
             # rendering and tokenizing a long conversation takes a while: not on the event loop
             render = functools.partial(model.chat_prompt, messages, **context)
             prompt = await trio.to_thread.run_sync(render, limiter=self._tokenizing)
+            timeline.mark("gateway.tokenized")
             max_tokens = body.max_completion_tokens or body.max_tokens
             # a large schema's grammar takes milliseconds to build and compile: not on the event loop
             constraint = body.constraint()
@@ -743,6 +746,7 @@ class Gateway:
                             now = time.perf_counter()
                             self.metrics.inter_token.observe(now - last_delta)
                             last_delta = now
+                            timeline.mark("gateway.chunk")
                             yield chunk(choice)
             if include_usage:
                 yield event(
@@ -765,6 +769,29 @@ class Gateway:
             with trio.CancelScope(shield=True):
                 for stream in streams:
                     await _aclose(stream)
+
+
+class CountRequests:
+    """ASGI middleware: counts every ``/v1/`` answer by the route that matched and its status."""
+
+    def __init__(self, app: Any, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                # by the route that matched, never the raw path: anyone may send any path,
+                # and each label value is a series the process keeps for good
+                route = getattr(scope.get("route"), "path", "")
+                self.metrics.requests.labels(route or "unmatched", str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
 
 
 async def _aclose(stream: AsyncIterator[Any]) -> None:

@@ -28,6 +28,7 @@ from noderuntime.node.batcher import Batcher, BatcherStatistics
 from noderuntime.node.ending import EndReason
 from noderuntime.node.leases import LeaseManager, LeaseStatistics
 from noderuntime.node.sessions import RouteSession, SessionContext, SessionKey, deadline_from_unix_ms
+from noderuntime.operations import timeline
 from noderuntime.operations.telemetry import NodeMetrics, SessionLog, exposition
 from noderuntime.seams.connection import NOTICE_TIMEOUT, SeamConnection
 from noderuntime.transport import FrameStream, TransportError
@@ -301,6 +302,7 @@ class Node:
             await self._refuse(conn, first.header.identity, exc)
             return None
         session = self._admit(first, index, conn)
+        timeline.mark("node.admitted")
         if isinstance(session, ProtocolError):
             await self._refuse(conn, first.header.identity, session)
             return None

@@ -1,0 +1,321 @@
+"""Where a served request's time goes: first token and each token after, stage by stage.
+
+    python -m benchmarks.breakdown [--quick] [--out PATH] [--lane one_node|local_system|grpc_route]
+                                   [--profile DIR]
+
+Starts one lane of ``benchmarks.serving`` (tracker, gateway, nodes) with every process
+recording its timeline (:mod:`noderuntime.operations.timeline`; all processes read one
+monotonic clock), then:
+
+- **first token**: single streamed requests one after another, each split into the stages
+  its processes recorded, from the client's send to the first content chunk back:
+  the gateway's parsing and template, the tracker's grant, opening the route's seam, the
+  head's admission, each node's prefill ticks, the first token's way back, the SSE chunk;
+- **each token after**: at 1 and 8 clients, the node's ticks (engine time, time on the
+  engine thread outside the engine, time between ticks) and CPU seconds per token of every
+  process; with ``--profile DIR``, a py-spy flame graph (SVG) and a table of the hottest
+  frames of each process at 8 clients.
+
+Medians, in milliseconds. The JSON holds the stage table, the tick split and the frames.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from benchmarks import _common
+from benchmarks.serving import PROMPTS, _cpu_seconds
+
+NAME = "breakdown"
+
+# The first token's stages, in order: (process kind, stage). A stage's time is from the
+# previous stage found to this one; stages a lane does not have are skipped.
+FIRST_TOKEN = [
+    ("gateway", "gateway.received"),
+    ("gateway", "gateway.tokenized"),
+    ("gateway", "gateway.granting"),
+    ("gateway", "gateway.granted"),
+    ("gateway", "gateway.opened"),
+    ("node0", "node.admitted"),
+    ("node0", "tick.started"),
+    ("node0", "tick.finished"),
+    ("node1", "node.admitted"),
+    ("node1", "tick.started"),
+    ("node1", "tick.finished"),
+    ("gateway", "gateway.first_tokens"),
+    ("gateway", "gateway.chunk"),
+]
+
+
+async def _one(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    arrivals: list[int] = []
+    async with httpx.AsyncClient(timeout=300) as client:
+        sent = time.perf_counter_ns()
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        if (choice.get("delta") or {}).get("content"):
+                            arrivals.append(time.perf_counter_ns())
+    return {"sent": sent, "arrivals": arrivals}
+
+
+async def _load(url: str, model: str, clients: int, requests_each: int, max_tokens: int) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+
+    async def client(i: int) -> None:
+        for r in range(requests_each):
+            prompt = f"Request {i}-{r}-{time.monotonic_ns()}.\n{PROMPTS[(i + r) % len(PROMPTS)]}"
+            results.append(await _one(url, model, prompt, max_tokens))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(clients):
+            nursery.start_soon(client, i)
+    return results
+
+
+def _kind(record: dict[str, Any]) -> str:
+    argv = " ".join(record["argv"])
+    for kind in ("gateway", "tracker", "relay"):
+        if f" {kind} " in f" {argv} " or argv.endswith(f" {kind}"):
+            return kind
+    if " up " in f" {argv} ":
+        layers = argv.split("--layers", 1)[1].split()[0] if "--layers" in argv else "0:"
+        return "node" + str(layers)
+    return "other"
+
+
+def _by_kind(records: list[dict[str, Any]]) -> dict[str, list[tuple[str, int, str]]]:
+    """Each process's events under ``gateway``, ``node0``, ``node1``, ... (nodes by first layer)."""
+    kinds: dict[str, list[tuple[str, int, str]]] = {}
+    nodes = []
+    for record in records:
+        kind = _kind(record)
+        if kind.startswith("node"):
+            nodes.append((int(kind[4:].split(":")[0]), record))
+        else:
+            kinds[kind] = [tuple(e) for e in record["events"]]
+    for i, (_, record) in enumerate(sorted(nodes, key=lambda n: n[0])):
+        kinds[f"node{i}"] = [tuple(e) for e in record["events"]]
+    return kinds
+
+
+def first_token_stages(kinds: dict[str, list[tuple[str, int, str]]], requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per request, each stage's time from the previous one found (ms); medians over requests."""
+    per_stage: dict[str, list[float]] = collections.defaultdict(list)
+    totals = []
+    for request in requests:
+        if not request["arrivals"]:
+            continue
+        start, end = request["sent"], request["arrivals"][0]
+        previous = start
+        for kind, stage in FIRST_TOKEN:
+            times = [t for s, t, _ in kinds.get(kind, ()) if s == stage and previous <= t <= end]
+            if not times:
+                continue
+            # a tick's start is the first after the previous stage; its finish, the last before
+            # the next kind of stage (prefill can take several ticks)
+            at = times[-1] if stage == "tick.finished" else times[0]
+            per_stage[f"{kind} {stage}"].append((at - previous) / 1e6)
+            previous = at
+        per_stage["client received the chunk"].append((end - previous) / 1e6)
+        totals.append((end - start) / 1e6)
+    stages = {name: statistics.median(values) for name, values in per_stage.items()}
+    return {"stages_ms": stages, "ttft_ms": statistics.median(totals) if totals else None, "requests": len(totals)}
+
+
+def tick_split(events: list[tuple[str, int, str]], start: int, end: int) -> dict[str, Any]:
+    """A node's ticks inside ``[start, end]``: engine time, the rest of each tick, and time between ticks."""
+    ticks = []
+    current: dict[str, int] = {}
+    for stage, t, _ in events:
+        if not start <= t <= end:
+            continue
+        if stage in ("tick.started", "engine.started", "engine.finished"):
+            current[stage] = t
+        elif stage == "tick.finished" and len(current) == 3:
+            ticks.append((current["tick.started"], current["engine.started"], current["engine.finished"], t))
+            current = {}
+    if len(ticks) < 2:
+        return {"ticks": len(ticks)}
+    engine = [(c - b) / 1e6 for _, b, c, _ in ticks]
+    hop = [((b - a) + (d - c)) / 1e6 for a, b, c, d in ticks]
+    between = [(nxt[0] - cur[3]) / 1e6 for cur, nxt in itertools.pairwise(ticks)]
+    wall = (ticks[-1][3] - ticks[0][0]) / 1e6
+    return {
+        "ticks": len(ticks),
+        "engine_ms_p50": statistics.median(engine),
+        "thread_hop_ms_p50": statistics.median(hop),
+        "between_ticks_ms_p50": statistics.median(between),
+        "engine_share_of_wall": sum(engine) / wall if wall else None,
+        "hop_share_of_wall": sum(hop) / wall if wall else None,
+        "between_share_of_wall": sum(between) / wall if wall else None,
+    }
+
+
+def _hottest(raw: Path, top: int = 25) -> list[dict[str, Any]]:
+    """The frames with the most samples (inclusive and own) in a py-spy ``raw`` (folded) profile."""
+    inclusive: collections.Counter[str] = collections.Counter()
+    own: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        for frame in set(frames):
+            inclusive[frame] += n
+        own[frames[-1]] += n
+    return [
+        {"frame": frame, "inclusive": n / total, "own": own[frame] / total}
+        for frame, n in inclusive.most_common(top)
+        if total
+    ]
+
+
+def _profile(pids: dict[str, int], seconds: float, directory: Path) -> list[subprocess.Popen[bytes]]:
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    procs = []
+    for name, pid in pids.items():
+        if name == "tracker":
+            continue  # a few requests a second: nothing to see
+        for fmt, suffix in (("flamegraph", "svg"), ("raw", "txt")):
+            out = str(directory / f"{name}.{suffix}")
+            procs.append(
+                subprocess.Popen(
+                    [
+                        spy,
+                        "record",
+                        "-p",
+                        str(pid),
+                        "-d",
+                        str(int(seconds)),
+                        "-r",
+                        "97",
+                        "--nonblocking",
+                        "-f",
+                        fmt,
+                        "-o",
+                        out,
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+    return procs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _common.parser(NAME, __doc__ or "")
+    p.add_argument("--lane", choices=["one_node", "local_system", "grpc_route"], default="one_node")
+    p.add_argument("--profile", type=Path, default=None, help="py-spy flame graphs of every process at 8 clients")
+    args = p.parse_args(argv)
+    from noderuntime.engine.llama import Recipe
+    from noderuntime.models import artifacts
+    from noderuntime.models import catalogue as models
+    from noderuntime.operations import timeline
+    from noderuntime.services import localsystem
+
+    model = models.pull(models.DEMO_MODEL, progress=False)
+    info = artifacts.inspect(model)
+    singles = 5 if args.quick else 12
+    max_tokens = 24 if args.quick else 64
+    figures: dict[str, Any] = {"lane": args.lane}
+    with tempfile.TemporaryDirectory() as tmp:
+        records = Path(tmp) / "timelines"
+        records.mkdir()
+        os.environ[timeline.ENV] = str(records)
+        try:
+            system = localsystem.start(
+                listen="127.0.0.1:0",
+                data_root=Path(tmp) / "data",
+                slots=16,
+                ctx=1024,
+                quiet=True,
+                cuts=(0, info.n_layer) if args.lane == "one_node" else None,
+                relay_last=args.lane == "local_system",
+            )
+        finally:
+            del os.environ[timeline.ENV]
+        url, model_id = system.gateway_url, system.model_id
+        pids = {p.name: p.pid for p in system.processes}
+        windows: dict[str, tuple[int, int]] = {}
+        try:
+            trio.run(_load, url, model_id, 1, 2, 8)  # warm-up
+            singles_done = []
+            for i in range(singles):
+                prompt = f"Request {i}.\n{PROMPTS[i % len(PROMPTS)]}"
+                singles_done.append(trio.run(_one, url, model_id, prompt, max_tokens))
+            cpu: dict[str, Any] = {}
+            for clients in (1, 8):
+                before = _cpu_seconds(pids)
+                spies = []
+                if args.profile is not None and clients == 8:
+                    args.profile.mkdir(parents=True, exist_ok=True)
+                    spies = _profile(pids, 10 if args.quick else 20, args.profile)
+                start = time.perf_counter_ns()
+                done = trio.run(_load, url, model_id, clients, 1 if args.quick else 2, max_tokens)
+                windows[str(clients)] = (start, time.perf_counter_ns())
+                after = _cpu_seconds(pids)
+                for spy in spies:
+                    spy.wait(120)
+                tokens = max(1, sum(len(r["arrivals"]) for r in done))
+                cpu[str(clients)] = {name: (after[name] - before[name]) / tokens * 1e3 for name in pids}
+        finally:
+            system.stop()
+        kinds = _by_kind(timeline.read(records))
+    figures["first_token"] = first_token_stages(kinds, singles_done)
+    figures["cpu_ms_per_token"] = cpu
+    figures["ticks"] = {
+        clients: {node: tick_split(kinds[node], *window) for node in sorted(kinds) if node.startswith("node")}
+        for clients, window in windows.items()
+    }
+    if args.profile is not None:
+        figures["hottest_frames_at_8_clients"] = {
+            name: _hottest(args.profile / f"{name}.txt") for name in pids if (args.profile / f"{name}.txt").exists()
+        }
+    path = _common.out_path(NAME, args)
+    _common.write(
+        path,
+        NAME,
+        args,
+        Recipe(n_threads=2, n_ctx_per_seq=1024).describe(info.quant),
+        figures,
+        settings={"lane": args.lane, "single_requests": singles, "max_tokens": max_tokens, "slots": 16},
+    )
+    print(_common.table(["stage", "ms (p50)"], list(figures["first_token"]["stages_ms"].items())))
+    print(f"TTFT p50 {figures['first_token']['ttft_ms']:.1f} ms over {figures['first_token']['requests']} requests")
+    for clients, nodes in figures["ticks"].items():
+        for node, split in nodes.items():
+            print(f"{clients} clients, {node}: {split}")
+        print(f"{clients} clients, CPU ms per token: {cpu[clients]}")
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
