@@ -159,6 +159,7 @@ TIERS = {
         "test_benchmarks",
         "test_cli",
         "test_clients",
+        "test_cores",
         "test_devices",
         "test_faults",
         "test_gate_f",

@@ -25,6 +25,7 @@ from noderuntime.cli.args import (
     size,
     url,
 )
+from noderuntime.engine.cores import machine_cores
 from noderuntime.models import catalogue as models
 
 API_KEYS_ENV = "NODERUNTIME_API_KEYS"  # comma-separated; keys in argv show in `ps`
@@ -120,6 +121,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         advertise=args.advertise,
         relay=args.relay,
         threads=args.threads,
+        share_cores=args.share_cores,
         slots=args.slots,
         ctx_per_session=args.ctx,
         batch=args.batch,
@@ -273,7 +275,18 @@ def _add_up(sub: Any) -> None:
         default=[],
         help="public key (hex or file) whose session tickets this node accepts; repeatable",
     )
-    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=len(machine_cores()),
+        help="the engine's OpenMP threads (default: every core this process may run on)",
+    )
+    p.add_argument(
+        "--own-cores",
+        dest="share_cores",
+        action="store_false",
+        help="this node's cores are its own (pinned apart from other nodes): do not take turns on them",
+    )
     p.add_argument("--slots", type=positive_int, default=8, help="concurrent sessions")
     p.add_argument("--ctx", type=positive_int, default=2048, help="context per session (multiple of 256)")
     p.add_argument("--batch", type=positive_int, default=512, help="tokens per batch")

@@ -12,6 +12,10 @@ probes) goes to one long-lived thread per engine, not to whichever thread
 Calls that run no graph (removing a sequence's KV between batches, making or freeing a
 sampler) stay on the trio thread.
 
+With :class:`~noderuntime.engine.cores.CoreTurns`, each call holds this process's turn
+on its cores, so node processes that share a machine never run two OpenMP teams on the
+same cores at once (see that module).
+
 Calls run one at a time, in the order their callers take turns. Like
 ``trio.to_thread.run_sync``, a call cannot be abandoned: a caller cancelled meanwhile
 still gets its call's result, and meets the cancellation at its next checkpoint.
@@ -28,14 +32,18 @@ from typing import Any, TypeVar
 import outcome
 import trio
 
+from noderuntime.engine.cores import CoreTurns
+
 _T = TypeVar("_T")
 
 
 class EngineThread:
     """Runs blocking calls on one thread of its own; started on first use, ended by :meth:`close`."""
 
-    def __init__(self, name: str = "engine") -> None:
+    def __init__(self, name: str = "engine", *, turns: CoreTurns | None = None) -> None:
+        """``turns``: held around each call, and closed by the thread when it ends."""
         self.name = name
+        self._turns = turns
         # one call in the thread's hands at a time, and the sentinel that ends it: callers
         # beyond that wait for the turn in trio, not in this queue
         self._jobs: queue.Queue[tuple[Callable[[], Any], Callable[[outcome.Outcome[Any]], None]] | None] = queue.Queue(
@@ -69,12 +77,23 @@ class EngineThread:
         """Let the thread end after the call it has, if any; idempotent, does not wait."""
         if not self._closed:
             self._closed = True
+            if self._thread is None and self._turns is not None:
+                self._turns.close()  # never started: nobody else will
             self._jobs.put_nowait(None)
 
     def _serve(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            fn, deliver = job
-            deliver(outcome.capture(fn))
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                fn, deliver = job
+                if self._turns is None:
+                    deliver(outcome.capture(fn))
+                else:
+                    with self._turns.held():
+                        result = outcome.capture(fn)
+                    deliver(result)
+        finally:
+            if self._turns is not None:
+                self._turns.close()

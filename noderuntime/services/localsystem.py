@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import signal
 import sys
 import threading
@@ -22,6 +21,7 @@ import attrs
 import platformdirs
 
 from noderuntime.control import admission
+from noderuntime.engine.cores import machine_cores
 from noderuntime.models import artifacts
 from noderuntime.models import catalogue as models
 from noderuntime.services import ready
@@ -89,9 +89,11 @@ def start(
     path, model_id = _model_path(model_name, quiet=quiet)
     info = artifacts.inspect(path)
     cuts = cuts or (0, info.n_layer // 2, info.n_layer)
-    # nodes on one machine share its cores: oversubscribed OpenMP teams stall each other
-    # at every barrier (2 nodes x 2 threads on 2 cores: 4 sessions ran at 8 tok/s instead of 64)
-    threads = max(1, (os.cpu_count() or 2) // (len(cuts) - 1))
+    # every node's OpenMP team uses every core, and the nodes take turns on them (engine.cores):
+    # a token goes through the shards one after the other, so a shard with all the cores
+    # computes its part twice as fast as one with half of them, and turns keep two teams
+    # from ever sharing a core (which stalls both at every barrier)
+    threads = len(machine_cores())
     root = data_root or Path(platformdirs.user_data_dir("noderuntime")) / "local-system"
     processes: list[ManagedProcess] = []
 

@@ -26,6 +26,7 @@ from noderuntime.control import admission
 from noderuntime.control.ledger import Ledger
 from noderuntime.engine import memplan
 from noderuntime.engine.backends import BackendMismatchError, parse_device
+from noderuntime.engine.cores import CoreTurns
 from noderuntime.engine.llama import Recipe, ShardEngine, build_info, describe_device
 from noderuntime.engine.thread import EngineThread
 from noderuntime.models import artifacts
@@ -60,6 +61,9 @@ class NodeOptions:
     advertise: str | None = None
     relay: str | None = None
     threads: int = 2
+    # take turns on this machine's cores with the other nodes on it (engine.cores); off
+    # for a node whose cores are its own (pinned apart from every other node's)
+    share_cores: bool = True
     slots: int = 8
     ctx_per_session: int = 2048
     batch: int = 512
@@ -119,8 +123,10 @@ async def run_node(
     # bad certificate files fail here, before the model loads
     tls = server_tls(opts.tls_cert, opts.tls_key) if opts.tls_cert and opts.tls_key else None
     pin = identity.TlsFiles(opts.tls_cert, opts.tls_key).cert_sha256 if opts.tls_cert and opts.tls_key else b""
-    # every call that touches the engine runs on this one thread (see enginethread)
-    engine_thread = EngineThread()
+    # every call that touches the engine runs on this one thread (see engine.thread); on
+    # the CPU each call holds the turn on this process's cores (see engine.cores)
+    turns = CoreTurns() if opts.share_cores and opts.device == "cpu" and opts.backend == "llama.cpp" else None
+    engine_thread = EngineThread(turns=turns)
     try:
         info, recipe, layers, engine = await _load_engine(opts, engine_thread)
     except BaseException:

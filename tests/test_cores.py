@@ -1,0 +1,128 @@
+"""Turns on the cores: co-located node processes never run two engine calls on the same cores at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from noderuntime.engine.cores import CoreTurns, machine_cores
+from noderuntime.engine.thread import EngineThread
+
+# A second process that takes its turn on the cores named in argv, says so, and holds it
+# until stdin closes (or it is killed).
+HOLDER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from noderuntime.engine.cores import CoreTurns
+    turns = CoreTurns([int(c) for c in sys.argv[2].split(",")], Path(sys.argv[1]))
+    with turns.held():
+        print("held", flush=True)
+        sys.stdin.read()
+    """
+)
+
+
+def _holder(directory: Path, cores: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(directory), cores], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _waits(turns: CoreTurns, seconds: float = 0.3) -> bool:
+    """Whether taking ``turns`` waits longer than ``seconds`` (taken on a thread, given back)."""
+    import threading
+
+    got = threading.Event()
+
+    def take() -> None:
+        with turns.held():
+            got.set()
+
+    thread = threading.Thread(target=take, daemon=True)
+    thread.start()
+    waited = not got.wait(seconds)
+    return waited
+
+
+def test_a_turn_held_by_another_process_waits_until_it_ends(tmp_path: Path) -> None:
+    holder = _holder(tmp_path, "0,1")
+    mine = CoreTurns([1], tmp_path)
+    try:
+        assert _waits(mine)  # core 1 is the other process's
+        assert holder.stdin is not None
+        holder.stdin.close()  # it lets go
+        holder.wait(10)
+        deadline = time.monotonic() + 10
+        while _waits(mine, 0.05):
+            assert time.monotonic() < deadline, "the turn never came"
+    finally:
+        holder.kill()
+        mine.close()
+
+
+def test_a_killed_holder_gives_its_turn_back(tmp_path: Path) -> None:
+    holder = _holder(tmp_path, "0")
+    mine = CoreTurns([0], tmp_path)
+    try:
+        assert _waits(mine)
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(10)
+        with mine.held():  # the kernel let go of the dead process's lock
+            pass
+    finally:
+        mine.close()
+
+
+def test_disjoint_cores_never_wait(tmp_path: Path) -> None:
+    holder = _holder(tmp_path, "0")
+    mine = CoreTurns([1, 2], tmp_path)
+    try:
+        assert not _waits(mine)
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(10)
+        mine.close()
+
+
+def test_turns_need_a_core_and_close_twice(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least one core"):
+        CoreTurns([], tmp_path)
+    turns = CoreTurns(None, tmp_path)
+    assert turns.cores == machine_cores()
+    turns.close()
+    turns.close()
+
+
+def test_each_engine_call_holds_the_turn(tmp_path: Path) -> None:
+    """While a call runs on the engine thread another process cannot take the turn; between calls it can."""
+    probe = CoreTurns(machine_cores(), tmp_path)  # stands for a second node: a lock from another open file
+    thread = EngineThread("test-engine", turns=CoreTurns(machine_cores(), tmp_path))
+    seen: list[bool] = []
+
+    def call() -> None:
+        seen.append(_waits(probe, 0.2))
+
+    async def main() -> None:
+        await thread.run(call)
+        await thread.run(lambda: None)
+
+    try:
+        trio.run(main)
+        assert seen == [True]
+        assert not _waits(probe, 2.0)  # given back after the call
+    finally:
+        thread.close()
+        probe.close()
