@@ -38,7 +38,7 @@ import httpx
 import trio
 
 from benchmarks import _common
-from benchmarks.serving import PROMPTS, _cpu_seconds
+from benchmarks.serving import PROMPTS, _cpu_seconds, system_message
 
 NAME = "breakdown"
 
@@ -64,7 +64,7 @@ FIRST_TOKEN = [
 async def _one(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": prompt}],
+        "messages": [{"role": "system", "content": system_message()}, {"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
@@ -87,8 +87,7 @@ async def _load(url: str, model: str, clients: int, requests_each: int, max_toke
 
     async def client(i: int) -> None:
         for r in range(requests_each):
-            prompt = f"Request {i}-{r}-{time.monotonic_ns()}.\n{PROMPTS[(i + r) % len(PROMPTS)]}"
-            results.append(await _one(url, model, prompt, max_tokens))
+            results.append(await _one(url, model, PROMPTS[(i + r) % len(PROMPTS)], max_tokens))
 
     async with trio.open_nursery() as nursery:
         for i in range(clients):
@@ -268,8 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             trio.run(_load, url, model_id, 1, 2, 8)  # warm-up
             singles_done = []
             for i in range(singles):
-                prompt = f"Request {i}.\n{PROMPTS[i % len(PROMPTS)]}"
-                singles_done.append(trio.run(_one, url, model_id, prompt, max_tokens))
+                singles_done.append(trio.run(_one, url, model_id, PROMPTS[i % len(PROMPTS)], max_tokens))
             cpu: dict[str, Any] = {}
             for clients in (1, 8):
                 before = _cpu_seconds(pids)

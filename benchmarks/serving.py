@@ -3,8 +3,9 @@
     python -m benchmarks.serving [--quick] [--out PATH]
 
 Lanes, one at a time on the same machine, the same model (SmolLM2-135M Q4_1) and the
-same client (streaming chat, greedy, the same prompts each with a unique first line so
-that no server reuses a cached prefix, two requests per client):
+same client (streaming chat, greedy, the same prompts, each conversation opened by a
+system message with a unique first line so that no server reuses a cached prefix, two
+requests per client):
 
 - ``llama_server``: llama.cpp's ``llama-server -np 16`` (continuous batching), built
   from the same vendored llama.cpp, patches and CMake flags as the wheel
@@ -88,12 +89,18 @@ def _start_llama_cpp_server(model: Path, port: int) -> subprocess.Popen[bytes]:
     return _ready(proc, f"http://127.0.0.1:{port}/v1/models", "llama-cpp-python's server")
 
 
+def system_message() -> str:
+    """A system message no server has seen: SmolLM2's own default one, after a unique first line."""
+    return f"Request {uuid.uuid4().hex[:8]}.\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
 async def _client(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    # a unique first line: llama-cpp-python's server reuses the KV of a repeated prompt prefix
-    content = f"Request {uuid.uuid4().hex[:8]}.\n{prompt}"
+    # The conversation starts unique: both llama.cpp servers reuse the KV of a prompt prefix
+    # they have seen, and a template's default system message (SmolLM2's is 22 tokens)
+    # would be such a prefix before any text of the user's.
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": content}],
+        "messages": [{"role": "system", "content": system_message()}, {"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,

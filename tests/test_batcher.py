@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -218,3 +219,48 @@ async def test_one_step_per_sequence(autojump_clock: trio.testing.MockClock) -> 
         with pytest.raises(ValueError, match="1 to 64 rows"):
             await batcher.step(request(1, 0, 65))
         nursery.cancel_scope.cancel()
+
+
+async def _route_like(batcher: Batcher, seq: int, offset: float, round_trip: float, steps: int) -> list[float]:
+    """A session whose decode steps come back ``round_trip`` after each result, as on a route."""
+    await trio.sleep(offset)
+    times = []
+    for position in range(steps):
+        await batcher.step(request(seq, position, 1))
+        times.append(trio.current_time())
+        await trio.sleep(round_trip)
+    return times
+
+
+async def test_decode_steps_that_are_due_join_the_tick_instead_of_splitting_into_groups(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two sessions a few ms apart would take turns forever; the one that is due is waited for."""
+    batcher, engine, leases = make()
+    a, b = leases.acquire(100), leases.acquire(100)
+    assert a is not None and b is not None
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batcher.run)
+        async with trio.open_nursery() as sessions:
+            sessions.start_soon(_route_like, batcher, a.seq_id, 0.0, 0.003, 12)
+            sessions.start_soon(_route_like, batcher, b.seq_id, 0.002, 0.003, 12)
+        nursery.cancel_scope.cancel()
+    both = [(a.seq_id, 1), (b.seq_id, 1)]
+    assert engine.batches[:2] == [[(a.seq_id, 1)], [(b.seq_id, 1)]]  # apart, until their cadence is known
+    assert engine.batches[3:11] == [both] * 8  # then together, and they stay so
+    assert len(engine.batches) < 2 * 12 - 8
+
+
+async def test_a_step_that_is_not_due_is_not_waited_for(autojump_clock: trio.testing.MockClock) -> None:
+    batcher, _, leases = make()
+    a, b = leases.acquire(100), leases.acquire(100)
+    assert a is not None and b is not None
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batcher.run)
+        async with trio.open_nursery() as sessions:
+            sessions.start_soon(_route_like, batcher, b.seq_id, 0.0, 0.200, 3)
+            times = await _route_like(batcher, a.seq_id, 0.001, 0.005, 10)
+        nursery.cancel_scope.cancel()
+    # b comes every 210 ms, far outside half a tick: a's ticks never wait for it
+    gaps = [t1 - t0 for t0, t1 in itertools.pairwise(times)]
+    assert max(gaps[2:]) == pytest.approx(0.005 + RUN_SECONDS)

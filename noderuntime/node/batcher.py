@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 # Scheduler passes the batcher yields before planning a tick (microseconds each).
 GATHER_PASSES = 2
+# How long a decode tick may wait for decode steps that are due, as a share of a decode
+# tick's recent duration (see Batcher._await_due_steps).
+DUE_WAIT_SHARE = 0.5
 
 
 class Closable(Protocol):
@@ -169,6 +172,10 @@ class Batcher:
         self._busy = 0.0
         self._engine_seconds = 0.0
         self._failed = 0
+        # per sequence: when its last decode step came, and how long before that the one
+        # before it (its cadence: the round trip its token makes through the route)
+        self._cadence: dict[int, tuple[float, float | None]] = {}
+        self._recent_decode = 0.0  # smoothed duration of ticks that ran decode rows
 
     # --- called by sessions
 
@@ -180,6 +187,10 @@ class Batcher:
             raise ValueError(f"a step has 1 to {self.max_batch_tokens} rows, not {request.n_rows}")
         work = _Work(request)
         timeline.mark("step.submitted")
+        if request.decode and request.n_rows == 1:
+            now = trio.current_time()
+            last = self._cadence.get(request.seq_id)
+            self._cadence[request.seq_id] = (now, now - last[0] if last is not None else None)
         self._waiting.append(work)
         self._wake.set()
         try:
@@ -256,6 +267,7 @@ class Batcher:
             return  # the engine is busy in a worker thread; applied once it is done
         retiring, self._retiring = self._retiring, []
         for seq_id, resource in retiring:
+            self._cadence.pop(seq_id, None)
             self.engine.remove_sequence(seq_id)
             if resource is not None:
                 resource.close()
@@ -285,6 +297,7 @@ class Batcher:
             if not self._all_steps_in():
                 for _ in range(GATHER_PASSES):
                     await trio.lowlevel.checkpoint()
+                await self._await_due_steps()
             await self._run_calls()
             self._apply_retirements()
             if self._waiting:
@@ -306,6 +319,40 @@ class Batcher:
                 self._running = False
                 call.done.set()
                 self._apply_retirements()
+
+    async def _await_due_steps(self) -> None:
+        """Hold a decode tick briefly for the decode steps that are due.
+
+        On a route a session's next decode step comes back after a round trip through the
+        other shards, and steps that missed a tick by a moment would run in a tick of
+        their own, each reading every weight again: once split, a node's sessions stay
+        split into groups that take turns (2-shard route, 8 clients: most ticks held one
+        row). A session's step is due when its cadence (the time between its last two
+        decode steps) says it comes within this wait; the wait is a share of a decode
+        tick's recent duration, and ends as soon as every due step is in.
+        """
+        if not self._recent_decode or not any(w.request.decode for w in self._waiting):
+            return
+        window = DUE_WAIT_SHARE * self._recent_decode
+        now = trio.current_time()
+        deadline = now + window
+        waiting = {w.request.seq_id for w in self._waiting}
+        due = {
+            seq_id
+            for seq_id, (last, period) in self._cadence.items()
+            if seq_id not in waiting
+            and period is not None
+            and self.leases.state(seq_id) is SlotState.LEASED
+            and now - window <= last + period <= deadline
+        }
+        if not due:
+            return
+        while due - {w.request.seq_id for w in self._waiting}:
+            self._wake = trio.Event()
+            with trio.move_on_at(deadline):
+                await self._wake.wait()
+            if trio.current_time() >= deadline:
+                return
 
     def _all_steps_in(self) -> bool:
         """Whether every leased sequence has a step waiting (False with none leased)."""
@@ -331,6 +378,7 @@ class Batcher:
         rows, samplers, scores = self._assemble(works)
         self._running = True
         started = time.perf_counter()
+        started_at = trio.current_time()  # the clock cadences are read on
         timeline.mark("tick.started")
         try:
             result = await self._runner(functools.partial(_marked, self.engine.run, rows, samplers, scores))
@@ -354,6 +402,9 @@ class Batcher:
         self._last_seconds = elapsed
         # a smoothed step time, for the tracker's route costs
         self._recent = elapsed if self._tick == 1 else 0.8 * self._recent + 0.2 * elapsed
+        if plan.n_decode:
+            took = trio.current_time() - started_at
+            self._recent_decode = took if not self._recent_decode else 0.8 * self._recent_decode + 0.2 * took
         if self._on_tick is not None:
             self._on_tick(len(rows), plan.n_decode, elapsed)
         offset = 0
