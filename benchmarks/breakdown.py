@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import trio
 
-from benchmarks import _common
+from benchmarks import _common, seams
 from benchmarks.serving import PROMPTS, _cpu_seconds, system_message
 
 NAME = "breakdown"
@@ -285,8 +285,13 @@ def main(argv: list[str] | None = None) -> int:
                 cpu[str(clients)] = {name: (after[name] - before[name]) / tokens * 1e3 for name in pids}
         finally:
             system.stop()
-        kinds = _by_kind(timeline.read(records))
+        read = timeline.read(records)
+        kinds = _by_kind(read)
     figures["first_token"] = first_token_stages(kinds, singles_done)
+    if args.lane == "grpc_route":
+        # one decode token's way round the route, step by step (single requests, one at a time)
+        generations = [(r["sent"], r["arrivals"][-1]) for r in singles_done if r["arrivals"]]
+        figures["decode_token_path"] = seams.token_stages(read, "grpc", generations)
     figures["cpu_ms_per_token"] = cpu
     figures["ticks"] = {
         clients: {node: tick_split(kinds[node], *window) for node in sorted(kinds) if node.startswith("node")}
@@ -307,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(_common.table(["stage", "ms (p50)"], list(figures["first_token"]["stages_ms"].items())))
     print(f"TTFT p50 {figures['first_token']['ttft_ms']:.1f} ms over {figures['first_token']['requests']} requests")
+    if "decode_token_path" in figures:
+        way = figures["decode_token_path"]
+        rows = [[step["shard"], step["stage"], step["what"], step["us"]] for step in way["steps"]]
+        print(_common.table(["shard", "stage", "what led to it", "us (p50)"], rows))
+        print(f"a decode token round the route: {way['token_us']:.0f} us over {way['tokens']} tokens")
     for clients, nodes in figures["ticks"].items():
         for node, split in nodes.items():
             print(f"{clients} clients, {node}: {split}")
