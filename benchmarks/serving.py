@@ -2,10 +2,10 @@
 
     python -m benchmarks.serving [--quick] [--out PATH]
 
-Lanes, one at a time on the same machine, the same model (SmolLM2-135M Q4_1) and the
-same client (streaming chat, greedy, the same prompts, each conversation opened by a
-system message with a unique first line so that no server reuses a cached prefix, two
-requests per client):
+Lanes, all started at once on the same machine and measured one at a time, the same
+model (SmolLM2-135M Q4_1) and the same client (streaming chat, greedy, the same prompts,
+each conversation opened by a system message with a unique first line so that no server
+reuses a cached prefix, two requests per client):
 
 - ``llama_server``: llama.cpp's ``llama-server -np 16`` (continuous batching), built
   from the same vendored llama.cpp, patches and CMake flags as the wheel
@@ -19,10 +19,17 @@ At 1, 4, 8 and 16 concurrent clients (``--quick``: 1 and 4): TTFT p50/p95,
 inter-token latency p50/p95 (gaps between streamed chunks), aggregate tokens/s
 (chunks over the level's wall time) and CPU seconds per token of every process
 of the lane. Ratios against ``llama_server`` per level.
+
+This machine's speed drifts by tens of percent within minutes (llama-server alone gave
+67 to 112 tok/s for one client in one hour), so lanes are not run one after another:
+every level of every lane runs in each of two rounds (``--quick``: one), interleaved,
+each round starting with another lane, and each figure pools its lane's rounds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import subprocess
 import sys
@@ -123,6 +130,7 @@ async def _client(url: str, model: str, prompt: str, max_tokens: int) -> dict[st
 
 
 async def _level(url: str, model: str, clients: int, requests_each: int, max_tokens: int) -> dict[str, Any]:
+    """``clients`` streaming clients, ``requests_each`` requests one after another each: what arrived when."""
     results: list[dict[str, Any]] = []
 
     async def one(i: int) -> None:
@@ -133,24 +141,71 @@ async def _level(url: str, model: str, clients: int, requests_each: int, max_tok
     async with trio.open_nursery() as nursery:
         for i in range(clients):
             nursery.start_soon(one, i)
-    wall = time.perf_counter() - started
+    return {"results": results, "wall_s": time.perf_counter() - started}
+
+
+def summarize(runs: list[dict[str, Any]], cpu: dict[str, float]) -> dict[str, Any]:
+    """One lane at one level, over its rounds: percentiles over every request, throughput over all walls."""
+    results = [r for run in runs for r in run["results"]]
+    wall = sum(run["wall_s"] for run in runs)
     ttft = [r["arrivals"][0] - r["started"] for r in results if r["arrivals"]]
-    gaps = [b - a for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)]
+    gaps = [b - a for r in results for a, b in itertools.pairwise(r["arrivals"])]
     chunks = sum(len(r["arrivals"]) for r in results)
+    tokens = max(1, chunks)
     return {
         "ttft_p50_ms": _common.percentile(ttft, 50) * 1e3,
         "ttft_p95_ms": _common.percentile(ttft, 95) * 1e3,
         "itl_p50_ms": _common.percentile(gaps, 50) * 1e3,
         "itl_p95_ms": _common.percentile(gaps, 95) * 1e3,
         "tokens_per_s": chunks / wall,
+        "tokens_per_s_by_round": [sum(len(r["arrivals"]) for r in run["results"]) / run["wall_s"] for run in runs],
         "chunks": chunks,
         "requests": len(results),
         "wall_s": wall,
+        "cpu_s_per_token": {name: seconds / tokens for name, seconds in cpu.items()},
+        "cpu_s_per_token_total": sum(cpu.values()) / tokens,
     }
 
 
 LEVELS = [1, 4, 8, 16]
 LANES = ["llama_server", "llama_cpp_python", "one_node", "local_system", "grpc_route"]
+ROUNDS = 2  # every lane runs every level this many times, interleaved (this machine drifts)
+
+
+def _start_lane(
+    stack: contextlib.ExitStack, lane: str, server: Path, model: Path, n_layer: int, slots: int, ctx: int
+) -> tuple[str, str, dict[str, int]]:
+    """Start ``lane``'s processes (stopped when ``stack`` closes): its URL, model id and process ids."""
+    from noderuntime.services import localsystem
+
+    if lane in ("llama_server", "llama_cpp_python"):
+        if lane == "llama_server":
+            proc = _start_llama_server(server, model, LLAMA_SERVER_PORT, slots, ctx)
+            url = f"http://127.0.0.1:{LLAMA_SERVER_PORT}"
+        else:
+            proc = _start_llama_cpp_server(model, LLAMA_CPP_PYTHON_PORT)
+            url = f"http://127.0.0.1:{LLAMA_CPP_PYTHON_PORT}"
+
+        def stop() -> None:
+            proc.terminate()
+            proc.wait(10)
+
+        stack.callback(stop)
+        return url, str(model), {lane: proc.pid}
+    tmp = stack.enter_context(tempfile.TemporaryDirectory())
+    system = localsystem.start(
+        listen="127.0.0.1:0",
+        data_root=Path(tmp),
+        slots=slots,
+        ctx=ctx,
+        quiet=True,
+        cuts=(0, n_layer) if lane == "one_node" else None,
+        relay_last=lane != "grpc_route",
+    )
+    stack.callback(system.stop)
+    return system.gateway_url, system.model_id, {f"{p.name}": p.pid for p in system.processes}
+
+
 LLAMA_SERVER_PORT = 18124
 LLAMA_CPP_PYTHON_PORT = 18123
 
@@ -201,22 +256,6 @@ def _llama_server() -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
-def _run_lane(
-    url: str, model_id: str, pids: dict[str, int], levels: list[int], requests_each: int, max_tokens: int
-) -> dict[str, Any]:
-    trio.run(_level, url, model_id, 1, 1, 4)  # warm-up
-    figures: dict[str, Any] = {}
-    for level in levels:
-        before = _cpu_seconds(pids)
-        result = trio.run(_level, url, model_id, level, requests_each, max_tokens)
-        after = _cpu_seconds(pids)
-        tokens = max(1, result["chunks"])
-        result["cpu_s_per_token"] = {name: (after[name] - before[name]) / tokens for name in pids}
-        result["cpu_s_per_token_total"] = sum(result["cpu_s_per_token"].values())
-        figures[str(level)] = result
-    return figures
-
-
 def main(argv: list[str] | None = None) -> int:
     p = _common.parser(NAME, __doc__ or "")
     p.add_argument("--lanes", default=",".join(LANES), help="comma-separated lanes to run (llama_server always runs)")
@@ -225,7 +264,6 @@ def main(argv: list[str] | None = None) -> int:
     from noderuntime.engine.llama import Recipe
     from noderuntime.models import artifacts
     from noderuntime.models import catalogue as models
-    from noderuntime.services import localsystem
 
     model = models.pull(models.DEMO_MODEL, progress=False)
     info = artifacts.inspect(model)
@@ -238,36 +276,28 @@ def main(argv: list[str] | None = None) -> int:
     server = _llama_server()
     figures: dict[str, Any] = {}
     lanes = ["llama_server"] + [lane for lane in LANES[1:] if lane in args.lanes.split(",")]
+    rounds = 1 if args.quick else ROUNDS
+    with contextlib.ExitStack() as stack:
+        served = {lane: _start_lane(stack, lane, server, model, info.n_layer, slots, ctx) for lane in lanes}
+        for url, model_id, _ in served.values():
+            trio.run(_level, url, model_id, 1, 1, 4)  # warm-up
+        runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        cpu: dict[tuple[str, int], dict[str, float]] = {}
+        for r in range(rounds):
+            order = lanes[r % len(lanes) :] + lanes[: r % len(lanes)]  # each round starts with another lane
+            for level in levels:
+                for lane in order:
+                    url, model_id, pids = served[lane]
+                    before = _cpu_seconds(pids)
+                    runs.setdefault((lane, level), []).append(
+                        trio.run(_level, url, model_id, level, requests_each, max_tokens)
+                    )
+                    after = _cpu_seconds(pids)
+                    spent = cpu.setdefault((lane, level), dict.fromkeys(pids, 0.0))
+                    for name in pids:
+                        spent[name] += after[name] - before[name]
     for lane in lanes:
-        if lane in ("llama_server", "llama_cpp_python"):
-            if lane == "llama_server":
-                proc = _start_llama_server(server, model, LLAMA_SERVER_PORT, slots, ctx)
-                url = f"http://127.0.0.1:{LLAMA_SERVER_PORT}"
-            else:
-                proc = _start_llama_cpp_server(model, LLAMA_CPP_PYTHON_PORT)
-                url = f"http://127.0.0.1:{LLAMA_CPP_PYTHON_PORT}"
-            try:
-                figures[lane] = _run_lane(url, str(model), {lane: proc.pid}, levels, requests_each, max_tokens)
-            finally:
-                proc.terminate()
-                proc.wait(10)
-            continue
-        cuts = (0, info.n_layer) if lane == "one_node" else None
-        with tempfile.TemporaryDirectory() as tmp:
-            system = localsystem.start(
-                listen="127.0.0.1:0",
-                data_root=Path(tmp),
-                slots=slots,
-                ctx=ctx,
-                quiet=True,
-                cuts=cuts,
-                relay_last=lane != "grpc_route",
-            )
-            try:
-                pids = {p.name: p.pid for p in system.processes}
-                figures[lane] = _run_lane(system.gateway_url, system.model_id, pids, levels, requests_each, max_tokens)
-            finally:
-                system.stop()
+        figures[lane] = {str(n): summarize(runs[lane, n], cpu[lane, n]) for n in levels}
     base = figures["llama_server"]
     figures["ratios_over_llama_server"] = {
         lane: {

@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 
@@ -266,3 +267,22 @@ def test_a_grammar_that_allows_no_token_ends_generation_not_the_process(
     vocab = Vocab(model)
     sampled = [int(line.split()[0]) for line in done.stdout.split("\n") if line.strip()]
     assert sampled[-1] in vocab.eog_tokens  # only the end of generation remains
+
+
+def test_a_unified_kv_is_only_for_measuring_and_leaves_fingerprints_alone(tiny_model: Path) -> None:
+    """benchmarks.invariance runs one KV stream for every sequence; nodes never do."""
+    assert "kv_unified" not in SMALL.describe("Q4_1")
+    unified = attrs.evolve(SMALL, kv_unified=True)
+    assert unified.describe("Q4_1")["kv_unified"] is True
+    assert unified.fingerprint("Q4_1") != SMALL.fingerprint("Q4_1")
+    with ShardEngine(tiny_model, unified) as whole:
+        # a prefill of one sequence and a decode row of another in one batch: one stream holds both
+        rows = Rows(
+            np.array([0, 0, 0, 1], np.int32),
+            np.array([0, 1, 2, 0], np.int32),
+            np.array([0, 0, 1, 1], bool),
+            tokens=np.array([5, 6, 7, 8], np.int32),
+        )
+        result = whole.run(rows, want_logits=True)
+        assert result.logits is not None and result.logits.shape == (2, whole.n_vocab)
+        assert whole.kv_cells_used() == 4

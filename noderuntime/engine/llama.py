@@ -283,6 +283,12 @@ class Recipe:
     # on a GPU, how many local layers it holds, counted back from the end of the range as
     # llama.cpp counts; None: all of them, and the output layer. Always 0 on the CPU.
     gpu_layers: int | None = None
+    # One KV stream per sequence (False) keeps a session's attention sums independent of
+    # who else is batched. True puts every sequence in one stream, as llama-server does:
+    # a batch may then mix prefill and decode rows, and a session's output depends in its
+    # low bits on the others. Only benchmarks.invariance sets it, to measure what the
+    # guarantee costs; nodes always run False.
+    kv_unified: bool = False
 
     def __attrs_post_init__(self) -> None:
         # llama.cpp takes these as 32-bit integers, and ctypes truncates silently: an n_ctx of
@@ -320,6 +326,8 @@ class Recipe:
             "n_ubatch": self.n_ubatch,
             "repack": self.repack,
             "kv_type": self.kv_type,
+            # only when set: every recipe nodes run leaves it out, so their fingerprints stay
+            **({"kv_unified": True} if self.kv_unified else {}),
         }
 
     def fingerprint(self, quant: str) -> str:
@@ -683,7 +691,7 @@ class ShardEngine:
         cparams.n_seq_max = r.n_seq_max
         cparams.n_threads = r.n_threads
         cparams.n_threads_batch = r.n_threads
-        cparams.kv_unified = False  # one KV stream per sequence: sessions never see each other
+        cparams.kv_unified = r.kv_unified  # False: one KV stream per sequence, sessions never see each other
         cparams.type_k = cparams.type_v = _KV_TYPES[r.kv_type]
         cparams.flash_attn_type = (
             llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
