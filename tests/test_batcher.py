@@ -261,6 +261,6 @@ async def test_a_step_that_is_not_due_is_not_waited_for(autojump_clock: trio.tes
             sessions.start_soon(_route_like, batcher, b.seq_id, 0.0, 0.200, 3)
             times = await _route_like(batcher, a.seq_id, 0.001, 0.005, 10)
         nursery.cancel_scope.cancel()
-    # b comes every 210 ms, far outside half a tick: a's ticks never wait for it
+    # b comes every 210 ms, far outside a tick's wait: a's ticks never wait for it
     gaps = [t1 - t0 for t0, t1 in itertools.pairwise(times)]
     assert max(gaps[2:]) == pytest.approx(0.005 + RUN_SECONDS)
