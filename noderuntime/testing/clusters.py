@@ -16,6 +16,7 @@ import trio
 
 from noderuntime.access.identity import Identity
 from noderuntime.access.tickets import issue
+from noderuntime.engine.cores import machine_cores
 from noderuntime.seams.client import GenerationRequest, open_route_generation
 from noderuntime.services.cluster import ManagedProcess
 from noderuntime.services.ready import NodeReady, RelayReady, expect
@@ -169,8 +170,9 @@ def running_cluster(
         ranges = list(itertools.pairwise(cuts))
         for i, (a, b) in enumerate(ranges):
             host = hosts[i] if hosts else "127.0.0.1"
-            # co-located nodes share the cores (oversubscribed OpenMP teams stall each other)
-            share = threads or max(1, (os.cpu_count() or 2) // len(ranges))
+            # as `up` does: every core, and co-located nodes take turns on them (engine.cores);
+            # a node run under a taskset prefix has fewer: pass `threads` for it
+            share = threads or len(machine_cores())
             args = [
                 "up",
                 "--model",
