@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -40,10 +40,15 @@ def _holder(directory: Path, cores: str) -> subprocess.Popen[str]:
     return proc
 
 
-def _waits(turns: CoreTurns, seconds: float = 0.3) -> bool:
-    """Whether taking ``turns`` waits longer than ``seconds`` (taken on a thread, given back)."""
-    import threading
+_PENDING: list[threading.Thread] = []
 
+
+def _waits(turns: CoreTurns, seconds: float = 0.3) -> bool:
+    """Whether taking ``turns`` waits longer than ``seconds``.
+
+    Taken on a thread of its own, given back at once; a thread still waiting is kept for
+    :func:`_join_waiters`, which a test calls before it closes ``turns``.
+    """
     got = threading.Event()
 
     def take() -> None:
@@ -53,7 +58,19 @@ def _waits(turns: CoreTurns, seconds: float = 0.3) -> bool:
     thread = threading.Thread(target=take, daemon=True)
     thread.start()
     waited = not got.wait(seconds)
+    if waited:
+        _PENDING.append(thread)
+    else:
+        thread.join()
     return waited
+
+
+def _join_waiters() -> None:
+    """Let every thread still waiting for a turn get it and give it back."""
+    while _PENDING:
+        thread = _PENDING.pop()
+        thread.join(10)
+        assert not thread.is_alive(), "a turn never came"
 
 
 def test_a_turn_held_by_another_process_waits_until_it_ends(tmp_path: Path) -> None:
@@ -64,11 +81,11 @@ def test_a_turn_held_by_another_process_waits_until_it_ends(tmp_path: Path) -> N
         assert holder.stdin is not None
         holder.stdin.close()  # it lets go
         holder.wait(10)
-        deadline = time.monotonic() + 10
-        while _waits(mine, 0.05):
-            assert time.monotonic() < deadline, "the turn never came"
+        _join_waiters()  # the waiting thread got its turn
+        assert not _waits(mine)
     finally:
         holder.kill()
+        _join_waiters()
         mine.close()
 
 
@@ -79,9 +96,11 @@ def test_a_killed_holder_gives_its_turn_back(tmp_path: Path) -> None:
         assert _waits(mine)
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait(10)
-        with mine.held():  # the kernel let go of the dead process's lock
+        _join_waiters()  # the kernel let go of the dead process's lock
+        with mine.held():
             pass
     finally:
+        _join_waiters()
         mine.close()
 
 
@@ -122,7 +141,9 @@ def test_each_engine_call_holds_the_turn(tmp_path: Path) -> None:
     try:
         trio.run(main)
         assert seen == [True]
-        assert not _waits(probe, 2.0)  # given back after the call
+        _join_waiters()  # the waiter inside the call got the turn once the call ended
+        assert not _waits(probe, 2.0)
     finally:
+        _join_waiters()
         thread.close()
         probe.close()
