@@ -11,8 +11,9 @@ monotonic clock), then:
   its processes recorded, from the client's send to the first content chunk back:
   the gateway's parsing and template, the tracker's grant, opening the route's seam, the
   head's admission, each node's prefill ticks, the first token's way back, the SSE chunk;
-- **each token after**: at 1 and 8 clients, the node's ticks (engine time, time on the
-  engine thread outside the engine, time between ticks) and CPU seconds per token of every
+- **each token after**: at 1 and 8 clients, the node's ticks (engine time; the rest of the
+  tick: the hop to the engine thread and back, and with co-located nodes the wait for the
+  turn on the cores; time between ticks) and CPU seconds per token of every
   process; with ``--profile DIR``, a py-spy flame graph (SVG) and a table of the hottest
   frames of each process at 8 clients.
 
