@@ -18,6 +18,11 @@ by the kernel if the process dies. Nodes pinned to disjoint cores (``taskset``, 
 cgroup's cpuset) share no file and never wait for each other.
 
 An uncontended turn costs one ``flock`` call per core per tick (microseconds).
+
+This is not a lock around model execution inside a node (Petals' handler serializes its
+requests with one): a node still runs every ready session's step in one batched tick,
+and takes one turn per tick. The turn is between processes whose OpenMP teams would
+otherwise share cores, which the kernel cannot schedule well.
 """
 
 from __future__ import annotations
