@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import json
 import os
 import shutil
 import statistics
@@ -35,11 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import trio
 
-from benchmarks import _common, seams
-from benchmarks.serving import PROMPTS, _cpu_seconds, system_message
+from benchmarks import _common, seams, serving
+from benchmarks.serving import PROMPTS, cpu_seconds
 
 NAME = "breakdown"
 
@@ -62,38 +60,9 @@ FIRST_TOKEN = [
 ]
 
 
-async def _one(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    body = {
-        "model": model,
-        "messages": [{"role": "system", "content": system_message()}, {"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-    }
-    arrivals: list[int] = []
-    async with httpx.AsyncClient(timeout=300) as client:
-        sent = time.perf_counter_ns()
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
-            response.raise_for_status()
-            async for line in response.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    for choice in json.loads(line[6:]).get("choices", []):
-                        if (choice.get("delta") or {}).get("content"):
-                            arrivals.append(time.perf_counter_ns())
-    return {"sent": sent, "arrivals": arrivals}
-
-
-async def _load(url: str, model: str, clients: int, requests_each: int, max_tokens: int) -> list[dict[str, Any]]:
-    results: list[dict[str, Any]] = []
-
-    async def client(i: int) -> None:
-        for r in range(requests_each):
-            results.append(await _one(url, model, PROMPTS[(i + r) % len(PROMPTS)], max_tokens))
-
-    async with trio.open_nursery() as nursery:
-        for i in range(clients):
-            nursery.start_soon(client, i)
-    return results
+def _ns(seconds: float) -> int:
+    """A ``perf_counter`` reading in the timelines' unit (``perf_counter_ns``: the same clock)."""
+    return round(seconds * 1e9)
 
 
 def _kind(record: dict[str, Any]) -> str:
@@ -129,7 +98,7 @@ def first_token_stages(kinds: dict[str, list[tuple[str, int, str]]], requests: l
     for request in requests:
         if not request["arrivals"]:
             continue
-        start, end = request["sent"], request["arrivals"][0]
+        start, end = _ns(request["started"]), _ns(request["arrivals"][0])
         previous = start
         for kind, stage in FIRST_TOKEN:
             times = [t for s, t, _ in kinds.get(kind, ()) if s == stage and previous <= t <= end]
@@ -265,21 +234,23 @@ def main(argv: list[str] | None = None) -> int:
         pids = {p.name: p.pid for p in system.processes}
         windows: dict[str, tuple[int, int]] = {}
         try:
-            trio.run(_load, url, model_id, 1, 2, 8)  # warm-up
+            trio.run(serving.run_clients, url, model_id, 1, 2, 8)  # warm-up
             singles_done = []
             for i in range(singles):
-                singles_done.append(trio.run(_one, url, model_id, PROMPTS[i % len(PROMPTS)], max_tokens))
+                singles_done.append(trio.run(serving.stream_chat, url, model_id, PROMPTS[i % len(PROMPTS)], max_tokens))
             cpu: dict[str, Any] = {}
             for clients in (1, 8):
-                before = _cpu_seconds(pids)
+                before = cpu_seconds(pids)
                 spies = []
                 if args.profile is not None and clients == 8:
                     args.profile.mkdir(parents=True, exist_ok=True)
                     spies = _profile(pids, 10 if args.quick else 20, args.profile)
                 start = time.perf_counter_ns()
-                done = trio.run(_load, url, model_id, clients, 1 if args.quick else 2, max_tokens)
+                done = trio.run(serving.run_clients, url, model_id, clients, 1 if args.quick else 2, max_tokens)[
+                    "results"
+                ]
                 windows[str(clients)] = (start, time.perf_counter_ns())
-                after = _cpu_seconds(pids)
+                after = cpu_seconds(pids)
                 for spy in spies:
                     spy.wait(120)
                 tokens = max(1, sum(len(r["arrivals"]) for r in done))
@@ -291,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     figures["first_token"] = first_token_stages(kinds, singles_done)
     if args.lane == "grpc_route":
         # one decode token's way round the route, step by step (single requests, one at a time)
-        generations = [(r["sent"], r["arrivals"][-1]) for r in singles_done if r["arrivals"]]
+        generations = [(_ns(r["started"]), _ns(r["arrivals"][-1])) for r in singles_done if r["arrivals"]]
         figures["decode_token_path"] = seams.token_stages(read, "grpc", generations)
     figures["cpu_ms_per_token"] = cpu
     figures["ticks"] = {

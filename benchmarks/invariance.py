@@ -75,7 +75,10 @@ class _Lane:
         for seq in seqs:
             self.run([(seq, PROMPT)])
 
-    def close(self) -> None:
+    def __enter__(self) -> _Lane:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         self.engine.close()
 
 
@@ -86,8 +89,7 @@ def _median_ms(samples: list[float]) -> float:
 def _streams_against_unified(path: Path, repeats: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for lane, unified in (("streams", False), ("unified", True)):
-        engine = _Lane(path, kv_unified=unified)
-        try:
+        with _Lane(path, kv_unified=unified) as engine:
             engine.prefill(range(16))
             decode7 = [(s, 1) for s in range(DECODING)]
             mixed, apart, decode8, spread = [], [], [], []
@@ -104,16 +106,13 @@ def _streams_against_unified(path: Path, repeats: int) -> dict[str, Any]:
             }
             if unified:
                 out[lane]["decode7_with_prefill41_ms"] = _median_ms(mixed)
-        finally:
-            engine.close()
     return out
 
 
 def _repack(path: Path, repeats: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for lane, repack in (("off", False), ("on", True)):
-        engine = _Lane(path, repack=repack)
-        try:
+        with _Lane(path, repack=repack) as engine:
             engine.prefill(range(8))
             one, eight, prefill = [], [], []
             for _ in range(repeats):
@@ -125,8 +124,6 @@ def _repack(path: Path, repeats: int) -> dict[str, Any]:
                 "decode8_ms": _median_ms(eight),
                 "prefill41_ms": _median_ms(prefill),
             }
-        finally:
-            engine.close()
     return out
 
 

@@ -101,7 +101,8 @@ def system_message() -> str:
     return f"Request {uuid.uuid4().hex[:8]}.\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
-async def _client(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+async def stream_chat(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed chat request: when it was sent and when each content chunk arrived (perf_counter s)."""
     # The conversation starts unique: both llama.cpp servers reuse the KV of a prompt prefix
     # they have seen, and a template's default system message (SmolLM2's is 22 tokens)
     # would be such a prefix before any text of the user's.
@@ -129,13 +130,13 @@ async def _client(url: str, model: str, prompt: str, max_tokens: int) -> dict[st
     return {"started": started, "arrivals": arrivals}
 
 
-async def _level(url: str, model: str, clients: int, requests_each: int, max_tokens: int) -> dict[str, Any]:
+async def run_clients(url: str, model: str, clients: int, requests_each: int, max_tokens: int) -> dict[str, Any]:
     """``clients`` streaming clients, ``requests_each`` requests one after another each: what arrived when."""
     results: list[dict[str, Any]] = []
 
     async def one(i: int) -> None:
         for r in range(requests_each):
-            results.append(await _client(url, model, PROMPTS[(i + r) % len(PROMPTS)], max_tokens))
+            results.append(await stream_chat(url, model, PROMPTS[(i + r) % len(PROMPTS)], max_tokens))
 
     started = time.perf_counter()
     async with trio.open_nursery() as nursery:
@@ -233,7 +234,8 @@ def _start_llama_server(binary: Path, model: Path, port: int, slots: int, ctx: i
     return _ready(proc, f"http://127.0.0.1:{port}/health", "llama-server")
 
 
-def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds each process (and its waited-for children) has used so far."""
     import psutil
 
     out = {}
@@ -280,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         served = {lane: _start_lane(stack, lane, server, model, info.n_layer, slots, ctx) for lane in lanes}
         for url, model_id, _ in served.values():
-            trio.run(_level, url, model_id, 1, 1, 4)  # warm-up
+            trio.run(run_clients, url, model_id, 1, 1, 4)  # warm-up
         runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
         cpu: dict[tuple[str, int], dict[str, float]] = {}
         for r in range(rounds):
@@ -288,11 +290,11 @@ def main(argv: list[str] | None = None) -> int:
             for level in levels:
                 for lane in order:
                     url, model_id, pids = served[lane]
-                    before = _cpu_seconds(pids)
+                    before = cpu_seconds(pids)
                     runs.setdefault((lane, level), []).append(
-                        trio.run(_level, url, model_id, level, requests_each, max_tokens)
+                        trio.run(run_clients, url, model_id, level, requests_each, max_tokens)
                     )
-                    after = _cpu_seconds(pids)
+                    after = cpu_seconds(pids)
                     spent = cpu.setdefault((lane, level), dict.fromkeys(pids, 0.0))
                     for name in pids:
                         spent[name] += after[name] - before[name]
