@@ -13,7 +13,7 @@ import trio.testing
 
 from noderuntime.engine.base import Rows, StepResult
 from noderuntime.node.batcher import Batcher, StepFailed, StepRequest
-from noderuntime.node.leases import LeaseManager
+from noderuntime.node.leases import Lease, LeaseManager
 
 RUN_SECONDS = 0.010  # each batch takes 10 ms of (virtual) time
 
@@ -57,6 +57,13 @@ def make(slots: int = 8, budget: int = 64) -> tuple[Batcher, FakeEngine, LeaseMa
     engine = FakeEngine()
     leases = LeaseManager(slots, 1000)
     return Batcher(engine, leases, max_batch_tokens=budget, runner=virtual_runner), engine, leases
+
+
+def two_leases(leases: LeaseManager) -> tuple[Lease, Lease]:
+    """Two sessions' leases of 100 positions."""
+    first, second = leases.acquire(100), leases.acquire(100)
+    assert first is not None and second is not None
+    return first, second
 
 
 def request(seq: int, start: int, n: int, *, sampler: object = None) -> StepRequest:
@@ -104,8 +111,7 @@ async def test_a_tick_waits_briefly_for_leased_sessions_that_have_not_handed_in_
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     batcher, engine, leases = make()
-    first, second = leases.acquire(100), leases.acquire(100)
-    assert first is not None and second is not None
+    first, second = two_leases(leases)
 
     async def late(seq: int) -> None:
         for _ in range(2):  # runnable in the same instant, two scheduler passes later
@@ -237,8 +243,7 @@ async def test_decode_steps_that_are_due_join_the_tick_instead_of_splitting_into
 ) -> None:
     """Two sessions a few ms apart would take turns forever; the one that is due is waited for."""
     batcher, engine, leases = make()
-    a, b = leases.acquire(100), leases.acquire(100)
-    assert a is not None and b is not None
+    a, b = two_leases(leases)
     async with trio.open_nursery() as nursery:
         await nursery.start(batcher.run)
         async with trio.open_nursery() as sessions:
@@ -253,8 +258,7 @@ async def test_decode_steps_that_are_due_join_the_tick_instead_of_splitting_into
 
 async def test_a_step_that_is_not_due_is_not_waited_for(autojump_clock: trio.testing.MockClock) -> None:
     batcher, _, leases = make()
-    a, b = leases.acquire(100), leases.acquire(100)
-    assert a is not None and b is not None
+    a, b = two_leases(leases)
     async with trio.open_nursery() as nursery:
         await nursery.start(batcher.run)
         async with trio.open_nursery() as sessions:

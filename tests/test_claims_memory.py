@@ -69,12 +69,12 @@ def _identity(shard: Span = Span()) -> Identity:
     return Identity("req", b"s" * 16, 0, ARTIFACT, RECIPE, shard)
 
 
-async def _as_the_first_hop(stream: Any) -> tuple[SeamConnection, OpenRoute]:
-    """The seam a route's first hop serves, once the client's OpenRoute came in on it."""
+async def _as_the_first_hop(stream: Any, shard: Span = LAYERS) -> tuple[SeamConnection, OpenRoute]:
+    """The seam a route's first hop (serving ``shard``) serves, once the client's OpenRoute came in on it."""
     conn = SeamConnection(stream)
     opening = await conn.receive()
     assert isinstance(opening, OpenRoute)
-    endpoint = SeamEndpoint(opening.header.identity.at(LAYERS), Direction.UPSTREAM, peer_shard=Span())
+    endpoint = SeamEndpoint(opening.header.identity.at(shard), Direction.UPSTREAM, peer_shard=Span())
     endpoint.receive(opening)
     conn.endpoint = endpoint
     return conn, opening
@@ -737,7 +737,7 @@ async def test_a_next_hop_that_sends_only_credits_does_not_keep_a_session_alive(
     client = SeamConnection(ours, SeamEndpoint(_identity(), Direction.DOWNSTREAM, peer_shard=first))
     assert client.endpoint is not None
     await client.send(OpenRoute(client.endpoint.header(Phase.PREFILL), hops, Sampling(), (1, 2, 3), 4))
-    upstream, opening = await _as_the_first_hop_of(theirs, first)
+    upstream, opening = await _as_the_first_hop(theirs, first)
     node = Head()
     lease = LeaseManager(2, 64).acquire(7)
     assert lease is not None
@@ -749,13 +749,3 @@ async def test_a_next_hop_that_sends_only_credits_does_not_keep_a_session_alive(
         nursery.cancel_scope.cancel()
     assert session.end is not None and session.end.reason is EndReason.IDLE, session.end
     assert trio.current_time() - started <= 30.0 * 1.5  # the idle timeout, not the 600 s deadline
-
-
-async def _as_the_first_hop_of(stream: Any, shard: Span) -> tuple[SeamConnection, OpenRoute]:
-    conn = SeamConnection(stream)
-    opening = await conn.receive()
-    assert isinstance(opening, OpenRoute)
-    endpoint = SeamEndpoint(opening.header.identity.at(shard), Direction.UPSTREAM, peer_shard=Span())
-    endpoint.receive(opening)
-    conn.endpoint = endpoint
-    return conn, opening

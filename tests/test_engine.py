@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import subprocess
 import sys
@@ -20,21 +19,15 @@ from noderuntime.models import artifacts
 from noderuntime.models.artifacts import LayerRange
 from protocol import Sampling
 
+from . import buildscript
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = Recipe(n_threads=2, n_ctx_per_seq=256, n_seq_max=2, n_batch=64, n_ubatch=64)
 
 
-def _build_module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("nr_build", ROOT / "kernels_patch" / "build.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_installed_kernels_carry_this_patch_series() -> None:
     info = engine.build_info()
-    build = _build_module()
+    build = buildscript.load()
     assert info["patch_hash"] == build.patch_hash()
     assert info["llama_cpp_python"] == build.local_version()
     assert info["llama_cpp_commit"] == build.LLAMA_CPP_COMMIT
@@ -115,14 +108,19 @@ def test_non_head_shard_refuses_token_ids(tiny_model: Path) -> None:
         assert engine.llama_cpp.llama_decode(shard.context, buffers.batch) == -1
 
 
+def _three_rows_of_0_and_one_of_1() -> Rows:
+    """A batch with a prefill of sequence 0 and the first row of sequence 1; the last row of each has output."""
+    return Rows(
+        np.array([0, 0, 0, 1], np.int32),
+        np.array([0, 1, 2, 0], np.int32),
+        np.array([0, 0, 1, 1], bool),
+        tokens=np.array([5, 6, 7, 8], np.int32),
+    )
+
+
 def test_sequences_are_removed_and_kv_cells_counted(tiny_model: Path) -> None:
     with ShardEngine(tiny_model, SMALL) as whole:
-        rows = Rows(
-            np.array([0, 0, 0, 1], np.int32),
-            np.array([0, 1, 2, 0], np.int32),
-            np.array([0, 0, 1, 1], bool),
-            tokens=np.array([5, 6, 7, 8], np.int32),
-        )
+        rows = _three_rows_of_0_and_one_of_1()
         result = whole.run(rows, want_logits=True)
         assert result.logits is not None and result.logits.shape == (2, whole.n_vocab)
         assert whole.kv_cells_used() == 4
@@ -276,13 +274,8 @@ def test_a_unified_kv_is_only_for_measuring_and_leaves_fingerprints_alone(tiny_m
     assert unified.describe("Q4_1")["kv_unified"] is True
     assert unified.fingerprint("Q4_1") != SMALL.fingerprint("Q4_1")
     with ShardEngine(tiny_model, unified) as whole:
-        # a prefill of one sequence and a decode row of another in one batch: one stream holds both
-        rows = Rows(
-            np.array([0, 0, 0, 1], np.int32),
-            np.array([0, 1, 2, 0], np.int32),
-            np.array([0, 0, 1, 1], bool),
-            tokens=np.array([5, 6, 7, 8], np.int32),
-        )
+        # a prefill of one sequence and a row of another in one batch: one stream holds both
+        rows = _three_rows_of_0_and_one_of_1()
         result = whole.run(rows, want_logits=True)
         assert result.logits is not None and result.logits.shape == (2, whole.n_vocab)
         assert whole.kv_cells_used() == 4

@@ -10,13 +10,11 @@ run builds the wheel into the cache (minutes), later runs take it from there.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -24,20 +22,14 @@ from noderuntime.engine.backends import BackendMismatchError, BackendRuntime
 from noderuntime.engine.llama import Recipe, ShardEngine
 from noderuntime.verify.parity import check_parity
 
+from . import buildscript
+
 ROOT = Path(__file__).resolve().parents[1]
 VULKAN = Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=2, n_batch=512, n_ubatch=512, device="vulkan:0")
 
 
-def _build_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("nr_build", ROOT / "kernels_patch" / "build.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_vulkan_build_has_its_own_patches_key_and_version() -> None:
-    build = _build_module()
+    build = buildscript.load()
     cpu, vulkan = build.Target("cpu"), build.Target("vulkan")
     # the Vulkan-only patch stays out of the CPU series: the CPU wheel's key is what it was
     assert not any("vulkan" in path.as_posix() for path in build.patch_files())
