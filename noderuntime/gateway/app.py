@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from noderuntime.control.ledger import Ledger, check
 from noderuntime.gateway.auth import ApiKeys
@@ -774,16 +775,16 @@ class Gateway:
 class CountRequests:
     """ASGI middleware: counts every ``/v1/`` answer by the route that matched and its status."""
 
-    def __init__(self, app: Any, metrics: GatewayMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
         self.app = app
         self.metrics = metrics
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
 
-        async def counted(message: Any) -> None:
+        async def counted(message: Message) -> None:
             if message["type"] == "http.response.start":
                 # by the route that matched, never the raw path: anyone may send any path,
                 # and each label value is a series the process keeps for good

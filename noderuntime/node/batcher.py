@@ -74,6 +74,11 @@ class StepRequest:
     score_top: int = 0
 
     @property
+    def single_decode(self) -> bool:
+        """A decode step of one row: what the scheduler counts against the budget, and what has a cadence."""
+        return self.decode and self.n_rows == 1
+
+    @property
     def n_rows(self) -> int:
         """Rows in the step."""
         data = self.tokens if self.tokens is not None else self.hidden
@@ -189,7 +194,7 @@ class Batcher:
             raise ValueError(f"a step has 1 to {self.max_batch_tokens} rows, not {request.n_rows}")
         work = _Work(request)
         timeline.mark("step.submitted")
-        if request.decode and request.n_rows == 1:
+        if request.single_decode:
             now = trio.current_time()
             last = self._cadence.get(request.seq_id)
             self._cadence[request.seq_id] = (now, now - last[0] if last is not None else None)
@@ -333,7 +338,7 @@ class Batcher:
         decode steps) says it comes within this wait; the wait is a share of a decode
         tick's recent duration, and ends as soon as every due step is in.
         """
-        if not self._recent_decode or not any(w.request.decode for w in self._waiting):
+        if not self._recent_decode or not any(w.request.single_decode for w in self._waiting):
             return
         window = DUE_WAIT_SHARE * self._recent_decode
         now = trio.current_time()
@@ -366,10 +371,7 @@ class Batcher:
     async def _run_one_batch(self) -> None:
         by_seq = {w.request.seq_id: w for w in self._waiting}
         # a "decode" step is one row: the scheduler counts decode steps, not rows, against the budget
-        ready = [
-            ReadyStep(w.request.seq_id, w.request.n_rows, w.request.decode and w.request.n_rows == 1)
-            for w in self._waiting
-        ]
+        ready = [ReadyStep(w.request.seq_id, w.request.n_rows, w.request.single_decode) for w in self._waiting]
         plan = schedule(ready, self.max_batch_tokens, self._tick, group_rows=self._group_rows)
         # Rows in increasing sequence order: with one KV stream per sequence, llama.cpp puts
         # only consecutive increasing sequence ids into one ubatch (split_equal, sequential),

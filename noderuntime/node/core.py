@@ -302,10 +302,10 @@ class Node:
             await self._refuse(conn, first.header.identity, exc)
             return None
         session = self._admit(first, index, conn)
-        timeline.mark("node.admitted")
         if isinstance(session, ProtocolError):
             await self._refuse(conn, first.header.identity, session)
             return None
+        timeline.mark("node.admitted")
         # a step holds at most a batch of hidden states: no tensor need be larger
         widest = self.config.max_batch_tokens * self.engine_n_embd * 4
         conn.set_limits(attrs.evolve(limits, max_tensor_bytes=min(limits.max_tensor_bytes, widest)))

@@ -26,7 +26,7 @@ from noderuntime.control import admission
 from noderuntime.control.ledger import Ledger
 from noderuntime.engine import memplan
 from noderuntime.engine.backends import BackendMismatchError, parse_device
-from noderuntime.engine.cores import CoreTurns
+from noderuntime.engine.cores import CoreTurns, machine_cores
 from noderuntime.engine.llama import Recipe, ShardEngine, build_info, describe_device
 from noderuntime.engine.thread import EngineThread
 from noderuntime.models import artifacts
@@ -60,7 +60,7 @@ class NodeOptions:
     issuer_keys: tuple[bytes, ...]
     advertise: str | None = None
     relay: str | None = None
-    threads: int = 2
+    threads: int = attrs.Factory(lambda: len(machine_cores()))  # every core this process may run on
     # take turns on this machine's cores with the other nodes on it (engine.cores); off
     # for a node whose cores are its own (pinned apart from every other node's)
     share_cores: bool = True
@@ -125,7 +125,9 @@ async def run_node(
     pin = identity.TlsFiles(opts.tls_cert, opts.tls_key).cert_sha256 if opts.tls_cert and opts.tls_key else b""
     # every call that touches the engine runs on this one thread (see engine.thread); on
     # the CPU each call holds the turn on this process's cores (see engine.cores)
-    turns = CoreTurns() if opts.share_cores and opts.device == "cpu" and opts.backend == "llama.cpp" else None
+    turns = None
+    if opts.share_cores and opts.device == "cpu" and opts.backend == "llama.cpp":
+        turns = await trio.to_thread.run_sync(CoreTurns)  # opens a file per core
     engine_thread = EngineThread(turns=turns)
     try:
         info, recipe, layers, engine = await _load_engine(opts, engine_thread)
