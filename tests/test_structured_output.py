@@ -212,6 +212,25 @@ def test_logit_bias_bans_and_forces_tokens(client: OpenAI, system: localsystem.L
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias"
 
 
+def test_a_string_in_a_schema_admits_no_raw_control_character(client: OpenAI, system: localsystem.LocalSystem) -> None:
+    # newline and tab pushed up as far as logit_bias goes: the grammar must still keep them
+    # out of the string, where JSON allows them only escaped
+    tokenize = httpx.post(system.gateway_url + "/tokenize", json={"content": "\n\t"}, timeout=10)
+    forced = {str(token): 100 for token in tokenize.json()["tokens"]}
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}
+    reply = _ask(
+        client,
+        system.model_id,
+        "Name a pet.",
+        response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema, "strict": True}},
+        logit_bias=forced,
+        temperature=0,
+    )
+    text = reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop", text
+    jsonschema.validate(json.loads(text), schema)  # json.loads refuses raw control characters in strings
+
+
 # --- the seam: a peer below schema 1.1 would ignore a grammar, so it is refused
 
 

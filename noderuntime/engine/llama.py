@@ -391,6 +391,13 @@ def json_schema_grammar(schema: Any) -> str:
     class Converter(base):  # type: ignore[misc]
         """The converter, with integer bounds, which it leaves unchecked."""
 
+        def _add_primitive(self, name: str, rule: Any) -> Any:
+            # upstream's string character admits raw control characters, which JSON forbids
+            # (RFC 8259, 7): a model that wrote a newline inside a string broke the client's parser
+            if name == "char":
+                rule = llama_grammar.BuiltinRule(_JSON_CHAR, [])
+            return super()._add_primitive(name, rule)
+
         def visit(self, schema: Any, name: str) -> Any:
             bounds = _integer_bounds(schema) if isinstance(schema, dict) else None
             if bounds is None:
@@ -407,6 +414,7 @@ def json_schema_grammar(schema: Any) -> str:
         raise GrammarError(f"the JSON schema cannot be turned into a grammar: {type(exc).__name__}: {exc}") from None
 
 
+_JSON_CHAR = r'[^"\\\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
 _INT_DIGITS = 16  # the converter's own bound on an integer's digits
 
 
