@@ -14,7 +14,7 @@ against the whole model on the CPU (how far the backend alone moves the logits).
 Each device's result is a contract (``noderuntime.verify.contract``), signed like Gate A's:
 thresholds derived from what was measured, with margins, and under ``covers`` the
 artifact and the pair of recipe fingerprints (CPU, device) it certifies, which
-``noderuntime.verify.mixed.covered_pair`` reads back. ``noderuntime bench verify FILE``
+``noderuntime.verify.certificates.covered_pair`` reads back. ``noderuntime bench verify FILE``
 checks it. Written to ``benchmarks/results/backends-<backend>-<device name>.json``.
 
 The full run uses the demo model (SmolLM2-135M) with 4 of its 30 layers on the device and

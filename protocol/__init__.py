@@ -30,6 +30,7 @@ from protocol.events import (
     Tokens,
     Usage,
     UsageRecord,
+    route_recipe,
 )
 from protocol.limits import Limits
 from protocol.seam import Direction, SeamEndpoint, State, error_event
@@ -68,4 +69,5 @@ __all__ = [
     "Usage",
     "UsageRecord",
     "error_event",
+    "route_recipe",
 ]

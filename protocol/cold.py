@@ -23,6 +23,7 @@ from protocol.events import (
     Span,
     Usage,
     UsageRecord,
+    route_recipe,
 )
 from protocol.hot import CANCEL, CREDIT, ERROR, OPEN_ROUTE, RELEASE, USAGE, finite
 from protocol.limits import Limits
@@ -63,6 +64,7 @@ _COLD_SHAPES: dict[int, _Shape] = {
     CREDIT: {1: (_V, None, "")},
     USAGE: {1: (_L, _RECORD_SHAPE, "max_records")},
 }
+MAX_RECIPE_BYTES = 64  # a recipe fingerprint is 8 bytes; room for a longer one, not for a payload
 _MAX_OTHER_FIELDS = 64  # occurrences of singular and unknown fields in one message
 
 
@@ -78,6 +80,7 @@ def cold_body(event: Event) -> tuple[int, Any]:
                     relay=h.relay,
                     layers=pb.Span(h.layers.start, h.layers.end),
                     tls_cert_sha256=h.tls_cert_sha256,
+                    recipe_fingerprint=h.recipe_fingerprint,
                 )
                 for h in event.hops
             ],
@@ -183,6 +186,19 @@ def _at_most(value: int, limit: int, what: str) -> int:
     return value
 
 
+def _check_hop_recipes(header: Header, hops: list[Hop]) -> None:
+    """A plan names the recipe of every hop or of none, and the session's recipe is theirs together."""
+    named = [h.recipe_fingerprint for h in hops if h.recipe_fingerprint]
+    if not named:
+        return
+    if len(named) != len(hops):
+        raise RemoteProtocolError("the route plan names the recipes of some hops, not of all")
+    if header.identity.recipe_fingerprint != route_recipe(named):
+        raise RemoteProtocolError(
+            "the session names another recipe than its route plan's hops run", StatusCode.FAILED_PRECONDITION
+        )
+
+
 def open_route_event(header: Header, m: Any, limits: Limits) -> OpenRoute:
     if not m.hops:  # the counts' upper bounds were checked on the wire (check_shape)
         raise RemoteProtocolError("route plan has no hops")
@@ -194,7 +210,10 @@ def open_route_event(header: Header, m: Any, limits: Limits) -> OpenRoute:
         for text in (h.address, h.relay):
             if len(text) > limits.max_string_bytes:
                 raise RemoteProtocolError("hop address too long")
-        hops.append(Hop(h.node_id, layers, h.address, h.relay, h.tls_cert_sha256))
+        if len(h.recipe_fingerprint) > MAX_RECIPE_BYTES:
+            raise RemoteProtocolError("hop recipe fingerprint too long")
+        hops.append(Hop(h.node_id, layers, h.address, h.relay, h.tls_cert_sha256, h.recipe_fingerprint))
+    _check_hop_recipes(header, hops)
     s = m.sampling or pb.Sampling()
     if len(s.grammar.encode()) > limits.max_grammar_bytes:
         raise RemoteProtocolError(

@@ -6,6 +6,8 @@ Small frozen attrs classes; protobuf objects never leave this package.
 from __future__ import annotations
 
 import enum
+import hashlib
+from collections.abc import Sequence
 from typing import TypeAlias
 
 import attrs
@@ -87,6 +89,28 @@ class Hop:
     address: str = ""
     relay: str = ""
     tls_cert_sha256: bytes = b""
+    # on a route that mixes recipes, the one this hop runs; empty: the Identity's
+    recipe_fingerprint: bytes = b""
+
+
+_MIXED_ROUTE_DOMAIN = b"noderuntime-mixed-route-v1\0"
+
+
+def route_recipe(recipes: Sequence[bytes]) -> bytes:
+    """The recipe fingerprint a session's :class:`Identity` names on a route whose hops run ``recipes``.
+
+    One recipe on every hop: that recipe, as on any route. Several (a route across devices
+    that a certificate covers): 8 bytes digested from all of them in hop order, so every
+    seam of the session names the same route recipe, and a hop told another plan notices.
+    """
+    if not recipes:
+        raise ValueError("a route has at least one hop")
+    if len(set(recipes)) == 1:
+        return recipes[0]
+    digest = hashlib.sha256(_MIXED_ROUTE_DOMAIN)
+    for recipe in recipes:
+        digest.update(len(recipe).to_bytes(2, "big") + recipe)
+    return digest.digest()[:8]
 
 
 @attrs.frozen

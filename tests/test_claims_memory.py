@@ -57,6 +57,7 @@ from protocol import (
     Tokens,
     Usage,
     UsageRecord,
+    route_recipe,
 )
 
 LAYERS = Span(0, 4)
@@ -337,6 +338,39 @@ async def test_a_node_that_stops_ends_its_sessions_tells_their_clients_and_frees
     assert stats.sessions_ended == {EndReason.NODE_STOPPED.value: 1} and stats.active_sessions == 0
     assert shard.removed == [0] and [s.closed for s in shard.samplers] == [1]
     assert stats.leases.slots_free == 2 and stats.leases.kv_reserved_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("named", "code", "says"),
+    [
+        (RECIPE, StatusCode.UNAVAILABLE, "cannot reach the next hop"),  # past the check: it dials its next hop
+        (b"o" * 8, StatusCode.FAILED_PRECONDITION, "another recipe"),
+    ],
+)
+async def test_a_node_on_a_route_across_devices_runs_the_recipe_its_hop_names(
+    named: bytes, code: StatusCode, says: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    """core.Node._check_route: a plan across devices names each hop's recipe; the session names them together."""
+    config = NodeConfig(
+        layers=LAYERS, n_layer=8, artifact_fingerprint=ARTIFACT, recipe_fingerprint=RECIPE, n_slots=2, ctx_per_seq=64
+    )
+    node = Node(FakeShard(), config, NODE_ID, engine_thread=VirtualEngineThread())
+    gpu = b"g" * 8
+    hops = (Hop(NODE_ID, LAYERS, recipe_fingerprint=named), Hop(b"m" * 32, Span(4, 8), "127.0.0.1:9", "", b"", gpu))
+    ident = attrs.evolve(_identity(), recipe_fingerprint=route_recipe([named, gpu]))
+    assert ident.recipe_fingerprint != RECIPE  # the session's recipe is the route's, not this node's
+    ours, theirs = memory_stream_pair()
+    client = SeamConnection(ours, SeamEndpoint(ident, Direction.DOWNSTREAM, peer_shard=LAYERS))
+    assert client.endpoint is not None
+    opening = OpenRoute(client.endpoint.header(Phase.PREFILL), hops, Sampling(), (1, 2), 6)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.run)
+            node.accept(theirs)
+            await client.send(opening)
+            answer = await client.receive()
+            nursery.cancel_scope.cancel()
+    assert isinstance(answer, Error) and answer.code == code and says in answer.message, answer
 
 
 async def test_a_stream_that_arrives_while_the_node_stops_is_refused_with_unavailable(

@@ -33,6 +33,7 @@ from protocol import (
     Tokens,
     Usage,
     UsageRecord,
+    route_recipe,
 )
 from protocol import generate as generate_module
 from protocol._generated.noderuntime.seam import v1 as pb
@@ -275,6 +276,36 @@ def test_a_grammar_crosses_the_seam_within_its_own_bound() -> None:
     with pytest.raises(RemoteProtocolError) as refused:
         FrameDecoder(attrs.evolve(limits, max_grammar_bytes=len(grammar) - 1)).receive(frame)
     assert refused.value.code == StatusCode.RESOURCE_EXHAUSTED and "grammar" in str(refused.value)
+
+
+def test_a_plan_across_devices_names_every_hops_recipe_and_the_session_names_them_together() -> None:
+    cpu, gpu = b"cpu-rcp1", b"gpu-rcp1"
+    plain = h.open_route()
+    mixed_hops = tuple(attrs.evolve(hop, recipe_fingerprint=r) for hop, r in zip(plain.hops, (cpu, gpu), strict=True))
+    ident = attrs.evolve(h.identity(), recipe_fingerprint=route_recipe([cpu, gpu]))
+    mixed = attrs.evolve(h.open_route(ident), hops=mixed_hops)
+    (frame,) = FrameEncoder().encode(mixed)
+    assert FrameDecoder().receive(frame) == mixed
+    # one recipe on every hop is that recipe; the order of a mix counts
+    assert route_recipe([cpu, cpu]) == cpu and route_recipe([cpu, gpu]) != route_recipe([gpu, cpu])
+    assert len(route_recipe([cpu, gpu])) == 8
+    for bad, code, says in (
+        (
+            attrs.evolve(mixed, hops=(mixed_hops[0], plain.hops[1])),
+            StatusCode.INVALID_ARGUMENT,
+            "some hops, not of all",
+        ),
+        (attrs.evolve(mixed, header=h.header(0, Phase.PREFILL)), StatusCode.FAILED_PRECONDITION, "another recipe"),
+        (
+            attrs.evolve(mixed, hops=(mixed_hops[0], attrs.evolve(mixed_hops[1], recipe_fingerprint=b"x" * 65))),
+            StatusCode.INVALID_ARGUMENT,
+            "too long",
+        ),
+    ):
+        (frame,) = FrameEncoder().encode(bad)
+        with pytest.raises(RemoteProtocolError) as refused:
+            FrameDecoder().receive(frame)
+        assert refused.value.code == code and says in str(refused.value)
 
 
 def test_a_logit_bias_out_of_range_is_refused() -> None:

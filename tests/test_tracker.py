@@ -22,6 +22,8 @@ from noderuntime.tracker.app import Tracker
 from noderuntime.tracker.client import NodeLoad, TrackerError, TrackerLink, request_route
 from noderuntime.tracker.messages import Registration
 from noderuntime.tracker.state import MAX_ROUTES, NodeRecord, NoRoute, TrackerState, all_routes, unmixed
+from noderuntime.verify.certificates import CoveredPair
+from protocol import route_recipe
 
 ARTIFACT = "ab" * 32
 
@@ -107,6 +109,37 @@ def test_status_says_why_recipes_of_one_artifact_share_no_route() -> None:
     alike = next(line for line in lines if "cccccccc (cpu) and ffffffff (cpu)" in line)
     assert "kernels or settings differ" in alike
     assert unmixed([cpu, attrs.evolve(cpu, node_id=b"x" * 32, layers=(15, 30))]) == []
+
+
+def test_a_certified_pair_of_recipes_mixes_in_routes_and_no_other_does() -> None:
+    cpu_a, cpu_b = node("a", (0, 13), recipe="c" * 16), node("c", (17, 30), recipe="c" * 16)
+    gpu = attrs.evolve(node("g", (13, 17), recipe="g" * 16), device="vulkan:0")
+    cpu_whole = node("w", (0, 30), recipe="c" * 16)
+    other = attrs.evolve(node("o", (13, 17), recipe="f" * 16), device="cuda:0")
+    nodes = [cpu_a, gpu, cpu_b, cpu_whole, other]
+    pair = frozenset(("c" * 16, "g" * 16))
+    names = lambda routes: {"".join(n.node_id[:1].decode() for n in r) for r in routes}  # noqa: E731
+    assert names(all_routes(nodes, 30)) == {"w"}
+    # the pair's routes use both recipes; the CPU's own route is found once, on its own
+    assert names(all_routes(nodes, 30, [pair])) == {"w", "agc"}
+    assert names(all_routes(nodes, 30, [pair, frozenset(("x" * 16, "c" * 16))])) == {"w", "agc"}
+    # status stops saying why the certified pair shares no route, and says it of the others
+    apart = unmixed(nodes, {ARTIFACT: [pair]})
+    assert len(apart) == len(unmixed(nodes)) - 1 == 2
+    assert not any("cccccccc (cpu) and gggggggg" in line for line in apart)
+    assert all("no certificate covers this pair" in line for line in apart)
+
+    state = TrackerState(rng=random.Random(0), mixes={ARTIFACT: [pair]})
+    for record in (cpu_a, gpu, cpu_b, other):
+        state.register(record, 0.0)
+    assert [n.node_id[:1] for n in state.choose(ARTIFACT, 10).nodes] == [b"a", b"g", b"c"]
+    assert state.artifacts()[ARTIFACT]["routable"]
+    # a certificate is for one artifact: another's nodes do not mix on it
+    elsewhere = TrackerState(mixes={"f" * 64: [pair]})
+    for record in (cpu_a, gpu, cpu_b):
+        elsewhere.register(record, 0.0)
+    with pytest.raises(NoRoute):
+        elsewhere.choose(ARTIFACT, 10)
 
 
 def test_full_nodes_are_avoided_and_all_full_is_told_apart_from_no_route() -> None:
@@ -230,6 +263,28 @@ async def test_api_authenticates_nodes_and_issues_verifiable_tickets() -> None:
         with pytest.raises(TrackerError) as none:
             await request_route(client, url, "cd" * 32, 100, api_key="gw-secret")
         assert none.value.status == 503
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_mixed_grant_names_each_hops_recipe_and_the_session_names_them_together() -> None:
+    cpu, gpu = "c" * 16, "9" * 16
+    tracker = Tracker(Identity.generate(), mixes=[CoveredPair(ARTIFACT, cpu, gpu)])
+    head, tail = Identity.generate(), Identity.generate()
+    async with trio.open_nursery() as nursery, httpx.AsyncClient() as client:
+        url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
+        for me, layers, recipe, device in ((head, [0, 13], cpu, "cpu"), (tail, [13, 30], gpu, "vulkan:0")):
+            body = _registration(me, layers=layers, recipe=recipe, device=device)
+            data = json.dumps(body).encode()
+            headers = {**sign(me, "POST", "/v1/nodes/register", data, int(time.time() * 1000))}
+            registered = await client.post(
+                url + "/v1/nodes/register", content=data, headers={**headers, "content-type": "application/json"}
+            )
+            assert registered.status_code == 200, registered.text
+        grant = await request_route(client, url, ARTIFACT, 100)
+        assert [h.recipe_fingerprint.hex() for h in grant.hops] == [cpu, gpu]
+        assert grant.recipe == route_recipe([bytes.fromhex(cpu), bytes.fromhex(gpu)])
+        listed = (await client.get(url + "/v1/nodes")).json()
+        assert listed["mixes"] == [{"artifact": ARTIFACT, "recipes": sorted([cpu, gpu])}]
         nursery.cancel_scope.cancel()
 
 

@@ -178,7 +178,7 @@ def test_a_malformed_relay_control_message_is_a_control_error(text: str | bytes,
 
 HOPS = (
     Hop(NODE, Span(0, 15), "10.0.0.1:7000", "", b"\x05" * 32),
-    Hop(b"\x06" * 32, Span(15, 30), "", "wss://relay.example:443"),
+    Hop(b"\x06" * 32, Span(15, 30), "", "wss://relay.example:443", recipe_fingerprint=b"\x07" * 8),
 )
 
 
@@ -190,7 +190,9 @@ def test_hops_read_back_what_they_write_with_the_keys_gateways_expect() -> None:
         "address": "",
         "relay": "wss://relay.example:443",
         "tls_cert_sha256": "",
+        "recipe": "07" * 8,  # on a route that mixes recipes
     }
+    assert encoded[0]["recipe"] == ""
     assert decode_hops(json.loads(json.dumps(encoded))) == HOPS
     reply = RouteReply(
         session_id=SESSION.hex(),
@@ -219,6 +221,9 @@ def test_hops_read_back_what_they_write_with_the_keys_gateways_expect() -> None:
         {"address": 7},
         {"tls_cert_sha256": "xy" * 32},
         {"tls_cert_sha256": "ab"},
+        {"recipe": "12" * 7},
+        {"recipe": "zz" * 8},
+        {"recipe": 5},
     ],
 )
 def test_a_malformed_hop_is_a_validation_error(change: dict[str, object]) -> None:

@@ -166,8 +166,14 @@ def _cmd_relay(args: argparse.Namespace) -> int:
 
 def _cmd_tracker(args: argparse.Namespace) -> int:
     from noderuntime.services import noderun
+    from noderuntime.verify.certificates import load_certificate
+    from noderuntime.verify.contract import ContractError
 
     data_dir = Path(args.data_dir)
+    try:
+        mixes = tuple(load_certificate(path) for path in args.certificate)
+    except ContractError as exc:
+        raise CliError(f"--certificate {exc}") from None
     import trio
 
     trio.run(
@@ -181,6 +187,7 @@ def _cmd_tracker(args: argparse.Namespace) -> int:
             require_probe=args.require_probe,
             probe_interval=args.probe_interval,
             probe_tolerance=args.probe_tolerance,
+            mixes=mixes,
             **kw,
         ),
     )
@@ -346,6 +353,14 @@ def _add_tracker(sub: Any) -> None:
     p.add_argument("--probe-interval", type=seconds, default=600.0, help="seconds between probes of a node")
     p.add_argument(
         "--probe-tolerance", type=float, default=1e-3, help="relative error a probe answer may have when not exact"
+    )
+    p.add_argument(
+        "--certificate",
+        type=Path,
+        action="append",
+        default=[],
+        help="a mixed-route certificate (from `python -m benchmarks.backends`): routes may mix the pair of "
+        "recipes it covers; repeatable",
     )
     p.set_defaults(func=_cmd_tracker)
 

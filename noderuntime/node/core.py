@@ -339,12 +339,14 @@ class Node:
         ident = open_route.header.identity
         if ident.artifact_fingerprint != config.artifact_fingerprint:
             raise RemoteProtocolError("the route is for another model artifact", StatusCode.FAILED_PRECONDITION)
-        if ident.recipe_fingerprint != config.recipe_fingerprint:
-            raise RemoteProtocolError("the route expects another recipe", StatusCode.FAILED_PRECONDITION)
         mine = [i for i, hop in enumerate(hops) if hop.node_id == self.node_id]
         if len(mine) != 1:
             raise RemoteProtocolError("the route plan does not name this node once", StatusCode.PERMISSION_DENIED)
         index = mine[0]
+        # a plan across devices names each hop's recipe (the codec checked they add up to the
+        # session's); any other plan runs the session's recipe on every hop
+        if (hops[index].recipe_fingerprint or ident.recipe_fingerprint) != config.recipe_fingerprint:
+            raise RemoteProtocolError("the route expects another recipe", StatusCode.FAILED_PRECONDITION)
         if hops[index].layers != config.layers:
             raise RemoteProtocolError(
                 f"the route gives this node layers {hops[index].layers.start}:{hops[index].layers.end}; it serves "

@@ -41,6 +41,7 @@ from noderuntime.tracker.client import NodeLoad, TrackerError, TrackerLink, fetc
 from noderuntime.tracker.messages import Registration
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer, parse_address
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
+from noderuntime.verify.certificates import CoveredPair
 from protocol import Limits, Span
 
 if TYPE_CHECKING:
@@ -501,9 +502,10 @@ async def run_tracker(
     require_probe: bool = False,
     probe_interval: float = 600.0,
     probe_tolerance: float = admission.DEFAULT_TOLERANCE,
+    mixes: Sequence[CoveredPair] = (),
     task_status: trio.TaskStatus[TrackerReady] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve a tracker until cancelled."""
+    """Serve a tracker until cancelled; ``mixes`` are the recipe pairs certified to share routes."""
     from noderuntime.tracker.app import Tracker
 
     tracker_identity = identity.load_or_create(data_dir)
@@ -516,7 +518,12 @@ async def run_tracker(
         require_probe=require_probe,
         probe_interval=probe_interval,
         probe_tolerance=probe_tolerance,
+        mixes=mixes,
     )
+    for pair in mixes:
+        log.info(
+            "routes may mix recipes %s and %s of %s (certified)", pair.cpu_recipe, pair.gpu_recipe, pair.artifact[:12]
+        )
     if probe_references:
         log.info("probe references: %d answers from %d file(s)", len(references), len(probe_references))
     async with trio.open_nursery() as nursery:

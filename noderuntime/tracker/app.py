@@ -22,6 +22,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import trio
@@ -37,7 +38,8 @@ from noderuntime.operations.httpserve import BodyLimit
 from noderuntime.operations.telemetry import TrackerMetrics, exposition, trio_tasks
 from noderuntime.tracker.messages import Heartbeat, ProbeReply, Registration, RouteHop, RouteReply, RouteRequest
 from noderuntime.tracker.state import STEP_BUDGET_MS, NodeRecord, NoRoute, TrackerState
-from protocol import Hop, Span
+from noderuntime.verify.certificates import CoveredPair
+from protocol import Hop, Span, route_recipe
 
 HEARTBEAT_SECONDS = 2.0
 MAX_BODY = 64 << 10
@@ -60,10 +62,16 @@ class Tracker:
         probe_interval: float = 600.0,
         probe_tolerance: float = 1e-3,
         step_budget_ms: float = STEP_BUDGET_MS,
+        mixes: Iterable[CoveredPair] = (),
     ) -> None:
-        """``references`` let the tracker probe shards; ``require_probe`` admits no shard it cannot probe."""
+        """``references`` let the tracker probe shards; ``require_probe`` admits no shard it cannot probe;
+        ``mixes`` are the pairs of recipes that certificates let share a route."""
         self.identity = identity
-        self.state = TrackerState(expire_after=expire_after, step_budget_ms=step_budget_ms)
+        self.mixes = tuple(mixes)
+        by_artifact: dict[str, set[frozenset[str]]] = {}
+        for pair in self.mixes:
+            by_artifact.setdefault(pair.artifact, set()).add(pair.recipes)
+        self.state = TrackerState(expire_after=expire_after, step_budget_ms=step_budget_ms, mixes=by_artifact)
         self.signatures = SignatureChecker()
         self.api_key = api_key
         self.references = references or ProbeReferences()
@@ -258,7 +266,9 @@ class Tracker:
             "nodes": [
                 _public(r, now, self.state.step_budget_ms)
                 for r in sorted(self.state.nodes.values(), key=lambda r: r.layers)
-            ]
+            ],
+            # the recipe pairs routes may mix, by the certificates this tracker was given
+            "mixes": [{"artifact": p.artifact, "recipes": sorted(p.recipes)} for p in self.mixes],
         }
 
     async def _artifacts(self) -> dict[str, Any]:
@@ -276,7 +286,12 @@ class Tracker:
         except NoRoute as exc:
             self.metrics.routes.labels("full" if exc.full else "none").inc()
             return JSONResponse({"error": str(exc), "full": exc.full}, status_code=429 if exc.full else 503)
-        hops = [Hop(n.node_id, Span(*n.layers), n.address, n.relay, n.tls_cert_sha256) for n in choice.nodes]
+        recipes = [bytes.fromhex(n.recipe) for n in choice.nodes]
+        mixed = len(set(recipes)) > 1  # only then does the plan name each hop's recipe
+        hops = [
+            Hop(n.node_id, Span(*n.layers), n.address, n.relay, n.tls_cert_sha256, recipe if mixed else b"")
+            for n, recipe in zip(choice.nodes, recipes, strict=True)
+        ]
         session_id = os.urandom(16)
         ticket = tickets.issue(
             self.identity,
@@ -293,7 +308,7 @@ class Tracker:
             session_id=session_id.hex(),
             epoch=0,
             ticket=ticket.hex(),
-            recipe=choice.nodes[0].recipe,
+            recipe=route_recipe(recipes).hex(),
             cost_ms=round(choice.cost_ms, 3),
             ctx_per_session=min(n.ctx_per_session for n in choice.nodes),
             hops=[RouteHop.of(hop) for hop in hops],

@@ -111,6 +111,8 @@ class RouteHop(BaseModel):
     address: str = Field(default="", max_length=300)  # HOST:PORT, or none: through the relay only
     relay: str = Field(default="", max_length=300)
     tls_cert_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
+    # on a route that mixes recipes (certified), the one this hop runs; "" on any other route
+    recipe: str = Field(default="", pattern=r"^([0-9a-f]{16})?$")
 
     @field_validator("layers")
     @classmethod
@@ -129,6 +131,7 @@ class RouteHop(BaseModel):
             address=hop.address,
             relay=hop.relay,
             tls_cert_sha256=hop.tls_cert_sha256.hex(),
+            recipe=hop.recipe_fingerprint.hex(),
         )
 
     def hop(self) -> Hop:
@@ -139,6 +142,7 @@ class RouteHop(BaseModel):
             self.address,
             self.relay,
             bytes.fromhex(self.tls_cert_sha256),
+            bytes.fromhex(self.recipe),
         )
 
 

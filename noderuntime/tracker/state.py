@@ -3,10 +3,12 @@
 Nodes register (and re-register after a tracker restart) and send heartbeats with
 their load; a node that misses heartbeats for ``expire_after`` seconds is dropped.
 A route is a chain of nodes of one artifact and recipe whose layer ranges cover
-``[0, n_layer)`` contiguously. Its cost is the sum, per hop, of the node's estimated
-step time under its current load, plus a latency per seam; among routes within a
-few percent of the cheapest one is picked at random, so independent requests spread
-over equivalent routes instead of piling onto one.
+``[0, n_layer)`` contiguously, or of two recipes that a mixed-route certificate covers
+(a route across devices, held to the tolerance the certificate measured). Its cost
+is the sum, per hop, of the node's estimated step time under its current load, plus
+a latency per seam; among routes within a few percent of the cheapest one is picked
+at random, so independent requests spread over equivalent routes instead of piling
+onto one.
 
 Step times come from the capability each node measured and signed at start (checked
 against what its heartbeats show), and they also bound how many sessions a slow node
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import attrs
 
@@ -128,10 +130,17 @@ class TrackerState:
     """Registered nodes and their load."""
 
     def __init__(
-        self, *, expire_after: float = 10.0, step_budget_ms: float = STEP_BUDGET_MS, rng: random.Random | None = None
+        self,
+        *,
+        expire_after: float = 10.0,
+        step_budget_ms: float = STEP_BUDGET_MS,
+        rng: random.Random | None = None,
+        mixes: Mapping[str, Collection[frozenset[str]]] | None = None,
     ) -> None:
+        """``mixes``: by artifact, the pairs of recipes that may share a route (certified)."""
         self.expire_after = expire_after
         self.step_budget_ms = step_budget_ms
+        self.mixes: dict[str, frozenset[frozenset[str]]] = {a: frozenset(p) for a, p in (mixes or {}).items()}
         self.nodes: dict[bytes, NodeRecord] = {}
         self._rng = rng or random.Random()
 
@@ -193,7 +202,7 @@ class TrackerState:
                 "name": nodes[0].model_name,
                 "n_layer": n_layer,
                 "nodes": len(nodes),
-                "routable": bool(all_routes(eligible, n_layer)),
+                "routable": bool(all_routes(eligible, n_layer, self.mixes.get(artifact, ()))),
             }
         return out
 
@@ -217,7 +226,7 @@ class TrackerState:
         # counted over every node of the artifact, as /v1/artifacts shows it: not over the
         # candidates left after exclusions and full nodes, where a few could outvote the rest
         n_layer = layer_count(self.nodes_of(artifact))
-        routes = all_routes([c for c in candidates if c.n_layer == n_layer], n_layer)
+        routes = all_routes([c for c in candidates if c.n_layer == n_layer], n_layer, self.mixes.get(artifact, ()))
         if not routes:
             raise NoRoute(f"the nodes of artifact {artifact[:16]}… do not cover its {n_layer} layers", full=False)
         free = [r for r in routes if all(node.has_room(self.step_budget_ms) for node in r)]
@@ -244,55 +253,73 @@ def route_cost(route: Sequence[NodeRecord]) -> float:
     return sum(node.estimated_step_ms() + node.seam_ms() for node in route)
 
 
-def all_routes(nodes: Sequence[NodeRecord], n_layer: int) -> list[list[NodeRecord]]:
-    """Every chain of nodes (one recipe) covering ``[0, n_layer)`` contiguously (capped).
+def all_routes(
+    nodes: Sequence[NodeRecord], n_layer: int, mixes: Collection[frozenset[str]] = ()
+) -> list[list[NodeRecord]]:
+    """Every chain of nodes covering ``[0, n_layer)`` contiguously (capped): of one recipe, or
+    of a pair of recipes in ``mixes`` (pairs a mixed-route certificate covers) using both.
 
-    Only boundaries from which the recipe's nodes still reach ``n_layer`` are followed, so
-    the work is bounded by the routes found: a registered maze of dead ends (two nodes
-    per boundary, the last layer never served) would otherwise cost 2**boundaries.
+    Only boundaries from which the allowed recipes' nodes still reach ``n_layer`` are
+    followed, so the work is bounded by the routes found: a registered maze of dead ends (two
+    nodes per boundary, the last layer never served) would otherwise cost 2**boundaries.
     """
     by_start: dict[int, list[NodeRecord]] = {}
     for node in nodes:
         if 0 <= node.layers[0] < node.layers[1] <= n_layer:
             by_start.setdefault(node.layers[0], []).append(node)
-    # (boundary, recipe) pairs from which that recipe's nodes reach n_layer; a node's end
-    # lies above its start, so walking the starts downwards settles each pair once
-    viable: set[tuple[int, str]] = set()
-    for start in sorted(by_start, reverse=True):
-        for node in by_start[start]:
-            if node.layers[1] == n_layer or (node.layers[1], node.recipe) in viable:
-                viable.add((start, node.recipe))
-
+    recipes = {n.recipe for n in nodes}
+    groups = [frozenset((r,)) for r in sorted(recipes)]
+    groups += sorted({pair for pair in mixes if len(pair) == 2 and pair <= recipes}, key=sorted)
     routes: list[list[NodeRecord]] = []
-
-    def extend(path: list[NodeRecord], at: int, recipe: str) -> None:
-        if len(routes) >= MAX_ROUTES:
-            return
-        if at == n_layer:
-            routes.append(list(path))
-            return
-        for node in by_start.get(at, []):
-            if node.recipe != recipe or not (node.layers[1] == n_layer or (node.layers[1], recipe) in viable):
-                continue  # every hop of a route runs the same recipe, and dead ends are skipped
-            path.append(node)
-            extend(path, node.layers[1], recipe)
-            path.pop()
-
-    for recipe in sorted({n.recipe for n in by_start.get(0, [])}):
-        if (0, recipe) in viable:
-            extend([], 0, recipe)
+    for group in groups:
+        _walk(by_start, n_layer, group, routes)
     return routes
 
 
-def unmixed(nodes: Sequence[NodeRecord]) -> list[str]:
+def _walk(
+    by_start: dict[int, list[NodeRecord]], n_layer: int, group: frozenset[str], routes: list[list[NodeRecord]]
+) -> None:
+    """Add to ``routes`` the chains whose hops run the recipes of ``group``, each of them."""
+    # boundaries from which the group's nodes reach n_layer; a node's end lies above its
+    # start, so walking the starts downwards settles each boundary once
+    viable: set[int] = set()
+    for start in sorted(by_start, reverse=True):
+        if any(n.recipe in group and (n.layers[1] == n_layer or n.layers[1] in viable) for n in by_start[start]):
+            viable.add(start)
+    # a pair's chains that run only one of its recipes are that recipe's own routes, found
+    # on their own; they count as visits, so enumerating a pair stays bounded too
+    visits = 0
+
+    def extend(path: list[NodeRecord], at: int) -> None:
+        nonlocal visits
+        if len(routes) >= MAX_ROUTES or visits >= 2 * MAX_ROUTES:
+            return
+        if at == n_layer:
+            visits += 1
+            if len({node.recipe for node in path}) == len(group):
+                routes.append(list(path))
+            return
+        for node in by_start.get(at, []):
+            if node.recipe in group and (node.layers[1] == n_layer or node.layers[1] in viable):
+                path.append(node)
+                extend(path, node.layers[1])
+                path.pop()
+
+    if 0 in viable:
+        extend([], 0)
+
+
+def unmixed(nodes: Sequence[NodeRecord], mixes: Mapping[str, Collection[frozenset[str]]] | None = None) -> list[str]:
     """Why nodes of one artifact with different recipes form no route together: a line per pair.
 
-    Every hop of a route runs one recipe (the seam frames carry one, and nodes refuse
-    another). Across devices a route could only be held to a measured tolerance
-    (``benchmarks.backends`` certifies one pair of recipes), which routes do not use yet.
+    Every hop of a route runs one recipe, and nodes refuse another, unless the route's two
+    recipes are a pair ``mixes`` holds for the artifact: a mixed-route certificate from
+    ``benchmarks.backends`` covers it (a route across devices is held to the tolerance the
+    certificate measured, not to bit-exactness).
     """
     lines = []
     for artifact in sorted({n.artifact for n in nodes}):
+        certified = (mixes or {}).get(artifact, ())
         devices: dict[str, set[str]] = {}
         for node in nodes:
             if node.artifact == artifact:
@@ -300,12 +327,14 @@ def unmixed(nodes: Sequence[NodeRecord]) -> list[str]:
         recipes = sorted(devices)
         for i, a in enumerate(recipes):
             for b in recipes[i + 1 :]:
+                if frozenset((a, b)) in certified:
+                    continue
                 where = f"{artifact[:12]}: recipes {a[:8]} ({'/'.join(sorted(devices[a]))}) and {b[:8]} "
                 where += f"({'/'.join(sorted(devices[b]))}) share no route: "
                 if devices[a] != devices[b]:
                     lines.append(
-                        where + "their devices agree only within a tolerance, and a route runs one recipe "
-                        "(a certificate from benchmarks.backends covers such a pair; routes do not mix yet)"
+                        where + "their devices agree only within a tolerance, and no certificate covers this "
+                        "pair (benchmarks.backends certifies one; the tracker takes it with --certificate)"
                     )
                 else:
                     lines.append(where + "their kernels or settings differ (quant, ubatch, flash attention, KV)")

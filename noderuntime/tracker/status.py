@@ -5,22 +5,27 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from noderuntime.control.admission import Capability
 from noderuntime.tracker.state import NodeRecord, all_routes, route_cost, unmixed
 
 
-def fetch(tracker: str) -> list[dict[str, Any]]:
-    """The tracker's ``/v1/nodes``."""
+def fetch(tracker: str) -> tuple[list[dict[str, Any]], dict[str, set[frozenset[str]]]]:
+    """The tracker's ``/v1/nodes``: the nodes, and by artifact the recipe pairs routes may mix."""
     with urllib.request.urlopen(tracker.rstrip("/") + "/v1/nodes", timeout=10) as response:
         try:
-            nodes: list[dict[str, Any]] = json.loads(response.read())["nodes"]
-        except (ValueError, KeyError, TypeError, RecursionError):
+            answer = json.loads(response.read())
+            nodes: list[dict[str, Any]] = answer["nodes"]
+            mixes: dict[str, set[frozenset[str]]] = {}
+            for mix in answer.get("mixes", ()):  # absent from older trackers: none
+                mixes.setdefault(str(mix["artifact"]), set()).add(frozenset(str(r) for r in mix["recipes"]))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             raise ValueError(f"{tracker} did not answer /v1/nodes with a node list") from None
     if not isinstance(nodes, list) or not all(isinstance(n, dict) for n in nodes):
         raise ValueError(f"{tracker} did not answer /v1/nodes with a node list")
-    return nodes
+    return nodes, mixes
 
 
 def _record(node: dict[str, Any]) -> NodeRecord:
@@ -79,14 +84,16 @@ def _records(nodes: list[dict[str, Any]]) -> list[NodeRecord]:
         ) from None
 
 
-def routes(nodes: list[dict[str, Any]]) -> list[tuple[str, list[NodeRecord], float]]:
-    """Every complete route per artifact, cheapest first."""
+def routes(
+    nodes: list[dict[str, Any]], mixes: Mapping[str, Collection[frozenset[str]]] | None = None
+) -> list[tuple[str, list[NodeRecord], float]]:
+    """Every complete route per artifact, cheapest first (``mixes``: the recipe pairs that may share one)."""
     records = _records(nodes)
     out = []
     for artifact in sorted({r.artifact for r in records}):
         mine = [r for r in records if r.artifact == artifact and r.admitted]
         if mine:
-            for route in all_routes(mine, mine[0].n_layer):
+            for route in all_routes(mine, mine[0].n_layer, (mixes or {}).get(artifact, ())):
                 out.append((artifact, route, route_cost(route)))
     return sorted(out, key=lambda item: (item[0], item[2]))
 
@@ -94,12 +101,12 @@ def routes(nodes: list[dict[str, Any]]) -> list[tuple[str, list[NodeRecord], flo
 def show(tracker: str, *, as_json: bool = False) -> int:
     """Print the status table (or JSON); exit status 1 if the tracker is unreachable."""
     try:
-        nodes = fetch(tracker)
+        nodes, mixes = fetch(tracker)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         print(f"noderuntime: error: cannot read {tracker}/v1/nodes: {exc}")
         return 1
-    found = routes(nodes)
-    apart = unmixed(_records(nodes))
+    found = routes(nodes, mixes)
+    apart = unmixed(_records(nodes), mixes)
     if as_json:
         print(
             json.dumps(
@@ -108,7 +115,7 @@ def show(tracker: str, *, as_json: bool = False) -> int:
                     "routes": [
                         {
                             "artifact": a,
-                            "hops": [[r.node_id.hex()[:16], *r.layers] for r in route],
+                            "hops": [[r.node_id.hex()[:16], *r.layers, r.device] for r in route],
                             "cost_ms": round(c, 2),
                         }
                         for a, route, c in found
@@ -136,6 +143,8 @@ def show(tracker: str, *, as_json: bool = False) -> int:
     print(f"\n{len(found)} complete route(s)")
     for artifact, route, cost in found[:20]:
         chain = " -> ".join(f"{r.node_id.hex()[:8]}[{r.layers[0]}:{r.layers[1]}]" for r in route)
+        if len({r.recipe for r in route}) > 1:  # a route across devices: say which hop runs where
+            chain += "  mixed: " + " / ".join(r.device for r in route)
         print(f"  {artifact[:12]}  {chain}  ~{cost:.1f} ms/step")
     for line in apart:
         print(f"  not mixed: {line}")

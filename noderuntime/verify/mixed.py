@@ -7,15 +7,15 @@ side in processes of its own (the GPU shard's process loads its backend's build)
 report gives top-1 agreement and the KL divergence between the two next-token
 distributions at every position (:func:`noderuntime.verify.agreement.compare_logits`),
 and the recipe fingerprints the comparison covers. ``benchmarks.backends`` locks these
-figures into a signed contract; :func:`covered_pair` reads back which pair of recipes a
-verified certificate covers.
+figures into a signed contract; :mod:`noderuntime.verify.certificates` reads back which
+pair of recipes a verified certificate covers, for the tracker.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -25,12 +25,10 @@ from noderuntime.engine.backends import BackendRuntime
 from noderuntime.engine.llama import Recipe
 from noderuntime.models.artifacts import LayerRange, inspect
 from noderuntime.verify.agreement import compare_logits
-from noderuntime.verify.contract import ContractError
 from noderuntime.verify.parity import ranges_from_cuts
 from noderuntime.verify.procchain import ProcessChain
 
 CHUNK = 128  # teacher-forced rows a step
-BENCHMARK = "benchmarks.backends"
 
 
 def recipe_for(n_tokens: int, *, threads: int = 2, device: str = "cpu") -> Recipe:
@@ -150,33 +148,4 @@ def check_mixed_route(
     }
 
 
-@attrs.frozen
-class CoveredPair:
-    """What a mixed-route certificate covers: one artifact, a CPU recipe and a GPU recipe."""
-
-    artifact: str
-    cpu_recipe: str
-    gpu_recipe: str
-
-    @property
-    def recipes(self) -> frozenset[str]:
-        """Both recipe fingerprints."""
-        return frozenset((self.cpu_recipe, self.gpu_recipe))
-
-
-def covered_pair(document: Mapping[str, Any]) -> CoveredPair:
-    """The pair of recipes a certificate covers (its ``"covers"``); ContractError when it names none.
-
-    Read this only from a document whose signature checked out
-    (:func:`noderuntime.verify.contract.verify_signature`): ``covers`` is signed with the figures.
-    """
-    if document.get("benchmark") != BENCHMARK:
-        raise ContractError(f"not a mixed-route certificate: written by {document.get('benchmark')!r:.60}")
-    covers = document.get("covers")
-    fields = ("artifact", "cpu_recipe", "gpu_recipe")
-    if not isinstance(covers, Mapping) or not all(isinstance(covers.get(f), str) for f in fields):
-        raise ContractError(f"a mixed-route certificate names its {', '.join(fields)} under 'covers'")
-    return CoveredPair(covers["artifact"], covers["cpu_recipe"], covers["gpu_recipe"])
-
-
-__all__ = ["CoveredPair", "check_mixed_route", "covered_pair", "greedy_decode", "recipe_for", "teacher_forced"]
+__all__ = ["check_mixed_route", "greedy_decode", "recipe_for", "teacher_forced"]

@@ -304,6 +304,12 @@ class Hop(betterproto2.Message):
     sha256 of the node's TLS certificate (DER) when it serves TLS; empty for plain.
     """
 
+    recipe_fingerprint: "bytes" = betterproto2.field(6, betterproto2.TYPE_BYTES)
+    """
+    The recipe fingerprint this hop runs, on a route that mixes recipes (a certified
+    pair of devices); empty: the recipe its Identity names, as on every other route.
+    """
+
 
 default_message_pool.register_message("noderuntime.seam.v1", "Hop", Hop)
 
