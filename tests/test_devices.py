@@ -116,17 +116,27 @@ def test_a_malformed_device_is_refused(device: str, tiny_model: Path, tmp_path: 
     assert line.startswith(f"noderuntime: error: --device {device!r}: device must be 'cpu' or '<backend>:<index>'")
 
 
+def test_gpu_layers_on_the_cpu_are_refused(tiny_model: Path, tmp_path: Path) -> None:
+    assert "--gpu-layers counts layers on a GPU" in _error(_up(tiny_model, tmp_path, "--gpu-layers", "2"))
+
+
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        (("--gpu-layers", "2"), "--gpu-layers counts layers on a GPU"),
-        (("--device", "vulkan:0", "--memory-limit", "1G"), "--memory-limit plans a CPU shard's memory"),
+        # 16 sessions of 8192 tokens: 2.8 GiB of KV, and llvmpipe reports 2 GiB
+        (("--slots", "16", "--ctx", "8192"), "over the 2.00 GiB vulkan:0 has free: "),
+        # the host keeps the process, the token embeddings and its side of the compute buffers
+        (("--memory-limit", "200MiB"), "over the memory limit of 200 MiB: not even layer 0 alone fits"),
     ],
 )
-def test_flags_a_device_does_not_take_are_refused(
-    flags: tuple[str, ...], says: str, tiny_model: Path, tmp_path: Path
+def test_a_shard_too_big_for_its_device_or_its_host_limit_is_refused_naming_what_fits(
+    flags: tuple[str, ...], says: str, vulkan: BackendRuntime, smollm2: Path, tmp_path: Path
 ) -> None:
-    assert says in _error(_up(tiny_model, tmp_path, *flags))
+    line = _error(_up(smollm2, tmp_path, "--device", "vulkan:0", "--allow-software-gpu", *flags))
+    assert line.startswith("noderuntime: error: layers 0:30 need ") and " on vulkan:0 and " in line, line
+    assert says in line, line
+    if "slots" in flags:
+        assert "layers would fit (0:" in line, line
 
 
 def test_a_device_that_is_not_there_is_refused(vulkan: BackendRuntime, tiny_model: Path, tmp_path: Path) -> None:

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from noderuntime.engine import memplan
 from noderuntime.engine.backends import BackendMismatchError, BackendRuntime
 from noderuntime.engine.llama import Recipe, ShardEngine
+from noderuntime.models import gguf
 from noderuntime.verify.parity import check_parity
 
 from . import buildscript
@@ -33,7 +35,7 @@ def test_the_vulkan_build_has_its_own_patches_key_and_version() -> None:
     cpu, vulkan = build.Target("cpu"), build.Target("vulkan")
     # the Vulkan-only patch stays out of the CPU series: the CPU wheel's key is what it was
     assert not any("vulkan" in path.as_posix() for path in build.patch_files())
-    assert build.patch_files(vulkan)[-1].name == "0007-vulkan-without-layer-settings.patch"
+    assert build.patch_files(vulkan)[-1].name == "0008-vulkan-without-layer-settings.patch"
     assert build.cache_key() == build.cache_key(cpu) != build.cache_key(vulkan)
     assert build.local_version(vulkan) == f"0.3.36+nr.{build.patch_hash(vulkan)}.vulkan"
     assert "-DGGML_VULKAN=ON" in build.cmake_args(vulkan) and "-DGGML_VULKAN=OFF" in build.cmake_args()
@@ -84,6 +86,46 @@ def test_a_vulkan_shard_holds_its_layers_and_kv_on_the_device(vulkan: BackendRun
     assert "Vulkan0 model buffer size" in log, log
     assert "Vulkan0 KV buffer size" in log, log
     assert "CPU KV buffer size" not in log, log
+
+
+def test_a_vulkan_shards_plan_puts_its_layers_on_the_device_and_sizes_both_sides_exactly(
+    vulkan: BackendRuntime, smollm2: Path
+) -> None:
+    probe = textwrap.dedent(f"""
+        import json
+        from noderuntime.engine import memplan
+        from noderuntime.engine.llama import Recipe, ShardEngine
+        from noderuntime.models.artifacts import LayerRange
+        recipe = Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=2, n_batch=64, n_ubatch=64, device="vulkan:0")
+        out = {{}}
+        for layers in (LayerRange(0, 12), LayerRange(12, 30)):
+            planned = memplan.needs({str(smollm2)!r}, layers, recipe)
+            with ShardEngine({str(smollm2)!r}, memplan.capped(recipe), layers) as engine:
+                real = engine.memory()
+            out[str(layers)] = {{
+                "planned": [planned.weights, planned.kv, planned.compute, planned.on_device, planned.host],
+                "real": [real.weights, real.kv, real.compute, real.device, real.host],
+                "real_kv_on_host": real.host_kv,
+                "real_weights_on_host": real.host_weights,
+            }}
+        print(json.dumps(out))
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=vulkan.environ())
+    assert done.returncode == 0, done.stderr[-3000:]
+    embeddings = next(t.n_bytes for t in gguf.read(smollm2).tensors if t.name == "token_embd.weight")
+    for layers, report in json.loads(done.stdout.strip().splitlines()[-1]).items():
+        weights, kv, compute, on_device, host = report["planned"]
+        # the dry run sizes what the load allocates: the device's side exactly, the host's to
+        # within the alignment padding of its buffers (32 bytes each seen on llvmpipe)
+        assert on_device == report["real"][3], layers
+        for planned, real in zip(report["planned"][:3], report["real"][:3], strict=True):
+            assert abs(planned - real) <= 256, (layers, report)
+        assert abs(host - memplan.RUNTIME_BYTES - report["real"][4]) <= 256, (layers, report)
+        # the KV and the layers are the device's; the host keeps the token embeddings only
+        # (a head shard's input lookup; the tied output copy sits on the device)
+        assert report["real_kv_on_host"] == 0 and kv < on_device <= weights + kv + compute
+        on_host = embeddings if layers.startswith("0:") else 0
+        assert abs(report["real_weights_on_host"] - on_host) <= 256, (layers, report)
 
 
 def test_tiny_random_model_shards_equal_whole_model_on_vulkan(vulkan: BackendRuntime, tiny_model: Path) -> None:

@@ -47,9 +47,6 @@ def _check_device(args: argparse.Namespace) -> str:
         raise CliError("--device places one node's shard; give it with --model (and without --local)")
     if kind != "cpu" and args.backend == "transformers":
         raise CliError("--device takes a GPU for llama.cpp; the transformers backend runs on the CPU")
-    if kind != "cpu" and args.memory_limit is not None:
-        # its plan sums the shard's buffers as host memory; on a GPU they live in device memory
-        raise CliError("--memory-limit plans a CPU shard's memory; it does not size a shard on a GPU yet")
     return kind
 
 
@@ -307,7 +304,8 @@ def _add_up(sub: Any) -> None:
     p.add_argument(
         "--memory-limit",
         type=size,
-        help="bytes this node may hold (2.5G, 2400MiB): refuse a shard that needs more, naming what would fit",
+        help="host memory this node may hold (2.5G, 2400MiB): refuse a shard that needs more, naming what would "
+        "fit (a shard on a GPU is also planned against the memory its device has free)",
     )
     p.add_argument(
         "--no-mmap",

@@ -100,8 +100,9 @@ def _import_llama_cpp() -> tuple[Any, dict[str, Any]]:
     ]
     lib.llama_model_shard_range.restype = ctypes.c_bool
     size_p = ctypes.POINTER(ctypes.c_size_t)
-    lib.llama_context_memory_totals.argtypes = [ctypes.c_void_p, size_p, size_p, size_p]
-    lib.llama_context_memory_totals.restype = None
+    for name in ("llama_context_memory_totals", "llama_context_memory_host"):
+        function = getattr(lib, name)
+        function.argtypes, function.restype = [ctypes.c_void_p, size_p, size_p, size_p], None
     return llama_cpp, marker
 
 
@@ -209,6 +210,14 @@ def _find_device(device: str) -> Any:
     if index >= len(own):
         raise NoDeviceError(f"device {device} is not here: the {kind} build sees {len(own)} {kind} device(s)")
     return own[index]
+
+
+def device_memory(device: str) -> tuple[int, int]:
+    """(free, total) bytes of ``device``'s own memory, as its backend reports them; typed errors as
+    :func:`describe_device`. Not asked of the CPU, whose memory a node plans with ``--memory-limit``."""
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    _ggml.ggml_backend_dev_memory(_find_device(device), ctypes.byref(free), ctypes.byref(total))
+    return free.value, total.value
 
 
 def describe_device(device: str) -> str:
@@ -350,16 +359,31 @@ class Recipe:
 
 @attrs.frozen
 class MemoryReport:
-    """Bytes a loaded shard holds, by llama.cpp's own accounting."""
+    """Bytes a loaded shard holds, by llama.cpp's own accounting: all of it, and of that the
+    part in host memory (all of it on the CPU; on a GPU, what stays behind, such as the token
+    embeddings and the host's side of the compute buffers)."""
 
     weights: int
     kv: int
     compute: int
+    host_weights: int
+    host_kv: int
+    host_compute: int
 
     @property
     def total(self) -> int:
         """All three together."""
         return self.weights + self.kv + self.compute
+
+    @property
+    def host(self) -> int:
+        """What of the total lives in host memory."""
+        return self.host_weights + self.host_kv + self.host_compute
+
+    @property
+    def device(self) -> int:
+        """What of the total lives in a device's own memory."""
+        return self.total - self.host
 
 
 def _grammar_sampler(vocab: Any, grammar: str) -> Any:
@@ -831,10 +855,13 @@ class ShardEngine:
     def memory(self) -> MemoryReport:
         """Weights, KV and compute buffer bytes, by llama.cpp's memory breakdown."""
         if self._ctx is None:
-            return MemoryReport(0, 0, 0)
-        model, context, compute = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_size_t()
-        _lib.llama_context_memory_totals(self._ctx, ctypes.byref(model), ctypes.byref(context), ctypes.byref(compute))
-        return MemoryReport(model.value, context.value, compute.value)
+            return MemoryReport(0, 0, 0, 0, 0, 0)
+        sums = []
+        for function in (_lib.llama_context_memory_totals, _lib.llama_context_memory_host):
+            model, context, compute = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_size_t()
+            function(self._ctx, ctypes.byref(model), ctypes.byref(context), ctypes.byref(compute))
+            sums += [model.value, context.value, compute.value]
+        return MemoryReport(*sums)
 
     def recipe_description(self) -> dict[str, Any]:
         """The recipe plus the quant of the loaded artifact."""

@@ -6,6 +6,12 @@ weights of its layers, KV for its slots, compute buffers), adds what the process
 holds, and refuses to start when the sum exceeds the limit, saying how many layers
 would fit. Such a node loads its weights without mmap, so that what it holds is its
 own layers in anonymous memory: a limit on resident memory means what it says.
+
+A shard on a GPU is planned on both sides: what stays in host memory (token embeddings,
+the host's side of the compute buffers, the process) against ``--memory-limit`` when one
+is given, and what the device holds (its layers, their KV, its compute buffers) against
+the memory the device reports free. Either side too small refuses the shard before it
+loads, naming how many layers would fit.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import re
 
 import attrs
 
-from noderuntime.engine.llama import EngineError, Recipe, ShardEngine
+from noderuntime.engine.llama import EngineError, Recipe, ShardEngine, device_memory
 from noderuntime.models.artifacts import LayerRange, inspect
 
 # What a node process holds besides llama.cpp's buffers: the interpreter, numpy,
@@ -61,25 +67,39 @@ def human(n: int) -> str:
 
 @attrs.frozen
 class ShardNeeds:
-    """What a shard will hold once loaded, by llama.cpp's sizing plus the process."""
+    """What a shard will hold once loaded, by llama.cpp's sizing plus the process.
+
+    ``on_device`` is the part of weights, KV and compute in ``device``'s own memory (none
+    on the CPU); the rest, and the runtime, is host memory.
+    """
 
     layers: LayerRange
     weights: int
     kv: int
     compute: int
     runtime: int = RUNTIME_BYTES
+    device: str = "cpu"
+    on_device: int = 0
 
     @property
     def total(self) -> int:
-        """Everything together: what the node's resident memory will reach."""
+        """Everything together, on the host and on the device."""
         return self.weights + self.kv + self.compute + self.runtime
+
+    @property
+    def host(self) -> int:
+        """What the node's resident memory will reach."""
+        return self.total - self.on_device
 
     def describe(self) -> str:
         """One line: the total and its parts."""
-        return (
-            f"{human(self.total)} (weights {human(self.weights)}, KV {human(self.kv)}, "
-            f"compute {human(self.compute)}, runtime {human(self.runtime)})"
+        parts = (
+            f"weights {human(self.weights)}, KV {human(self.kv)}, "
+            f"compute {human(self.compute)}, runtime {human(self.runtime)}"
         )
+        if self.device == "cpu":
+            return f"{human(self.total)} ({parts})"
+        return f"{human(self.on_device)} on {self.device} and {human(self.host)} of host memory ({parts})"
 
 
 class MemoryLimitError(EngineError):
@@ -89,6 +109,37 @@ class MemoryLimitError(EngineError):
         super().__init__(message)
         self.needs = needs
         self.fitting = fitting
+
+
+@attrs.frozen
+class Budget:
+    """What a shard may hold: host memory (``--memory-limit``) and, on a GPU, device memory."""
+
+    host: int | None = None
+    device: int | None = None
+
+    def admits(self, wanted: ShardNeeds) -> bool:
+        """Whether ``wanted`` fits on both sides."""
+        return (self.host is None or wanted.host <= self.host) and (
+            self.device is None or wanted.on_device <= self.device
+        )
+
+    def describe(self, wanted: ShardNeeds) -> str:
+        """Which side ``wanted`` is over, and by how much."""
+        over = []
+        if self.host is not None and wanted.host > self.host:
+            over.append(f"the memory limit of {human(self.host)}")
+        if self.device is not None and wanted.on_device > self.device:
+            over.append(f"the {human(self.device)} {wanted.device} has free")
+        return " and ".join(over)
+
+
+def device_budget(recipe: Recipe, host_limit: int | None) -> Budget:
+    """The budget of a shard with ``recipe``: ``host_limit``, and on a GPU the memory it reports free."""
+    if recipe.device == "cpu":
+        return Budget(host=host_limit)
+    free, _total = device_memory(recipe.device)
+    return Budget(host=host_limit, device=free)
 
 
 def capped(recipe: Recipe) -> Recipe:
@@ -107,35 +158,41 @@ def needs(model: str | os.PathLike[str], layers: LayerRange, recipe: Recipe) -> 
         report = engine.memory()
     finally:
         engine.close()
-    return ShardNeeds(layers, report.weights, report.kv, report.compute)
+    return ShardNeeds(layers, report.weights, report.kv, report.compute, device=recipe.device, on_device=report.device)
 
 
-def widest_fit(model: str | os.PathLike[str], start: int, end: int, recipe: Recipe, limit: int) -> LayerRange | None:
-    """The longest range ``start:k`` (k <= ``end``) that fits ``limit``; ``None`` if not even one layer does."""
+def widest_fit(
+    model: str | os.PathLike[str], start: int, end: int, recipe: Recipe, limit: int | Budget
+) -> LayerRange | None:
+    """The longest range ``start:k`` (k <= ``end``) that fits ``limit`` (host bytes, or a budget);
+    ``None`` if not even one layer does."""
+    budget = limit if isinstance(limit, Budget) else Budget(host=limit)
     lo, hi = start, end  # start:lo is known to fit (trivially, when empty); start:hi+1 does not
     best: LayerRange | None = None
     while lo < hi:
         mid = (lo + hi + 1) // 2
         candidate = LayerRange(start, mid)
-        if needs(model, candidate, recipe).total <= limit:
+        if budget.admits(needs(model, candidate, recipe)):
             best, lo = candidate, mid
         else:
             hi = mid - 1
     return best
 
 
-def check(model: str | os.PathLike[str], layers: LayerRange, recipe: Recipe, limit: int) -> ShardNeeds:
-    """The shard's needs when they fit ``limit``; otherwise a :class:`MemoryLimitError` that says what would."""
+def check(model: str | os.PathLike[str], layers: LayerRange, recipe: Recipe, limit: int | Budget) -> ShardNeeds:
+    """The shard's needs when they fit ``limit`` (host bytes, or a budget of host and device memory);
+    otherwise a :class:`MemoryLimitError` that says what would."""
+    budget = limit if isinstance(limit, Budget) else Budget(host=limit)
     wanted = needs(model, layers, recipe)
-    if wanted.total <= limit:
+    if budget.admits(wanted):
         return wanted
     info = inspect(model, verify=False)
+    message = f"layers {layers} need {wanted.describe()}, over {budget.describe(wanted)}"
     if info.layer_range != LayerRange(0, info.n_layer):
         # a shard file holds its range only: no shorter range of it can be tried, or served
-        message = f"layers {layers} need {wanted.describe()}, over the memory limit of {human(limit)}"
         advice = "lower --slots or --ctx, or cut a shorter shard from the whole model"
         raise MemoryLimitError(f"{message}: {advice}", wanted, None)
-    fitting = widest_fit(model, layers.start, layers.end - 1, recipe, limit)
+    fitting = widest_fit(model, layers.start, layers.end - 1, recipe, budget)
     if fitting is None:
         advice = (
             f"not even layer {layers.start} alone fits with {recipe.n_seq_max} slots of {recipe.n_ctx_per_seq} "
@@ -143,8 +200,18 @@ def check(model: str | os.PathLike[str], layers: LayerRange, recipe: Recipe, lim
         )
     else:
         advice = f"{len(fitting)} layers would fit ({fitting.start}:{fitting.end}); serve those with --layers"
-    message = f"layers {layers} need {wanted.describe()}, over the memory limit of {human(limit)}: {advice}"
-    raise MemoryLimitError(message, wanted, fitting)
+    raise MemoryLimitError(f"{message}: {advice}", wanted, fitting)
 
 
-__all__ = ["RUNTIME_BYTES", "MemoryLimitError", "ShardNeeds", "capped", "check", "human", "needs", "parse_bytes"]
+__all__ = [
+    "RUNTIME_BYTES",
+    "Budget",
+    "MemoryLimitError",
+    "ShardNeeds",
+    "capped",
+    "check",
+    "device_budget",
+    "human",
+    "needs",
+    "parse_bytes",
+]

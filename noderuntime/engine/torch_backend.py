@@ -599,7 +599,7 @@ class TorchEngine:
     def memory(self) -> MemoryReport:
         """Weights and cache bytes (the compute buffers are torch's own, not counted)."""
         kv = sum(c.keys.numel() * c.keys.element_size() * 2 for c in self._caches.values())
-        return MemoryReport(self._weight_bytes, kv, 0)
+        return MemoryReport(self._weight_bytes, kv, 0, self._weight_bytes, kv, 0)  # all in host memory
 
     def recipe_description(self) -> dict[str, Any]:
         """The recipe plus the weights' precision."""

@@ -266,8 +266,8 @@ async def run_node(
 async def _load_engine(opts: NodeOptions, engine_thread: EngineThread) -> tuple[artifacts.ArtifactInfo, Any, Any, Any]:
     """(the model file's info, the recipe, the layers, the engine), loaded on ``engine_thread``.
 
-    With ``--memory-limit`` the plan is checked first: a shard that cannot fit is refused
-    before anything is allocated.
+    With ``--memory-limit``, and on a GPU always, the plan is checked first: a shard that
+    cannot fit is refused before anything is allocated.
     """
     if opts.backend == "transformers":
         info, recipe, engine = await engine_thread.run(functools.partial(_torch_engine, opts))
@@ -289,9 +289,13 @@ async def _load_engine(opts: NodeOptions, engine_thread: EngineThread) -> tuple[
     )
     if opts.memory_limit is not None:
         recipe = memplan.capped(recipe)
-        limit = opts.memory_limit
-        planned = await trio.to_thread.run_sync(lambda: memplan.check(opts.model, layers, recipe, limit))
-        log.info("layers %s will hold %s of the %s limit", layers, planned.describe(), memplan.human(limit))
+    # a shard on a GPU is always planned against the memory its device has free
+    budget = memplan.device_budget(recipe, opts.memory_limit)
+    if budget.host is not None or budget.device is not None:
+        planned = await trio.to_thread.run_sync(lambda: memplan.check(opts.model, layers, recipe, budget))
+        limits = [f"{memplan.human(budget.host)} host limit"] if budget.host is not None else []
+        limits += [f"{memplan.human(budget.device)} free on {opts.device}"] if budget.device is not None else []
+        log.info("layers %s will hold %s, within the %s", layers, planned.describe(), " and ".join(limits))
     engine = await engine_thread.run(
         lambda: ShardEngine(opts.model, recipe, layers, expected_fingerprint=opts.expected_fingerprint)
     )
