@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,38 @@ def test_a_killed_holder_gives_its_turn_back(tmp_path: Path) -> None:
     finally:
         _join_waiters()
         mine.close()
+
+
+def test_a_holder_that_hangs_holds_nobody_up_past_the_patience(tmp_path: Path) -> None:
+    """A stopped holder keeps its turn; its neighbour runs without it, then takes turns again."""
+    holder = _holder(tmp_path, "0,1")
+    mine = CoreTurns([0, 1], tmp_path, patience=0.5)
+    probe = CoreTurns([0, 1], tmp_path)  # a third party: whether the files are taken
+    try:
+        os.kill(holder.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        with mine.held():
+            pass
+        assert 0.5 <= time.monotonic() - began < 3 and mine.skipped == 1
+        began = time.monotonic()
+        with mine.held():  # while the turn is stuck, later calls do not wait again
+            pass
+        assert time.monotonic() - began < 0.2 and mine.skipped == 2
+        os.kill(holder.pid, signal.SIGKILL)  # the holder's turn goes with it
+        holder.wait(10)
+        deadline = time.monotonic() + 10
+        while mine._stuck is not None and not mine._stuck.done.is_set():
+            assert time.monotonic() < deadline, "the abandoned wait never ended"
+            time.sleep(0.05)
+        with mine.held():  # the turn is taken again, and held: a third party waits for it
+            assert _waits(probe, 0.2)
+        _join_waiters()
+        assert mine.skipped == 2
+    finally:
+        holder.kill()
+        _join_waiters()
+        mine.close()
+        probe.close()
 
 
 def test_disjoint_cores_never_wait(tmp_path: Path) -> None:

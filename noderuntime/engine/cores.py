@@ -19,6 +19,11 @@ cgroup's cpuset) share no file and never wait for each other.
 
 An uncontended turn costs one ``flock`` call per core per tick (microseconds).
 
+A turn is waited for at most ``PATIENCE_SECONDS``, longer than any engine call takes: a
+holder that keeps it longer is stopped or hung (``SIGSTOP``, a stalled device), and its
+neighbours must not hang with it. The waiter then runs without its turn, and so do its
+later calls, until the stuck turn is let go; it says so in its log and counts the calls.
+
 This is not a lock around model execution inside a node (Petals' handler serializes its
 requests with one): a node still runs every ready session's step in one batched tick,
 and takes one turn per tick. The turn is between processes whose OpenMP teams would
@@ -29,12 +34,26 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
+import queue
 import tempfile
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import platformdirs
+
+log = logging.getLogger(__name__)
+
+# Longer than any engine call (a long prefill chunk of a large shard takes seconds; a
+# model's load, which also holds the turn, may take longer and then costs a neighbour
+# one call run without its turn): past it, the holder is taken to be stuck.
+PATIENCE_SECONDS = 10.0
+
+
+def _cores(cores: Sequence[int]) -> str:
+    return ",".join(str(c) for c in cores)
 
 
 def machine_cores() -> tuple[int, ...]:
@@ -55,20 +74,60 @@ def default_directory() -> Path:
         return Path(tempfile.gettempdir()) / f"noderuntime-{os.getuid()}" / "cores"
 
 
+class _Wait:
+    """A blocking wait for the rest of a turn, on the waiter thread, that its caller may give up."""
+
+    def __init__(self, fds: Sequence[int]) -> None:
+        self.fds = tuple(fds)
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._taken = False
+        self._abandoned = False
+
+    def run(self) -> None:
+        for fd in self.fds:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        with self._lock:
+            self._taken = True
+            if self._abandoned:  # its caller went on without it: let go at once
+                for fd in reversed(self.fds):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+        self.done.set()
+
+    def abandon(self) -> bool:
+        """Give up waiting; True when the turn was taken meanwhile (and is the caller's after all)."""
+        with self._lock:
+            if self._taken:
+                return True
+            self._abandoned = True
+            return False
+
+
 class CoreTurns:
     """This process's turn on its cores: ``with turns.held(): ...`` around each engine call.
 
     Opened once per process (the files stay open); :meth:`close` is idempotent. Meant for
-    the one thread that runs the engine, so it holds no lock of its own.
+    the one thread that runs the engine. ``skipped`` counts the calls that ran without
+    their turn because another process kept it past ``patience`` seconds.
     """
 
-    def __init__(self, cores: Sequence[int] | None = None, directory: Path | None = None) -> None:
+    def __init__(
+        self, cores: Sequence[int] | None = None, directory: Path | None = None, *, patience: float = PATIENCE_SECONDS
+    ) -> None:
         self.cores = tuple(sorted(set(cores if cores is not None else machine_cores())))
         if not self.cores:
             raise ValueError("a turn needs at least one core")
         self.directory = directory or default_directory()
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.patience = patience
+        self.skipped = 0
         self._fds: list[int] = []
+        # a contended turn is waited for on a thread of its own, so that the wait can be
+        # given up (a blocking flock cannot be); a daemon, so that a wait that never ends
+        # does not keep the process from exiting
+        self._waits: queue.SimpleQueue[_Wait] = queue.SimpleQueue()
+        self._waiter: threading.Thread | None = None
+        self._stuck: _Wait | None = None
         try:
             for core in self.cores:
                 self._fds.append(os.open(self.directory / f"cpu{core}.lock", os.O_RDWR | os.O_CREAT, 0o600))
@@ -78,20 +137,66 @@ class CoreTurns:
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
-        """Wait for every core's turn (in core order), hold them for the block, then let go."""
-        taken = 0
+        """Wait for every core's turn (in core order), hold them for the block, then let go.
+
+        Past ``patience`` seconds of waiting, the block runs without the turn (see the module).
+        """
+        taken = self._take()
         try:
-            for fd in self._fds:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                taken += 1
             yield
         finally:
             for fd in reversed(self._fds[:taken]):
                 fcntl.flock(fd, fcntl.LOCK_UN)
 
+    def _take(self) -> int:
+        """Take the turn; how many of the files are now held (all of them, or none)."""
+        if self._stuck is not None:
+            if not self._stuck.done.is_set():
+                self.skipped += 1
+                return 0
+            self._stuck = None
+            log.warning("the turn on cores %s was let go: engine calls take turns again", _cores(self.cores))
+        taken = 0
+        for fd in self._fds:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                break
+            taken += 1
+        if taken == len(self._fds):
+            return taken
+        wait = _Wait(self._fds[taken:])
+        self._start_waiter()
+        self._waits.put(wait)
+        if wait.done.wait(self.patience) or wait.abandon():
+            return len(self._fds)
+        for fd in reversed(self._fds[:taken]):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        self._stuck = wait
+        self.skipped += 1
+        log.warning(
+            "the turn on cores %s has been held for over %.0f s by another process (stopped or hung?): "
+            "engine calls run without it until it is let go",
+            _cores(self.cores),
+            self.patience,
+        )
+        return 0
+
+    def _start_waiter(self) -> None:
+        if self._waiter is None:
+            self._waiter = threading.Thread(target=self._wait_for_turns, name="core-turns", daemon=True)
+            self._waiter.start()
+
+    def _wait_for_turns(self) -> None:
+        while True:
+            self._waits.get().run()
+
     def close(self) -> None:
-        """Close the files (a turn still held is let go with them)."""
+        """Close the files (a turn still held is let go with them); those a stuck wait still
+        blocks on stay open until the process ends, so that no later file takes their numbers."""
         fds, self._fds = self._fds, []
+        waiting = set(self._stuck.fds) if self._stuck is not None and not self._stuck.done.is_set() else set()
         for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            if fd not in waiting:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
