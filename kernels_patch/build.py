@@ -204,6 +204,12 @@ def missing_toolchain(target: Target = CPU) -> list[str]:
         cuda = os.environ.get("CUDA_PATH") or os.environ.get("CUDA_HOME") or "/usr/local/cuda"
         if not (shutil.which("nvcc") or Path(cuda, "bin", "nvcc").exists()):
             missing.append("nvcc, the CUDA Toolkit's compiler (NVIDIA CUDA Toolkit 12.8 or later for Blackwell)")
+        # ggml-cuda links cuBLAS, which a toolkit installed as the compiler and runtime alone
+        # lacks: CMake would fail at its generate step with "CUDA::cublas ... not found"
+        roots = [cuda, "/usr/local/cuda*", "/usr"]
+        libs = [f"{r}/{d}/libcublas.so*" for r in roots for d in ("lib64", "targets/*/lib", "lib/*")]
+        if not _found(libs):
+            missing.append("cuBLAS, which ggml's CUDA backend links (the toolkit's libcublas and its headers)")
     elif target.backend == "hip":
         if not _hipconfig():
             missing.append("hipconfig and the ROCm HIP compiler (AMD ROCm, e.g. /opt/rocm)")
