@@ -17,6 +17,7 @@ import time
 import traceback
 from typing import Any
 
+import attrs
 import numpy as np
 
 from benchmarks import _common
@@ -47,6 +48,7 @@ def _seeds() -> list[bytes]:
         Tokens,
         Usage,
         UsageRecord,
+        route_recipe,
     )
 
     ident = Identity("req", os.urandom(16), 3, os.urandom(32), os.urandom(8), Span(0, 15))
@@ -63,6 +65,11 @@ def _seeds() -> list[bytes]:
             header(0, Phase.PREFILL), hops, Sampling(0.5, 40, 0.9, 0.05, 7), (1, 2, 3), 16, (2,), 123456, b"t" * 96
         )
     )
+    # a plan across devices: every hop names its recipe, the session their digest
+    recipes = (os.urandom(8), os.urandom(8))
+    mixed = tuple(attrs.evolve(hop, recipe_fingerprint=r) for hop, r in zip(hops, recipes, strict=True))
+    across = Header(attrs.evolve(ident, recipe_fingerprint=route_recipe(recipes)), Phase.PREFILL, 0, Span(), 0)
+    frames += enc.encode(OpenRoute(across, mixed, Sampling(), (1, 2, 3), 16))
     for encoding in Encoding:
         rows = int(rng.integers(1, 4))
         array = rng.standard_normal((rows, 96)).astype(np.float32)

@@ -42,6 +42,7 @@ _HOP_SHAPE: _Shape = {
     3: (_L, None, ""),
     4: (_L, _SPAN_SHAPE, ""),
     5: (_L, None, ""),
+    6: (_L, None, ""),
 }
 _SAMPLING_SHAPE: _Shape = {n: (_F if n in (1, 3, 4, 6, 7, 8) else _V, None, "") for n in range(1, 10)}
 _LOGIT_BIAS_SHAPE: _Shape = {1: (_V, None, ""), 2: (_F, None, "")}
@@ -64,7 +65,6 @@ _COLD_SHAPES: dict[int, _Shape] = {
     CREDIT: {1: (_V, None, "")},
     USAGE: {1: (_L, _RECORD_SHAPE, "max_records")},
 }
-MAX_RECIPE_BYTES = 64  # a recipe fingerprint is 8 bytes; room for a longer one, not for a payload
 _MAX_OTHER_FIELDS = 64  # occurrences of singular and unknown fields in one message
 
 
@@ -210,7 +210,8 @@ def open_route_event(header: Header, m: Any, limits: Limits) -> OpenRoute:
         for text in (h.address, h.relay):
             if len(text) > limits.max_string_bytes:
                 raise RemoteProtocolError("hop address too long")
-        if len(h.recipe_fingerprint) > MAX_RECIPE_BYTES:
+        # bounded as the session's own recipe in the header is
+        if len(h.recipe_fingerprint) > limits.max_string_bytes:
             raise RemoteProtocolError("hop recipe fingerprint too long")
         hops.append(Hop(h.node_id, layers, h.address, h.relay, h.tls_cert_sha256, h.recipe_fingerprint))
     _check_hop_recipes(header, hops)

@@ -289,6 +289,7 @@ def test_a_plan_across_devices_names_every_hops_recipe_and_the_session_names_the
     # one recipe on every hop is that recipe; the order of a mix counts
     assert route_recipe([cpu, cpu]) == cpu and route_recipe([cpu, gpu]) != route_recipe([gpu, cpu])
     assert len(route_recipe([cpu, gpu])) == 8
+    too_long = b"x" * (Limits().max_string_bytes + 1)
     for bad, code, says in (
         (
             attrs.evolve(mixed, hops=(mixed_hops[0], plain.hops[1])),
@@ -297,7 +298,13 @@ def test_a_plan_across_devices_names_every_hops_recipe_and_the_session_names_the
         ),
         (attrs.evolve(mixed, header=h.header(0, Phase.PREFILL)), StatusCode.FAILED_PRECONDITION, "another recipe"),
         (
-            attrs.evolve(mixed, hops=(mixed_hops[0], attrs.evolve(mixed_hops[1], recipe_fingerprint=b"x" * 65))),
+            attrs.evolve(
+                mixed,
+                hops=(
+                    mixed_hops[0],
+                    attrs.evolve(mixed_hops[1], recipe_fingerprint=too_long),
+                ),
+            ),
             StatusCode.INVALID_ARGUMENT,
             "too long",
         ),

@@ -226,6 +226,7 @@ COLD_SEEDS = {
         (2, b"\x08\x01"),  # OpenRoute.hops as a varint
         (2, b"\x10\x05"),  # OpenRoute.sampling as a varint
         (2, bytes(pb.OpenRoute(hops=[pb.Hop(node_id=b"n")])) + b"\x0a\x02\x20\x07"),  # Hop.layers as a varint
+        (2, bytes(pb.OpenRoute(hops=[pb.Hop(node_id=b"n")])) + b"\x0a\x02\x30\x07"),  # Hop.recipe as a varint
         (2, b"\x3d\x00\x00\x00\x00"),  # OpenRoute.ticket as a fixed32
         (9, b"\x08\x03"),  # Usage.records as a varint
         (8, b"\x0a\x01a"),  # Credit.frames as bytes
