@@ -124,8 +124,9 @@ class CoreTurns:
         self._fds: list[int] = []
         # a contended turn is waited for on a thread of its own, so that the wait can be
         # given up (a blocking flock cannot be); a daemon, so that a wait that never ends
-        # does not keep the process from exiting
-        self._waits: queue.SimpleQueue[_Wait] = queue.SimpleQueue()
+        # does not keep the process from exiting; one wait at most is ever outstanding (while
+        # one is stuck, calls do not wait), so the queue holds one
+        self._waits: queue.Queue[_Wait] = queue.Queue(maxsize=1)
         self._waiter: threading.Thread | None = None
         self._stuck: _Wait | None = None
         try:
@@ -167,7 +168,7 @@ class CoreTurns:
             return taken
         wait = _Wait(self._fds[taken:])
         self._start_waiter()
-        self._waits.put(wait)
+        self._waits.put_nowait(wait)
         if wait.done.wait(self.patience) or wait.abandon():
             return len(self._fds)
         for fd in reversed(self._fds[:taken]):

@@ -64,7 +64,7 @@ def load_certificate(path: str | os.PathLike[str]) -> CoveredPair:
         raise ContractError(f"{where}: {exc}") from None
     missed = [result.threshold for result in contract.check(document) if not result.passed]
     if missed:
-        claims = ", ".join(t.text or f"{t.left} {t.op} {t.value if t.right is None else t.right}" for t in missed)
+        claims = ", ".join(f"{t.id}: {t.left} {t.op} {t.right_side}" for t in missed)
         raise ContractError(f"{where}: its figures miss its own thresholds ({claims})")
     return pair
 
