@@ -30,6 +30,7 @@ from noderuntime.seams.dialer import open_dialer
 from noderuntime.services.cluster import ROOT, ManagedProcess
 from noderuntime.services.ready import TrackerReady, expect
 from noderuntime.testing.clusters import Cluster, running_cluster
+from noderuntime.verify.mixed import greedy_decode
 from noderuntime.verify.procchain import ProcessChain
 
 from .test_memplan import _up
@@ -43,21 +44,34 @@ def _get(url: str) -> Any:
         return json.loads(response.read())
 
 
+def greedy(chain: ProcessChain, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``prompt`` (sequence 0, from position 0) through ``chain``."""
+    positions = np.arange(len(prompt), dtype=np.int32)
+    rows = np.array(prompt, np.int32)
+    result = chain.step(np.zeros(len(prompt), np.int32), positions, positions == positions[-1], rows)
+    assert result.logits is not None
+    first = int(np.argmax(result.logits[-1]))
+    return [first, *greedy_decode(chain, len(prompt), first, n - 1)["tokens"]]
+
+
+def status_table(url: str) -> str:
+    """What ``noderuntime status --tracker URL`` prints."""
+    shown = subprocess.run(
+        [sys.executable, "-m", "noderuntime", "status", "--tracker", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert shown.returncode == 0, shown.stderr
+    return shown.stdout
+
+
 def _vulkan_greedy(vulkan: BackendRuntime, model: Path, prompt: list[int], n: int) -> list[int]:
     """Greedy tokens of the whole model on Vulkan, in a process of its own, as the node's recipe runs it."""
     recipe = Recipe(n_threads=2, n_ctx_per_seq=CTX, n_seq_max=SLOTS, n_batch=BATCH, n_ubatch=BATCH, device="vulkan:0")
-    out: list[int] = []
     with ProcessChain(model, [LayerRange(0, inspect(model).n_layer)], recipe, runtime=vulkan) as chain:
-        tokens = np.array(prompt, np.int32)
-        for step in range(n):
-            first = len(prompt) + step - len(tokens)
-            positions = np.arange(first, first + len(tokens), dtype=np.int32)
-            outputs = np.arange(len(tokens)) == len(tokens) - 1
-            result = chain.step(np.zeros(len(tokens), np.int32), positions, outputs, tokens)
-            assert result.logits is not None
-            out.append(int(np.argmax(result.logits[-1])))
-            tokens = np.array(out[-1:], np.int32)
-    return out
+        return greedy(chain, prompt, n)
 
 
 async def _generate(cluster: Cluster, prompt: list[int], n: int) -> list[int]:
@@ -88,16 +102,7 @@ def test_a_node_on_vulkan_serves_and_reports_its_device(
             while not (listed := _get(url + "/v1/nodes")["nodes"]) and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert [n["device"] for n in listed] == ["vulkan:0"]
-            env = {**os.environ, "PYTHONPATH": str(ROOT)}
-            shown = subprocess.run(
-                [sys.executable, "-m", "noderuntime", "status", "--tracker", url],
-                capture_output=True,
-                text=True,
-                timeout=60,
-                env=env,
-            )
-            assert shown.returncode == 0, shown.stderr
-            row = next(line for line in shown.stdout.splitlines() if line.startswith(node.node_id[:12]))
+            row = next(line for line in status_table(url).splitlines() if line.startswith(node.node_id[:12]))
             assert "vulkan:0" in row.split()
     finally:
         tracker.stop()

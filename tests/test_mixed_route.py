@@ -8,17 +8,13 @@ of recipes they cover; a changed figure, or a changed pair, no longer verifies.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import attrs
 import httpx
-import numpy as np
 import pytest
 import trio
 
@@ -35,6 +31,8 @@ from noderuntime.verify import contract
 from noderuntime.verify.certificates import covered_pair
 from noderuntime.verify.procchain import ProcessChain
 from protocol import route_recipe
+
+from .test_devices import _get, greedy, status_table
 
 
 @pytest.fixture(scope="module")
@@ -91,35 +89,20 @@ def test_the_quick_mixed_route_certificate_verifies_and_a_changed_figure_does_no
 CUTS, DEVICES = ("0:1", "1:3", "3:4"), ("cpu", "vulkan:0", "cpu")
 
 
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return json.loads(response.read())
-
-
 def _chain_greedy(model: Path, runtime: BackendRuntime, prompt: list[int], n: int) -> list[int]:
     """Greedy tokens of the same shards on the same devices, each in a process of its own, as the nodes run them."""
     cpu = Recipe(n_threads=2, n_ctx_per_seq=256, n_seq_max=2, n_batch=512, n_ubatch=512)
     recipes = [attrs.evolve(cpu, device=device) for device in DEVICES]
     ranges = [LayerRange(int(a), int(b)) for a, b in (cut.split(":") for cut in CUTS)]
     runtimes = [runtime if device != "cpu" else None for device in DEVICES]
-    out: list[int] = []
     with ProcessChain(model, ranges, cpu, recipes=recipes, runtimes=runtimes) as chain:
-        tokens = np.array(prompt, np.int32)
-        for step in range(n):
-            first = len(prompt) + step - len(tokens)
-            positions = np.arange(first, first + len(tokens), dtype=np.int32)
-            result = chain.step(np.zeros(len(tokens), np.int32), positions, positions == positions[-1], tokens)
-            assert result.logits is not None
-            out.append(int(np.argmax(result.logits[-1])))
-            tokens = np.array(out[-1:], np.int32)
-    return out
+        return greedy(chain, prompt, n)
 
 
 async def _serve_one(url: str, artifact: str, prompt: list[int], n: int) -> tuple[RouteGrant, list[int]]:
     async with httpx.AsyncClient() as client, open_dialer() as dialer:
         grant = await request_route(client, url, artifact, len(prompt) + n)
         request = GenerationRequest(tuple(prompt), n)
-        tokens: list[int] = []
         async with open_route_generation(
             dialer,
             grant.hops,
@@ -129,9 +112,9 @@ async def _serve_one(url: str, artifact: str, prompt: list[int], n: int) -> tupl
             ticket=grant.ticket,
             session_id=grant.session_id,
         ) as generation:
-            while (event := await generation.next()) is not None:
-                tokens.extend(event.token_ids)
-        return grant, tokens
+            while await generation.next() is not None:
+                pass
+        return grant, list(generation.tokens)
 
 
 def test_a_tracker_given_the_certificate_serves_a_route_across_devices(
@@ -171,16 +154,8 @@ def test_a_tracker_given_the_certificate_serves_a_route_across_devices(
         # served over real seams, bit for bit what the same shards on the same devices compute
         assert tokens == _chain_greedy(tiny_model, vulkan, prompt, 6)
 
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        shown = subprocess.run(
-            [sys.executable, "-m", "noderuntime", "status", "--tracker", url],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=env,
-        )
-        assert shown.returncode == 0, shown.stderr
-        assert "mixed: cpu / vulkan:0 / cpu" in shown.stdout and "not mixed" not in shown.stdout
+        shown = status_table(url)
+        assert "mixed: cpu / vulkan:0 / cpu" in shown and "not mixed" not in shown
     finally:
         for node in nodes:
             node.stop()
