@@ -275,7 +275,9 @@ async def _load_engine(opts: NodeOptions, engine_thread: EngineThread) -> tuple[
     info = artifacts.inspect(opts.model)
     layers = opts.layers or info.layer_range
     if opts.device != "cpu":
-        log.info("layers %s on %s: %s", layers, opts.device, check_device(opts.device))
+        # ggml asks the driver (for CUDA, the first call sets up its context): off the trio thread
+        described = await trio.to_thread.run_sync(check_device, opts.device)
+        log.info("layers %s on %s: %s", layers, opts.device, described)
     recipe = Recipe(
         n_threads=opts.threads,
         n_ctx_per_seq=opts.ctx_per_session,
@@ -290,7 +292,7 @@ async def _load_engine(opts: NodeOptions, engine_thread: EngineThread) -> tuple[
     if opts.memory_limit is not None:
         recipe = memplan.capped(recipe)
     # a shard on a GPU is always planned against the memory its device has free
-    budget = memplan.device_budget(recipe, opts.memory_limit)
+    budget = await trio.to_thread.run_sync(memplan.device_budget, recipe, opts.memory_limit)
     if budget.host is not None or budget.device is not None:
         planned = await trio.to_thread.run_sync(lambda: memplan.check(opts.model, layers, recipe, budget))
         limits = [f"{memplan.human(budget.host)} host limit"] if budget.host is not None else []
