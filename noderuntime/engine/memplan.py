@@ -125,7 +125,7 @@ class Budget:
         )
 
     def describe(self, wanted: ShardNeeds) -> str:
-        """Which side ``wanted`` is over, and by how much."""
+        """Which side, or sides, ``wanted`` is over."""
         over = []
         if self.host is not None and wanted.host > self.host:
             over.append(f"the memory limit of {human(self.host)}")
