@@ -7,6 +7,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -92,15 +93,25 @@ def git_commit() -> str:
         return "unknown"
 
 
+def command(name: str, args: argparse.Namespace) -> str:
+    """The command that reproduces a run: its flags and every option given a value (not ``--out``)."""
+    words = [f"python -m benchmarks.{name}"]
+    for key, value in vars(args).items():
+        if key == "out" or value is None or value is False:
+            continue
+        words.append(f"--{key.replace('_', '-')}")
+        if value is not True:
+            words.append(shlex.quote(",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)))
+    return " ".join(words)
+
+
 def write(
     path: Path, name: str, args: argparse.Namespace, recipe: dict[str, Any], figures: dict[str, Any], **extra: Any
 ) -> dict[str, Any]:
     """Write the result document and return it."""
     doc = {
         "benchmark": name,
-        "command": " ".join(
-            [f"python -m benchmarks.{name}"] + [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if v is True]
-        ),
+        "command": command(name, args),
         "quick": bool(args.quick),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "project_commit": git_commit(),

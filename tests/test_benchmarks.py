@@ -152,3 +152,13 @@ def test_gate_e_runs_gguf_and_safetensors_routes(tmp_path: Path) -> None:
         assert route["c8_outputs_equal"], name  # eight identical sessions, one answer
     # the safetensors F32 route is the whole F32 model, split: its greedy tokens are the reference's
     assert all(m == len(routes["hf-f32"]["outputs"][k]) for k, m in routes["hf-f32"]["greedy_prefix_match"].items())
+
+
+def test_a_results_command_names_every_option_the_run_was_given() -> None:
+    import argparse
+
+    from benchmarks import _common
+
+    args = argparse.Namespace(quick=True, out="x.json", lanes="one_node,grpc_route", levels=None, tag="a b")
+    expected = "python -m benchmarks.serving --quick --lanes one_node,grpc_route --tag 'a b'"
+    assert _common.command("serving", args) == expected
