@@ -167,6 +167,70 @@ def test_sampler_chains(tiny_model: Path) -> None:
         greedy.close()
 
 
+def _first_tokens(model: ShardEngine, prompt: list[int], chains: list[engine.SamplerChain]) -> list[int]:
+    """The token each chain samples after ``prompt``, one sequence each, in one batch."""
+    n, k = len(chains), len(prompt)
+    rows = Rows(
+        np.repeat(np.arange(n, dtype=np.int32), k),
+        np.tile(np.arange(k, dtype=np.int32), n),
+        np.tile(np.arange(k) == k - 1, n),
+        tokens=np.tile(np.asarray(prompt, np.int32), n),
+    )
+    sampled = model.run(rows, samplers={i * k + k - 1: c for i, c in enumerate(chains)}).sampled
+    for i, chain in enumerate(chains):
+        chain.close()
+        model.remove_sequence(i)
+    return [sampled[i * k + k - 1] for i in range(n)]
+
+
+YES_NO = 'root ::= "yes" | "no"'
+
+
+def test_greedy_under_a_grammar_is_the_masked_maximum(smollm2: Path) -> None:
+    """Greedy draws from all tokens and asks the grammar about the one drawn; the answer
+    must be what greedy over the masked logits gives (top-k 1 masks first, then picks)."""
+    vocab = Vocab(smollm2)
+    text = vocab.tokenize("The capital of France is Paris. Answer with yes or no: is the sky green?")
+    recipe = Recipe(n_threads=2, n_ctx_per_seq=256, n_seq_max=1, n_batch=64, n_ubatch=64)
+    with ShardEngine(smollm2, recipe) as model:
+        for grammar in (YES_NO, 'root ::= [a-z]+ "." | "Paris"', 'root ::= "{" [ \\t\\n]* "}"'):
+            prompts = [text[:cut] for cut in range(4, len(text), max(1, len(text) // 12))][:12]
+            fast = [_first_tokens(model, p, [model.new_sampler(Sampling(grammar=grammar))])[0] for p in prompts]
+            masked = Sampling(grammar=grammar, temperature=1.0, top_k=1)
+            slow = [_first_tokens(model, p, [model.new_sampler(masked)])[0] for p in prompts]
+            assert fast == slow, grammar
+
+
+def test_a_draw_under_a_grammar_has_the_masked_distribution(tiny_model: Path) -> None:
+    """A draw from all tokens, kept when the grammar accepts it and drawn again from the
+    masked tokens when not, gives each valid token its masked probability."""
+    vocab = Vocab(tiny_model)
+    prompt = [5, 9, 200]
+    n, runs = 64, 64
+    with ShardEngine(tiny_model, Recipe(n_threads=1, n_ctx_per_seq=256, n_seq_max=n)) as model:
+        rows = Rows(
+            np.zeros(3, np.int32), np.arange(3, dtype=np.int32), np.arange(3) == 2, tokens=np.asarray(prompt, np.int32)
+        )
+        result = model.run(rows, want_logits=True)
+        assert result.logits is not None
+        logits = result.logits[-1].astype(np.float64)
+        model.remove_sequence(0)
+        draws: list[int] = []
+        for run in range(runs):
+            params = [Sampling(grammar="root ::= [a-e]", temperature=1.0, seed=run * n + i) for i in range(n)]
+            draws += _first_tokens(model, prompt, [model.new_sampler(p) for p in params])
+    # the mask, from the vocabulary's own pieces: the byte tokens a to e
+    valid = np.array([t for t in range(len(logits)) if vocab.piece(t) in (b"a", b"b", b"c", b"d", b"e")])
+    masked = np.exp(logits[valid] - logits[valid].max())
+    masked /= masked.sum()
+    share = np.exp(logits[valid] - logits.max()).sum() / np.exp(logits - logits.max()).sum()
+    assert len(valid) == 5 and share < 0.1  # the test's point: nearly every first draw is refused
+    assert set(draws) <= set(valid.tolist())
+    seen = np.array([draws.count(t) for t in valid]) / len(draws)
+    sigma = np.sqrt(masked * (1 - masked) / len(draws))
+    assert np.all(np.abs(seen - masked) <= 4 * sigma), list(zip(seen.round(3), masked.round(3), strict=True))
+
+
 RESIDENCY_PROBE = textwrap.dedent("""
     import json, sys, psutil
     from noderuntime.engine.llama import ShardEngine, Recipe, Rows

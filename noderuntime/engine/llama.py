@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -115,11 +116,16 @@ _llama_log = logging.getLogger("noderuntime.llama_cpp")
 
 
 _last_level = [logging.DEBUG]
+# set on a thread while it asks a grammar about one token: a refusal is then an answer, not
+# the "allows no token" warning llama.cpp gives when it refuses every candidate offered
+_quiet = threading.local()
 
 
 @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
 def _on_llama_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     # llama.cpp is chatty at INFO; keep its warnings and errors, the rest at debug
+    if getattr(_quiet, "on", False):
+        return
     py_level = _last_level[0] if level == 5 else _LOG_LEVELS.get(level, logging.DEBUG)
     _last_level[0] = py_level
     if _llama_log.isEnabledFor(py_level):
@@ -509,11 +515,16 @@ def _same_length(a: str, b: str) -> str:
     return "(" + " | ".join(options) + ")"
 
 
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data, 12 bytes
+
+
 class SamplerChain:
     """A per-session llama.cpp sampler chain. Free it with :meth:`close` (idempotent).
 
-    With a grammar, its sampler comes first and sees only sampled tokens: the prompt
-    history primes the penalties alone (a grammar fed the prompt would reject it).
+    A grammar sees only sampled tokens: the prompt history primes the penalties alone (a
+    grammar fed the prompt would reject it). It masks the logits before the rest of the
+    chain, as llama.cpp's own chain would with it first, except where masking commutes with
+    the rest; see :meth:`sample`.
     """
 
     def __init__(
@@ -528,17 +539,18 @@ class SamplerChain:
         """``live``, if given, holds the ids of chains not yet closed (the engine's count of them)."""
         self.params = params
         self._chain: Any = None
+        self._grammar: Any = None
         self._live = live
+        self._vocab = vocab  # the model's, which outlives its sessions' chains
+        self._n_vocab = n_vocab
         grammar = _grammar_sampler(vocab, params.grammar) if params.grammar else None
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         if not chain:
             if grammar is not None:
                 llama_cpp.llama_sampler_free(grammar)
             raise EngineError("could not create a sampler chain")
-        self._chain = chain
+        self._chain, self._grammar = chain, grammar
         add = llama_cpp.llama_sampler_chain_add  # the chain owns what is added to it
-        if grammar is not None:
-            add(chain, grammar)
         if params.logit_bias:
             biases = (llama_cpp.llama_logit_bias * len(params.logit_bias))()
             for slot, (token, bias) in enumerate(params.logit_bias):
@@ -562,19 +574,93 @@ class SamplerChain:
                 add(chain, llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
             add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
             add(chain, llama_cpp.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
+        # Biases, penalties and temperature move each logit on its own, and greedy and the draw
+        # read what they are given: masking commutes with them. Top-k, top-p and min-p choose
+        # among the candidates, so they must see the masked ones.
+        self._grammar_last = grammar is not None and (
+            params.temperature <= 0.0 or (params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0)
+        )
+        self._candidates = np.empty(n_vocab if grammar is not None else 0, dtype=_TOKEN_DATA)
+        self._one = np.zeros(1, dtype=_TOKEN_DATA)
         if live is not None:
             live.add(id(self))
 
     def sample(self, ctx: Any, index: int) -> int:
-        """Sample from the context's logits row ``index`` (and accept the token)."""
+        """Sample from the context's logits row ``index`` (and accept the token).
+
+        With a grammar whose mask commutes with the chain, the chain first draws from all the
+        tokens, and the grammar is asked about the one token drawn: llama.cpp's grammar checks
+        every token of the vocabulary against its stacks, which costs more than the rest of a
+        step on a small model. Drawn as it is, a token the grammar accepts is the token greedy
+        decoding of the masked logits would pick (the first maximum is a valid one); for a
+        draw, accepting it or else drawing again from the masked tokens gives each valid token
+        the masked probability exactly (p + (1 - V) p / V = p / V, V the valid tokens' share).
+        """
         if self._chain is None:
             raise EngineError("sampler chain is closed")
-        return int(llama_cpp.llama_sampler_sample(self._chain, ctx, index))
+        if self._grammar is None:
+            return int(llama_cpp.llama_sampler_sample(self._chain, ctx, index))
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, index), shape=(self._n_vocab,))
+        token = -1
+        if self._grammar_last:
+            drawn = self._select(self._offer(logits, self._chain))
+            if not llama_cpp.llama_vocab_is_eog(self._vocab, drawn):
+                if self._grammar_accepts(drawn):
+                    token = drawn
+            else:
+                # offered alone, the end of generation passes any grammar (patch 0006 lets it
+                # through when every candidate is refused): ask with the whole vocabulary
+                masked = self._offer(logits, self._grammar)
+                if np.isfinite(self._candidates["logit"][drawn]):  # the grammar keeps their order
+                    token = drawn
+                else:
+                    llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(masked))
+                    token = self._select(masked)
+        if token < 0:
+            token = self._select(self._offer(logits, self._grammar, self._chain))
+        llama_cpp.llama_sampler_accept(self._grammar, token)
+        llama_cpp.llama_sampler_accept(self._chain, token)
+        return token
+
+    def _offer(self, logits: np.ndarray, *samplers: Any) -> Any:
+        """Every token with its logit, through ``samplers`` in order; the llama_token_data_array."""
+        candidates = self._candidates
+        candidates["id"] = np.arange(self._n_vocab, dtype=np.int32)
+        candidates["logit"] = logits
+        candidates["p"] = 0.0
+        view = llama_cpp.llama_token_data_array(
+            candidates.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), self._n_vocab, -1, False
+        )
+        for sampler in samplers:
+            llama_cpp.llama_sampler_apply(sampler, ctypes.byref(view))
+        return view
+
+    @staticmethod
+    def _select(view: Any) -> int:
+        if not 0 <= view.selected < view.size:
+            raise EngineError("the sampler chain selected no token")
+        return int(view.data[view.selected].id)
+
+    def _grammar_accepts(self, token: int) -> bool:
+        one = self._one
+        one["id"], one["logit"] = token, 0.0
+        view = llama_cpp.llama_token_data_array(
+            one.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), 1, -1, False
+        )
+        _quiet.on = True
+        try:
+            llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(view))
+        finally:
+            _quiet.on = False
+        return bool(np.isfinite(one["logit"][0]))
 
     def close(self) -> None:
-        """Free the chain; safe to call twice."""
+        """Free the chain and its grammar state; safe to call twice."""
+        if self._grammar is not None:
+            llama_cpp.llama_sampler_free(self._grammar)
+            self._grammar = None
         if self._chain is not None:
-            llama_cpp.llama_sampler_free(self._chain)  # with its grammar state, if it has one
+            llama_cpp.llama_sampler_free(self._chain)
             self._chain = None
             if self._live is not None:
                 self._live.discard(id(self))
