@@ -16,6 +16,7 @@ from openai import OpenAI
 
 from noderuntime.engine.base import Rows
 from noderuntime.engine.llama import Recipe, ShardEngine, Vocab
+from noderuntime.gateway.app import DEFAULT_MAX_TOKENS
 from noderuntime.services import localsystem
 
 pytestmark = pytest.mark.slow
@@ -66,6 +67,24 @@ def test_qwen3_family_text_completions_are_greedy_and_repeatable(qwen_system: lo
     again = client.completions.create(model=qwen_system.model_id, prompt="hello world", **GREEDY)  # type: ignore[arg-type]
     assert first.choices[0].text == again.choices[0].text
     assert first.usage is not None and first.usage.completion_tokens >= 1
+
+
+def test_a_reply_without_max_tokens_may_fill_the_routes_context(
+    qwen_system: localsystem.LocalSystem, tiny_models: dict[str, Path]
+) -> None:
+    """As in OpenAI's API, an open-ended reply ends at a stop or a full context, not at a fixed count.
+
+    On a tiny model's route of 512 tokens of context, its ends of generation biased away: the
+    demo model's 1,024 take up to a minute to fill on two cores.
+    """
+    never_end = {str(t): -100 for t in Vocab(tiny_models[qwen_system.model_id]).eog_tokens}
+    done = _client(qwen_system).completions.create(
+        model=qwen_system.model_id, prompt="1, 2, 3, 4, 5, 6, 7, 8,", temperature=0, logit_bias=never_end
+    )
+    assert done.usage is not None
+    assert done.usage.completion_tokens > DEFAULT_MAX_TOKENS, done.choices[0].text[-200:]
+    assert done.usage.prompt_tokens + done.usage.completion_tokens == 512  # the nodes' context, all of it
+    assert done.choices[0].finish_reason == "length"
 
 
 @pytest.fixture(scope="module")

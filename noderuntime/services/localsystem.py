@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import attrs
@@ -40,9 +41,18 @@ class LocalSystem:
     ledger: Path
 
     def stop(self) -> None:
-        """Stop every process, gateway first."""
-        for process in reversed(self.processes):
-            process.stop()
+        """Stop every process: the gateway and the nodes together, then the relay and the
+        tracker, which the nodes may still be telling that they leave."""
+        stop_all(self.processes)
+
+
+def stop_all(processes: list[ManagedProcess]) -> None:
+    """Stop the nodes and gateways of ``processes`` at once (each drains on its own), then the rest, last first."""
+    serving = [p for p in processes if p.name.startswith(("node", "gateway"))]
+    with ThreadPoolExecutor(max(1, len(serving))) as pool:
+        list(pool.map(ManagedProcess.stop, serving))
+    for process in reversed(processes):
+        process.stop()
 
 
 def _wait_routable(tracker_url: str, artifact: str, timeout: float = 60.0) -> None:
@@ -98,11 +108,18 @@ def start(
     processes: list[ManagedProcess] = []
 
     def launch(name: str, args: list[str], kind: type[R]) -> R:
+        return wait(begin(name, args), kind)
+
+    def begin(name: str, args: list[str]) -> ManagedProcess:
         process = ManagedProcess(name, args)
         processes.append(process)
-        served = expect(process.start(120), kind)
+        process.launch()
+        return process
+
+    def wait(process: ManagedProcess, kind: type[R]) -> R:
+        served = expect(process.wait_ready(120), kind)
         if not quiet:
-            print(f"  {name:<8} ready (pid {process.pid})", flush=True)
+            print(f"  {process.name:<8} ready (pid {process.pid})", flush=True)
         return served
 
     try:
@@ -128,33 +145,36 @@ def start(
             TrackerReady,
         )
         relay = launch("relay", ["relay", "--listen", "127.0.0.1:0", "--issuer-key", tracker.issuer_key], RelayReady)
+        # the nodes and the gateway need only the tracker and the relay: they start together
+        # (a node loads and measures its shard in about a second, most of it importing)
+        nodes = []
         for i, (a, b) in enumerate(itertools.pairwise(cuts)):
             behind_relay = relay_last and i == len(cuts) - 2 and len(cuts) > 2
             reach = ["--relay", relay.url] if behind_relay else ["--listen", "127.0.0.1:0"]
-            launch(
-                f"node{i}",
-                [
-                    "up",
-                    "--model",
-                    str(path),
-                    "--layers",
-                    f"{a}:{b}",
-                    "--tracker",
-                    tracker.url,
-                    "--data-dir",
-                    str(root / f"node{i}"),
-                    "--slots",
-                    str(slots),
-                    "--ctx",
-                    str(ctx),
-                    "--threads",
-                    str(threads),
-                    *reach,
-                ],
-                NodeReady,
+            nodes.append(
+                begin(
+                    f"node{i}",
+                    [
+                        "up",
+                        "--model",
+                        str(path),
+                        "--layers",
+                        f"{a}:{b}",
+                        "--tracker",
+                        tracker.url,
+                        "--data-dir",
+                        str(root / f"node{i}"),
+                        "--slots",
+                        str(slots),
+                        "--ctx",
+                        str(ctx),
+                        "--threads",
+                        str(threads),
+                        *reach,
+                    ],
+                )
             )
-        _wait_routable(tracker.url, info.fingerprint)
-        gateway = launch(
+        starting_gateway = begin(
             "gateway",
             [
                 "gateway",
@@ -169,11 +189,13 @@ def start(
                 "--ledger",
                 str(root / "gateway" / "ledger.sqlite"),
             ],
-            GatewayReady,
         )
+        for node in nodes:
+            wait(node, NodeReady)
+        gateway = wait(starting_gateway, GatewayReady)
+        _wait_routable(tracker.url, info.fingerprint)
     except BaseException:
-        for process in reversed(processes):
-            process.stop()
+        stop_all(processes)
         raise
     return LocalSystem(processes, gateway.url, tracker.url, model_id, root / "gateway" / "ledger.sqlite")
 
