@@ -27,7 +27,8 @@ from noderuntime.node.batcher import Batcher, StepRequest
 from noderuntime.node.leases import LeaseManager
 from noderuntime.node.scheduler import BatchPlan
 
-RECIPE = Recipe(n_threads=1, n_ctx_per_seq=1024, n_seq_max=6, n_batch=512, n_ubatch=512)
+# two threads, as a node runs on this machine
+RECIPE = Recipe(n_threads=2, n_ctx_per_seq=1024, n_seq_max=6, n_batch=512, n_ubatch=512)
 
 
 async def test_batched_steps_equal_the_same_steps_alone(smollm2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
