@@ -21,6 +21,8 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 
 from noderuntime.engine.llama import GrammarError, Vocab, check_grammar, integer_range_gbnf, json_schema_grammar
+from noderuntime.gateway import app as gateway_app
+from noderuntime.gateway import routing
 from noderuntime.gateway.app import Gateway
 from noderuntime.gateway.auth import ApiKeys
 from noderuntime.gateway.errors import ApiError
@@ -478,8 +480,13 @@ async def _open_as_head(stream: FrameStream, layers: Span) -> tuple[SeamConnecti
     return conn, endpoint, opening
 
 
-async def test_a_route_that_goes_silent_ends_in_a_504_soon_after_the_deadline(vocab: Vocab) -> None:
+async def test_a_route_that_goes_silent_ends_in_a_504_soon_after_the_deadline(
+    vocab: Vocab, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A head that takes the seam and then says nothing: the gateway's own clock ends the request."""
+    # the grace the gateway leaves the route's own word on its deadline: 5 s, shortened here
+    monkeypatch.setattr(routing, "DEADLINE_GRACE_SECONDS", 0.5)
+    monkeypatch.setattr(gateway_app, "DEADLINE_GRACE_SECONDS", 0.5)
     held = []
 
     async def silent_head(stream: FrameStream, layers: Span) -> None:
