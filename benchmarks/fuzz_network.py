@@ -496,6 +496,7 @@ def main() -> int:
                 if all(after_tasks[n] <= baseline[n] for n in baseline) or time.monotonic() - settle > 90:
                     break
                 time.sleep(2)
+            settled_after = time.monotonic() - settle
             after = _answer(system)
         finally:
             system.stop()
@@ -530,6 +531,7 @@ def main() -> int:
     figures: dict[str, Any] = {
         "inputs_total": sum(int(e["inputs"]) for e in entries.values()),
         "seconds": round(seconds, 1),
+        "settled_after_seconds": round(settled_after, 1),  # until every process's tasks were back at baseline
         "entries": entries,
         "crashes": crashes,
         "leaks": leaks,
