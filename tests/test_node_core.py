@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import random
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,38 +32,64 @@ def requests(n: int, seed: int) -> list[GenerationRequest]:
     return out
 
 
+_SOLO_ENGINES: dict[str, ShardEngine] = {}
+_SOLO_RUNS: dict[tuple[str, tuple[int, ...], int], tuple[int, ...]] = {}
+_SOLO_LOCK = threading.Lock()
+
+
+@atexit.register
+def _close_solo_engines() -> None:
+    for engine in _SOLO_ENGINES.values():
+        engine.close()
+
+
 def solo_greedy(model: Path, request: GenerationRequest) -> tuple[int, ...]:
-    """The whole model, alone, through the engine directly."""
-    recipe = Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=1, n_batch=256, n_ubatch=256)
-    with ShardEngine(model, recipe) as engine:
-        prompt = np.array(request.prompt_tokens, np.int32)
-        logits = None
-        for start in range(0, len(prompt), 128):  # the route's prefill chunks
-            piece = prompt[start : start + 128]
-            out = np.zeros(len(piece), bool)
-            out[-1] = True
-            positions = np.arange(start, start + len(piece), dtype=np.int32)
-            logits = engine.run(
-                Rows(np.zeros(len(piece), np.int32), positions, out, tokens=piece), want_logits=True
-            ).logits
-        tokens: list[int] = []
-        position = len(prompt)
-        while True:
-            assert logits is not None
-            token = int(np.argmax(logits[-1]))
-            tokens.append(token)
-            if len(tokens) == request.max_tokens:
-                return tuple(tokens)
-            logits = engine.run(
-                Rows(
-                    np.zeros(1, np.int32),
-                    np.array([position], np.int32),
-                    np.ones(1, bool),
-                    tokens=np.array([token], np.int32),
-                ),
-                want_logits=True,
-            ).logits
-            position += 1
+    """The whole model, alone, through the engine directly.
+
+    One engine a model for the whole test session (its sequence removed after each run),
+    and each answer remembered: it is the same every time it is asked for.
+    """
+    key = (str(model), tuple(request.prompt_tokens), request.max_tokens)
+    with _SOLO_LOCK:
+        if key not in _SOLO_RUNS:
+            engine = _SOLO_ENGINES.get(str(model))
+            if engine is None:
+                recipe = Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=1, n_batch=256, n_ubatch=256)
+                engine = _SOLO_ENGINES[str(model)] = ShardEngine(model, recipe)
+            try:
+                _SOLO_RUNS[key] = _greedy_alone(engine, request)
+            finally:
+                engine.remove_sequence(0)
+        return _SOLO_RUNS[key]
+
+
+def _greedy_alone(engine: ShardEngine, request: GenerationRequest) -> tuple[int, ...]:
+    prompt = np.array(request.prompt_tokens, np.int32)
+    logits = None
+    for start in range(0, len(prompt), 128):  # the route's prefill chunks
+        piece = prompt[start : start + 128]
+        out = np.zeros(len(piece), bool)
+        out[-1] = True
+        positions = np.arange(start, start + len(piece), dtype=np.int32)
+        logits = engine.run(Rows(np.zeros(len(piece), np.int32), positions, out, tokens=piece), want_logits=True).logits
+    tokens: list[int] = []
+    position = len(prompt)
+    while True:
+        assert logits is not None
+        token = int(np.argmax(logits[-1]))
+        tokens.append(token)
+        if len(tokens) == request.max_tokens:
+            return tuple(tokens)
+        logits = engine.run(
+            Rows(
+                np.zeros(1, np.int32),
+                np.array([position], np.int32),
+                np.ones(1, bool),
+                tokens=np.array([token], np.int32),
+            ),
+            want_logits=True,
+        ).logits
+        position += 1
 
 
 async def assert_idle(route: LocalRoute) -> None:
