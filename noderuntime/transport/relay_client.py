@@ -109,42 +109,59 @@ class RelayListener:
         self._keepalive = keepalive
         self.connected = False
         self.accepted = 0
+        self._running = trio.CancelScope()
+
+    def stop(self) -> None:
+        """End :meth:`run` (idempotent); it closes the control connection with its handshake.
+
+        Cancelling :meth:`run` from outside ends the connection's reader with it, so the
+        close can only wait out its second for the relay's answer.
+        """
+        self._running.cancel()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Hold the control connection, reconnecting with backoff; ``started`` after the first welcome."""
+        """Hold the control connection, reconnecting with backoff; ``started`` after the first welcome.
+
+        Runs once; :meth:`stop` ends it.
+        """
+        async with trio.open_nursery() as nursery:
+            with self._running:
+                await self._hold(nursery, task_status)
+            nursery.cancel_scope.cancel()  # seams being accepted, and the connection's reader
+
+    async def _hold(self, nursery: trio.Nursery, task_status: trio.TaskStatus[None]) -> None:
         started = False
         delay = self._retry
-        async with trio.open_nursery() as nursery:
-            while True:
+        while True:
+            try:
+                ws = await _connect(nursery, self.url + "/control", self._tls)
+                watching = trio.CancelScope()
                 try:
-                    ws = await _connect(nursery, self.url + "/control", self._tls)
-                    watching = trio.CancelScope()
-                    try:
-                        await self._hello(ws)
-                        self.connected = True
-                        delay = self._retry
-                        if not started:
-                            started = True
-                            task_status.started()
-                        log.info("listening through the relay %s", self.url)
-                        with trio.CancelScope() as listening:
-                            # a relay that went away without a close (its host, a NAT mapping)
-                            # must be found out, or this node stays unreachable for good
-                            nursery.start_soon(self._watch, ws, listening, watching)
-                            while True:
-                                incoming = m.decode(await ws.get_message(), m.Incoming)
-                                nursery.start_soon(self._accept, nursery, incoming.pair.hex())
-                        log.warning("the relay %s stopped answering pings; reconnecting", self.url)
-                    finally:
-                        watching.cancel()
-                        self.connected = False
-                        with trio.move_on_after(1.0) as scope:
-                            scope.shield = True
-                            await ws.aclose()
-                except (StreamBroken, ConnectionClosed, m.ControlError, trio.TooSlowError) as exc:
-                    log.warning("relay control connection to %s lost: %s; retrying in %.1f s", self.url, exc, delay)
-                await trio.sleep(delay)
-                delay = min(delay * 2, 10.0)  # a restarted relay is found again within seconds
+                    await self._hello(ws)
+                    self.connected = True
+                    delay = self._retry
+                    if not started:
+                        started = True
+                        task_status.started()
+                    log.info("listening through the relay %s", self.url)
+                    with trio.CancelScope() as listening:
+                        # a relay that went away without a close (its host, a NAT mapping)
+                        # must be found out, or this node stays unreachable for good
+                        nursery.start_soon(self._watch, ws, listening, watching)
+                        while True:
+                            incoming = m.decode(await ws.get_message(), m.Incoming)
+                            nursery.start_soon(self._accept, nursery, incoming.pair.hex())
+                    log.warning("the relay %s stopped answering pings; reconnecting", self.url)
+                finally:
+                    watching.cancel()
+                    self.connected = False
+                    with trio.move_on_after(1.0) as scope:
+                        scope.shield = True
+                        await ws.aclose()
+            except (StreamBroken, ConnectionClosed, m.ControlError, trio.TooSlowError) as exc:
+                log.warning("relay control connection to %s lost: %s; retrying in %.1f s", self.url, exc, delay)
+            await trio.sleep(delay)
+            delay = min(delay * 2, 10.0)  # a restarted relay is found again within seconds
 
     async def _watch(self, ws: WebSocketConnection, listening: trio.CancelScope, watching: trio.CancelScope) -> None:
         with watching:  # cancelled when this connection ends, whichever way
