@@ -399,8 +399,8 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
+    from noderuntime.engine.base import transformers_versions
     from noderuntime.engine.llama import Vocab, build_info
-    from noderuntime.engine.torch_backend import versions
     from noderuntime.models import catalogue as models
     from noderuntime.verify import contract, lanes
 
@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
         "recipe": {
             "llama_cpp": {**build_info(), "threads": THREADS, "n_batch": CHUNK, "n_ubatch": CHUNK, "flash_attn": "off"},
             "transformers": {
-                **versions(),
+                **transformers_versions(),
                 "threads": THREADS,
                 "attention": "per-sequence SDPA (noderuntime.engine.torch_backend)",
             },

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -112,3 +113,9 @@ class Engine(Protocol):
     def live_samplers(self) -> int:
         """Sampler chains not yet closed."""
         ...
+
+
+def transformers_versions() -> dict[str, str]:
+    """Versions of the libraries the Transformers engine runs on, read without importing them
+    (torch alone takes seconds to import)."""
+    return {name: importlib.metadata.version(name) for name in ("torch", "transformers", "safetensors")}

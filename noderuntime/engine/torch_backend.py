@@ -23,7 +23,6 @@ through Transformers' own GGUF loader, for the Gate A lanes.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import shutil
@@ -51,7 +50,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeRotaryEmbedding,
 )
 
-from noderuntime.engine.base import GrammarError, Rows, StepResult, token_logprob
+from noderuntime.engine.base import GrammarError, Rows, StepResult, token_logprob, transformers_versions
 from noderuntime.engine.llama import EngineError, MemoryReport
 from noderuntime.models.artifacts import ArtifactInfo, LayerRange
 from protocol import Sampling, TokenLogprob
@@ -77,11 +76,7 @@ _SAMPLE = 1 << 16  # bytes of each tensor's head and tail hashed into the finger
 
 def versions() -> dict[str, str]:
     """Library versions this engine runs on."""
-    return {
-        "torch": torch.__version__,
-        "transformers": importlib.metadata.version("transformers"),
-        "safetensors": importlib.metadata.version("safetensors"),
-    }
+    return transformers_versions()
 
 
 @attrs.frozen
