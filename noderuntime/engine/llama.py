@@ -563,24 +563,26 @@ class SamplerChain:
             for token in history:
                 llama_cpp.llama_sampler_accept(penalty, int(token))
             add(chain, penalty)
+        # Biases, penalties and temperature move each logit on its own, and greedy and the draw
+        # read what they are given: masking commutes with them. Top-k, top-p and min-p choose
+        # among the candidates, so once one is in the chain the grammar must mask first.
+        choosers = []
         if params.temperature <= 0.0:
             add(chain, llama_cpp.llama_sampler_init_greedy())
         else:
             if params.top_k > 0:
-                add(chain, llama_cpp.llama_sampler_init_top_k(params.top_k))
+                choosers.append(llama_cpp.llama_sampler_init_top_k(params.top_k))
             if params.top_p < 1.0:
-                add(chain, llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
+                choosers.append(llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
             if params.min_p > 0.0:
-                add(chain, llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
+                choosers.append(llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
+            for chooser in choosers:
+                add(chain, chooser)
             add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
             add(chain, llama_cpp.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
-        # Biases, penalties and temperature move each logit on its own, and greedy and the draw
-        # read what they are given: masking commutes with them. Top-k, top-p and min-p choose
-        # among the candidates, so they must see the masked ones.
-        self._grammar_last = grammar is not None and (
-            params.temperature <= 0.0 or (params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0)
-        )
+        self._grammar_last = grammar is not None and not choosers
         self._candidates = np.empty(n_vocab if grammar is not None else 0, dtype=_TOKEN_DATA)
+        self._ids = np.arange(n_vocab if grammar is not None else 0, dtype=np.int32)
         self._one = np.zeros(1, dtype=_TOKEN_DATA)
         if live is not None:
             live.add(id(self))
@@ -625,7 +627,7 @@ class SamplerChain:
     def _offer(self, logits: np.ndarray, *samplers: Any) -> Any:
         """Every token with its logit, through ``samplers`` in order; the llama_token_data_array."""
         candidates = self._candidates
-        candidates["id"] = np.arange(self._n_vocab, dtype=np.int32)
+        candidates["id"] = self._ids
         candidates["logit"] = logits
         candidates["p"] = 0.0
         view = llama_cpp.llama_token_data_array(
