@@ -57,21 +57,14 @@ async def seam(kind: str) -> AsyncIterator[tuple[FrameStream, FrameStream]]:
         server = await nursery.start(serve, relay, "127.0.0.1", 0)
         url = f"ws://127.0.0.1:{server.port}"
         listener = RelayListener(url, node, send.send_nowait)
-        listened = trio.Event()
-
-        async def listen(task_status: trio.TaskStatus[None]) -> None:
-            try:
-                await listener.run(task_status=task_status)
-            finally:
-                listened.set()
-
-        await nursery.start(listen)
-        session = os.urandom(16)
-        ticket = issue(issuer, session_id=session, epoch=0, artifact=b"a" * 32, hops=[Hop(node.node_id, Span(0, 1))])
-        relayed = await RelayDialer(nursery).dial(url, node.node_id, session_id=session, epoch=0, ticket=ticket)
-        yield relayed, await receive.receive()
-        # the node leaves while the relay still runs to answer its closing handshake:
-        # cancelled together, the close would wait out its second
-        listener.stop()
-        await listened.wait()
+        async with trio.open_nursery() as listening:
+            await listening.start(listener.run)
+            session = os.urandom(16)
+            hops = [Hop(node.node_id, Span(0, 1))]
+            ticket = issue(issuer, session_id=session, epoch=0, artifact=b"a" * 32, hops=hops)
+            relayed = await RelayDialer(nursery).dial(url, node.node_id, session_id=session, epoch=0, ticket=ticket)
+            yield relayed, await receive.receive()
+            # the node leaves while the relay still runs to answer its closing handshake:
+            # cancelled together, the close would wait out its second
+            listener.stop()
         nursery.cancel_scope.cancel()
