@@ -246,16 +246,11 @@ def _run_lane(
     return result
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x -= x.max(axis=1, keepdims=True)
-    out: np.ndarray = x - np.log(np.exp(x).sum(axis=1, keepdims=True))
-    return out
-
-
 def _quality(reference: np.ndarray, lane: np.ndarray, text: list[int]) -> dict[str, float]:
     """Top-1 agreement, mean KL(reference || lane) and perplexity of the next tokens."""
-    ref_lp, lane_lp = _log_softmax(reference), _log_softmax(lane)
+    from noderuntime.verify.agreement import log_softmax
+
+    ref_lp, lane_lp = log_softmax(reference), log_softmax(lane)
     kl = (np.exp(ref_lp) * (ref_lp - lane_lp)).sum(axis=1)
     targets = np.asarray(text[1:])
     nll = -lane_lp[np.arange(len(targets)), targets]

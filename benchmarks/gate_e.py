@@ -150,8 +150,9 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
     from benchmarks.gate_a import load_prompts
+    from noderuntime.engine.base import transformers_versions
     from noderuntime.engine.llama import Vocab, build_info
-    from noderuntime.engine.torch_backend import versions, whole_model_greedy
+    from noderuntime.engine.torch_backend import whole_model_greedy
     from noderuntime.models import catalogue as models
     from noderuntime.testing.clusters import running_cluster
     from noderuntime.verify import lanes
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     recipe = {
         "llama_cpp": {**build_info(), "threads_per_shard": 1},
-        "transformers": {**versions(), "threads_per_shard": 1},
+        "transformers": {**transformers_versions(), "threads_per_shard": 1},
         "cuts": list(CUTS),
         "seam": "gRPC on loopback",
         "sampling": "greedy",

@@ -64,7 +64,6 @@ __all__ = [
     "export_safetensors",
     "inspect",
     "transformers_logits",
-    "versions",
     "whole_model_greedy",
     "whole_model_logits",
 ]
@@ -72,11 +71,6 @@ __all__ = [
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _NAMES = {v: k for k, v in DTYPES.items()}
 _SAMPLE = 1 << 16  # bytes of each tensor's head and tail hashed into the fingerprint
-
-
-def versions() -> dict[str, str]:
-    """Library versions this engine runs on."""
-    return transformers_versions()
 
 
 @attrs.frozen
@@ -96,7 +90,7 @@ class TorchRecipe:
 
     def describe(self, quant: str) -> dict[str, Any]:
         """The recipe as published."""
-        return {"backend": "transformers", **versions(), "dtype": quant, "threads": self.n_threads}
+        return {"backend": "transformers", **transformers_versions(), "dtype": quant, "threads": self.n_threads}
 
     def fingerprint(self, quant: str) -> str:
         """What every hop of a safetensors route must share (threads left out, as for llama.cpp)."""

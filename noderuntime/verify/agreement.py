@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from noderuntime.engine.base import transformers_versions
 from noderuntime.engine.llama import Recipe
 from noderuntime.models.artifacts import inspect
 from noderuntime.verify import lanes
@@ -50,8 +51,9 @@ def route_logits(model: Path, cuts: Sequence[int], tokens: np.ndarray, *, thread
 _ROWS = 16  # positions a block: float64 temporaries of a 262k vocabulary stay near 34 MB each
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)  # a copy, even of float64 logits: the caller's stay as they are
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Each row's log-probabilities, in a float64 copy (the caller's logits stay as they are)."""
+    x = logits.astype(np.float64)
     x -= x.max(axis=1, keepdims=True)
     x -= np.log(np.exp(x).sum(axis=1, keepdims=True))
     return x
@@ -70,9 +72,8 @@ def compare_logits(reference: np.ndarray, ours: np.ndarray) -> dict[str, float]:
     diff = np.empty(len(reference), np.float64)
     for first in range(0, len(reference), _ROWS):
         block = slice(first, first + _ROWS)
-        ref, got = reference[block].astype(np.float64), ours[block].astype(np.float64)
-        diff[block] = np.abs(ref - got).max(axis=1)
-        ref_log, got_log = _log_softmax(ref), _log_softmax(got)
+        diff[block] = np.abs(reference[block].astype(np.float64) - ours[block]).max(axis=1)
+        ref_log, got_log = log_softmax(reference[block]), log_softmax(ours[block])
         kl[block] = (np.exp(ref_log) * (ref_log - got_log)).sum(axis=1)
     return {
         "top1_agreement": float(np.mean(reference.argmax(axis=1) == ours.argmax(axis=1))),
@@ -123,7 +124,7 @@ def check_agreement(
         "fingerprint": info.fingerprint,
         "cuts": list(cuts),
         "tokens": len(ids),
-        "reference": "transformers " + torchengine.versions()["transformers"],
+        "reference": "transformers " + transformers_versions()["transformers"],
         **compare_logits(reference, ours),
     }
 
@@ -134,7 +135,7 @@ def perplexity(logits: np.ndarray, tokens: np.ndarray) -> float:
     nll = np.empty(n, np.float64)
     for first in range(0, n, _ROWS):
         rows = np.arange(first, min(n, first + _ROWS))
-        nll[rows] = -_log_softmax(logits[rows])[np.arange(len(rows)), tokens[rows + 1]]
+        nll[rows] = -log_softmax(logits[rows])[np.arange(len(rows)), tokens[rows + 1]]
     return float(np.exp(nll.mean()))
 
 
@@ -170,4 +171,12 @@ def check_perplexity(
     return figures
 
 
-__all__ = ["check_agreement", "check_perplexity", "compare_logits", "perplexity", "reference_logits", "route_logits"]
+__all__ = [
+    "check_agreement",
+    "check_perplexity",
+    "compare_logits",
+    "log_softmax",
+    "perplexity",
+    "reference_logits",
+    "route_logits",
+]
