@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["codec", "fuzz_frames", "engine"])
+@pytest.mark.parametrize("name", ["codec", "fuzz_frames", "engine", "suite_cpu_share"])
 def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
     out = tmp_path / f"{name}.json"
     done = subprocess.run(
