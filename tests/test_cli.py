@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import io
 import subprocess
 import threading
 from pathlib import Path
@@ -10,22 +12,32 @@ from pathlib import Path
 import pytest
 
 from noderuntime.access.identity import load_or_create, self_signed
+from noderuntime.cli import main
 from noderuntime.models import artifacts
 from noderuntime.models.artifacts import LayerRange
 
 
-def _run(python: str, cli_env: dict[str, str], *argv: str) -> str:
-    """The command's last stderr line, after checking it failed with status 1 and no traceback."""
-    done = subprocess.run([python, "-m", "noderuntime", *argv], capture_output=True, text=True, env=cli_env, timeout=60)
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    return done.stderr.strip().splitlines()[-1]
+def _run(*argv: str) -> str:
+    """The command's last stderr line, after checking it failed with status 1 and no traceback.
+
+    In this process: a traceback would be an exception out of ``main``. The process around
+    ``main`` is checked by the subprocess tests below.
+    """
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main(list(argv))
+    assert status == 1, err.getvalue()
+    return err.getvalue().strip().splitlines()[-1]
+
+
+def _run_process(python: str, cli_env: dict[str, str], *argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m noderuntime ARGV`` in a process of its own."""
+    return subprocess.run([python, "-m", "noderuntime", *argv], capture_output=True, text=True, env=cli_env, timeout=60)
 
 
 @pytest.mark.parametrize("command", ["up", "relay"])
 @pytest.mark.parametrize("problem", ["missing", "not PEM", "another certificate's key"])
-def test_unusable_tls_files_are_a_clear_error(
-    command: str, problem: str, tiny_model: Path, tmp_path: Path, python: str, cli_env: dict[str, str]
-) -> None:
+def test_unusable_tls_files_are_a_clear_error(command: str, problem: str, tiny_model: Path, tmp_path: Path) -> None:
     files, other = self_signed(tmp_path / "a"), self_signed(tmp_path / "b")
     cert, key = files.cert, files.key
     if problem == "missing":
@@ -37,14 +49,14 @@ def test_unusable_tls_files_are_a_clear_error(
     args = ["--listen", "127.0.0.1:0", "--issuer-key", "00" * 32, "--tls-cert", str(cert), "--tls-key", str(key)]
     if command == "up":
         args += ["--model", str(tiny_model), "--layers", "0:2", "--data-dir", str(tmp_path / "node")]
-    line = _run(python, cli_env, command, *args)
+    line = _run(command, *args)
     assert line.startswith(f"noderuntime: error: cannot use the certificate {cert} with the key {key}")
 
 
 @pytest.mark.parametrize("command", ["up", "tracker"])
 @pytest.mark.parametrize("problem", ["not a directory", "a damaged key"])
 def test_an_unusable_data_directory_is_a_clear_error(
-    command: str, problem: str, tiny_model: Path, tmp_path: Path, python: str, cli_env: dict[str, str]
+    command: str, problem: str, tiny_model: Path, tmp_path: Path
 ) -> None:
     data_dir = tmp_path / "data"
     if problem == "not a directory":
@@ -56,7 +68,7 @@ def test_an_unusable_data_directory_is_a_clear_error(
     args = ["--listen", "127.0.0.1:0", "--data-dir", str(data_dir)]
     if command == "up":
         args += ["--model", str(tiny_model), "--layers", "0:2", "--issuer-key", "00" * 32]
-    line = _run(python, cli_env, command, *args)
+    line = _run(command, *args)
     if problem == "not a directory":
         assert line.startswith(f"noderuntime: error: cannot keep a key in {data_dir}")
     else:
@@ -64,15 +76,11 @@ def test_an_unusable_data_directory_is_a_clear_error(
 
 
 @pytest.mark.parametrize("problem", ["missing", "not JSON"])
-def test_unreadable_probe_references_stop_the_tracker_at_once(
-    problem: str, tmp_path: Path, python: str, cli_env: dict[str, str]
-) -> None:
+def test_unreadable_probe_references_stop_the_tracker_at_once(problem: str, tmp_path: Path) -> None:
     references = tmp_path / "refs.json"
     if problem == "not JSON":
         references.write_text("{ not json\n")
     line = _run(
-        python,
-        cli_env,
         *("tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "tracker")),
         *("--probe-references", str(references)),
     )
@@ -81,9 +89,7 @@ def test_unreadable_probe_references_stop_the_tracker_at_once(
 
 @pytest.mark.parametrize("command", ["usage", "gateway"])
 @pytest.mark.parametrize("problem", ["not a database", "under a file"])
-def test_an_unusable_ledger_is_a_clear_error(
-    command: str, problem: str, tiny_model: Path, tmp_path: Path, python: str, cli_env: dict[str, str]
-) -> None:
+def test_an_unusable_ledger_is_a_clear_error(command: str, problem: str, tiny_model: Path, tmp_path: Path) -> None:
     ledger = tmp_path / "ledger.sqlite"
     if problem == "not a database":
         ledger.write_bytes(b"this is not an SQLite file, it only has the name of one" * 4)
@@ -94,7 +100,7 @@ def test_an_unusable_ledger_is_a_clear_error(
     if command == "gateway":
         args = ["gateway", "--listen", "127.0.0.1:0", "--tracker", "http://127.0.0.1:9", "--model", str(tiny_model)]
         args += ["--ledger", str(ledger)]
-    line = _run(python, cli_env, *args)
+    line = _run(*args)
     if command == "usage" and problem == "under a file":
         assert line == f"noderuntime: error: no ledger at {ledger}"
     else:
@@ -110,11 +116,11 @@ def test_an_unusable_ledger_is_a_clear_error(
     ids=["shard split", "probe reference"],
 )
 def test_an_output_path_that_cannot_be_written_is_a_clear_error(
-    argv: tuple[str, ...], tiny_model: Path, tmp_path: Path, python: str, cli_env: dict[str, str]
+    argv: tuple[str, ...], tiny_model: Path, tmp_path: Path
 ) -> None:
     blocked = tmp_path / "a file"
     blocked.write_text("in the way\n")
-    line = _run(python, cli_env, *(a.format(model=tiny_model, blocked=blocked) for a in argv))
+    line = _run(*(a.format(model=tiny_model, blocked=blocked) for a in argv))
     assert line.startswith("noderuntime: error: [Errno ") and str(blocked) in line
 
 
@@ -128,15 +134,20 @@ def test_an_output_path_that_cannot_be_written_is_a_clear_error(
     ],
     ids=["up", "tracker", "gateway"],
 )
-def test_a_seconds_flag_takes_a_positive_finite_number(
-    argv: tuple[str, ...], value: str, python: str, cli_env: dict[str, str]
-) -> None:
+def test_a_seconds_flag_takes_a_positive_finite_number(argv: tuple[str, ...], value: str) -> None:
     """A negative or NaN timeout used to start a node that then died on its first stream."""
-    done = subprocess.run(
-        [python, "-m", "noderuntime", *argv, value], capture_output=True, text=True, env=cli_env, timeout=60
-    )
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
+        main([*argv, value])
+    assert exited.value.code == 2
+    assert f"{argv[-1]}: expected a" in err.getvalue().splitlines()[-1]
+
+
+def test_a_refused_flag_ends_the_process_with_status_2_and_one_line(python: str, cli_env: dict[str, str]) -> None:
+    """The process around ``main``: argparse's refusal is its exit status, with no traceback."""
+    done = _run_process(python, cli_env, "tracker", "--expire-after", "nan")
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert f"{argv[-1]}: expected a" in done.stderr.splitlines()[-1]
+    assert "--expire-after: expected a" in done.stderr.splitlines()[-1]
 
 
 @pytest.mark.parametrize(
@@ -149,11 +160,11 @@ def test_a_seconds_flag_takes_a_positive_finite_number(
     ids=["ctx", "batch", "threads"],
 )
 def test_sizes_that_llama_cpp_would_truncate_are_refused(
-    flags: tuple[str, ...], message: str, tiny_model: Path, tmp_path: Path, python: str, cli_env: dict[str, str]
+    flags: tuple[str, ...], message: str, tiny_model: Path, tmp_path: Path
 ) -> None:
     """ctypes cuts them to 32 bits: an n_ctx of 2**32 reached llama.cpp as 0."""
     args = ["up", "--model", str(tiny_model), "--layers", "0:2", "--data-dir", str(tmp_path / "node"), *flags]
-    line = _run(python, cli_env, *args, "--issuer-key", "00" * 32, "--listen", "127.0.0.1:0")
+    line = _run(*args, "--issuer-key", "00" * 32, "--listen", "127.0.0.1:0")
     assert message in line, line
 
 
@@ -167,7 +178,7 @@ def test_sizes_that_llama_cpp_would_truncate_are_refused(
     ids=["deep", "not a list", "not a node"],
 )
 def test_status_reports_a_tracker_answer_it_cannot_read_in_one_line(
-    body: bytes, message: str, python: str, cli_env: dict[str, str]
+    body: bytes, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A tracker is a peer: whatever it answers, `status` says so in one line."""
 
@@ -184,16 +195,11 @@ def test_status_reports_a_tracker_answer_it_cannot_read_in_one_line(
 
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        done = subprocess.run(
-            [python, "-m", "noderuntime", "status", "--tracker", f"http://127.0.0.1:{server.server_address[1]}"],
-            capture_output=True,
-            text=True,
-            env=cli_env,
-            timeout=60,
-        )
+        status = main(["status", "--tracker", f"http://127.0.0.1:{server.server_address[1]}"])
         server.shutdown()
-    output = (done.stdout + done.stderr).strip().splitlines()
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    captured = capsys.readouterr()
+    output = (captured.out + captured.err).strip().splitlines()
+    assert status == 1
     assert len(output) == 1 and output[0].startswith("noderuntime: error:") and message in output[0], output
 
 
@@ -202,5 +208,7 @@ def test_parity_on_a_shard_file_is_a_clear_error(
 ) -> None:
     """Its shard processes cannot load the layers the file lacks: one line, not a traceback."""
     (shard,) = artifacts.split(tiny_model, [LayerRange(0, 2)], tmp_path)
-    line = _run(python, cli_env, "check", "parity", "--model", str(shard), "--cuts", "0,2,4")
+    done = _run_process(python, cli_env, "check", "parity", "--model", str(shard), "--cuts", "0,2,4")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("noderuntime: error: shard 2:4 failed to load") and "holds layers 0:2" in line, line
