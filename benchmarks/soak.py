@@ -20,7 +20,8 @@ process is sampled (RSS, open file descriptors, trio tasks); at the end the syst
 must be idle — no sequence slot and no KV cell in use on any node — and the counts
 must be back at their baseline. Any failure of a request the client did not cancel
 is an error, by kind; a completed text that differs from its reference is a
-mismatch. ``--quick`` runs 45 seconds with four clients (the ``make test`` version).
+mismatch. ``--quick`` runs 45 seconds with four clients and eight prompts (the ``make
+test`` version).
 """
 
 from __future__ import annotations
@@ -295,7 +296,7 @@ def main() -> None:
             async def references() -> list[Prompt]:
                 made = []
                 async with httpx.AsyncClient() as client:
-                    for prompt in _prompts(rng, 16):
+                    for prompt in _prompts(rng, 8 if args.quick else 16):
                         made.append(
                             attrs.evolve(prompt, reference=await _complete(client, url, system.model_id, prompt))
                         )
