@@ -2,7 +2,7 @@
 
     python -m benchmarks.suite_cpu_share [--quick] [--out PATH] [--rows FILE]
 
-Runs ``pytest`` over the whole suite (``--quick``: the ``memory`` tier) with this module
+Runs ``pytest`` over the whole suite (``--quick``: two modules of the ``memory`` tier) with this module
 as a plugin. Around each test (setup, call and teardown) it reads the machine's busy and
 idle CPU time from ``/proc/stat``, so the processes a test starts count too. A test whose
 idle core-seconds are large waits (deadlines, expiries, keep-alives, sleeps) or runs on one
@@ -29,6 +29,9 @@ import pytest
 from benchmarks import _common
 
 NAME = "suite_cpu_share"
+# --quick names its modules: selecting a tier by marker alone collects every module, and
+# importing them (torch, the client libraries) took most of a quick run's 29 s
+QUICK_MODULES = ("tests/test_batcher.py", "tests/test_sessions.py")
 ROWS_ENV = "NODERUNTIME_CPU_SHARE_ROWS"
 _TICKS = os.sysconf("SC_CLK_TCK")
 _rows: list[dict[str, Any]] = []
@@ -99,7 +102,7 @@ def main() -> None:
     else:
         with tempfile.TemporaryDirectory(prefix="cpu-share-") as tmp:
             rows_file = Path(tmp) / "rows.json"
-            selection = ["-m", "memory"] if args.quick else []
+            selection = [*QUICK_MODULES, "-m", "memory"] if args.quick else []
             done = subprocess.run(
                 [
                     sys.executable,
@@ -120,7 +123,10 @@ def main() -> None:
                 raise SystemExit(f"pytest wrote no rows (exit status {exit_status})")
             rows = json.loads(rows_file.read_text())
     figures = {"pytest_exit_status": exit_status, **summarise(rows)}
-    recipe = {"runner": "pytest, serial", "selection": "memory tier" if args.quick else "every tier"}
+    recipe = {
+        "runner": "pytest, serial",
+        "selection": f"memory tier of {', '.join(QUICK_MODULES)}" if args.quick else "every tier",
+    }
     _common.write(out, NAME, args, recipe, figures, rows=rows)
     print(
         _common.table(
