@@ -59,6 +59,7 @@ def main() -> None:
     recipe = {
         "model": "SmolLM2-135M-Instruct Q4_1",
         "shards": ["0:15", "15:30"],
+        "stalled_link_shards": ["0:3", "3:30"],  # the link stalls after a three-layer head
         "slots": 4,
         "ctx": 1024,
         "idle_timeout_s": 3.0,

@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from noderuntime.services.cluster import ManagedProcess
+from noderuntime.services.localsystem import stop_all
 from noderuntime.services.ready import GatewayReady, NodeReady, Ready, RelayReady, TrackerReady, expect
 from tests.linkproxy import LinkProxy
 
@@ -84,10 +85,16 @@ class Rig:
         self.gateway_url = ""
 
     def launch(self, name: str, args: list[str], timeout: float = 90) -> Ready:
-        process = ManagedProcess(name, args)
-        self.processes[name] = process
-        self.infos[name] = info = process.start(timeout)
-        return info
+        return self.launch_all({name: args}, timeout)[name]
+
+    def launch_all(self, commands: dict[str, list[str]], timeout: float = 90) -> dict[str, Ready]:
+        """Start these processes together, then wait for each one's ready line."""
+        for name, args in commands.items():
+            self.processes[name] = ManagedProcess(name, args)
+            self.processes[name].launch()
+        for name in commands:
+            self.infos[name] = self.processes[name].wait_ready(timeout)
+        return {name: self.infos[name] for name in commands}
 
     def tracker(self, port: int = 0) -> str:
         info = self.launch(
@@ -112,29 +119,33 @@ class Rig:
         ).url
 
     def node(self, name: str, layers: str, *reach: str) -> Ready:
-        return self.launch(
-            name,
-            [
-                "up",
-                "--model",
-                str(self.model),
-                "--layers",
-                layers,
-                "--tracker",
-                self.tracker_url,
-                "--data-dir",
-                str(self.root / name),
-                "--slots",
-                "4",
-                "--ctx",
-                "1024",
-                "--threads",
-                "1",
-                "--idle-timeout",
-                str(IDLE),
-                *(reach or ("--listen", "127.0.0.1:0")),
-            ],
-        )
+        return self.launch(name, self._node_args(name, layers, *reach))
+
+    def nodes(self, *specs: tuple[str, ...]) -> None:
+        """Start nodes given as (name, layers, reach flags...) together, as a local system does."""
+        self.launch_all({spec[0]: self._node_args(*spec) for spec in specs})
+
+    def _node_args(self, name: str, layers: str, *reach: str) -> list[str]:
+        return [
+            "up",
+            "--model",
+            str(self.model),
+            "--layers",
+            layers,
+            "--tracker",
+            self.tracker_url,
+            "--data-dir",
+            str(self.root / name),
+            "--slots",
+            "4",
+            "--ctx",
+            "1024",
+            "--threads",
+            "1",
+            "--idle-timeout",
+            str(IDLE),
+            *(reach or ("--listen", "127.0.0.1:0")),
+        ]
 
     def gateway(self) -> str:
         info = self.launch(
@@ -193,8 +204,7 @@ class Rig:
         )
 
     def stop(self) -> None:
-        for process in reversed(list(self.processes.values())):
-            process.stop()
+        stop_all(list(self.processes.values()))
 
 
 @pytest.fixture
@@ -263,8 +273,7 @@ class Stream(threading.Thread):
 def _four_nodes(rig: Rig) -> None:
     """Two heads and two tails: every position has a spare."""
     rig.tracker()
-    for name, layers in (("a", "0:15"), ("c", "0:15"), ("b", "15:30"), ("d", "15:30")):
-        rig.node(name, layers)
+    rig.nodes(("a", "0:15"), ("c", "0:15"), ("b", "15:30"), ("d", "15:30"))
     rig.gateway()
 
 
@@ -315,10 +324,13 @@ def test_a_link_that_stalls_then_trickles(rig: Rig) -> None:
     try:
         rig.tracker()
         # one thread, as the bound below was measured with: with two, the head's RSS once
-        # rose 27 MiB over the six waves, past it
-        rig.node("a", "0:15")
+        # rose 27 MiB over the six waves, past it. Three layers: what the head must not pile
+        # up is what it sends, one row of n_embd a token whatever its layers, and three
+        # prefill the waves' long prompts in a fifth of the time fifteen take
         real = _free_port()
-        rig.node("b", "15:30", "--listen", f"127.0.0.1:{real}", "--advertise", f"127.0.0.1:{proxy.port}")
+        rig.nodes(
+            ("a", "0:3"), ("b", "3:30", "--listen", f"127.0.0.1:{real}", "--advertise", f"127.0.0.1:{proxy.port}")
+        )
         proxy.target = real
         rig.gateway()
         rig.wait_routable()
@@ -384,8 +396,7 @@ def test_a_link_that_stalls_then_trickles(rig: Rig) -> None:
         )
 
         # with another route, requests through the trickling link fail over to it
-        rig.node("c", "0:15")
-        rig.node("d", "15:30")
+        rig.nodes(("c", "0:15"), ("d", "15:30"))
         served = [rig.ask(timeout=4 * IDLE + 10).status_code for _ in range(4)]
         assert served == [200] * 4
         _note("link_trickles_300_bytes_per_s", served_after=f"{served.count(200)}/{len(served)} via the new route")
@@ -397,8 +408,7 @@ def test_the_relay_killed_and_restarted(rig: Rig) -> None:
     rig.tracker()
     port = _free_port()
     relay_url = rig.relay(port)
-    rig.node("a", "0:15")
-    rig.node("b", "15:30", "--relay", relay_url)  # reachable only through the relay
+    rig.nodes(("a", "0:15"), ("b", "15:30", "--relay", relay_url))  # b: reachable only through the relay
     rig.gateway()
     rig.wait_routable()
     stream = Stream(rig.gateway_url)
@@ -424,8 +434,7 @@ def test_the_relay_killed_and_restarted(rig: Rig) -> None:
 def test_the_tracker_killed_and_restarted(rig: Rig) -> None:
     port = _free_port()
     rig.tracker(port)
-    rig.node("a", "0:15")
-    rig.node("b", "15:30")
+    rig.nodes(("a", "0:15"), ("b", "15:30"))
     rig.gateway()
     rig.wait_routable()
     stream = Stream(rig.gateway_url, max_tokens=60)
