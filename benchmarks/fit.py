@@ -52,6 +52,7 @@ from noderuntime.models import synth
 from noderuntime.models.artifacts import LayerRange
 from noderuntime.services.cgroups import MemoryCap, available
 from noderuntime.services.cluster import ManagedProcess, ProcessError
+from noderuntime.services.localsystem import stop_all
 from noderuntime.services.ready import GatewayReady, NodeReady, R, TrackerReady, expect
 
 NAME = "fit"
@@ -252,8 +253,7 @@ def serving(model: Path, ranges: Sequence[LayerRange | None], cap: int | None, r
         )
         yield {"gateway": gateway.url, "nodes": nodes}
     finally:
-        for process in reversed(processes):
-            process.stop()
+        stop_all(processes)
         for limit in caps:
             limit.remove()
 

@@ -25,6 +25,7 @@ from noderuntime.models import gguf as ggufio
 from noderuntime.models.artifacts import LayerRange
 from noderuntime.services import ready
 from noderuntime.services.cluster import ManagedProcess
+from noderuntime.services.localsystem import stop_all
 from noderuntime.tracker.messages import RouteReply
 from noderuntime.tracker.state import NodeRecord
 
@@ -274,7 +275,9 @@ def test_the_tracker_routes_only_shards_that_pass_their_probe(smollm2: Path, tmp
                 ],
             )
             processes.append(node)
-            infos[name] = ready.expect(node.start(90), ready.NodeReady)
+            node.launch()  # the four start together
+        for node in processes[1:]:
+            infos[node.name] = ready.expect(node.wait_ready(90), ready.NodeReady)
         ids = {name: info.node_id for name, info in infos.items()}
         deadline = time.monotonic() + 30
         while True:
@@ -335,8 +338,7 @@ def test_the_tracker_routes_only_shards_that_pass_their_probe(smollm2: Path, tmp
             )
             assert checked.returncode == expect, checked.stdout + checked.stderr
     finally:
-        for process in reversed(processes):
-            process.stop()
+        stop_all(processes)
 
 
 def _post(url: str, body: dict[str, Any]) -> Any:

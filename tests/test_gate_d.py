@@ -15,6 +15,7 @@ import pytest
 from noderuntime.access.identity import Identity
 from noderuntime.access.tickets import issue
 from noderuntime.services.cluster import ROOT, ManagedProcess
+from noderuntime.services.localsystem import stop_all
 from noderuntime.services.ready import NodeReady, RelayReady, expect
 from noderuntime.tracker.messages import encode_hops
 
@@ -156,5 +157,4 @@ def test_route_across_hosts_with_a_relay_only_node(smollm2: Path, tmp_path: Path
             assert failed["seconds_after_kill"] < 10, failed
             _wait_idle(hosts, status_urls)
         finally:
-            for process in reversed(processes):
-                process.stop()
+            stop_all(processes)

@@ -227,29 +227,15 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
             ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t"), "--expire-after", str(EXPIRE)],
             TrackerReady,
         )
-        ids: dict[str, str] = {}
+        # the four nodes start together, as a local system's do
+        starting: dict[str, ManagedProcess] = {}
         for name, layers in (("a", "0:15"), ("b", "15:30"), ("c", "0:15"), ("d", "15:30")):
-            ids[name] = launch(
-                name,
-                [
-                    "up",
-                    "--model",
-                    str(smollm2),
-                    "--layers",
-                    layers,
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--tracker",
-                    tracker.url,
-                    "--data-dir",
-                    str(tmp_path / name),
-                    "--slots",
-                    "4",
-                    "--ctx",
-                    "512",
-                ],
-                NodeReady,
-            ).node_id
+            args = ["up", "--model", str(smollm2), "--layers", layers, "--listen", "127.0.0.1:0"]
+            args += ["--tracker", tracker.url, "--data-dir", str(tmp_path / name), "--slots", "4", "--ctx", "512"]
+            starting[name] = ManagedProcess(name, args)
+            processes.append(starting[name])
+            starting[name].launch()
+        ids = {name: expect(process.wait_ready(90), NodeReady).node_id for name, process in starting.items()}
         gateway = launch(
             "gateway",
             [
@@ -309,8 +295,7 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
         assert gone.status_code == 503
         assert gone.json()["error"]["code"] == "no_route"
     finally:
-        for process in reversed(processes):
-            process.stop()
+        localsystem.stop_all(processes)
 
 
 def test_generated_requests_never_get_a_server_error(system: localsystem.LocalSystem) -> None:
@@ -415,8 +400,7 @@ def test_a_full_route_waits_briefly_then_answers_429(smollm2: Path, tmp_path: Pa
             == 200
         )
     finally:
-        for process in reversed(processes):
-            process.stop()
+        localsystem.stop_all(processes)
 
 
 def test_replies_carry_a_system_fingerprint_of_the_model_and_recipe(

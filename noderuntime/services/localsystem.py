@@ -47,8 +47,12 @@ class LocalSystem:
 
 
 def stop_all(processes: list[ManagedProcess]) -> None:
-    """Stop the nodes and gateways of ``processes`` at once (each drains on its own), then the rest, last first."""
-    serving = [p for p in processes if p.name.startswith(("node", "gateway"))]
+    """Stop the nodes and gateways of ``processes`` at once (each drains on its own), then the rest, last first.
+
+    The rest are the processes named ``tracker*`` or ``relay*``: the others may still speak
+    to them while they drain.
+    """
+    serving = [p for p in processes if not p.name.startswith(("tracker", "relay"))]
     with ThreadPoolExecutor(max(1, len(serving))) as pool:
         list(pool.map(ManagedProcess.stop, serving))
     for process in reversed(processes):

@@ -19,6 +19,7 @@ from noderuntime.access.tickets import issue
 from noderuntime.engine.cores import machine_cores
 from noderuntime.seams.client import GenerationRequest, open_route_generation
 from noderuntime.services.cluster import ManagedProcess
+from noderuntime.services.localsystem import stop_all
 from noderuntime.services.ready import NodeReady, RelayReady, expect
 from protocol import Hop
 
@@ -125,8 +126,7 @@ class Cluster:
         return tuple(gen.tokens)
 
     def stop(self) -> None:
-        for process in [*self.nodes, *([self.relay] if self.relay else [])]:
-            process.stop()
+        stop_all([*([self.relay] if self.relay else []), *self.nodes])
 
 
 @contextmanager
@@ -207,7 +207,4 @@ def running_cluster(
         cluster = Cluster(issuer, processes, infos, relay, relay_info, hops)
         yield cluster
     finally:
-        for process in processes:
-            process.stop()
-        if relay is not None:
-            relay.stop()
+        stop_all([*([relay] if relay is not None else []), *processes])
