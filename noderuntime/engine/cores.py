@@ -39,6 +39,7 @@ import os
 import queue
 import tempfile
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -66,7 +67,11 @@ def machine_cores() -> tuple[int, ...]:
 
 def default_directory() -> Path:
     """Where the turn files live: the user's runtime directory, or the temporary one."""
-    runtime = Path(platformdirs.user_runtime_dir("noderuntime"))
+    with warnings.catch_warnings():
+        # without XDG_RUNTIME_DIR (a service, a container) platformdirs warns at every node's
+        # start that it falls back to /tmp/runtime-UID: a fine home for turn files
+        warnings.simplefilter("ignore", platformdirs.RuntimeDirWarning)
+        runtime = Path(platformdirs.user_runtime_dir("noderuntime"))
     try:
         runtime.mkdir(parents=True, exist_ok=True)
         return runtime / "cores"
