@@ -51,8 +51,7 @@ from noderuntime.engine.llama import Recipe
 from noderuntime.models import synth
 from noderuntime.models.artifacts import LayerRange
 from noderuntime.services.cgroups import MemoryCap, available
-from noderuntime.services.cluster import ManagedProcess, ProcessError
-from noderuntime.services.localsystem import stop_all
+from noderuntime.services.cluster import ManagedProcess, ProcessError, stop_all
 from noderuntime.services.ready import GatewayReady, NodeReady, R, TrackerReady, expect
 
 NAME = "fit"

@@ -24,8 +24,7 @@ from noderuntime.models import artifacts
 from noderuntime.models import gguf as ggufio
 from noderuntime.models.artifacts import LayerRange
 from noderuntime.services import ready
-from noderuntime.services.cluster import ManagedProcess
-from noderuntime.services.localsystem import stop_all
+from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
 from noderuntime.tracker.messages import RouteReply
 from noderuntime.tracker.state import NodeRecord
 
@@ -275,9 +274,8 @@ def test_the_tracker_routes_only_shards_that_pass_their_probe(smollm2: Path, tmp
                 ],
             )
             processes.append(node)
-            node.launch()  # the four start together
-        for node in processes[1:]:
-            infos[node.name] = ready.expect(node.wait_ready(90), ready.NodeReady)
+        for node, line in zip(processes[1:], start_all(processes[1:]), strict=True):  # the four start together
+            infos[node.name] = ready.expect(line, ready.NodeReady)
         ids = {name: info.node_id for name, info in infos.items()}
         deadline = time.monotonic() + 30
         while True:

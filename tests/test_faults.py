@@ -24,8 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from noderuntime.services.cluster import ManagedProcess
-from noderuntime.services.localsystem import stop_all
+from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
 from noderuntime.services.ready import GatewayReady, NodeReady, Ready, RelayReady, TrackerReady, expect
 from tests.linkproxy import LinkProxy
 
@@ -89,11 +88,9 @@ class Rig:
 
     def launch_all(self, commands: dict[str, list[str]], timeout: float = 90) -> dict[str, Ready]:
         """Start these processes together, then wait for each one's ready line."""
-        for name, args in commands.items():
-            self.processes[name] = ManagedProcess(name, args)
-            self.processes[name].launch()
-        for name in commands:
-            self.infos[name] = self.processes[name].wait_ready(timeout)
+        started = {name: ManagedProcess(name, args) for name, args in commands.items()}
+        self.processes.update(started)
+        self.infos.update(zip(started, start_all(list(started.values()), timeout), strict=True))
         return {name: self.infos[name] for name in commands}
 
     def tracker(self, port: int = 0) -> str:

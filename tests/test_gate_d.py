@@ -14,8 +14,7 @@ import pytest
 
 from noderuntime.access.identity import Identity
 from noderuntime.access.tickets import issue
-from noderuntime.services.cluster import ROOT, ManagedProcess
-from noderuntime.services.localsystem import stop_all
+from noderuntime.services.cluster import ROOT, ManagedProcess, stop_all
 from noderuntime.services.ready import NodeReady, RelayReady, expect
 from noderuntime.tracker.messages import encode_hops
 

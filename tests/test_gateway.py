@@ -17,7 +17,7 @@ import pytest
 from openai import OpenAI
 
 from noderuntime.services import localsystem
-from noderuntime.services.cluster import ManagedProcess
+from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
 from noderuntime.services.ready import GatewayReady, NodeReady, R, TrackerReady, expect
 
 pytestmark = pytest.mark.slow
@@ -228,14 +228,13 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
             TrackerReady,
         )
         # the four nodes start together, as a local system's do
-        starting: dict[str, ManagedProcess] = {}
+        nodes = []
         for name, layers in (("a", "0:15"), ("b", "15:30"), ("c", "0:15"), ("d", "15:30")):
             args = ["up", "--model", str(smollm2), "--layers", layers, "--listen", "127.0.0.1:0"]
             args += ["--tracker", tracker.url, "--data-dir", str(tmp_path / name), "--slots", "4", "--ctx", "512"]
-            starting[name] = ManagedProcess(name, args)
-            processes.append(starting[name])
-            starting[name].launch()
-        ids = {name: expect(process.wait_ready(90), NodeReady).node_id for name, process in starting.items()}
+            nodes.append(ManagedProcess(name, args))
+        processes.extend(nodes)
+        ids = {node.name: expect(line, NodeReady).node_id for node, line in zip(nodes, start_all(nodes), strict=True)}
         gateway = launch(
             "gateway",
             [
@@ -295,7 +294,7 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
         assert gone.status_code == 503
         assert gone.json()["error"]["code"] == "no_route"
     finally:
-        localsystem.stop_all(processes)
+        stop_all(processes)
 
 
 def test_generated_requests_never_get_a_server_error(system: localsystem.LocalSystem) -> None:
@@ -400,7 +399,7 @@ def test_a_full_route_waits_briefly_then_answers_429(smollm2: Path, tmp_path: Pa
             == 200
         )
     finally:
-        localsystem.stop_all(processes)
+        stop_all(processes)
 
 
 def test_replies_carry_a_system_fingerprint_of_the_model_and_recipe(

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from noderuntime.services import ready
@@ -169,3 +170,23 @@ class _suppress:  # a tiny contextlib.suppress for ProcessLookupError only
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> bool:
         return kind is not None and issubclass(kind, ProcessLookupError | PermissionError)
+
+
+def start_all(processes: Sequence[ManagedProcess], timeout: float = 90.0) -> list[Ready]:
+    """Launch every one of ``processes``, then wait for each one's ready line; the lines, in order."""
+    for process in processes:
+        process.launch()
+    return [process.wait_ready(timeout) for process in processes]
+
+
+def stop_all(processes: list[ManagedProcess]) -> None:
+    """Stop the nodes and gateways of ``processes`` at once (each drains on its own), then the rest, last first.
+
+    The rest are the processes named ``tracker*`` or ``relay*``: the others may still speak
+    to them while they drain.
+    """
+    serving = [p for p in processes if not p.name.startswith(("tracker", "relay"))]
+    with ThreadPoolExecutor(max(1, len(serving))) as pool:
+        list(pool.map(ManagedProcess.stop, serving))
+    for process in reversed(processes):
+        process.stop()

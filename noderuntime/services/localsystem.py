@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import attrs
@@ -26,7 +25,7 @@ from noderuntime.engine.cores import machine_cores
 from noderuntime.models import artifacts
 from noderuntime.models import catalogue as models
 from noderuntime.services import ready
-from noderuntime.services.cluster import ManagedProcess, ProcessError
+from noderuntime.services.cluster import ManagedProcess, ProcessError, stop_all
 from noderuntime.services.ready import GatewayReady, NodeReady, R, RelayReady, SystemReady, TrackerReady, expect
 
 
@@ -44,19 +43,6 @@ class LocalSystem:
         """Stop every process: the gateway and the nodes together, then the relay and the
         tracker, which the nodes may still be telling that they leave."""
         stop_all(self.processes)
-
-
-def stop_all(processes: list[ManagedProcess]) -> None:
-    """Stop the nodes and gateways of ``processes`` at once (each drains on its own), then the rest, last first.
-
-    The rest are the processes named ``tracker*`` or ``relay*``: the others may still speak
-    to them while they drain.
-    """
-    serving = [p for p in processes if not p.name.startswith(("tracker", "relay"))]
-    with ThreadPoolExecutor(max(1, len(serving))) as pool:
-        list(pool.map(ManagedProcess.stop, serving))
-    for process in reversed(processes):
-        process.stop()
 
 
 def _wait_routable(tracker_url: str, artifact: str, timeout: float = 60.0) -> None:

@@ -18,8 +18,7 @@ from noderuntime.access.identity import Identity
 from noderuntime.access.tickets import issue
 from noderuntime.engine.cores import machine_cores
 from noderuntime.seams.client import GenerationRequest, open_route_generation
-from noderuntime.services.cluster import ManagedProcess
-from noderuntime.services.localsystem import stop_all
+from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
 from noderuntime.services.ready import NodeReady, RelayReady, expect
 from protocol import Hop
 
@@ -199,10 +198,8 @@ def running_cluster(
                 args += ["--relay", relay_url_for[i] if relay_url_for else relay_info.url]
             if i in tls:
                 args += ["--tls-self-signed"]
-            process = ManagedProcess(f"node{i}", args, env=env, prefix=prefix[i] if prefix else ())
-            process.launch()
-            processes.append(process)
-        infos = [expect(p.wait_ready(90), NodeReady) for p in processes]
+            processes.append(ManagedProcess(f"node{i}", args, env=env, prefix=prefix[i] if prefix else ()))
+        infos = [expect(line, NodeReady) for line in start_all(processes)]
         hops = tuple(info.hop() for info in infos)
         cluster = Cluster(issuer, processes, infos, relay, relay_info, hops)
         yield cluster
