@@ -27,7 +27,7 @@ from noderuntime.engine.llama import Recipe
 
 NAME = "faults"
 ROOT = Path(__file__).resolve().parents[1]
-WAVES, WAVES_QUICK = 24, 8  # waves of 4 long prompts into a peer that stops reading
+WAVES, WAVES_QUICK = 24, 5  # waves of 4 long prompts into a peer that stops reading
 
 
 def _run_cases(waves: int) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:

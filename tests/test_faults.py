@@ -344,23 +344,24 @@ def test_a_link_that_stalls_then_trickles(rig: Rig) -> None:
 
         # a peer that stops reading holds the sender back: long prompts into the stalled
         # link do not pile up in the head's memory. Two waves size llama.cpp's buffers
-        # and the allocator's arenas for long batches; after them, six more waves must
-        # not grow the head (had it kept their activations: over 40 MiB). The faults
-        # benchmark runs more waves, to show where the allocator's share levels off.
+        # and the allocator's arenas for long batches; after them, three more waves must
+        # not grow the head (had it kept their activations: about 20 MiB, 6.7 a wave). The
+        # faults benchmark runs more waves, to show that nothing creeps up over many.
         long_prompt = [{"role": "user", "content": "Summarise: " + "the quick brown fox jumps over it. " * 90}]
         rss = []
-        waves_run = int(os.environ.get("NODERUNTIME_FAULTS_WAVES", "8"))
+        waves_run = int(os.environ.get("NODERUNTIME_FAULTS_WAVES", "5"))
         for _ in range(waves_run):
             waves = [Stream(rig.gateway_url, max_tokens=4, messages=long_prompt) for _ in range(4)]
             for wave in waves:
                 wave.join(4 * IDLE + 20)
                 assert wave.error is not None or wave.status != 200
             rss.append(_rss_kib(rig.processes["a"].pid))
-        # the highest after the two warm-up waves against the highest during them: RSS swings
-        # by several MiB as prompt-sized buffers are mapped and returned (up to 16.6 seen), a kept
-        # queue only rises, past 40 MiB
+        # the highest after the two warm-up waves against the highest during them: within 1 MiB
+        # over 96 requests (faults.json). Ended seams used to hang in reference cycles until the
+        # cyclic collector ran, prompts' activations with them: 25-31 MiB over eight waves, in a
+        # sawtooth that looked like a queue
         grown_mib = (max(rss[2:]) - max(rss[:2])) / 1024
-        assert grown_mib < 24, f"the head grew by {grown_mib:.1f} MiB over {waves_run - 2} waves into a stalled link"
+        assert grown_mib < 10, f"the head grew by {grown_mib:.1f} MiB over {waves_run - 2} waves into a stalled link"
         _note(
             "peer_stops_reading",
             requests=4 * waves_run,

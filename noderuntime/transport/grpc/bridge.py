@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import threading
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -153,7 +154,7 @@ class Pipe:
             await self._aio_wait(self._room)
         with self._lock:
             if self._ended:
-                raise self._end or StreamClosed("the seam is closed")
+                raise _fresh(self._end) if self._end is not None else StreamClosed("the seam is closed")
             self._items.append(frame)
             wake = self._take_waiters(trio_side=not self._trio_to_aio, aio_side=self._trio_to_aio)
         wake()
@@ -167,7 +168,7 @@ class Pipe:
         with self._lock:
             if not self._items:
                 if self._end is not None:
-                    raise self._end
+                    raise _fresh(self._end)
                 return None
             frame = self._items.popleft()
             wake = self._take_waiters(trio_side=self._trio_to_aio, aio_side=not self._trio_to_aio)
@@ -180,7 +181,7 @@ class Pipe:
             if not self._ended:
                 # frames already queued are still delivered (the peer's last Cancel or Error among them)
                 self._ended = True
-                self._end = error
+                self._end = None if error is None else _fresh(error)
             wake = self._take_waiters(trio_side=True, aio_side=True)
         wake()
 
@@ -189,3 +190,13 @@ class Pipe:
         with self._lock:
             self._items.clear()
         self.finish(error)
+
+
+def _fresh(error: TransportError) -> TransportError:
+    """A copy of ``error`` with no traceback: what a pipe keeps, and raises each time it is asked.
+
+    Raising the kept error itself would grow its traceback with every raise, and the frames in
+    it hold the stream that keeps the pipe: a reference cycle, freed only by the cyclic
+    collector, with the frames the stream was moving still in it.
+    """
+    return copy.copy(error).with_traceback(None)

@@ -145,8 +145,9 @@ class GrpcConnector:
         async def launch() -> None:
             nonlocal opened
             opened = asyncio.get_running_loop().create_future()
-            ours.task = asyncio.ensure_future(run())
-            ours.task.add_done_callback(_quiet)
+            task = asyncio.ensure_future(run())
+            task.add_done_callback(_quiet)
+            ours.own(task)
             await opened
 
         try:

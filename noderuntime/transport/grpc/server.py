@@ -40,7 +40,9 @@ class GrpcServer:
     async def _handle(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
         peer = stream.peer.addr() if stream.peer is not None else None
         ours = GrpcFrameStream(self._runtime, self._token, f"{peer[0]}:{peer[1]}" if peer else "peer", server_side=True)
-        ours.task = asyncio.current_task()
+        task = asyncio.current_task()
+        assert task is not None  # grpclib runs each handler in a task of its own
+        ours.own(task)
         try:
             self._token.run_sync_soon(self._on_stream, ours)
         except trio.RunFinishedError:
@@ -52,6 +54,10 @@ class GrpcServer:
         except asyncio.CancelledError:
             ours.inbound.finish(StreamBroken("the seam was reset", StatusCode.CANCELLED))
             raise
+        finally:
+            # grpclib keeps the error that ends a reset call in a reference cycle of its own,
+            # with this frame in the error's traceback: the seam must not hang from it
+            ours = None  # type: ignore[assignment]
 
     async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
         """Listen; returns the bound port (pass 0 for any)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import struct
 from typing import Any
 
@@ -33,10 +34,24 @@ class GrpcFrameStream:
         self._runtime = runtime
         self.outbound = Pipe(runtime.loop, token, trio_to_aio=True)
         self.inbound = Pipe(runtime.loop, token, trio_to_aio=False)
-        self.task: asyncio.Task[None] | None = None  # the asyncio task that owns the HTTP/2 stream
+        self.task: asyncio.Task[Any] | None = None  # the asyncio task that owns the HTTP/2 stream (see own)
         self._closed = False
         # the pipe keeps one waiting producer; a closing notice may race a blocked data send
         self._sending = trio.Lock()
+
+    def own(self, task: asyncio.Task[Any]) -> None:
+        """Record the asyncio task that owns the HTTP/2 stream, until it ends (asyncio thread).
+
+        An ended task keeps the error that ended it, whose traceback holds the pump's frame,
+        which holds this stream: kept past the end, that cycle waits for the cyclic collector,
+        with the activations of the frames that were being sent still in it.
+        """
+        self.task = task
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[Any]) -> None:
+        if self.task is task:
+            self.task = None
 
     async def send(self, frame: bytes) -> None:
         """Send one frame (waits while the peer is not reading)."""
@@ -44,7 +59,7 @@ class GrpcFrameStream:
             raise StreamClosed("the seam is closed")
         failed = self.inbound.ended_with
         if failed is not None and not isinstance(failed, StreamClosed):
-            raise failed
+            raise copy.copy(failed)  # the kept one stays free of this frame (see bridge._fresh)
         try:
             self._sending.acquire_nowait()  # the usual case, and no checkpoint on the hot path
         except trio.WouldBlock:
@@ -209,3 +224,7 @@ async def pump(grpc_stream: Any, ours: GrpcFrameStream, limit: int, *, client: b
         broken = StreamBroken(f"the seam with {ours.peer} ended", StatusCode.CANCELLED)
         ours.inbound.finish(broken)
         ours.outbound.drop(broken)  # frames not sent never will be; wakes a trio sender waiting for room
+        # an error leaving here holds this frame in its traceback; the tasks' own errors hold the
+        # frames they were in, the frame being sent among them: whoever keeps the error (a
+        # library's cycle, a log) must not keep those
+        reader = writer = done = error = ours = grpc_stream = None  # type: ignore[assignment]
