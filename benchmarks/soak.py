@@ -20,7 +20,7 @@ process is sampled (RSS, open file descriptors, trio tasks); at the end the syst
 must be idle — no sequence slot and no KV cell in use on any node — and the counts
 must be back at their baseline. Any failure of a request the client did not cancel
 is an error, by kind; a completed text that differs from its reference is a
-mismatch. ``--quick`` runs 45 seconds with four clients and eight prompts (the ``make
+mismatch. ``--quick`` runs 30 seconds with four clients and eight prompts (the ``make
 test`` version).
 """
 
@@ -277,11 +277,11 @@ async def _soak(
 def main() -> None:
     """Run the soak and write its JSON."""
     parser = _common.parser(NAME, __doc__ or "")
-    parser.add_argument("--minutes", type=float, help="how long to soak (default 30; --quick: 0.75)")
+    parser.add_argument("--minutes", type=float, help="how long to soak (default 30; --quick: 0.5)")
     parser.add_argument("--clients", type=int, help="concurrent clients (default 6; --quick: 4)")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    minutes = args.minutes if args.minutes is not None else (0.75 if args.quick else 30.0)
+    minutes = args.minutes if args.minutes is not None else (0.5 if args.quick else 30.0)
     clients = args.clients or (4 if args.quick else 6)
     out = _common.out_path(NAME, args)
     rng = random.Random(args.seed)

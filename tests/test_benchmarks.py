@@ -35,7 +35,7 @@ def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_soak_loses_nothing_and_leaks_nothing(tmp_path: Path) -> None:
-    """The soak's ``make test`` version: every way of ending a request, for 45 s (about 70 requests)."""
+    """The soak's ``make test`` version: every way of ending a request, for 30 s (about 55 requests)."""
     out = tmp_path / "soak.json"
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.soak", "--quick", "--out", str(out)],

@@ -106,7 +106,8 @@ async def assert_idle(route: LocalRoute) -> None:
 
 @pytest.mark.parametrize("cuts", [[0, 15, 30], [0, 10, 20, 30]], ids=["2-shard", "3-shard"])
 async def test_16_concurrent_sessions_equal_their_solo_runs(smollm2: Path, cuts: list[int]) -> None:
-    reqs = requests(16, seed=len(cuts))
+    # the same requests for every split: their solo runs are computed once (see solo_greedy)
+    reqs = requests(16, seed=2)
     expected = [await trio.to_thread.run_sync(solo_greedy, smollm2, r) for r in reqs]
     results: dict[int, tuple[int, ...]] = {}
     async with open_local_route(smollm2, cuts, RECIPE) as route:
