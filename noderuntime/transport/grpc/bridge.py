@@ -154,7 +154,7 @@ class Pipe:
             await self._aio_wait(self._room)
         with self._lock:
             if self._ended:
-                raise _fresh(self._end) if self._end is not None else StreamClosed("the seam is closed")
+                raise fresh(self._end) if self._end is not None else StreamClosed("the seam is closed")
             self._items.append(frame)
             wake = self._take_waiters(trio_side=not self._trio_to_aio, aio_side=self._trio_to_aio)
         wake()
@@ -168,7 +168,7 @@ class Pipe:
         with self._lock:
             if not self._items:
                 if self._end is not None:
-                    raise _fresh(self._end)
+                    raise fresh(self._end)
                 return None
             frame = self._items.popleft()
             wake = self._take_waiters(trio_side=self._trio_to_aio, aio_side=not self._trio_to_aio)
@@ -181,7 +181,7 @@ class Pipe:
             if not self._ended:
                 # frames already queued are still delivered (the peer's last Cancel or Error among them)
                 self._ended = True
-                self._end = None if error is None else _fresh(error)
+                self._end = None if error is None else fresh(error)
             wake = self._take_waiters(trio_side=True, aio_side=True)
         wake()
 
@@ -192,8 +192,8 @@ class Pipe:
         self.finish(error)
 
 
-def _fresh(error: TransportError) -> TransportError:
-    """A copy of ``error`` with no traceback: what a pipe keeps, and raises each time it is asked.
+def fresh(error: TransportError) -> TransportError:
+    """A copy of ``error`` with no traceback: what a pipe keeps, and what is raised in its name.
 
     Raising the kept error itself would grow its traceback with every raise, and the frames in
     it hold the stream that keeps the pipe: a reference cycle, freed only by the cyclic

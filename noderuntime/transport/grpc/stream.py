@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import struct
 from typing import Any
 
@@ -14,7 +13,7 @@ import trio
 from noderuntime.operations import timeline
 from noderuntime.transport.base import StreamBroken, StreamClosed, TransportError
 from noderuntime.transport.grpc import _grpclib_private
-from noderuntime.transport.grpc.bridge import AsyncioThread, Pipe
+from noderuntime.transport.grpc.bridge import AsyncioThread, Pipe, fresh
 from noderuntime.transport.grpc.errors import PEER_STATUS, RESET, map_exceptions
 from protocol import StatusCode
 
@@ -59,7 +58,7 @@ class GrpcFrameStream:
             raise StreamClosed("the seam is closed")
         failed = self.inbound.ended_with
         if failed is not None and not isinstance(failed, StreamClosed):
-            raise copy.copy(failed)  # the kept one stays free of this frame (see bridge._fresh)
+            raise fresh(failed)  # the kept one stays free of this frame
         try:
             self._sending.acquire_nowait()  # the usual case, and no checkpoint on the hot path
         except trio.WouldBlock:
