@@ -20,8 +20,9 @@ process is sampled (RSS, open file descriptors, trio tasks); at the end the syst
 must be idle — no sequence slot and no KV cell in use on any node — and the counts
 must be back at their baseline. Any failure of a request the client did not cancel
 is an error, by kind; a completed text that differs from its reference is a
-mismatch. ``--quick`` runs 30 seconds with four clients and eight prompts (the ``make
-test`` version).
+mismatch. A soak lasts its minutes and at least ``--requests`` requests, so that a slow
+machine still tries every ending often enough. ``--quick`` runs 30 seconds and at least
+48 requests with four clients and eight prompts (the ``make test`` version).
 """
 
 from __future__ import annotations
@@ -254,14 +255,24 @@ def _done(tally: Tally, cancelled: bool) -> None:
 
 
 async def _soak(
-    url: str, model: str, prompts: list[Prompt], clients: int, seconds: float, seed: int, tally: Tally
+    url: str,
+    model: str,
+    prompts: list[Prompt],
+    clients: int,
+    seconds: float,
+    at_least: int,
+    seed: int,
+    tally: Tally,
 ) -> None:
     stop_at = trio.current_time() + seconds
+
+    def more() -> bool:
+        return trio.current_time() < stop_at or sum(tally.requests.values()) < at_least
 
     async def worker(index: int) -> None:
         rng = random.Random(seed * 1000 + index)
         async with httpx.AsyncClient() as client:
-            while trio.current_time() < stop_at:
+            while more():
                 prompt = rng.choice(prompts)
                 ending = rng.choice(ENDINGS)
                 try:
@@ -279,10 +290,12 @@ def main() -> None:
     parser = _common.parser(NAME, __doc__ or "")
     parser.add_argument("--minutes", type=float, help="how long to soak (default 30; --quick: 0.5)")
     parser.add_argument("--clients", type=int, help="concurrent clients (default 6; --quick: 4)")
+    parser.add_argument("--requests", type=int, help="go on until this many requests (default 0; --quick: 48)")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     minutes = args.minutes if args.minutes is not None else (0.5 if args.quick else 30.0)
     clients = args.clients or (4 if args.quick else 6)
+    at_least = args.requests if args.requests is not None else (48 if args.quick else 0)
     out = _common.out_path(NAME, args)
     rng = random.Random(args.seed)
 
@@ -319,7 +332,7 @@ def main() -> None:
                             samples.append({"t": round(time.monotonic() - started, 1), **sample})
 
                     nursery.start_soon(sampler)
-                    await _soak(url, system.model_id, prompts, clients, minutes * 60, args.seed, tally)
+                    await _soak(url, system.model_id, prompts, clients, minutes * 60, at_least, args.seed, tally)
                     nursery.cancel_scope.cancel()
 
             trio.run(soak_and_sample)
@@ -356,6 +369,7 @@ def main() -> None:
     figures: dict[str, Any] = {
         "minutes": round(elapsed / 60, 2),
         "clients": clients,
+        "requests_floor": at_least,
         "requests": sum(tally.requests.values()),
         "requests_by_ending": tally.requests,
         "completed": tally.completed,

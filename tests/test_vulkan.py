@@ -4,8 +4,9 @@ The chain's processes and the whole model's each load the Vulkan build of llama.
 its own folder (``noderuntime.engine.backends``); this process keeps the CPU build. On a
 machine without a GPU the device is Mesa's llvmpipe, a software renderer that runs ggml's
 real Vulkan shaders on the CPU. The Vulkan tests skip, saying why, when this machine cannot
-build the backend (glslc, libvulkan-dev, spirv-headers) or has no Vulkan device; the first
-run builds the wheel into the cache (minutes), later runs take it from there.
+build the backend (glslc, libvulkan-dev, spirv-headers) or has no Vulkan device (listed by
+vulkan-tools' vulkaninfo; mesa-vulkan-drivers has llvmpipe); the first run builds the wheel
+into the cache (minutes), later runs take it from there.
 """
 
 from __future__ import annotations
