@@ -28,7 +28,7 @@ BATCHES = (1, 4, 8, 16)
 def _recipe() -> Any:
     from noderuntime.engine.llama import Recipe
 
-    return Recipe(n_threads=2, n_ctx_per_seq=1024, n_seq_max=16, n_batch=512, n_ubatch=512, flash_attn="off")
+    return Recipe(n_threads=2, n_ctx_per_seq=1024, n_seq_max=16, n_batch=512, n_ubatch=512)
 
 
 def _lane(model: str, cuts: list[int], prefill_tokens: int, decode_steps: int) -> dict[str, float]:

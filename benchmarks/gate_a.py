@@ -395,7 +395,7 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
     from noderuntime.engine.base import transformers_versions
-    from noderuntime.engine.llama import Vocab, build_info
+    from noderuntime.engine.llama import Vocab, build_info, default_flash_attn
     from noderuntime.models import catalogue as models
     from noderuntime.verify import contract, lanes
 
@@ -459,7 +459,13 @@ def main(argv: list[str] | None = None) -> None:
         "project_commit": _common.git_commit(),
         "machine": _common.machine(),
         "recipe": {
-            "llama_cpp": {**build_info(), "threads": THREADS, "n_batch": CHUNK, "n_ubatch": CHUNK, "flash_attn": "off"},
+            "llama_cpp": {
+                **build_info(),
+                "threads": THREADS,
+                "n_batch": CHUNK,
+                "n_ubatch": CHUNK,
+                "flash_attn": default_flash_attn("cpu"),
+            },
             "transformers": {
                 **transformers_versions(),
                 "threads": THREADS,

@@ -5,7 +5,8 @@ run concurrently through one :class:`Batcher` over a real middle shard; every st
 hidden rows must equal, bit for bit, the same session's steps run alone on a second
 engine. (Batching a prefill chunk with other sequences' steps breaks this: llama.cpp
 computes it in other ubatch shapes, and about one step in ten differs; chunks of one
-length batched together keep their shapes and must stay exact.)
+length batched together keep their shapes and must stay exact.) How a prompt is cut into
+prefill chunks changes nothing either, with flash attention on or off.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import random
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import trio
 
 from noderuntime.engine.base import Rows
-from noderuntime.engine.llama import Recipe, ShardEngine
+from noderuntime.engine.llama import FlashAttn, Recipe, ShardEngine
 from noderuntime.models.artifacts import LayerRange
 from noderuntime.node import batcher as batcher_module
 from noderuntime.node import scheduler
@@ -27,12 +29,39 @@ from noderuntime.node.batcher import Batcher, StepRequest
 from noderuntime.node.leases import LeaseManager
 from noderuntime.node.scheduler import BatchPlan
 
-# two threads, as a node runs on this machine
+# two threads, as a node runs on this machine (flash attention on, as on every CPU)
 RECIPE = Recipe(n_threads=2, n_ctx_per_seq=1024, n_seq_max=6, n_batch=512, n_ubatch=512)
 
 
-async def test_batched_steps_equal_the_same_steps_alone(smollm2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    await _check_batch_invariance(smollm2, LayerRange(10, 20), 576, monkeypatch)
+@pytest.mark.parametrize("flash_attn", ["on", "off"])
+async def test_batched_steps_equal_the_same_steps_alone(
+    flash_attn: FlashAttn, smollm2: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # on: past 512 KV cells llama.cpp split a lone decode row's attention across threads (a
+    # batch of several rows never), which patch 0008 stops; off: as nodes on a GPU run
+    recipe = attrs.evolve(RECIPE, flash_attn=flash_attn)
+    await _check_batch_invariance(smollm2, LayerRange(10, 20), 576, monkeypatch, recipe)
+
+
+@pytest.mark.parametrize("flash_attn", ["on", "off"])
+def test_a_prompt_gives_the_same_logits_however_it_is_cut_into_chunks(flash_attn: FlashAttn, smollm2: Path) -> None:
+    # on: llama.cpp computed batches of 64 query rows or more on a tiled path and smaller
+    # ones row by row, with other sums (logits up to 2.0 apart) until patch 0008
+    recipe = attrs.evolve(RECIPE, n_seq_max=3, flash_attn=flash_attn)
+    tokens = np.random.default_rng(1).integers(100, 40_000, 300).astype(np.int32)
+    logits = {}
+    with ShardEngine(smollm2, recipe) as engine:
+        for seq, chunk in enumerate((32, 128, 300)):
+            parts = []
+            for start in range(0, len(tokens), chunk):
+                piece = tokens[start : start + chunk]
+                positions = np.arange(start, start + len(piece), dtype=np.int32)
+                rows = Rows(np.full(len(piece), seq, np.int32), positions, np.ones(len(piece), bool), piece)
+                parts.append(engine.run(rows, want_logits=True).logits)
+            logits[chunk] = np.concatenate(parts)
+    for chunk in (128, 300):
+        difference = float(np.abs(logits[32] - logits[chunk]).max())
+        assert np.array_equal(logits[32], logits[chunk]), f"chunks of 32 and {chunk} differ by {difference}"
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
@@ -48,7 +77,7 @@ async def test_batch_invariance_on_gemma3(gemma3: Path, monkeypatch: pytest.Monk
 
 
 async def _check_batch_invariance(
-    model: Path, layers: LayerRange, n_embd: int, monkeypatch: pytest.MonkeyPatch
+    model: Path, layers: LayerRange, n_embd: int, monkeypatch: pytest.MonkeyPatch, recipe: Recipe = RECIPE
 ) -> None:
     grouped: list[tuple[int, ...]] = []  # ticks that ran several prefill chunks (of one length) together
 
@@ -71,7 +100,7 @@ async def _check_batch_invariance(
             length += n
         sessions.append(steps)
 
-    with ShardEngine(model, RECIPE, layers) as batched, ShardEngine(model, RECIPE, layers) as alone:
+    with ShardEngine(model, recipe, layers) as batched, ShardEngine(model, recipe, layers) as alone:
         expected = []
         for seq, steps in enumerate(sessions):
             start, outputs = 0, []

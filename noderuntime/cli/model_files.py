@@ -106,13 +106,15 @@ def _cmd_models_synth(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_parity(args: argparse.Namespace) -> int:
-    from noderuntime.engine.llama import Recipe
+    from noderuntime.engine.llama import Recipe, flash_attn_choice
     from noderuntime.verify.parity import check_parity
     from noderuntime.verify.procchain import ChainError
 
     model = resolve_model(args.model)
     try:
-        recipe = Recipe(n_threads=args.threads, n_ctx_per_seq=512, n_seq_max=2, flash_attn=args.flash_attn)
+        recipe = Recipe(
+            n_threads=args.threads, n_ctx_per_seq=512, n_seq_max=2, flash_attn=flash_attn_choice(args.flash_attn)
+        )
         report = check_parity(model, args.cuts, n_tokens=args.tokens, recipe=recipe)
     except (ValueError, ChainError) as exc:  # ChainError: a model llama.cpp cannot cut, or a shard file
         raise CliError(str(exc)) from None
@@ -186,6 +188,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--cuts", type=cuts, required=True, help="e.g. 0,10,20,30")
     p.add_argument("--tokens", type=positive_int, default=32, help="greedy decode steps")
     p.add_argument("--threads", type=positive_int, default=2)
-    p.add_argument("--flash-attn", choices=["on", "off"], default="off")
+    p.add_argument(
+        "--flash-attn", choices=["on", "off", "auto"], default="auto", help="auto: on, as nodes run on the CPU"
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_check_parity)

@@ -28,6 +28,7 @@ def _cmd_usage(args: argparse.Namespace) -> int:
 
 def _cmd_probe_reference(args: argparse.Namespace) -> int:
     from noderuntime.control import admission
+    from noderuntime.engine.llama import flash_attn_choice
 
     entries = admission.make_references(
         resolve_model(args.model),
@@ -37,7 +38,7 @@ def _cmd_probe_reference(args: argparse.Namespace) -> int:
             "n_threads": args.threads,
             "n_batch": args.batch,
             "n_ubatch": args.batch,
-            "flash_attn": args.flash_attn,
+            "flash_attn": flash_attn_choice(args.flash_attn),
         },
     )
     args.out.write_text(json.dumps({"references": entries}, indent=1) + "\n")
@@ -146,7 +147,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--ranges", type=ranges, required=True, help="layer ranges to cover, e.g. 0:15,15:30")
     p.add_argument("--seeds", type=positive_int, default=16, help="reference inputs per range")
     p.add_argument("--batch", type=positive_int, default=512, help="as the nodes run it (it is in the recipe)")
-    p.add_argument("--flash-attn", choices=["on", "off"], default="off", help="as the nodes run it")
+    p.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto", help="as the nodes run it")
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=_cmd_probe_reference)

@@ -294,7 +294,9 @@ def _add_up(sub: Any) -> None:
     p.add_argument("--slots", type=positive_int, default=8, help="concurrent sessions")
     p.add_argument("--ctx", type=positive_int, default=2048, help="context per session (multiple of 256)")
     p.add_argument("--batch", type=positive_int, default=512, help="tokens per batch")
-    p.add_argument("--flash-attn", choices=["on", "off"], default="off")
+    p.add_argument(
+        "--flash-attn", choices=["on", "off", "auto"], default="auto", help="auto: on for the CPU, off on a GPU"
+    )
     p.add_argument("--tls-cert", type=Path, help="PEM certificate for the gRPC listener")
     p.add_argument("--tls-key", type=Path, help="PEM key for the gRPC listener")
     p.add_argument("--tls-self-signed", action="store_true", help="make (once) and use a self-signed certificate")

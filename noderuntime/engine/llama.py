@@ -265,6 +265,24 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], kind: str
 
 
 FlashAttn = Literal["on", "off"]
+
+
+def default_flash_attn(device: str) -> FlashAttn:
+    """Flash attention as a node runs it on ``device`` unless told: on for the CPU, off on a GPU."""
+    return "on" if device == "cpu" else "off"
+
+
+def flash_attn_choice(choice: str, device: str = "cpu") -> FlashAttn:
+    """A ``--flash-attn`` choice (``on``, ``off``, or ``auto``: the device's default) as a recipe takes it."""
+    if choice == "auto":
+        return default_flash_attn(device)
+    if choice == "on":
+        return "on"
+    if choice == "off":
+        return "off"
+    raise ValueError(f"flash attention is 'on', 'off' or 'auto', not {choice!r}")
+
+
 KvType = Literal["f16", "f32"]
 _KV_TYPES = {"f16": 1, "f32": 0}  # ggml_type values
 MAX_THREADS = 1024
@@ -281,7 +299,6 @@ class Recipe:
     n_seq_max: int = 8
     n_batch: int = 512
     n_ubatch: int = 512
-    flash_attn: FlashAttn = "off"
     use_mmap: bool = True
     # llama.cpp's CPU repack (Q4_0, Q4_K, IQ4_NL, Q8_0 weights re-laid for its gemm) runs
     # each full group of 4 batch rows through a gemm kernel and the rest through a gemv
@@ -298,6 +315,13 @@ class Recipe:
     # on a GPU, how many local layers it holds, counted back from the end of the range as
     # llama.cpp counts; None: all of them, and the output layer. Always 0 on the CPU.
     gpu_layers: int | None = None
+    # Flash attention: on for the CPU, as llama-server runs it (auto there): decode steps are
+    # faster (docs/performance.md), and patch 0008 keeps a row's result independent of its
+    # batch-mates, of how its prompt is cut into chunks and of the thread count, as without
+    # it. Off on a GPU until measured there. After ``device``, whose default it follows.
+    flash_attn: FlashAttn = attrs.field(
+        default=attrs.Factory(lambda self: default_flash_attn(self.device), takes_self=True)
+    )
     # One KV stream per sequence (False) keeps a session's attention sums independent of
     # who else is batched. True puts every sequence in one stream, as llama-server does:
     # a batch may then mix prefill and decode rows, and a session's output depends in its

@@ -27,7 +27,7 @@ from noderuntime.control.ledger import Ledger
 from noderuntime.engine import memplan
 from noderuntime.engine.backends import BackendMismatchError, parse_device
 from noderuntime.engine.cores import CoreTurns, machine_cores
-from noderuntime.engine.llama import Recipe, ShardEngine, build_info, describe_device
+from noderuntime.engine.llama import Recipe, ShardEngine, build_info, describe_device, flash_attn_choice
 from noderuntime.engine.thread import EngineThread
 from noderuntime.models import artifacts
 from noderuntime.models.artifacts import LayerRange
@@ -68,7 +68,7 @@ class NodeOptions:
     slots: int = 8
     ctx_per_session: int = 2048
     batch: int = 512
-    flash_attn: str = "off"
+    flash_attn: str = "auto"  # on, off, or auto: the device's default (Recipe)
     tls_cert: Path | None = None
     tls_key: Path | None = None
     idle_timeout: float = 60.0
@@ -284,7 +284,7 @@ async def _load_engine(opts: NodeOptions, engine_thread: EngineThread) -> tuple[
         n_seq_max=opts.slots,
         n_batch=opts.batch,
         n_ubatch=opts.batch,
-        flash_attn="on" if opts.flash_attn == "on" else "off",
+        flash_attn=flash_attn_choice(opts.flash_attn, opts.device),
         use_mmap=opts.mmap,
         device=opts.device,
         gpu_layers=opts.gpu_layers,

@@ -32,7 +32,7 @@ CHUNK = 128  # teacher-forced rows a step
 
 
 def recipe_for(n_tokens: int, *, threads: int = 2, device: str = "cpu") -> Recipe:
-    """The recipe both sides run: a node's defaults (``--batch 512``, flash attention off, f16 KV).
+    """The recipe both sides run: a node's defaults (``--batch 512``, the device's flash attention, f16 KV).
 
     Threads, context and slots are not in a recipe's fingerprint, so a certificate made
     with this recipe covers nodes started with ``noderuntime up``'s defaults on that device.
