@@ -76,6 +76,26 @@ async def test_batch_invariance_on_gemma3(gemma3: Path, monkeypatch: pytest.Monk
     await _check_batch_invariance(gemma3, LayerRange(3, 9), 640, monkeypatch)
 
 
+@pytest.mark.parametrize(("n_rows", "n_seqs"), [(3, 3), (1, 8)])
+def test_k_quant_rows_equal_alone_and_in_a_batch_of_eight_or_more(gemma3: Path, n_rows: int, n_seqs: int) -> None:
+    # Gemma 3's Q4_K_M has K-quant attn_output and ffn_down; llama.cpp computed them on
+    # a tiled kernel from 8 rows of a batch on and on vec_dot below, with other sums, so
+    # three 3-row prefill chunks together, or 8 decode steps, differed from each alone
+    # (every time, by up to 6e-4) until patch 0009
+    recipe = attrs.evolve(RECIPE, n_seq_max=n_seqs, n_ctx_per_seq=256)
+    hidden = np.random.default_rng(5).standard_normal((n_rows * n_seqs, 640), dtype=np.float32)
+    positions = np.tile(np.arange(n_rows, dtype=np.int32), n_seqs)
+    with ShardEngine(gemma3, recipe, LayerRange(3, 9)) as engine:
+        alone = engine.run(
+            Rows(np.zeros(n_rows, np.int32), positions[:n_rows], np.ones(n_rows, bool), hidden=hidden[:n_rows])
+        )
+        engine.remove_sequence(0)
+        seqs = np.repeat(np.arange(n_seqs, dtype=np.int32), n_rows)
+        batched = engine.run(Rows(seqs, positions, np.ones(len(seqs), bool), hidden=hidden))
+    difference = float(np.abs(alone.hidden - batched.hidden[:n_rows]).max())
+    assert np.array_equal(alone.hidden, batched.hidden[:n_rows]), f"differs by {difference}"
+
+
 async def _check_batch_invariance(
     model: Path, layers: LayerRange, n_embd: int, monkeypatch: pytest.MonkeyPatch, recipe: Recipe = RECIPE
 ) -> None:
