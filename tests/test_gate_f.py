@@ -256,7 +256,16 @@ def test_transformers_agrees_with_our_float32_route(arch: str, tiny_models: dict
     tokens = np.random.default_rng(1).integers(0, 480, 600)
     report = agreement.check_agreement(tiny_models[arch], [0, 1, 3, 4], tokens)
     assert report["tokens"] == 600
-    assert report["top1_agreement"] >= 0.99 and report["mean_kl"] <= 1e-3, report
+    # float32 against float32: about 2e-9 (flash attention's f16 cast made it 3e-4 and 1.5e-2)
+    assert report["top1_agreement"] >= 0.99 and report["mean_kl"] <= 1e-6, report
+
+
+def test_a_float32_kv_cache_runs_without_flash_attention() -> None:
+    # llama.cpp's flash attention casts a float32 cache to f16 at every step
+    assert Recipe(kv_type="f32").flash_attn == "off"
+    assert Recipe().flash_attn == "on"
+    with pytest.raises(ValueError, match="float32 KV cache"):
+        Recipe(kv_type="f32", flash_attn="on")
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +285,8 @@ def test_transformers_agrees_with_a_gemma3_route(
     gemma3: Path, gemma3_text: np.ndarray, gemma3_transformers: np.ndarray
 ) -> None:
     report = agreement.check_agreement(gemma3, [0, 1, 9, 18], gemma3_text, reference=gemma3_transformers)
-    assert report["top1_agreement"] >= 0.99 and report["mean_kl"] <= 1e-3, report
+    # about 2e-6 over a 262k vocabulary, float32 against float32
+    assert report["top1_agreement"] >= 0.99 and report["mean_kl"] <= 1e-4, report
 
 
 MOE_RESIDENCY_PROBE = """

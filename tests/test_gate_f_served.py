@@ -122,4 +122,6 @@ def test_gemma3_route_completes_as_the_whole_model_does(gemma3_system: localsyst
     vocab = Vocab(gemma3)
     expected = vocab.detokenize(_whole_model_greedy(gemma3, vocab.tokenize(prompt), 12))
     assert done.choices[0].text == expected
-    assert "France" in expected  # the real weights: " the capital of the country of France. ..."
+    # the real weights: " the capital of the French Republic. ..." (the low bits of the
+    # kernels a recipe picks decide between this and "... of the country of France")
+    assert "France" in expected or "French" in expected

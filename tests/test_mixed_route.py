@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import attrs
 import httpx
 import pytest
 import trio
@@ -91,8 +90,8 @@ CUTS, DEVICES = ("0:1", "1:3", "3:4"), ("cpu", "vulkan:0", "cpu")
 
 def _chain_greedy(model: Path, runtime: BackendRuntime, prompt: list[int], n: int) -> list[int]:
     """Greedy tokens of the same shards on the same devices, each in a process of its own, as the nodes run them."""
-    cpu = Recipe(n_threads=2, n_ctx_per_seq=256, n_seq_max=2, n_batch=512, n_ubatch=512)
-    recipes = [attrs.evolve(cpu, device=device) for device in DEVICES]
+    recipes = [Recipe(n_threads=2, n_ctx_per_seq=256, n_seq_max=2, device=device) for device in DEVICES]
+    cpu = recipes[0]
     ranges = [LayerRange(int(a), int(b)) for a, b in (cut.split(":") for cut in CUTS)]
     runtimes = [runtime if device != "cpu" else None for device in DEVICES]
     with ProcessChain(model, ranges, cpu, recipes=recipes, runtimes=runtimes) as chain:

@@ -267,9 +267,13 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], kind: str
 FlashAttn = Literal["on", "off"]
 
 
-def default_flash_attn(device: str) -> FlashAttn:
-    """Flash attention as a node runs it on ``device`` unless told: on for the CPU, off on a GPU."""
-    return "on" if device == "cpu" else "off"
+def default_flash_attn(device: str, kv_type: str = "f16") -> FlashAttn:
+    """Flash attention as a node runs it on ``device`` unless told: on for the CPU, off on a GPU.
+
+    Off with a float32 KV cache: llama.cpp's flash attention casts float32 keys and values
+    to f16 at every step, which would undo what the float32 cache is for.
+    """
+    return "on" if device == "cpu" and kv_type != "f32" else "off"
 
 
 def flash_attn_choice(choice: str, device: str = "cpu") -> FlashAttn:
@@ -318,9 +322,10 @@ class Recipe:
     # Flash attention: on for the CPU, as llama-server runs it (auto there): decode steps are
     # faster (docs/performance.md), and patch 0008 keeps a row's result independent of its
     # batch-mates, of how its prompt is cut into chunks and of the thread count, as without
-    # it. Off on a GPU until measured there. After ``device``, whose default it follows.
+    # it. Off on a GPU until measured there, and with a float32 KV cache (default_flash_attn).
+    # After ``device`` and ``kv_type``, whose defaults it follows.
     flash_attn: FlashAttn = attrs.field(
-        default=attrs.Factory(lambda self: default_flash_attn(self.device), takes_self=True)
+        default=attrs.Factory(lambda self: default_flash_attn(self.device, self.kv_type), takes_self=True)
     )
     # One KV stream per sequence (False) keeps a session's attention sums independent of
     # who else is batched. True puts every sequence in one stream, as llama-server does:
@@ -346,6 +351,12 @@ class Recipe:
             raise ValueError("flash_attn must be 'on' or 'off'")
         if self.kv_type not in _KV_TYPES:
             raise ValueError(f"kv_type must be one of {', '.join(_KV_TYPES)}")
+        if self.kv_type == "f32" and self.flash_attn == "on":
+            # measured on Gate F's float32 Qwen3-MoE route: mean KL 1.5e-2 against
+            # Transformers with it on, 1.6e-9 with it off
+            raise ValueError(
+                "flash attention casts a float32 KV cache to f16 at every step: use it off with kv_type f32"
+            )
         backends.parse_device(self.device)
         if self.gpu_layers is not None and (self.gpu_layers < 0 or (self.device == "cpu" and self.gpu_layers)):
             raise ValueError("gpu_layers must be None or a count >= 0 of layers, and 0 on the cpu device")

@@ -32,6 +32,8 @@ def route_logits(model: Path, cuts: Sequence[int], tokens: np.ndarray, *, thread
 
     The KV cache is float32 too: llama.cpp's default f16 keys alone move logits by up to
     0.3 against a float32 reference, which would measure the cache, not the architecture.
+    Flash attention is off with it (the recipe's default for a float32 cache): llama.cpp's
+    casts the cache to f16 at every step.
     """
     n = len(tokens)
     context = max(256, -(-n // 256) * 256)

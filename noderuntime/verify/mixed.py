@@ -18,7 +18,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import numpy as np
 
 from noderuntime.engine.backends import BackendRuntime
@@ -99,7 +98,9 @@ def check_mixed_route(
         raise ValueError("give one device and one runtime per range")
     ids = np.asarray(tokens, dtype=np.int32)
     cpu = recipe_for(len(ids) + decode_steps, threads=threads)
-    recipes = [attrs.evolve(cpu, device=device) for device in devices]
+    # each built for its device, not evolved from the CPU's: flash attention's default
+    # differs by device, and the GPU recipe certified must be the one `up` runs there
+    recipes = [recipe_for(len(ids) + decode_steps, threads=threads, device=device) for device in devices]
     with ProcessChain(model, [LayerRange(0, info.n_layer)], cpu) as whole:
         reference = teacher_forced(whole, ids)
         whole_decode = greedy_decode(whole, len(ids), int(np.argmax(reference[-1])), decode_steps)
