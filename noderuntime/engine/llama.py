@@ -267,7 +267,7 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], kind: str
 FlashAttn = Literal["on", "off"]
 
 
-def default_flash_attn(device: str, kv_type: str = "f16") -> FlashAttn:
+def default_flash_attn(device: str, kv_type: KvType = "f16") -> FlashAttn:
     """Flash attention as a node runs it on ``device`` unless told: on for the CPU, off on a GPU.
 
     Off with a float32 KV cache: llama.cpp's flash attention casts float32 keys and values

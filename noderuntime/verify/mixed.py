@@ -97,10 +97,11 @@ def check_mixed_route(
     if not len(devices) == len(runtimes) == len(ranges):
         raise ValueError("give one device and one runtime per range")
     ids = np.asarray(tokens, dtype=np.int32)
-    cpu = recipe_for(len(ids) + decode_steps, threads=threads)
+    cells = len(ids) + decode_steps
+    cpu = recipe_for(cells, threads=threads)
     # each built for its device, not evolved from the CPU's: flash attention's default
     # differs by device, and the GPU recipe certified must be the one `up` runs there
-    recipes = [recipe_for(len(ids) + decode_steps, threads=threads, device=device) for device in devices]
+    recipes = [recipe_for(cells, threads=threads, device=device) for device in devices]
     with ProcessChain(model, [LayerRange(0, info.n_layer)], cpu) as whole:
         reference = teacher_forced(whole, ids)
         whole_decode = greedy_decode(whole, len(ids), int(np.argmax(reference[-1])), decode_steps)
