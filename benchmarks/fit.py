@@ -52,14 +52,14 @@ from noderuntime.models import synth
 from noderuntime.models.artifacts import LayerRange
 from noderuntime.services.cgroups import MemoryCap, available
 from noderuntime.services.cluster import ManagedProcess, ProcessError, stop_all
-from noderuntime.services.ready import GatewayReady, NodeReady, R, TrackerReady, expect
+from noderuntime.services.ready import GatewayReady, NodeReady, TrackerReady, expect
 
 NAME = "fit"
 SLOTS = 2
 CTX = 512
 BATCH = 64
 THREADS = 2
-PROMPT = " ".join(f"t{i}" for i in range(1, 33))
+PROMPT_WORDS = 32
 NO_ISSUER = "00" * 32  # for a node that must refuse before it ever checks a ticket
 
 
@@ -72,6 +72,12 @@ class Lane:
     cap: int
     requests: int
     max_tokens: int
+    prompt_words: int = PROMPT_WORDS
+
+    @property
+    def prompt(self) -> str:
+        """The completion's prompt: ``t1 t2 ...``, as many words as the lane says."""
+        return " ".join(f"t{i}" for i in range(1, self.prompt_words + 1))
 
 
 QUICK = Lane(
@@ -80,6 +86,9 @@ QUICK = Lane(
     1_000_000_000,
     requests=1,  # make test's size: the capped route serves, its figures come from the full lane
     max_tokens=8,
+    # a quarter of the full prompt: its prefill took 10 of the quick run's 58 s, twice (route
+    # and whole); what the caps bound, weights, KV and compute buffers, is sized at load
+    prompt_words=8,
 )
 FULL = Lane(
     "8B-class (Llama-3-8B shape, Q4_0)",
@@ -207,15 +216,11 @@ def serving(model: Path, ranges: Sequence[LayerRange | None], cap: int | None, r
     processes: list[ManagedProcess] = []
     caps: list[MemoryCap] = []
 
-    def launch(process: ManagedProcess, kind: type[R], timeout: float = 120) -> R:
-        processes.append(process)
-        return expect(process.start(timeout), kind)
-
     try:
-        tracker = launch(
-            ManagedProcess("tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(root / "tracker")]),
-            TrackerReady,
+        processes.append(
+            ManagedProcess("tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(root / "tracker")])
         )
+        tracker = expect(processes[0].start(120), TrackerReady)
         nodes = []
         for i, layers in enumerate(ranges):
             extra = ["--tracker", tracker.url]
@@ -228,29 +233,35 @@ def serving(model: Path, ranges: Sequence[LayerRange | None], cap: int | None, r
                 extra += ["--memory-limit", str(cap)]
             else:
                 extra += ["--no-mmap"]  # like for like: the capped nodes read their weights too
-            node = ManagedProcess(f"node{i}", _node_args(model, root / f"node{i}", extra), cap=limit)
-            launch(node, NodeReady, timeout=600)
-            nodes.append((node, limit, layers))
-        gateway = launch(
-            ManagedProcess(
+            nodes.append(
+                (ManagedProcess(f"node{i}", _node_args(model, root / f"node{i}", extra), cap=limit), limit, layers)
+            )
+        gateway = ManagedProcess(
+            "gateway",
+            [
                 "gateway",
-                [
-                    "gateway",
-                    "--tracker",
-                    tracker.url,
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--model",
-                    f"fit={model}",
-                    "--ctx",
-                    str(CTX),
-                    "--ledger",
-                    str(root / "ledger.sqlite"),
-                ],
-            ),
-            GatewayReady,
+                "--tracker",
+                tracker.url,
+                "--listen",
+                "127.0.0.1:0",
+                "--model",
+                f"fit={model}",
+                "--ctx",
+                str(CTX),
+                "--ledger",
+                str(root / "ledger.sqlite"),
+            ],
         )
-        yield {"gateway": gateway.url, "nodes": nodes}
+        # the nodes and the gateway start together, each in its own cgroup: one after the
+        # other they took 12 s of a quick run, together about half of that
+        starting = [node for node, _, _ in nodes] + [gateway]
+        processes.extend(starting)
+        for process in starting:
+            process.launch()
+        for node, _, _ in nodes:
+            expect(node.wait_ready(600), NodeReady)
+        ready = expect(gateway.wait_ready(120), GatewayReady)
+        yield {"gateway": ready.url, "nodes": nodes}
     finally:
         stop_all(processes)
         for limit in caps:
@@ -267,14 +278,14 @@ def _wait_routable(gateway: str, within: float = 120) -> None:
             return
         if time.monotonic() > deadline:
             raise SystemExit(f"the route never served: {response.text}")
-        time.sleep(1)
+        time.sleep(0.25)
 
 
-def generate(gateway: str, max_tokens: int) -> dict[str, float]:
+def generate(gateway: str, prompt: str, max_tokens: int) -> dict[str, float]:
     """One streamed greedy completion: TTFT, decode tokens/s, tokens."""
     body = {
         "model": "fit",
-        "prompt": PROMPT,
+        "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
@@ -304,7 +315,7 @@ def generate(gateway: str, max_tokens: int) -> dict[str, float]:
 def measure(system: dict[str, Any], lane: Lane) -> dict[str, Any]:
     """Warm the route once, then the lane's requests; medians, and each node's memory."""
     _wait_routable(system["gateway"])
-    runs = [generate(system["gateway"], lane.max_tokens) for _ in range(lane.requests)]
+    runs = [generate(system["gateway"], lane.prompt, lane.max_tokens) for _ in range(lane.requests)]
     nodes = []
     for node, limit, layers in system["nodes"]:
         status = httpx.get(expect(node.info, NodeReady).http + "/status", timeout=10).json()
@@ -404,6 +415,7 @@ def main() -> None:
     figures: dict[str, Any] = {
         "lane": lane.label,
         "shape": attrs.asdict(lane.shape),
+        "prompt_words": lane.prompt_words,
         "model_bytes": model_bytes,
         "synth_seconds": round(synth_seconds, 1),
         "cap_bytes": lane.cap,
