@@ -156,6 +156,29 @@ def in_fresh_process(fn: Callable[..., _T], *args: Any) -> _T:
     return result
 
 
+def lowest_tasks(
+    sample: Callable[[], dict[str, int]],
+    *,
+    within: float,
+    until: Callable[[dict[str, int]], bool] | None = None,
+    every: float = 0.25,
+) -> tuple[dict[str, int], float]:
+    """Each process's lowest live-task count over repeated samples, and the seconds sampled.
+
+    Samples every ``every`` seconds until ``until(lowest)`` holds, or for ``within``
+    seconds (always, when ``until`` is None). A leaked task stays in every sample; a
+    periodic one (a heartbeat in flight, a keep-alive ping) comes and goes, so a process's
+    lowest count is its settled one. Asking instead that every process be at its baseline
+    in one and the same sample waited on chance: 0 to 24 s after one network fuzz run.
+    """
+    started = time.monotonic()
+    lowest = sample()
+    while not (until is not None and until(lowest)) and time.monotonic() - started < within:
+        time.sleep(every)
+        lowest = {name: min(count, lowest.get(name, count)) for name, count in sample().items()}
+    return lowest, time.monotonic() - started
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100) by linear interpolation."""
     if not values:

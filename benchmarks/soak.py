@@ -27,6 +27,7 @@ machine still tries every ending often enough. ``--quick`` runs 30 seconds and a
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -112,13 +113,13 @@ def _status_url(process: ManagedProcess) -> str:
     return (info.http if isinstance(info, NodeReady | RelayReady) else info.url) + "/status"
 
 
+def _tasks(system: localsystem.LocalSystem) -> dict[str, int]:
+    return {process.name: int(_get(_status_url(process))["tasks"]) for process in system.processes}
+
+
 def _sample(system: localsystem.LocalSystem) -> dict[str, dict[str, int]]:
-    out = {}
-    for process in system.processes:
-        sample = _proc_sample(process.pid)
-        sample["tasks"] = int(_get(_status_url(process))["tasks"])
-        out[process.name] = sample
-    return out
+    tasks = _tasks(system)
+    return {process.name: {**_proc_sample(process.pid), "tasks": tasks[process.name]} for process in system.processes}
 
 
 def _wait_idle(system: localsystem.LocalSystem, within: float = 60.0) -> list[dict[str, Any]]:
@@ -318,6 +319,9 @@ def main() -> None:
             prompts = trio.run(references)
             _wait_idle(system)
             baseline = _sample(system)
+            lowest, _ = _common.lowest_tasks(functools.partial(_tasks, system), within=1.0)
+            for name, tasks in lowest.items():
+                baseline[name]["tasks"] = tasks
             samples: list[dict[str, Any]] = [{"t": 0.0, **baseline}]
             tally = Tally()
             started = time.monotonic()
@@ -338,15 +342,15 @@ def main() -> None:
             trio.run(soak_and_sample)
             elapsed = time.monotonic() - started
             idle = _wait_idle(system)
-            # connections clients closed while idle are let go when the keep-alive runs out (10 s)
-            settle_started = time.monotonic()
-            while True:
-                final = _sample(system)
-                back = all(final[n]["tasks"] <= baseline[n]["tasks"] for n in baseline)
-                if back or time.monotonic() - settle_started > SETTLE_SECONDS:
-                    break
-                time.sleep(2.0)
-            settled_after = round(time.monotonic() - settle_started, 1)
+            # pooled connections the servers close after their keep-alive (10 s) may still hold tasks
+            settled, settled_after = _common.lowest_tasks(
+                functools.partial(_tasks, system),
+                within=SETTLE_SECONDS,
+                until=lambda lowest: all(lowest[n] <= baseline[n]["tasks"] for n in baseline),
+            )
+            final = _sample(system)
+            for name, tasks in settled.items():
+                final[name]["tasks"] = tasks
             # after the soak the system still serves, and serves the same text
             after = trio.run(_complete_one, url, system.model_id, prompts[0])
         finally:
@@ -388,7 +392,7 @@ def main() -> None:
         ),
         "structured_share": STRUCTURED_SHARE,
         "leaks": leaks,
-        "settled_after_seconds": settled_after,
+        "settled_after_seconds": round(settled_after, 1),
         "serves_after": after == prompts[0].reference,
     }
     recipe = {
