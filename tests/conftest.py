@@ -165,6 +165,7 @@ TIERS = {
         "test_gate_f",
         "test_gate_f_served",
         "test_gateway",
+        "test_httpserve",
         "test_lint",
         "test_logprobs",
         "test_memplan",

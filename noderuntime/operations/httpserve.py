@@ -77,10 +77,11 @@ async def serve_http(app: Any, listen: str, *, task_status: trio.TaskStatus[str]
     config.accesslog = None
     config.errorlog = None
     config.graceful_timeout = 1.0
-    # Hypercorn (0.18) keeps a connection the client closed while idle until this timeout
-    # ends, so it bounds how long departed clients hold a task and a descriptor; it stays
-    # above httpx's 5 s pool expiry so that pooled clients (nodes, gateway) drop an idle
-    # connection before the server does and never race a request into a closing one.
+    # Hypercorn lets a connection go as soon as its client closes it; one the client keeps
+    # open and idle (a pool, a response nobody read) holds a task and a descriptor until
+    # this timeout closes it. It stays above httpx's 5 s pool expiry so that pooled clients
+    # (nodes, gateway) drop an idle connection before the server does and never race a
+    # request into a closing one.
     config.keep_alive_timeout = KEEP_ALIVE_SECONDS
     async with trio.open_nursery() as nursery:
         urls: list[str] = await nursery.start(functools.partial(serve, app, config, mode="asgi"))
