@@ -241,3 +241,31 @@ def test_qwen3_family_ranges_equal_the_whole_transformers_model(
     logits = np.concatenate(parts)
     assert np.abs(logits - reference).max() < TOLERANCE
     assert np.array_equal(logits.argmax(axis=1), reference.argmax(axis=1))
+
+
+def test_a_lane_being_made_elsewhere_is_waited_for_not_made_twice(tiny_model: Path, tmp_path: Path) -> None:
+    """Two makers of one cache folder (two benchmarks, a benchmark and a test) take turns."""
+    import threading
+    import time
+
+    root = tmp_path / "lanes"
+    path = root / "gguf-f32.gguf"
+    holding = threading.Event()
+    theirs: dict[str, float | int] = {}
+
+    def other_maker() -> None:  # another process, in effect: its own open file, its own lock
+        with lanes._making(root):
+            holding.set()
+            time.sleep(0.5)
+            lanes.float_gguf(tiny_model, path)
+            theirs["inode"], theirs["done"] = path.stat().st_ino, time.monotonic()
+
+    other = threading.Thread(target=other_maker)
+    other.start()
+    holding.wait()
+    assert lanes.float_copy(tiny_model, root=root) == path
+    returned = time.monotonic()
+    other.join()
+    # it waited for the other maker, then took its file instead of writing its own over it
+    assert returned >= theirs["done"] and path.stat().st_ino == theirs["inode"]
+    assert not list(root.glob("*.partial"))

@@ -15,10 +15,12 @@ by tensor), so the lanes differ only in precision and runtime.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import io
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attrs
@@ -96,6 +98,21 @@ def float_gguf(source: Path, out: Path) -> None:
     partial.rename(out)
 
 
+@contextlib.contextmanager
+def _making(root: Path) -> Iterator[None]:
+    # one maker at a time per cache folder: two processes (two benchmarks, a benchmark and
+    # a test) making the same lane would write the same ``.partial`` file, or one would
+    # remove a safetensors folder the other is writing. The second waits, then finds the
+    # lane made. flock is let go by the kernel if the holder dies.
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def float_copy(source: Path, *, root: Path | None = None) -> Path:
     """``source`` dequantized to float32 by :func:`float_gguf`, made once under the lanes' cache.
 
@@ -104,10 +121,11 @@ def float_copy(source: Path, *, root: Path | None = None) -> Path:
     root = root or lanes_dir(source)
     path = root / "gguf-f32.gguf"
     if not path.exists():
-        root.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")
-        float_gguf(source, partial)
-        partial.rename(path)
+        with _making(root):
+            if not path.exists():
+                partial = path.with_name(path.name + ".partial")
+                float_gguf(source, partial)
+                partial.rename(path)
     return path
 
 
@@ -119,9 +137,10 @@ def hf_copy(source: Path, *, root: Path | None = None) -> Path:
     root = root or lanes_dir(source)
     path = root / "hf-f32"
     if not (path / "config.json").exists():
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(path, ignore_errors=True)
-        torchengine.export_safetensors(source, path, "F32")
+        with _making(root):
+            if not (path / "config.json").exists():
+                shutil.rmtree(path, ignore_errors=True)
+                torchengine.export_safetensors(source, path, "F32")
     return path
 
 
@@ -147,18 +166,22 @@ def build(source: Path, *, root: Path | None = None, say: Callable[[str], None] 
     for name in ("gguf-f16", "gguf-q8_0", "gguf-q4_k_m"):
         lane = lanes[name]
         if not lane.path.exists():
-            say(f"lanes: quantizing to {lane.precision} with llama.cpp")
-            partial = lane.path.with_name(lane.path.name + ".partial")
-            engine.quantize(base, partial, lane.precision)
-            partial.rename(lane.path)
+            with _making(root):
+                if not lane.path.exists():
+                    say(f"lanes: quantizing to {lane.precision} with llama.cpp")
+                    partial = lane.path.with_name(lane.path.name + ".partial")
+                    engine.quantize(base, partial, lane.precision)
+                    partial.rename(lane.path)
     f32, bf16 = lanes["hf-f32"].path, lanes["hf-bf16"].path
-    if not (f32 / "config.json").exists() or not (bf16 / "config.json").exists():
+    if not (f32 / "config.json").exists():
+        say("lanes: saving F32 safetensors through Transformers' GGUF loader")
+        hf_copy(source, root=root)
+    if not (bf16 / "config.json").exists():
         from noderuntime.engine import torch_backend as torchengine
 
-        if not (f32 / "config.json").exists():
-            say("lanes: saving F32 safetensors through Transformers' GGUF loader")
-            hf_copy(source, root=root)
-        say("lanes: casting them to BF16")
-        shutil.rmtree(bf16, ignore_errors=True)
-        torchengine.cast_safetensors(f32, bf16, "BF16")
+        with _making(root):
+            if not (bf16 / "config.json").exists():
+                say("lanes: casting them to BF16")
+                shutil.rmtree(bf16, ignore_errors=True)
+                torchengine.cast_safetensors(f32, bf16, "BF16")
     return lanes
