@@ -117,8 +117,9 @@ def _tasks(system: localsystem.LocalSystem) -> dict[str, int]:
     return {process.name: int(_get(_status_url(process))["tasks"]) for process in system.processes}
 
 
-def _sample(system: localsystem.LocalSystem) -> dict[str, dict[str, int]]:
-    tasks = _tasks(system)
+def _sample(system: localsystem.LocalSystem, tasks: dict[str, int] | None = None) -> dict[str, dict[str, int]]:
+    """RSS and descriptors of each process, with ``tasks`` (asked of each process when not given)."""
+    tasks = tasks if tasks is not None else _tasks(system)
     return {process.name: {**_proc_sample(process.pid), "tasks": tasks[process.name]} for process in system.processes}
 
 
@@ -318,10 +319,8 @@ def main() -> None:
 
             prompts = trio.run(references)
             _wait_idle(system)
-            baseline = _sample(system)
             lowest, _ = _common.lowest_tasks(functools.partial(_tasks, system), within=1.0)
-            for name, tasks in lowest.items():
-                baseline[name]["tasks"] = tasks
+            baseline = _sample(system, lowest)
             samples: list[dict[str, Any]] = [{"t": 0.0, **baseline}]
             tally = Tally()
             started = time.monotonic()
@@ -348,9 +347,7 @@ def main() -> None:
                 within=SETTLE_SECONDS,
                 until=lambda lowest: all(lowest[n] <= baseline[n]["tasks"] for n in baseline),
             )
-            final = _sample(system)
-            for name, tasks in settled.items():
-                final[name]["tasks"] = tasks
+            final = _sample(system, settled)
             # after the soak the system still serves, and serves the same text
             after = trio.run(_complete_one, url, system.model_id, prompts[0])
         finally:

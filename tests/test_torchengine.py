@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -245,9 +247,6 @@ def test_qwen3_family_ranges_equal_the_whole_transformers_model(
 
 def test_a_lane_being_made_elsewhere_is_waited_for_not_made_twice(tiny_model: Path, tmp_path: Path) -> None:
     """Two makers of one cache folder (two benchmarks, a benchmark and a test) take turns."""
-    import threading
-    import time
-
     root = tmp_path / "lanes"
     path = root / "gguf-f32.gguf"
     holding = threading.Event()

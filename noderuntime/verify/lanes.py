@@ -113,6 +113,15 @@ def _making(root: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _make_once(root: Path, made: Callable[[], bool], make: Callable[[], None]) -> None:
+    # look, take the folder's turn, look again: a maker that waited finds the lane made
+    if made():
+        return
+    with _making(root):
+        if not made():
+            make()
+
+
 def float_copy(source: Path, *, root: Path | None = None) -> Path:
     """``source`` dequantized to float32 by :func:`float_gguf`, made once under the lanes' cache.
 
@@ -120,12 +129,7 @@ def float_copy(source: Path, *, root: Path | None = None) -> Path:
     """
     root = root or lanes_dir(source)
     path = root / "gguf-f32.gguf"
-    if not path.exists():
-        with _making(root):
-            if not path.exists():
-                partial = path.with_name(path.name + ".partial")
-                float_gguf(source, partial)
-                partial.rename(path)
+    _make_once(root, path.exists, lambda: float_gguf(source, path))  # float_gguf renames into place
     return path
 
 
@@ -136,11 +140,12 @@ def hf_copy(source: Path, *, root: Path | None = None) -> Path:
 
     root = root or lanes_dir(source)
     path = root / "hf-f32"
-    if not (path / "config.json").exists():
-        with _making(root):
-            if not (path / "config.json").exists():
-                shutil.rmtree(path, ignore_errors=True)
-                torchengine.export_safetensors(source, path, "F32")
+
+    def make() -> None:
+        shutil.rmtree(path, ignore_errors=True)
+        torchengine.export_safetensors(source, path, "F32")
+
+    _make_once(root, (path / "config.json").exists, make)
     return path
 
 
@@ -165,23 +170,25 @@ def build(source: Path, *, root: Path | None = None, say: Callable[[str], None] 
         float_copy(source, root=root)
     for name in ("gguf-f16", "gguf-q8_0", "gguf-q4_k_m"):
         lane = lanes[name]
-        if not lane.path.exists():
-            with _making(root):
-                if not lane.path.exists():
-                    say(f"lanes: quantizing to {lane.precision} with llama.cpp")
-                    partial = lane.path.with_name(lane.path.name + ".partial")
-                    engine.quantize(base, partial, lane.precision)
-                    partial.rename(lane.path)
+
+        def quantize(lane: Lane = lane) -> None:
+            say(f"lanes: quantizing to {lane.precision} with llama.cpp")
+            partial = lane.path.with_name(lane.path.name + ".partial")
+            engine.quantize(base, partial, lane.precision)
+            partial.rename(lane.path)
+
+        _make_once(root, lane.path.exists, quantize)
     f32, bf16 = lanes["hf-f32"].path, lanes["hf-bf16"].path
     if not (f32 / "config.json").exists():
         say("lanes: saving F32 safetensors through Transformers' GGUF loader")
         hf_copy(source, root=root)
-    if not (bf16 / "config.json").exists():
+
+    def cast() -> None:
         from noderuntime.engine import torch_backend as torchengine
 
-        with _making(root):
-            if not (bf16 / "config.json").exists():
-                say("lanes: casting them to BF16")
-                shutil.rmtree(bf16, ignore_errors=True)
-                torchengine.cast_safetensors(f32, bf16, "BF16")
+        say("lanes: casting them to BF16")
+        shutil.rmtree(bf16, ignore_errors=True)
+        torchengine.cast_safetensors(f32, bf16, "BF16")
+
+    _make_once(root, (bf16 / "config.json").exists, cast)
     return lanes
