@@ -6,11 +6,14 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.bootstrapped
+# pytest-xdist workers, each pinned to its share of the cores (tests/conftest.py): while one
+# worker's test waits on a deadline, a process start or an import, the other computes
+PYTEST_WORKERS ?= 2
 
 .PHONY: test demo bootstrap lint clean
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) -m noderuntime demo

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import _common
+from noderuntime.engine.cores import machine_cores
 
 NAME = "gate_a"
 DATA = Path(__file__).resolve().parent / "data"
@@ -205,6 +206,11 @@ def _teacher_forced(engine: Any, tokens: list[int]) -> np.ndarray:
     return np.concatenate(parts)
 
 
+def _lane_cores() -> list[int]:
+    """The cores every lane runs on: the first THREADS of those this process may use."""
+    return list(machine_cores()[:THREADS])
+
+
 def _lane(
     conn: Any,
     backend: str,
@@ -217,7 +223,7 @@ def _lane(
     try:
         # pin the lane to the same cores, whichever engine starts its threads
         if hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, set(range(min(THREADS, os.cpu_count() or 1))))
+            os.sched_setaffinity(0, set(_lane_cores()))
         t0 = time.perf_counter()
         engine = _engine(backend, path)
         figures: dict[str, Any] = {"load_s": time.perf_counter() - t0}
@@ -477,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
                 "attention": "per-sequence SDPA (noderuntime.engine.torch_backend)",
             },
             "sampling": "greedy",
-            "cpu_affinity": list(range(min(THREADS, os.cpu_count() or 1))),
+            "cpu_affinity": _lane_cores(),
             "settings": settings,
             "lanes": {n: {"backend": all_lanes[n].backend, "precision": all_lanes[n].precision} for n in chosen},
             "threshold_margins": {

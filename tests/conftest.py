@@ -21,6 +21,28 @@ TINY_SHAPE = synth.ModelShape(n_layer=4, n_embd=64, n_ff=128, n_head=4, n_head_k
 TINY_SHAPES = synth.TINY_SHAPES
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Give each pytest-xdist worker cores of its own, before any test starts a thread or a process.
+
+    Every engine and node sizes its OpenMP team to the cores its process may run on, and
+    co-located nodes take turns on shared cores (``noderuntime.engine.cores``). Two
+    workers on the same cores would either take turns (one worker's engines idle while
+    the other's compute) or stall each other's barriers. A worker on its own cores
+    computes alone there, and the processes it starts inherit them; the other worker's
+    waits on deadlines, process starts and imports fill the remaining cores.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    # every count-th core from the worker's own; with more workers than cores, one core each
+    mine = set(cores[int(worker[2:]) % len(cores) :: count])
+    # every thread the imports started (a BLAS pool) too: a thread's affinity is its own
+    for task in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(task), mine)
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """SmolLM2-135M-Instruct Q4_1, pulled and verified once per machine."""
