@@ -32,8 +32,17 @@ def pytest_configure(config: pytest.Config) -> None:
     waits on deadlines, process starts and imports fill the remaining cores.
     """
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    if not worker:  # the controller, or a serial run
+        count = getattr(config.option, "numprocesses", None) or 0
+        if count >= 2:
+            # numpy's OpenBLAS sizes its pool when the worker imports numpy, before this
+            # hook can pin it: a pool of two spinning threads on a worker's one core took
+            # a float64 matmul from 1 s to 60 s. The workers inherit this.
+            share = max(1, len(os.sched_getaffinity(0)) // count)
+            os.environ.setdefault("OPENBLAS_NUM_THREADS", str(share))
+        return
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if not worker.startswith("gw") or count < 2:
+    if count < 2:
         return
     cores = sorted(os.sched_getaffinity(0))
     # every count-th core from the worker's own; with more workers than cores, one core each
