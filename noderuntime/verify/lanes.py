@@ -16,11 +16,10 @@ by tensor), so the lanes differ only in precision and runtime.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import io
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -98,19 +97,12 @@ def float_gguf(source: Path, out: Path) -> None:
     partial.rename(out)
 
 
-@contextlib.contextmanager
-def _making(root: Path) -> Iterator[None]:
+def _making(root: Path) -> contextlib.AbstractContextManager[None]:
     # one maker at a time per cache folder: two processes (two benchmarks, a benchmark and
     # a test) making the same lane would write the same ``.partial`` file, or one would
     # remove a safetensors folder the other is writing. The second waits, then finds the
-    # lane made. flock is let go by the kernel if the holder dies.
-    root.mkdir(parents=True, exist_ok=True)
-    with (root / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    # lane made.
+    return models.folder_turn(root)
 
 
 def _make_once(root: Path, made: Callable[[], bool], make: Callable[[], None]) -> None:
