@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +16,9 @@ import pytest
 import trio
 
 from noderuntime.engine.cores import CoreTurns, machine_cores
+from noderuntime.engine.llama import EngineError, Recipe, ShardEngine, pinned_cores
 from noderuntime.engine.thread import EngineThread
+from noderuntime.services.cluster import ManagedProcess
 
 # A second process that takes its turn on the cores named in argv, says so, and holds it
 # until stdin closes (or it is killed).
@@ -180,3 +183,66 @@ def test_each_engine_call_holds_the_turn(tmp_path: Path) -> None:
         _join_waiters()
         thread.close()
         probe.close()
+
+
+# Builds the same model twice in a process free to run on two cores, once with its team
+# left free and once pinned, and says what each computed and where the threads may run.
+PINNED = textwrap.dedent(
+    """
+    import json, os, sys
+    os.sched_setaffinity(0, range(os.cpu_count()))  # out of the test worker's share, before any thread
+    import numpy as np
+    from noderuntime.engine.llama import Recipe, Rows, ShardEngine
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    recipe = Recipe(n_threads=2, n_ctx_per_seq=256, n_seq_max=2, n_batch=64, n_ubatch=64)
+    rows = Rows(np.zeros(9, np.int32), np.arange(9, dtype=np.int32), np.arange(9) == 8,
+                tokens=np.arange(3, 12, dtype=np.int32))
+    logits = []
+    for pin in (None, cores):
+        engine = ShardEngine(sys.argv[1], recipe, cores=pin)
+        logits.append(engine.run(rows, want_logits=True).logits.tobytes().hex())
+        engine.close()
+    threads = [sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")]
+    print(json.dumps({"cores": cores, "caller": sorted(os.sched_getaffinity(0)), "threads": threads,
+                      "same": logits[0] == logits[1]}))
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2, reason="needs two cores")
+def test_a_pinned_team_keeps_a_thread_to_each_core_and_computes_the_same(tiny_model: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", PINNED, str(tiny_model)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    first, second = seen["cores"]
+    assert seen["same"]  # where the threads run is not what they compute
+    assert [first, second] == seen["caller"][:2]  # the calling thread got its own cores back
+    assert [second] in seen["threads"]  # the team's other thread keeps to the second core
+    assert [first] not in seen["threads"]
+
+
+def test_a_team_is_pinned_only_with_a_thread_for_each_core(tiny_model: Path) -> None:
+    assert pinned_cores(2, (0, 1)) == (0, 1)
+    assert pinned_cores(4, (2, 3, 5, 7)) == (2, 3, 5, 7)
+    assert pinned_cores(1, (0,)) is None  # no partner to wait for
+    assert pinned_cores(2, (0, 1, 2, 3)) is None  # cores to spare: the kernel has somewhere to go
+    assert pinned_cores(4, (0, 1)) is None  # more threads than cores share them anyway
+    with pytest.raises(EngineError, match="cannot pin 2 threads"):
+        ShardEngine(tiny_model, Recipe(n_threads=2, n_ctx_per_seq=256, n_seq_max=1), cores=(0,))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2, reason="needs two cores")
+def test_a_node_on_two_cores_pins_its_team(tiny_model: Path, tmp_path: Path) -> None:
+    """A node whose threads take every core it may run on keeps one of them to each."""
+    cores = sorted(range(os.cpu_count() or 2))[:2]
+    args = ["up", "--model", str(tiny_model), "--listen", "127.0.0.1:0", "--issuer-key", "00" * 32]
+    args += ["--data-dir", str(tmp_path / "node")]
+    node = ManagedProcess("node", args, prefix=["taskset", "-c", ",".join(map(str, cores))])
+    try:
+        node.start()  # measured its engine before saying it is ready
+        threads = [sorted(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{node.pid}/task")]
+    finally:
+        node.stop()
+    assert [cores[1]] in threads
+    assert [cores[0]] not in threads  # the engine thread was given its cores back
+    assert threads.count(cores) == len(threads) - 1

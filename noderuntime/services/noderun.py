@@ -27,7 +27,14 @@ from noderuntime.control.ledger import Ledger
 from noderuntime.engine import memplan
 from noderuntime.engine.backends import BackendMismatchError, parse_device
 from noderuntime.engine.cores import CoreTurns, machine_cores
-from noderuntime.engine.llama import Recipe, ShardEngine, build_info, describe_device, flash_attn_choice
+from noderuntime.engine.llama import (
+    Recipe,
+    ShardEngine,
+    build_info,
+    describe_device,
+    flash_attn_choice,
+    pinned_cores,
+)
 from noderuntime.engine.thread import EngineThread
 from noderuntime.models import artifacts
 from noderuntime.models.artifacts import LayerRange
@@ -298,8 +305,10 @@ async def _load_engine(opts: NodeOptions, engine_thread: EngineThread) -> tuple[
         limits = [f"{memplan.human(budget.host)} host limit"] if budget.host is not None else []
         limits += [f"{memplan.human(budget.device)} free on {opts.device}"] if budget.device is not None else []
         log.info("layers %s will hold %s, within the %s", layers, planned.describe(), " and ".join(limits))
+    # one thread to a core where the team has a thread for each (see engine.llama.pinned_cores)
+    cores = pinned_cores(recipe.n_threads, machine_cores()) if opts.device == "cpu" else None
     engine = await engine_thread.run(
-        lambda: ShardEngine(opts.model, recipe, layers, expected_fingerprint=opts.expected_fingerprint)
+        lambda: ShardEngine(opts.model, recipe, layers, expected_fingerprint=opts.expected_fingerprint, cores=cores)
     )
     return info, recipe, layers, engine
 
