@@ -13,7 +13,7 @@ import trio.testing
 
 from noderuntime.engine.base import Rows, StepResult
 from noderuntime.node.batcher import Batcher, StepFailed, StepRequest
-from noderuntime.node.leases import Lease, LeaseManager
+from noderuntime.node.leases import Lease, LeaseManager, SlotState
 
 RUN_SECONDS = 0.010  # each batch takes 10 ms of (virtual) time
 
@@ -268,3 +268,24 @@ async def test_a_step_that_is_not_due_is_not_waited_for(autojump_clock: trio.tes
     # b comes every 210 ms, far outside a tick's wait: a's ticks never wait for it
     gaps = [t1 - t0 for t0, t1 in itertools.pairwise(times)]
     assert max(gaps[2:]) == pytest.approx(0.005 + RUN_SECONDS)
+
+
+async def test_a_session_that_took_its_last_step_is_not_waited_for(autojump_clock: trio.testing.MockClock) -> None:
+    """Finished but still leased (its Release is on the way): the other sessions' ticks go on at once."""
+    batcher, _, leases = make()
+    a, b = two_leases(leases)
+
+    async def finishes() -> None:
+        await _route_like(batcher, b.seq_id, 0.0, 0.003, 4)
+        batcher.last_step(b.seq_id)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batcher.run)
+        async with trio.open_nursery() as sessions:
+            sessions.start_soon(finishes)
+            times = await _route_like(batcher, a.seq_id, 0.0, 0.003, 12)
+        nursery.cancel_scope.cancel()
+    assert leases.state(b.seq_id) is SlotState.LEASED
+    # without the word, a's first tick after b's last step would wait a whole tick for b
+    gaps = [t1 - t0 for t0, t1 in itertools.pairwise(times)]
+    assert max(gaps) == pytest.approx(0.003 + RUN_SECONDS)

@@ -121,6 +121,7 @@ class FakeNode:
             node_id=NODE_ID,
             step=self.step,
             retire=lambda seq, sampler: self.retired.append((seq, sampler)),
+            last_step=lambda seq: None,
             connect=self.connect,
             sign=lambda body: b"s" * 64,
             count_frame=lambda transport, direction, size: None,

@@ -45,6 +45,7 @@ class FakeNode:
 
     steps: list[StepRequest] = attrs.Factory(list)
     retired: list[tuple[int, Any]] = attrs.Factory(list)
+    last_steps: list[int] = attrs.Factory(list)
 
     async def step(self, request: StepRequest) -> StepOutput:
         self.steps.append(request)
@@ -60,6 +61,7 @@ class FakeNode:
             node_id=b"n" * 32,
             step=self.step,
             retire=lambda seq, sampler: self.retired.append((seq, sampler)),
+            last_step=self.last_steps.append,
             connect=self.connect,
             sign=lambda body: b"s" * 64,
             count_frame=lambda transport, direction, size: None,
@@ -105,6 +107,7 @@ async def test_a_session_prefills_in_chunks_generates_and_is_released(autojump_c
         assert all(isinstance(t, Tokens) for t in tokens)
         assert [t.token_ids for t in tokens] == [(108,), (110,), (111,)]  # type: ignore[union-attr]
         assert [t.finish_reason for t in tokens] == ["", "", "length"]  # type: ignore[union-attr]
+        assert node.last_steps == [session.lease.seq_id]  # told before the Release: no tick waits for it
         assert client.endpoint is not None
         await client.send(Release(client.endpoint.header(Phase.RELEASE), "done"))
         usage = await client.receive()

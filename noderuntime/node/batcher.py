@@ -213,6 +213,15 @@ class Batcher:
         assert work.output is not None
         return work.output
 
+    def last_step(self, seq_id: int) -> None:
+        """``seq_id`` hands in no more steps (its generation is over): no tick waits for it.
+
+        A session stays leased until its client's Release comes back round the route; a
+        cadence kept that long would hold a decode tick of every other session for a whole
+        tick (``_await_due_steps``) waiting for a step that never comes.
+        """
+        self._cadence.pop(seq_id, None)
+
     def retire(self, seq_id: int, resource: Closable | None = None) -> None:
         """Remove a finished session's KV (and free ``resource``) as soon as no batch runs.
 

@@ -149,6 +149,7 @@ class Node:
             node_id=node_id,
             step=self.batcher.step,
             retire=self.batcher.retire,
+            last_step=self.batcher.last_step,
             connect=self.connect,
             sign=self.sign,
             count_frame=self.count_frame,

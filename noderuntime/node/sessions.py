@@ -72,6 +72,7 @@ class SessionContext:
     node_id: bytes
     step: Callable[[StepRequest], Awaitable[StepOutput]]  # one step through the batcher
     retire: Callable[[int, Any], None]  # free a sequence (and its sampler) between ticks
+    last_step: Callable[[int], None]  # a sequence hands in no more steps: no tick waits for it
     connect: Callable[[Hop, OpenRoute], Awaitable[FrameStream]]  # a stream to the next hop
     sign: Callable[[bytes], bytes]  # the node's signature over a usage record
     count_frame: Callable[[str, str, int], None]  # (transport, direction, bytes) into the metrics
@@ -324,6 +325,8 @@ class RouteSession:
             self._touch()
             self._awaiting_downstream = False
             if isinstance(event, Tokens):
+                if event.finished:
+                    self.context.last_step(self.lease.seq_id)
                 if self._decode_sent_at is not None:
                     self.context.seam_round_trip(self.downstream.transport, time.perf_counter() - self._decode_sent_at)
                     self._decode_sent_at = None
@@ -507,6 +510,8 @@ class RouteSession:
         prompt_logprobs = tuple(self._prompt_logprobs)
         self._prompt_logprobs = []  # they travel in the first Tokens frame alone
         event = Tokens(header, (token,), bool(reason), reason, logprobs, prompt_logprobs)
+        if reason:
+            self.context.last_step(self.lease.seq_id)
         await self._send_up(event)
         return bool(reason)
 
