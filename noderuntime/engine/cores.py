@@ -17,7 +17,9 @@ taken in core order (so two nodes on overlapping core sets cannot deadlock), and
 by the kernel if the process dies. Nodes pinned to disjoint cores (``taskset``, a
 cgroup's cpuset) share no file and never wait for each other.
 
-An uncontended turn costs one ``flock`` call per core per tick (microseconds).
+An uncontended turn costs one ``flock`` call per core per tick (microseconds). Within
+its turn each thread of the team keeps to one core (``engine.llama.pinned_cores``), so
+that another process waking on one core cannot leave two of them stacked on the other.
 
 A turn is waited for at most ``PATIENCE_SECONDS``, longer than any engine call takes: a
 holder that keeps it longer is stopped or hung (``SIGSTOP``, a stalled device), and its
