@@ -11,7 +11,8 @@ process, one lane after another (median of repeated runs):
   the same number of rows of each sequence, so a prefill chunk cannot share a tick with
   decode rows: the node alternates decode ticks and prefill ticks. Unified, one batch
   carries both. Measured: 7 sessions decoding while an 8th prefills a 41-token prompt
-  (SmolLM2's chat prompt), as two ticks (streams) or one (unified), and 8 decode rows.
+  (SmolLM2's chat prompt), as two ticks (streams) or one (unified), and 8 decode rows;
+  the same for a full node of 16 slots (15 decoding, 16 decode rows).
 - **decode rows of consecutive sequence ids** (a consequence of the streams): rows of
   sequences 0, 2, 4, ... run as several graphs. Measured: 8 decode rows, ids 0..7 against
   0, 2, ..., 14 (the batcher and the lease manager keep ids low and together).
@@ -92,20 +93,27 @@ def _streams_against_unified(path: Path, repeats: int) -> dict[str, Any]:
         with _Lane(path, kv_unified=unified) as engine:
             engine.prefill(range(16))
             decode7 = [(s, 1) for s in range(DECODING)]
-            mixed, apart, decode8, spread = [], [], [], []
+            decode15 = [(s, 1) for s in range(15)]  # a full node of 16 slots: 15 decoding, 1 new prompt
+            mixed, apart, decode8, spread, mixed16, apart16, decode16 = [], [], [], [], [], [], []
             for _ in range(repeats):
                 if unified:
                     mixed.append(engine.run([*decode7, (DECODING, PROMPT)]))
+                    mixed16.append(engine.run([*decode15, (15, PROMPT)]))
                 apart.append(engine.run(decode7) + engine.run([(DECODING, PROMPT)]))
+                apart16.append(engine.run(decode15) + engine.run([(15, PROMPT)]))
                 decode8.append(engine.run([(s, 1) for s in range(8)]))
+                decode16.append(engine.run([(s, 1) for s in range(16)]))
                 spread.append(engine.run([(s, 1) for s in range(0, 16, 2)]))
             out[lane] = {
                 "decode7_then_prefill41_ms": _median_ms(apart),
+                "decode15_then_prefill41_ms": _median_ms(apart16),
                 "decode8_ms": _median_ms(decode8),
+                "decode16_ms": _median_ms(decode16),
                 "decode8_spread_ids_ms": _median_ms(spread),
             }
             if unified:
                 out[lane]["decode7_with_prefill41_ms"] = _median_ms(mixed)
+                out[lane]["decode15_with_prefill41_ms"] = _median_ms(mixed16)
     return out
 
 
@@ -144,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     # what a burst of 7 decoding sessions and 1 new prompt costs each way, and the 8-row decode
     figures["cost_of_isolation"] = {
         "prefill_beside_decode": streams["decode7_then_prefill41_ms"] / unified["decode7_with_prefill41_ms"],
+        "prefill_beside_decode15": streams["decode15_then_prefill41_ms"] / unified["decode15_with_prefill41_ms"],
         "decode8": streams["decode8_ms"] / unified["decode8_ms"],
+        "decode16": streams["decode16_ms"] / unified["decode16_ms"],
         "spread_ids": streams["decode8_spread_ids_ms"] / streams["decode8_ms"],
         "repack_decode8": figures["repack_gemma3_q4_k_m"]["off"]["decode8_ms"]
         / figures["repack_gemma3_q4_k_m"]["on"]["decode8_ms"],
@@ -163,8 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ["7 decode + 41-token prefill, two ticks (streams)", streams["decode7_then_prefill41_ms"]],
         ["7 decode + 41-token prefill, one tick (unified)", unified["decode7_with_prefill41_ms"]],
+        ["15 decode + 41-token prefill, two ticks (streams)", streams["decode15_then_prefill41_ms"]],
+        ["15 decode + 41-token prefill, one tick (unified)", unified["decode15_with_prefill41_ms"]],
         ["8 decode rows, streams", streams["decode8_ms"]],
         ["8 decode rows, unified", unified["decode8_ms"]],
+        ["16 decode rows, streams", streams["decode16_ms"]],
+        ["16 decode rows, unified", unified["decode16_ms"]],
         ["8 decode rows, streams, ids 0,2,..,14", streams["decode8_spread_ids_ms"]],
     ]
     for lane in ("off", "on"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,27 @@ def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
     assert doc["benchmark"] == name and doc["quick"] is True
     assert doc["figures"] and doc["machine"]["logical_cpus"]
     assert "wrote" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="a team of one thread per core needs two cores")
+def test_placement_times_a_free_and_a_pinned_team_alone_and_beside_a_busy_process(tmp_path: Path) -> None:
+    out = tmp_path / "placement.json"
+    # two cores of its own, whatever share of them this test worker was given
+    done = subprocess.run(
+        ["taskset", "-c", "0,1", sys.executable, "-m", "benchmarks.placement", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = json.loads(out.read_text())["figures"]
+    assert figures["cores"] == [0, 1]
+    for lane in ("alone_free", "alone_pinned", "beside_busy_process_free", "beside_busy_process_pinned"):
+        for step in ("decode1", "decode8"):
+            s = figures[lane][step]
+            assert s["steps"] == 100 and 0 < s["p50_ms"] <= s["p90_ms"] <= s["p99_ms"]
 
 
 @pytest.mark.slow
