@@ -136,8 +136,12 @@ def tick_split(events: list[tuple[str, int, str]], start: int, end: int) -> dict
     return {
         "ticks": len(ticks),
         "engine_ms_p50": statistics.median(engine),
+        # the tail: a tick stretched by whatever else ran on the team's cores
+        "engine_ms_p90": _common.percentile(engine, 90),
+        "engine_ms_p99": _common.percentile(engine, 99),
         "thread_hop_ms_p50": statistics.median(hop),
         "between_ticks_ms_p50": statistics.median(between),
+        "between_ticks_ms_p99": _common.percentile(between, 99),
         "engine_share_of_wall": sum(engine) / wall if wall else None,
         "hop_share_of_wall": sum(hop) / wall if wall else None,
         "between_share_of_wall": sum(between) / wall if wall else None,
