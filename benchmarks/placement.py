@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = models.pull(models.DEMO_MODEL, progress=False)
     cores = machine_cores()
-    steps = 100 if args.quick else 400
+    steps = 30 if args.quick else 400
     figures: dict[str, Any] = {"cores": list(cores)}
     rows_of = {"decode1": 1, "decode8": 8}
     if pinned_cores(len(cores), cores) is None:
