@@ -50,9 +50,8 @@ def test_placement_times_a_free_and_a_pinned_team_alone_and_beside_a_busy_proces
     figures = json.loads(out.read_text())["figures"]
     assert figures["cores"] == [0, 1]
     for lane in ("alone_free", "alone_pinned", "beside_busy_process_free", "beside_busy_process_pinned"):
-        for step in ("decode1", "decode8"):
-            s = figures[lane][step]
-            assert s["steps"] == 30 and 0 < s["p50_ms"] <= s["p90_ms"] <= s["p99_ms"]
+        s = figures[lane]["decode1"]
+        assert s["steps"] == 30 and 0 < s["p50_ms"] <= s["p90_ms"] <= s["p99_ms"]
 
 
 @pytest.mark.slow
