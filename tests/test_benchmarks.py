@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,20 @@ import pytest
 from .isolation import skip_unless_possible
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_quick(name: str, out: Path, timeout: float = 900, prefix: Sequence[str] = ()) -> dict[str, Any]:
+    """``python -m benchmarks.NAME --quick --out OUT`` (after ``prefix``, e.g. taskset); its figures."""
+    done = subprocess.run(
+        [*prefix, sys.executable, "-m", f"benchmarks.{name}", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    figures: dict[str, Any] = json.loads(out.read_text())["figures"]
+    return figures
 
 
 @pytest.mark.slow
@@ -37,17 +52,8 @@ def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="a team of one thread per core needs two cores")
 def test_placement_times_a_free_and_a_pinned_team_alone_and_beside_a_busy_process(tmp_path: Path) -> None:
-    out = tmp_path / "placement.json"
     # two cores of its own, whatever share of them this test worker was given
-    done = subprocess.run(
-        ["taskset", "-c", "0,1", sys.executable, "-m", "benchmarks.placement", "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    figures = json.loads(out.read_text())["figures"]
+    figures = _run_quick("placement", tmp_path / "placement.json", prefix=["taskset", "-c", "0,1"])
     assert figures["cores"] == [0, 1]
     for lane in ("alone_free", "alone_pinned", "beside_busy_process_free", "beside_busy_process_pinned"):
         s = figures[lane]["decode1"]
@@ -57,16 +63,7 @@ def test_placement_times_a_free_and_a_pinned_team_alone_and_beside_a_busy_proces
 @pytest.mark.slow
 def test_a_soak_loses_nothing_and_leaks_nothing(tmp_path: Path) -> None:
     """The soak's ``make test`` version: every way of ending a request, for 30 s and at least 48 requests."""
-    out = tmp_path / "soak.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.soak", "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    figures = json.loads(out.read_text())["figures"]
+    figures = _run_quick("soak", tmp_path / "soak.json", timeout=600)
     assert figures["requests"] >= 48 and figures["completed"] >= 10 and figures["cancelled_by_client"] >= 10
     assert all(figures["requests_by_ending"].values())  # every ending was tried
     assert figures["errors"] == 0, figures["errors_by_kind"]
@@ -77,19 +74,6 @@ def test_a_soak_loses_nothing_and_leaks_nothing(tmp_path: Path) -> None:
         assert leak["tasks"] <= 0, (process, leak)
         assert leak["fds"] <= 8, (process, leak)  # a few pooled connections may stay open
         assert leak["rss_mib"] < 64, (process, leak)
-
-
-def _run_quick(name: str, out: Path, timeout: float = 900) -> dict[str, object]:
-    done = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{name}", "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    figures: dict[str, object] = json.loads(out.read_text())["figures"]
-    return figures
 
 
 @pytest.mark.slow
