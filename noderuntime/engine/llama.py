@@ -172,10 +172,13 @@ def _bind_ggml_devices() -> Any:
 _ggml = _bind_ggml_devices()
 
 
+_MAX_CORES = 512  # GGML_MAX_N_THREADS: the cores a ggml threadpool's mask can name
+
+
 class _ThreadpoolParams(ctypes.Structure):
-    # struct ggml_threadpool_params (ggml.h); GGML_MAX_N_THREADS is 512
+    # struct ggml_threadpool_params (ggml.h)
     _fields_ = [
-        ("cpumask", ctypes.c_bool * 512),
+        ("cpumask", ctypes.c_bool * _MAX_CORES),
         ("n_threads", ctypes.c_int),
         ("prio", ctypes.c_int),  # enum ggml_sched_priority
         ("poll", ctypes.c_uint32),
@@ -211,7 +214,7 @@ def _pinned_threadpool(n_threads: int, cores: Sequence[int]) -> Any:
     With OpenMP, ggml pins every thread of the team to its core at the start of each graph
     (the calling thread too, which :meth:`ShardEngine.run` then lets go).
     """
-    if len(cores) < n_threads or min(cores) < 0 or max(cores) >= len(_ThreadpoolParams().cpumask):
+    if len(cores) < n_threads or min(cores) < 0 or max(cores) >= _MAX_CORES:
         raise EngineError(f"cannot pin {n_threads} threads one to a core on cores {list(cores)}")
     params = _ggml_base.ggml_threadpool_params_default(n_threads)
     for core in cores[:n_threads]:
@@ -234,7 +237,7 @@ def pinned_cores(n_threads: int, cores: Sequence[int]) -> tuple[int, ...] | None
     to spare the kernel has somewhere else to put a thread, and a team of one has no
     barrier to wait at.
     """
-    if n_threads < 2 or n_threads != len(cores) or max(cores) >= len(_ThreadpoolParams().cpumask):
+    if n_threads < 2 or n_threads != len(cores) or max(cores) >= _MAX_CORES:
         return None
     if not hasattr(os, "sched_setaffinity"):  # ggml pins on Linux and Windows; this code restores on Linux
         return None
