@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml kernels_patch/build.py $(wildcard kernels_patch/patches
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) kernels_patch/build.py --python $(PY) --install
-	$(PY) -m pip install --quiet -e '.[test,transformers]'
+	$(PY) -m pip install --quiet -e '.[engine,test,transformers]'
 	$(PY) -m noderuntime models pull
 	touch $(STAMP)
 

@@ -1,4 +1,4 @@
-"""Fuzz the frame decoder: random, truncated, mutated and lying frames.
+"""Fuzz the frame decoder (random, truncated, mutated and lying frames) and the relayed seam's channel.
 
     python -m benchmarks.fuzz_frames [--quick] [--inputs N] [--out PATH]
 
@@ -6,6 +6,13 @@ Every input goes to a fresh decoder (and, in a second pass, mutated sequences go
 one decoder so reassembly state is exercised). The report counts inputs tried,
 events decoded, rejections by error type and status code, and crashes: any
 exception that is not a ProtocolError. The run fails (exit 1) on any crash.
+
+The channel of relayed seams (:mod:`protocol.channel`) gets a fifth as many inputs:
+each of its three handshake messages and its sealed messages, random or mutated from
+valid ones, to a side waiting for exactly that (a changed first message, which no key
+covers yet, then has its answer read by the dialer). Anything but a ChannelError (or a
+ChannelClosed, for a close record) is a crash, and a changed message that still
+passes is a defect: the channel exists to refuse it.
 """
 
 from __future__ import annotations
@@ -134,6 +141,88 @@ def _lying(rng: random.Random) -> bytes:
     return bytes(pb.Frame(header=header, activations=body))
 
 
+def _fuzz_channel(rng: random.Random, count: int) -> dict[str, Any]:
+    """The relayed seam's handshake and record layer, each side fed what it waits for, broken."""
+    from noderuntime.access.identity import Identity, channel_keys, verify
+    from protocol.channel import (
+        AcceptorHandshake,
+        Binding,
+        ChannelClosed,
+        ChannelError,
+        DialerHandshake,
+        SealedChannel,
+    )
+    from protocol.errors import StatusCode
+
+    dialer_keys, acceptor_keys = channel_keys(Identity.generate()), channel_keys(Identity.generate())
+    binding = Binding(os.urandom(16), 0, dialer_keys.node_id, acceptor_keys.node_id)
+    seeds = _seeds()
+    outcomes: collections.Counter[str] = collections.Counter()
+    crashes: list[dict[str, Any]] = []
+
+    def fresh() -> tuple[DialerHandshake, AcceptorHandshake, bytes, bytes, bytes]:
+        dial, accept = DialerHandshake(dialer_keys, binding, verify), AcceptorHandshake(acceptor_keys, verify)
+        first = dial.first()
+        second = accept.read_first(first)
+        return dial, accept, first, second, dial.read_second(second)
+
+    def broken(valid: bytes) -> bytes:
+        if rng.random() < 0.2:
+            return rng.randbytes(rng.choice([0, 1, 31, 32, 100, len(valid), 70000]))
+        return _mutate(rng, valid, seeds)
+
+    def sealed_message(channel: SealedChannel) -> bytes:
+        choice = rng.randrange(3)
+        if choice == 0:
+            return channel.seal(rng.choice(seeds))
+        if choice == 1:
+            return channel.seal(rng.randbytes(rng.choice([0, 65518, 65519, 140000])))
+        return channel.seal_close(StatusCode.coerce(rng.randrange(17)), "bye")
+
+    for i in range(count):
+        stage = ("first", "second", "third", "sealed")[i % 4]
+        valid = b""
+        try:
+            dial, accept, first, second, third = fresh()
+            if stage == "first":
+                # the first message carries no key yet: a change passes here and must fail the
+                # dialer's check of the answer it gets
+                valid, data = first, broken(first)
+                answer = AcceptorHandshake(acceptor_keys, verify).read_first(data)
+                if data != valid:
+                    dial.read_second(answer)
+            elif stage == "second":
+                again = DialerHandshake(dialer_keys, binding, verify)
+                valid = second = AcceptorHandshake(acceptor_keys, verify).read_first(again.first())
+                data = broken(second)
+                again.read_second(data)
+            elif stage == "third":
+                valid, data = third, broken(third)
+                accept.read_third(data)
+            else:
+                receiving = accept.read_third(third)
+                valid = sealed_message(dial.channel())
+                data = broken(valid)
+                receiving.open(data)
+            # a message the mutation left as it was is no finding; a changed one that passed is
+            outcomes["accepted unchanged" if data == valid else "ACCEPTED CHANGED"] += 1
+        except ChannelError as exc:
+            outcomes[f"ChannelError:{exc.code.name}"] += 1
+        except ChannelClosed:
+            outcomes["ChannelClosed" if data == valid else "ACCEPTED CHANGED"] += 1
+        except Exception as exc:  # noqa: BLE001 - counting crashes is the point
+            outcomes["CRASH"] += 1
+            if len(crashes) < 20:
+                crashes.append({"stage": stage, "error": repr(exc), "trace": traceback.format_exc()})
+    return {
+        "inputs": count,
+        "outcomes": dict(sorted(outcomes.items())),
+        "crashes": outcomes["CRASH"],
+        "defects": outcomes["CRASH"] + outcomes["ACCEPTED CHANGED"],
+        "crash_samples": crashes,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _common.parser(NAME, __doc__ or "")
     parser.add_argument("--inputs", type=int, default=None, help="inputs to try (default 120000, quick 5000)")
@@ -179,17 +268,23 @@ def main(argv: list[str] | None = None) -> int:
             if len(crashes) < 20:
                 crashes.append({"input_hex": data[:256].hex(), "error": repr(exc), "trace": traceback.format_exc()})
     seconds = time.perf_counter() - started
+    channel_started = time.perf_counter()
+    channel = _fuzz_channel(rng, max(40, total // 5))
+    channel["seconds"] = time.perf_counter() - channel_started
     figures = {
         "inputs": total,
         "inputs_by_kind": dict(kinds),
         "outcomes": dict(sorted(outcomes.items())),
         "crashes": outcomes["CRASH"],
         # a crash, or a rejection only the codec's catch-all made: a check the codec lacks
-        "defects": outcomes["CRASH"] + sum(n for k, n in outcomes.items() if k.endswith("(unchecked)")),
+        "defects": outcomes["CRASH"]
+        + sum(n for k, n in outcomes.items() if k.endswith("(unchecked)"))
+        + channel["defects"],
         "crash_samples": crashes,
         "unchecked_samples": unchecked_samples,
         "seconds": seconds,
         "inputs_per_second": total / seconds,
+        "channel": channel,
         "limits": {
             "max_frame_bytes": limits.max_frame_bytes,
             "max_tensor_bytes": limits.max_tensor_bytes,
@@ -199,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     path = _common.out_path(NAME, args)
     _common.write(path, NAME, args, {}, figures)
     print(_common.table(["outcome", "count"], sorted(outcomes.items(), key=lambda kv: -kv[1])))
+    print("\nthe relayed seam's channel:")
+    print(_common.table(["outcome", "count"], sorted(channel["outcomes"].items(), key=lambda kv: -kv[1])))
     defects = f"defects: {figures['defects']} ({outcomes['CRASH']} crashes)"
     print(f"\n{total} inputs in {seconds:.1f} s, {defects}\nwrote {path}")
     return 1 if figures["defects"] else 0

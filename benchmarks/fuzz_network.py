@@ -13,6 +13,9 @@ gateway), all real processes on loopback:
   2**31 tokens); the first chunk of a large step before any session;
 - **relay** websocket paths (``/control``, ``/dial``, ``/accept/…``, unknown): random
   text and binary messages, mutated control messages, and JSON nested to break a parser;
+- **relayed seams** of the relay-only tail, paired by the relay with a real ticket: a
+  broken first or third handshake message, or a full handshake followed by broken
+  sealed messages (random bytes, a sealed frame mutated, a sealed frame replayed);
 - **tracker API** bodies: random and mutated JSON, bad signatures, oversized bodies,
   and schemathesis cases from its OpenAPI document;
 - **gateway HTTP** bodies: random bytes, mutated requests, oversized bodies, and
@@ -70,6 +73,7 @@ from protocol import (
     Sampling,
     SeamEndpoint,
     Span,
+    StatusCode,
     Tokens,
 )
 from protocol import (
@@ -317,6 +321,67 @@ async def _fuzz_relay(url: str, count: int, rng: random.Random) -> dict[str, Any
     return {"inputs": count, "outcomes": dict(outcomes)}
 
 
+async def _fuzz_relayed_seam(
+    url: str, tracker: str, artifact: str, tail: bytes, count: int, rng: random.Random
+) -> dict[str, Any]:
+    """Broken handshakes and sealed records into the tail's end-to-end channel; each must end in a typed close."""
+    from noderuntime.access.identity import channel_keys
+    from noderuntime.access.identity import verify as verify_signature
+    from protocol.channel import Binding, ChannelClosed, ChannelError, DialerHandshake
+
+    keys = channel_keys(NodeIdentity.generate())
+    outcomes: collections.Counter[str] = collections.Counter()
+    async with httpx.AsyncClient() as http:
+        for i in range(count):
+            stage = ("first", "third", "records")[i % 3]
+            route = await _route(http, tracker, artifact)
+            session = bytes.fromhex(route.session_id)
+            handshake = DialerHandshake(keys, Binding(session, 0, keys.node_id, tail), verify_signature)
+            dial = relay_messages.Dial(tail, session, 0, bytes.fromhex(route.ticket))
+            channel = None
+            try:
+                async with open_websocket_url(url + "/dial", message_queue_size=4) as ws:
+                    await ws.send_message(dial.encode())
+                    relay_messages.decode(await ws.get_message(), relay_messages.Paired)
+                    first = handshake.first()
+                    if stage == "first":
+                        await ws.send_message(rng.randbytes(rng.randint(0, 300)) if i % 2 else _mutate(rng, first))
+                    else:
+                        await ws.send_message(first)
+                        third = handshake.read_second(cast(bytes, await ws.get_message()))
+                        if stage == "third":
+                            await ws.send_message(_mutate(rng, third))
+                        else:
+                            await ws.send_message(third)
+                            channel = handshake.channel()
+                            frames, _, _ = _open_route_frames(route, artifact)
+                            sealed = channel.seal(frames[0])
+                            broken = (rng.randbytes(rng.randint(1, 3000)), _mutate(rng, sealed))[i % 2]
+                            for message in (sealed, sealed) if rng.random() < 0.2 else (broken,):
+                                await ws.send_message(message)
+                    with trio.move_on_after(REPLY_SECONDS):
+                        while True:
+                            answer = await ws.get_message()
+                            if channel is not None and isinstance(answer, bytes):
+                                try:
+                                    channel.open(answer)
+                                except ChannelClosed as closed:  # the tail's sealed end: its status
+                                    outcomes[f"sealed_close:{closed.code.name}"] += 1
+                                    break
+                                except ChannelError:
+                                    outcomes["reply_unopenable"] += 1
+                                    break
+                        else:
+                            outcomes["open_after_3s"] += 1
+            except ConnectionClosed as exc:
+                code = exc.reason.code if exc.reason is not None else 0
+                status = code - relay_messages.CLOSE_STATUS_BASE if relay_messages.is_status_close(code) else None
+                outcomes[f"closed:{code}" if status is None else f"closed:{StatusCode.coerce(status).name}"] += 1
+            except (ChannelError, relay_messages.ControlError) as exc:
+                outcomes[f"our_side:{type(exc).__name__}"] += 1
+    return {"inputs": count, "outcomes": dict(outcomes)}
+
+
 # --- HTTP APIs
 
 
@@ -464,6 +529,16 @@ def main() -> int:
             entries: dict[str, Any] = {}
             entries["grpc_seam"] = trio.run(_fuzz_grpc, head.address, system.tracker_url, artifact, per_entry, rng)
             entries["relay"] = trio.run(_fuzz_relay, relay.url, per_entry, rng)
+            tail = expect(next(p.info for p in system.processes if p.name == "node1"), NodeReady)
+            entries["relayed_seam"] = trio.run(
+                _fuzz_relayed_seam,
+                relay.url,
+                system.tracker_url,
+                artifact,
+                bytes.fromhex(tail.node_id),
+                max(30, per_entry // 4),
+                rng,
+            )
             me = NodeIdentity.generate()
             tracker_posts = {
                 "/v1/nodes/register": {
@@ -521,6 +596,10 @@ def main() -> int:
         "gateway_5xx_or_dropped": server_errors(entries["gateway_http"]["raw_statuses"])
         + server_errors(entries["gateway_http"]["schemathesis_statuses"]),
         "grpc_undecodable_replies": entries["grpc_seam"]["outcomes"].get("reply_undecodable", 0),
+        # a relayed seam that a broken message left open, or answered with what does not open
+        "relayed_seam_untyped": sum(
+            n for k, n in entries["relayed_seam"]["outcomes"].items() if k in ("open_after_3s", "reply_unopenable")
+        ),
     }
     leaks: dict[str, Any] = {
         "nodes_not_idle": [
@@ -533,6 +612,7 @@ def main() -> int:
         and not crashes["tracker_5xx_or_dropped"]
         and not crashes["gateway_5xx_or_dropped"]
         and not crashes["grpc_undecodable_replies"]
+        and not crashes["relayed_seam_untyped"]
         and not leaks["nodes_not_idle"]
         and all(d <= 0 for d in leaks["task_delta"].values())
         and after == before

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import trio
 
-from noderuntime.access.identity import Identity
+from noderuntime.access.identity import Identity, channel_keys
 from noderuntime.access.signing import sign
 from noderuntime.access.tickets import MAGIC, issue
 from noderuntime.seams.client import GenerationRequest, RouteError
@@ -107,7 +107,7 @@ async def test_a_relay_pair_needs_a_valid_ticket(cluster: Cluster) -> None:
     tail = cluster.hops[1]
     session = os.urandom(16)
     async with trio.open_nursery() as nursery:
-        dialer = RelayDialer(nursery)
+        dialer = RelayDialer(nursery, channel_keys(Identity.generate()))
         for ticket in (b"", os.urandom(200), cluster.ticket(session, issuer=Identity.generate())):
             with pytest.raises(StreamBroken) as refused:
                 await dialer.dial(cluster.relay_info.url, tail.node_id, session_id=session, epoch=0, ticket=ticket)
@@ -133,7 +133,7 @@ async def test_a_seam_whose_first_frame_is_not_a_frame_gets_a_typed_status_at_on
             stream: Any = await connector.open(cluster.infos[0].address)
         else:
             assert cluster.relay_info is not None
-            stream = await RelayDialer(nursery).dial(
+            stream = await RelayDialer(nursery, channel_keys(Identity.generate())).dial(
                 cluster.relay_info.url,
                 cluster.hops[1].node_id,
                 session_id=session,
@@ -173,7 +173,7 @@ async def test_nobody_else_joins_or_reads_a_relayed_session(cluster: Cluster) ->
         nursery.start_soon(legitimate)
         while len(tokens) < 3:
             await trio.sleep(0.02)
-        relay = RelayDialer(nursery)
+        relay = RelayDialer(nursery, channel_keys(Identity.generate()))
         # the same session's ticket, seen on the wire: it was used, so it opens nothing
         with pytest.raises(StreamBroken) as refused:
             await relay.dial(cluster.relay_info.url, tail.node_id, session_id=session, epoch=0, ticket=ticket)
@@ -232,7 +232,7 @@ async def test_bytes_that_break_json_parsers_end_one_connection_not_the_node_or_
         assert await _attempt(cluster, ticket, os.urandom(16)) == StatusCode.UNAUTHENTICATED
         async with trio.open_nursery() as nursery:
             with pytest.raises(StreamBroken) as refused:
-                await RelayDialer(nursery).dial(
+                await RelayDialer(nursery, channel_keys(Identity.generate())).dial(
                     url, cluster.hops[1].node_id, session_id=bytes(16), epoch=0, ticket=ticket
                 )
         assert refused.value.code == StatusCode.PERMISSION_DENIED

@@ -78,7 +78,7 @@ def test_a_soak_loses_nothing_and_leaks_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_fuzzing_every_network_entry_crashes_nothing_and_leaks_nothing(tmp_path: Path) -> None:
-    """gRPC seams, relay, tracker and gateway bodies (schemathesis too): typed answers only."""
+    """gRPC seams, relay, relayed seams' channel, tracker and gateway bodies (schemathesis too): typed answers only."""
     figures: dict[str, Any] = _run_quick("fuzz_network", tmp_path / "fuzz.json")
     assert figures["passed"]
     assert figures["crashes"] == {
@@ -86,10 +86,14 @@ def test_fuzzing_every_network_entry_crashes_nothing_and_leaks_nothing(tmp_path:
         "tracker_5xx_or_dropped": 0,
         "gateway_5xx_or_dropped": 0,
         "grpc_undecodable_replies": 0,
+        "relayed_seam_untyped": 0,
     }
     assert not figures["leaks"]["nodes_not_idle"] and figures["same_answer_after"]
     for entry in ("grpc_seam", "relay", "tracker_api", "gateway_http"):
         assert figures["entries"][entry]["inputs"] >= 100, entry
+    relayed = figures["entries"]["relayed_seam"]["outcomes"]
+    # every broken handshake got a status close, every broken record the tail's sealed DATA_LOSS
+    assert relayed.get("sealed_close:DATA_LOSS", 0) >= 1 and sum(relayed.values()) >= 30, relayed
 
 
 @pytest.mark.slow

@@ -98,6 +98,29 @@ def test_the_replay_guard_is_bounded_and_forgets_only_expired_tickets() -> None:
     guard.accept((b"c", 0, b"n"), expires_unix_ms=5_000, now_ms=3_500)  # a's expiry made room
 
 
+def test_a_ticket_checks_who_opened_the_seam_before_it_is_used_up() -> None:
+    """tickets.py: the dialer "must be the hop the ticket puts before node_id, or its client at the head",
+    "checked before the ticket is used up"."""
+    from noderuntime.access.tickets import TicketVerifier, issue
+    from protocol import Hop, Span
+
+    issuer, head, tail, client, stranger = (ids.Identity.generate() for _ in range(5))
+    hops = [Hop(head.node_id, Span(0, 1)), Hop(tail.node_id, Span(1, 2))]
+    ticket = issue(issuer, session_id=b"s" * 16, epoch=0, artifact=b"a" * 32, hops=hops, client=client.node_id)
+    for node, index, right in ((tail, 1, head), (head, 0, client)):
+        verifier = TicketVerifier([issuer.node_id])
+        check = dict(session_id=b"s" * 16, epoch=0, artifact=b"a" * 32, hops=hops, node_id=node.node_id, index=index)
+        with pytest.raises(TicketError, match="puts before this node") as refused:
+            verifier.check(ticket, dialer=stranger.node_id, **check)  # type: ignore[arg-type]
+        assert refused.value.code is StatusCode.PERMISSION_DENIED
+        verifier.check(ticket, dialer=right.node_id, **check)  # type: ignore[arg-type]  # not used up above
+    nameless = issue(issuer, session_id=b"s" * 16, epoch=0, artifact=b"a" * 32, hops=hops)
+    with pytest.raises(TicketError, match="names no client"):
+        TicketVerifier([issuer.node_id]).check(
+            nameless, session_id=b"s" * 16, epoch=0, artifact=None, hops=None, node_id=head.node_id, dialer=b"x" * 32
+        )
+
+
 @pytest.mark.parametrize(
     "address",
     [

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("noderuntime", "protocol", "kernels_patch", "benchmarks")
+PACKAGES = ("noderuntime", "protocol", "relay", "kernels_patch", "benchmarks")
 
 
 def _modules() -> dict[str, Path]:
@@ -110,6 +110,24 @@ def test_packages_import_one_way() -> None:
     assert packages["protocol"].isdisjoint({"noderuntime", "benchmarks", "trio", "grpclib", "llama_cpp", "asyncio"})
     assert "benchmarks" not in packages["noderuntime"] and "tests" not in packages["noderuntime"]
     assert "tests" not in packages["benchmarks"]
+
+
+def test_the_relay_imports_protocol_and_transport_pieces_never_the_engine_node_or_gateway() -> None:
+    """A public relay runs from the light install: what it imports, and all they import, stay below the node."""
+    allowed = ("protocol", "noderuntime.access", "noderuntime.transport", "noderuntime.operations", "relay")
+    reached, todo = set(), [name for name in MODULES if name.startswith("relay")]
+    while todo:
+        name = todo.pop()
+        if name in reached:
+            continue
+        reached.add(name)
+        todo += [i for i in GRAPH[name] if i in MODULES]
+    project = {name for name in reached if name in MODULES}
+    assert all(name.startswith(allowed) for name in project), sorted(n for n in project if not n.startswith(allowed))
+    foreign = {i for name in project for i in GRAPH[name] if i not in MODULES}
+    assert foreign.isdisjoint({"llama_cpp", "torch", "transformers", "noderuntime"}), sorted(foreign)
+    # and nothing grpc: the relay speaks websockets only
+    assert not any(name.startswith("noderuntime.transport.grpc") for name in project)
 
 
 GRPC = "noderuntime.transport.grpc"

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import trio
 
-from noderuntime.access.identity import Identity, self_signed
+from noderuntime.access.identity import Identity, channel_keys, self_signed
 from noderuntime.access.tickets import TicketVerifier, issue
-from noderuntime.relay.server import Relay, RelayLimits, serve
-from noderuntime.services.noderun import server_tls
+from noderuntime.services.running import server_tls
 from noderuntime.testing.seams import KINDS, grpc_peer, seam
 from noderuntime.transport import FrameStream, StreamBroken, TransportError
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from protocol import Hop, Limits, Span, StatusCode
+from relay.server import Relay, RelayLimits, serve
 from tests.linkproxy import LinkProxy, link_proxy
 
 UPGRADE = (
@@ -374,7 +374,7 @@ async def test_relay_ends_a_seam_that_sends_a_message_over_the_largest_frame_and
         server = await nursery.start(serve, relay, "127.0.0.1", 0)
         url = f"ws://127.0.0.1:{server.port}"
         await nursery.start(RelayListener(url, node, accepted.send_nowait).run)
-        dialer = RelayDialer(nursery)
+        dialer = RelayDialer(nursery, channel_keys(Identity.generate()))
 
         async def dial() -> tuple[FrameStream, FrameStream]:
             session = os.urandom(16)
@@ -408,7 +408,7 @@ async def test_relay_authenticates_controls_and_pairs_only_ticket_holders() -> N
         server = await nursery.start(serve, relay, "127.0.0.1", 0)
         url = f"ws://127.0.0.1:{server.port}"
         await nursery.start(RelayListener(url, node, accepted.append).run)
-        dialer = RelayDialer(nursery)
+        dialer = RelayDialer(nursery, channel_keys(Identity.generate()))
         session = os.urandom(16)
         hops = [Hop(node.node_id, Span(0, 1))]
 

@@ -18,7 +18,11 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.x509.oid import NameOID
+
+from protocol.channel import STATIC_KEY_DOMAIN, ChannelKeys
+from protocol.noise import public_bytes as x25519_public_bytes
 
 KEY_FILE = "node.key"
 
@@ -68,6 +72,16 @@ def verify(node_id: bytes, domain: bytes, message: bytes, signature: bytes) -> b
     except (InvalidSignature, ValueError):
         return False
     return True
+
+
+def channel_keys(identity: Identity) -> ChannelKeys:
+    """Fresh keys for the end-to-end channels of relayed seams, vouched for by ``identity``.
+
+    The Noise static key lives only in this process's memory; each process makes its own.
+    """
+    static = X25519PrivateKey.generate()
+    proof = identity.sign(STATIC_KEY_DOMAIN, x25519_public_bytes(static))
+    return ChannelKeys(identity.node_id, static, proof)
 
 
 def load_or_create(data_dir: str | os.PathLike[str]) -> Identity:

@@ -1,7 +1,8 @@
 """Session tickets: the route issuer's signed permission for one route session.
 
 A ticket binds a session id and epoch, the artifact, every hop of the route plan
-(node id and layers) and an expiry, and is signed with the issuer's Ed25519 key (the
+(node id and layers), the client it was issued to (the key a gateway proves when it
+reaches a head through a relay) and an expiry, and is signed with the issuer's Ed25519 key (the
 tracker's; until a tracker runs, a configured key). A shard accepts ``OpenRoute`` only
 with a valid ticket that names it at its place in the plan; a relay pairs only
 holders of a valid ticket for the node they dial. Each verifier remembers the
@@ -47,6 +48,11 @@ class Ticket:
     artifact: bytes
     hops: tuple[tuple[bytes, int, int], ...]  # (node id, layer start, layer end)
     expires_unix_ms: int
+    client: bytes = b""  # the node id of whom it was issued to; empty when it names none
+
+    def dialer_of(self, index: int) -> bytes:
+        """Who may open the seam into hop ``index``: the hop before it, or the client at the head."""
+        return self.hops[index - 1][0] if index > 0 else self.client
 
 
 def _plan(hops: Sequence[Hop]) -> list[list[Any]]:
@@ -60,21 +66,25 @@ def issue(
     epoch: int,
     artifact: bytes,
     hops: Sequence[Hop],
+    client: bytes = b"",
     ttl_seconds: float = 600.0,
     now: float | None = None,
 ) -> bytes:
-    """A signed ticket for one route session."""
+    """A signed ticket for one route session; ``client``: the node id of whom it is for, if known."""
     expires = int(((now if now is not None else time.time()) + ttl_seconds) * 1000)
+    fields: dict[str, Any] = {
+        "v": 1,
+        "iss": issuer.node_id.hex(),
+        "sid": session_id.hex(),
+        "epoch": epoch,
+        "artifact": artifact.hex(),
+        "hops": _plan(hops),
+        "exp": expires,
+    }
+    if client:  # a field older nodes skip: they check no dialer
+        fields["cli"] = client.hex()
     body = json.dumps(
-        {
-            "v": 1,
-            "iss": issuer.node_id.hex(),
-            "sid": session_id.hex(),
-            "epoch": epoch,
-            "artifact": artifact.hex(),
-            "hops": _plan(hops),
-            "exp": expires,
-        },
+        fields,
         sort_keys=True,
         separators=(",", ":"),
     ).encode()
@@ -104,6 +114,7 @@ def decode(data: bytes, trusted_issuers: Iterable[bytes]) -> Ticket:
                 for n, a, b in fields["hops"]
             ),
             expires_unix_ms=untrusted.integer(fields["exp"], "expiry"),
+            client=bytes.fromhex(fields.get("cli", "")),
         )
     except (ValueError, KeyError, TypeError):
         raise TicketError("malformed session ticket", StatusCode.UNAUTHENTICATED) from None
@@ -151,11 +162,16 @@ class TicketVerifier:
         hops: Sequence[Hop] | None,
         node_id: bytes,
         index: int | None = None,
+        dialer: bytes | None = None,
         consume: bool = True,
     ) -> Ticket:
         """Verify a ticket presented for ``node_id``; with ``consume`` it cannot be used here again.
 
         ``artifact`` and ``hops`` may be None where the verifier does not know them (a relay).
+        ``dialer``: whom the seam that brought it proved to be, where its transport proves
+        that (a relayed seam's handshake): it must be the hop the ticket puts before
+        ``node_id``, or its client at the head. Checked before the ticket is used up, so
+        that one who saw it (a relay) cannot spend it for its holder.
         """
         ticket = decode(data, self.trusted)
         now_ms = int(self._clock() * 1000)
@@ -172,6 +188,20 @@ class TicketVerifier:
         names = [n for n, _, _ in ticket.hops]
         if node_id not in names or (index is not None and (index >= len(names) or names[index] != node_id)):
             raise TicketError("session ticket was not issued for this node (misdirected)", StatusCode.PERMISSION_DENIED)
+        if dialer is not None:
+            expected = ticket.dialer_of(names.index(node_id) if index is None else index)
+            if not expected:
+                raise TicketError(
+                    "the session ticket names no client, and a head reached through a relay serves only the "
+                    "client its ticket names",
+                    StatusCode.PERMISSION_DENIED,
+                )
+            if dialer != expected:
+                raise TicketError(
+                    f"the seam was opened by {dialer.hex()[:16]}, not by {expected.hex()[:16]}, whom the session "
+                    "ticket puts before this node",
+                    StatusCode.PERMISSION_DENIED,
+                )
         if consume:
             self._replays.accept((ticket.session_id, ticket.epoch, node_id), ticket.expires_unix_ms, now_ms)
         return ticket

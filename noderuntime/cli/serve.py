@@ -79,7 +79,23 @@ def _run_on_backend(kind: str, args: argparse.Namespace) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "noderuntime", *args.argv], env)
 
 
+# what a light install (the relay and the tracker only) lacks to serve a shard or a gateway
+ENGINE_MISSING = (
+    "this install has no engine: {what} needs the project's patched llama-cpp-python. From a clone of the "
+    "project, `make bootstrap` builds and installs it (once, about 5 minutes on 2 cores); by hand: "
+    "`python kernels_patch/build.py --install`, then `pip install 'noderuntime[engine]'`. A light install "
+    "(`pip install noderuntime`) runs `noderuntime relay` and `noderuntime tracker` only"
+)
+
+
+def _need_engine(what: str) -> None:
+    """CliError when llama.cpp's bindings are not installed (a light install)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise CliError(ENGINE_MISSING.format(what=what))
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
+    _need_engine("`noderuntime up` (a shard node, or the local system)")
     kind = _check_device(args)
     if kind != "cpu":
         _run_on_backend(kind, args)
@@ -138,7 +154,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_relay(args: argparse.Namespace) -> int:
-    from noderuntime.services import noderun
+    from noderuntime.services import relayrun, running
     from noderuntime.transport.grpc import parse_address
 
     if not args.issuer_key:
@@ -148,8 +164,8 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     if args.tls_cert or args.tls_key:
         if not (args.tls_cert and args.tls_key):
             raise CliError("--tls-cert and --tls-key go together")
-        tls = noderun.server_tls(args.tls_cert, args.tls_key, alpn=())  # websockets: HTTP/1.1
-    from noderuntime.relay.server import RelayLimits
+        tls = running.server_tls(args.tls_cert, args.tls_key, alpn=())  # websockets: HTTP/1.1
+    from relay.server import RelayLimits
 
     limits = RelayLimits(
         max_nodes=args.max_nodes,
@@ -158,11 +174,11 @@ def _cmd_relay(args: argparse.Namespace) -> int:
         max_handshakes=args.max_handshakes,
         max_handshakes_per_host=args.max_handshakes_per_host,
     )
-    return noderun.main_relay(host, port, tuple(args.issuer_key), tls, args.http, limits)
+    return relayrun.main_relay(host, port, tuple(args.issuer_key), tls, args.http, limits)
 
 
 def _cmd_tracker(args: argparse.Namespace) -> int:
-    from noderuntime.services import noderun
+    from noderuntime.services import running, trackerrun
     from noderuntime.verify.certificates import load_certificate
     from noderuntime.verify.contract import ContractError
 
@@ -174,8 +190,8 @@ def _cmd_tracker(args: argparse.Namespace) -> int:
     import trio
 
     trio.run(
-        noderun.run_until_signal,
-        lambda **kw: noderun.run_tracker(
+        running.run_until_signal,
+        lambda **kw: trackerrun.run_tracker(
             args.listen,
             data_dir,
             api_key=args.api_key,
@@ -210,9 +226,10 @@ def gateway_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
+    _need_engine("the gateway (its tokenizer)")
     import trio
 
-    from noderuntime.services import noderun
+    from noderuntime.services import noderun, running
 
     served = []
     for spec in args.model:
@@ -233,7 +250,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         queue_timeout=args.queue_timeout,
         ledger=Path(args.ledger),
     )
-    trio.run(noderun.run_until_signal, lambda **kw: noderun.run_gateway(opts, **kw))
+    trio.run(running.run_until_signal, lambda **kw: noderun.run_gateway(opts, **kw))
     return 0
 
 

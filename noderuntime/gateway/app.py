@@ -94,7 +94,9 @@ class Gateway:
         request_timeout: float = 600.0,
         queue_timeout: float = 10.0,
         ledger: Ledger | None = None,
+        client_id: bytes = b"",
     ) -> None:
+        """``client_id``: the node id ``connector`` proves on relayed seams; route tickets name it."""
         if any(not key for key in api_keys):
             raise ValueError("an API key must not be empty: it would let in every request that sends none")
         self.models = {m.model_id: m for m in models}
@@ -106,6 +108,7 @@ class Gateway:
         self.request_timeout = request_timeout
         self.queue_timeout = queue_timeout
         self.ledger = ledger
+        self.client_id = client_id
         self.metrics = GatewayMetrics()
         self.http = httpx.AsyncClient()
         # its own threads: a burst of huge prompts must not hold those of name lookups and the ledger
@@ -196,7 +199,13 @@ class Gateway:
     async def _grant(self, model: ServedModel, tokens: int, exclude: list[bytes]) -> RouteGrant:
         try:
             return await request_route(
-                self.http, self.tracker_url, model.artifact, tokens, exclude=exclude, api_key=self.tracker_key
+                self.http,
+                self.tracker_url,
+                model.artifact,
+                tokens,
+                exclude=exclude,
+                api_key=self.tracker_key,
+                client_id=self.client_id,
             )
         except TrackerError as exc:
             if exc.status == 429:

@@ -59,7 +59,8 @@ class Connector(Protocol):
         ...
 
 
-TicketCheck = Callable[[OpenRoute, int], Awaitable[None]]
+# (the OpenRoute, this node's index in its plan, the dialer its seam proved or None)
+TicketCheck = Callable[[OpenRoute, int, bytes | None], Awaitable[None]]
 
 
 @attrs.frozen
@@ -297,8 +298,15 @@ class Node:
             return None
         try:
             index = self._check_route(first)
+            proven = stream.authenticated
+            if proven is not None:
+                ident = first.header.identity
+                if (proven.session_id, proven.epoch) != (ident.session_id, ident.epoch):
+                    raise RemoteProtocolError(
+                        "the seam's handshake was bound to another session", StatusCode.PERMISSION_DENIED
+                    )
             if self.ticket_check is not None:
-                await self.ticket_check(first, index)
+                await self.ticket_check(first, index, proven.node_id if proven is not None else None)
         except ProtocolError as exc:
             await self._refuse(conn, first.header.identity, exc)
             return None

@@ -32,6 +32,7 @@ class EndReason(enum.Enum):
     ENGINE_ERROR = "engine_error"  # the shard's batch failed
     UPSTREAM_PROTOCOL_ERROR = "upstream_protocol_error"  # the previous hop broke the protocol
     DOWNSTREAM_PROTOCOL_ERROR = "downstream_protocol_error"  # the next hop broke the protocol
+    SEAM_CORRUPTED = "seam_corrupted"  # a seam's bytes failed their integrity check: altered on the way
     DEFECT = "defect"  # a defect of ours, met while serving (the node serves on)
     NODE_STOPPED = "node_stopped"  # the node is shutting down
 
@@ -51,6 +52,8 @@ ENDINGS: dict[EndReason, tuple[StatusCode | None, bool, bool]] = {
     EndReason.ENGINE_ERROR: (StatusCode.INTERNAL, True, True),
     EndReason.UPSTREAM_PROTOCOL_ERROR: (None, False, True),
     EndReason.DOWNSTREAM_PROTOCOL_ERROR: (StatusCode.UNAVAILABLE, True, False),
+    # both peers hear it: the one across the tampered seam may still be listening on its other side
+    EndReason.SEAM_CORRUPTED: (StatusCode.DATA_LOSS, True, True),
     EndReason.DEFECT: (StatusCode.INTERNAL, True, True),
     EndReason.NODE_STOPPED: (StatusCode.UNAVAILABLE, True, True),
 }
@@ -71,6 +74,21 @@ class SessionEnd:
     def label(self) -> str:
         """The reason as metrics and logs name it."""
         return self.reason.value
+
+
+def seam_lost(upstream: bool, code: StatusCode, detail: str) -> SessionEnd:
+    """How a session ends when the stream of its seam ``upstream`` (or downstream) fails with ``code``.
+
+    DATA_LOSS is a seam whose bytes failed their integrity check (on a relayed seam:
+    altered, dropped, replayed on the way), not a peer that left: it is named as such,
+    for whoever decides where to route next.
+    """
+    if code == StatusCode.DATA_LOSS:
+        side = "from the previous hop" if upstream else "from the next hop"
+        return ending(EndReason.SEAM_CORRUPTED, f"the seam {side} failed its integrity check: {detail}")
+    if upstream:
+        return ending(EndReason.UPSTREAM_CLOSED, f"the upstream peer went away: {detail}")
+    return ending(EndReason.DOWNSTREAM_CLOSED, f"the next hop went away: {detail}")
 
 
 def ending(reason: EndReason, message: str = "", code: StatusCode | None = None, node_id: bytes = b"") -> SessionEnd:

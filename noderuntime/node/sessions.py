@@ -32,7 +32,7 @@ import trio
 
 from noderuntime.control.ledger import UsageBody
 from noderuntime.node.batcher import StepFailed, StepOutput, StepRequest
-from noderuntime.node.ending import EndReason, SessionEnd, ending, idle_blame, stop_reason
+from noderuntime.node.ending import EndReason, SessionEnd, ending, idle_blame, seam_lost, stop_reason
 from noderuntime.node.leases import Lease
 from noderuntime.operations.telemetry import SessionLog
 from noderuntime.seams.connection import SeamConnection
@@ -278,8 +278,8 @@ class RouteSession:
             except RemoteProtocolError as exc:
                 await self._protocol_failure_up(exc)
                 return
-            except TransportError:
-                self._finish(ending(EndReason.UPSTREAM_CLOSED, "the upstream peer went away"))
+            except TransportError as exc:
+                self._finish(seam_lost(True, exc.code, str(exc)))
                 return
             self._touch()
             if isinstance(event, Activations):
@@ -317,8 +317,8 @@ class RouteSession:
             except RemoteProtocolError as exc:
                 await self._protocol_failure_down(exc)
                 return
-            except TransportError:
-                self._finish(ending(EndReason.DOWNSTREAM_CLOSED, "the next hop went away"))
+            except TransportError as exc:
+                self._finish(seam_lost(False, exc.code, str(exc)))
                 return
             if isinstance(event, Credit):
                 continue
@@ -553,8 +553,8 @@ class RouteSession:
             if self.end is None:
                 raise  # our own misuse of the seam: a defect, not a peer that left
             return False  # the seam closed under a failure meanwhile; the session is ending
-        except TransportError:
-            self._finish(ending(EndReason.UPSTREAM_CLOSED, "the upstream peer went away"))
+        except TransportError as exc:
+            self._finish(seam_lost(True, exc.code, str(exc)))
             return False
         finally:
             self._sends_up -= 1
@@ -570,8 +570,8 @@ class RouteSession:
             if self.end is None:
                 raise
             return False
-        except TransportError:
-            self._finish(ending(EndReason.DOWNSTREAM_CLOSED, "the next hop went away"))
+        except TransportError as exc:
+            self._finish(seam_lost(False, exc.code, str(exc)))
             return False
 
     def _check_tokens(self, event: Tokens) -> None:

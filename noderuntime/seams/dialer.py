@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
+from noderuntime.access.identity import Identity, channel_keys
 from noderuntime.seams.network import NetworkConnector
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector
 from noderuntime.transport.relay_client import RelayDialer
@@ -20,13 +21,18 @@ from protocol import Limits
 
 
 @asynccontextmanager
-async def open_dialer(limits: Limits = Limits()) -> AsyncIterator[NetworkConnector]:
-    """A connector with its own gRPC runtime and relay connections, closed on exit."""
+async def open_dialer(limits: Limits = Limits(), identity: Identity | None = None) -> AsyncIterator[NetworkConnector]:
+    """A connector with its own gRPC runtime and relay connections, closed on exit.
+
+    ``identity``: whom it proves to be on relayed seams (a fresh key when None); the
+    tickets of the sessions it opens must name it as their client.
+    """
+    keys = channel_keys(identity or Identity.generate())
     runtime = AsyncioThread()
     grpc = GrpcConnector(runtime, max_frame_bytes=limits.max_frame_bytes)
     try:
         async with trio.open_nursery() as nursery:
-            yield NetworkConnector(grpc, RelayDialer(nursery))
+            yield NetworkConnector(grpc, RelayDialer(nursery, keys))
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # the nursery only hosts websocket readers: an error is the caller's own, unwrap it

@@ -25,6 +25,11 @@ class NetworkConnector:
     relay_attempts: int = 0
     fallbacks: int = 0
 
+    @property
+    def node_id(self) -> bytes:
+        """The node id this connector proves on relayed seams (empty without a relay dialer)."""
+        return self.relay.node_id if self.relay is not None else b""
+
     async def connect(self, hop: Hop, open_route: OpenRoute) -> FrameStream:
         """A frame stream to ``hop`` for the session ``open_route`` opens."""
         error: TransportError | None = None
@@ -50,9 +55,12 @@ class NetworkConnector:
 
 
 def ticket_check(verifier: TicketVerifier, node_id: bytes):  # type: ignore[no-untyped-def]
-    """The node's admission hook: a valid, unused ticket naming this node at its place in the plan."""
+    """The node's admission hook: a valid, unused ticket naming this node at its place in the plan.
 
-    async def check(open_route: OpenRoute, index: int) -> None:
+    ``dialer``: the node id the seam's own handshake proved (relayed seams), else None.
+    """
+
+    async def check(open_route: OpenRoute, index: int, dialer: bytes | None) -> None:
         ident = open_route.header.identity
         try:
             verifier.check(
@@ -63,6 +71,7 @@ def ticket_check(verifier: TicketVerifier, node_id: bytes):  # type: ignore[no-u
                 hops=open_route.hops,
                 node_id=node_id,
                 index=index,
+                dialer=dialer,
             )
         except TicketError as exc:
             raise RemoteProtocolError(str(exc), exc.code) from None

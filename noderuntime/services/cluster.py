@@ -34,7 +34,7 @@ class ProcessError(RuntimeError):
 
 
 class ManagedProcess:
-    """One child process running ``python -m noderuntime ...``."""
+    """One child process running ``python -m noderuntime ...`` (or another module that prints a ready line)."""
 
     def __init__(
         self,
@@ -45,11 +45,12 @@ class ManagedProcess:
         prefix: Sequence[str] = (),
         cwd: Path | None = None,
         cap: MemoryCap | None = None,
+        module: str = "noderuntime",
     ) -> None:
         """``prefix`` goes before the interpreter (e.g. ``ip netns exec HOST``); ``cap`` is a
-        memory cgroup the process runs in from its first allocation."""
+        memory cgroup the process runs in from its first allocation; ``module`` is what runs."""
         self.name = name
-        self.argv = [*prefix, sys.executable, "-m", "noderuntime", *args]
+        self.argv = [*prefix, sys.executable, "-m", module, *args]
         self._env = {**os.environ, **(env or {})}
         self._env.setdefault("PYTHONPATH", str(ROOT))
         self._env["PYTHONUNBUFFERED"] = "1"

@@ -1,4 +1,4 @@
-"""Running processes: a shard node (``noderuntime up --model ...``) and a relay (``noderuntime relay``).
+"""Running processes: a shard node (``noderuntime up --model ...``) and a gateway (``noderuntime gateway``).
 
 Each prints its ready line (:mod:`noderuntime.services.ready`) when it serves (with its
 node id, address and ports), runs until SIGINT or SIGTERM, then drains: sessions end
@@ -11,11 +11,9 @@ import functools
 import json
 import logging
 import os
-import signal
-import ssl
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import trio
@@ -42,17 +40,13 @@ from noderuntime.node.core import Node, NodeConfig
 from noderuntime.operations.httpserve import Routes, json_handler, serve_http
 from noderuntime.operations.telemetry import trio_tasks
 from noderuntime.seams.network import NetworkConnector, ticket_check
-from noderuntime.services import ready
-from noderuntime.services.ready import GatewayReady, NodeReady, Ready, RelayReady, TrackerReady
+from noderuntime.services.ready import GatewayReady, NodeReady
+from noderuntime.services.running import run_main, server_tls
 from noderuntime.tracker.client import NodeLoad, TrackerError, TrackerLink, fetch_info
 from noderuntime.tracker.messages import Registration
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer, parse_address
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
-from noderuntime.verify.certificates import CoveredPair
 from protocol import Limits, Span
-
-if TYPE_CHECKING:
-    from noderuntime.relay.server import RelayLimits
 
 log = logging.getLogger(__name__)
 
@@ -87,27 +81,6 @@ class NodeOptions:
     backend: str = "llama.cpp"  # or "transformers": a safetensors directory run by torchengine
     device: str = "cpu"  # where the layers and KV live: "cpu", "vulkan:0", "cuda:1", ... (Recipe.device)
     gpu_layers: int | None = None  # on a GPU, how many local layers it holds (None: all)
-
-
-class TlsFilesError(ValueError):
-    """A certificate and key that cannot serve TLS."""
-
-
-def server_tls(cert: Path, key: Path, *, alpn: Sequence[str] = ("h2",)) -> ssl.SSLContext:
-    """A TLS server context (for HTTP/2 unless ``alpn`` says otherwise); :class:`TlsFilesError` if unusable."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        context.load_cert_chain(cert, key)
-    except OSError as exc:  # missing, unreadable, not PEM, a key that is not the certificate's (SSLError)
-        raise TlsFilesError(f"cannot use the certificate {cert} with the key {key}: {exc}") from None
-    if alpn:
-        context.set_alpn_protocols(list(alpn))
-    return context
-
-
-def announce(info: Ready) -> None:
-    """The ready line on stdout."""
-    print(ready.dump(info), flush=True)
 
 
 async def run_node(
@@ -178,7 +151,7 @@ async def run_node(
                 engine,
                 config,
                 me.node_id,
-                NetworkConnector(grpc_connector, RelayDialer(nursery)),
+                NetworkConnector(grpc_connector, RelayDialer(nursery, identity.channel_keys(me))),
                 ticket_check=ticket_check(verifier, me.node_id),
                 signer=lambda body: me.sign(b"noderuntime-usage-v1", body),
                 engine_thread=engine_thread,
@@ -426,126 +399,12 @@ def node_status(
     return status
 
 
-async def run_until_signal(main: Callable[..., Awaitable[None]], *args: Any) -> None:
-    """Run ``main(*args, task_status=...)`` and announce readiness; SIGINT/SIGTERM drain it."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            info = await nursery.start(main, *args)
-            announce(info)
-
-            async def watch() -> None:
-                async for signum in signals:
-                    log.info("received %s: draining", signal.Signals(signum).name)
-                    nursery.cancel_scope.cancel()
-                    return
-
-            nursery.start_soon(watch)
-
-
-async def run_relay(
-    host: str,
-    port: int,
-    issuer_keys: tuple[bytes, ...],
-    *,
-    tls: ssl.SSLContext | None = None,
-    http: str | None = "127.0.0.1:0",
-    limits: RelayLimits | None = None,
-    task_status: trio.TaskStatus[RelayReady] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve a relay until cancelled; ``http`` serves its ``/status``."""
-    from noderuntime.relay.server import Relay, RelayLimits, serve
-
-    relay = Relay(TicketVerifier(issuer_keys), limits=limits or RelayLimits())
-    async with trio.open_nursery() as nursery:
-        server = await nursery.start(functools.partial(serve, relay, host, port, tls=tls))
-        bound = server.port
-        scheme = "wss" if tls else "ws"
-        http_url = ""
-        if http is not None:
-
-            async def status() -> dict[str, Any]:
-                return {**attrs.asdict(relay.statistics()), "tasks": trio_tasks()}
-
-            routes = Routes({"/status": json_handler(status), "/metrics": relay.metrics_exposition})
-            http_url = await nursery.start(serve_http, routes, http)
-        task_status.started(RelayReady(url=f"{scheme}://{host}:{bound}", port=bound, pid=os.getpid(), http=http_url))
-        log.info("relay listening on %s://%s:%d", scheme, host, bound)
-
-
-def _run_main(main: Callable[..., Awaitable[None]], *args: Any) -> int:
-    try:
-        trio.run(run_until_signal, main, *args)
-    except BaseExceptionGroup as group:
-        # a failure before the service was up (a model that does not fit, a port in use)
-        # comes wrapped by the nursery; the user needs the error itself
-        leaf: BaseException = group
-        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
-            leaf = leaf.exceptions[0]
-        if leaf is group:
-            raise
-        raise leaf from None
-    return 0
-
-
 def main_node(opts: NodeOptions) -> int:
     """Run a node in this process until a signal; the exit status."""
-    return _run_main(run_node, opts)
+    return run_main(run_node, opts)
 
 
-def main_relay(
-    host: str,
-    port: int,
-    issuer_keys: tuple[bytes, ...],
-    tls: ssl.SSLContext | None,
-    http: str | None,
-    limits: RelayLimits | None = None,
-) -> int:
-    """Run a relay in this process until a signal; the exit status."""
-    return _run_main(lambda **kw: run_relay(host, port, issuer_keys, tls=tls, http=http, limits=limits, **kw))
-
-
-__all__ = ["NodeOptions", "main_node", "main_relay", "run_node", "run_relay"]
-
-
-async def run_tracker(
-    listen: str,
-    data_dir: Path,
-    *,
-    api_key: str | None = None,
-    expire_after: float = 10.0,
-    probe_references: tuple[Path, ...] = (),
-    require_probe: bool = False,
-    probe_interval: float = 600.0,
-    probe_tolerance: float = admission.DEFAULT_TOLERANCE,
-    mixes: Sequence[CoveredPair] = (),
-    task_status: trio.TaskStatus[TrackerReady] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve a tracker until cancelled; ``mixes`` are the recipe pairs certified to share routes."""
-    from noderuntime.tracker.app import Tracker
-
-    tracker_identity = identity.load_or_create(data_dir)
-    references = admission.ProbeReferences.load(probe_references)
-    tracker = Tracker(
-        tracker_identity,
-        expire_after=expire_after,
-        api_key=api_key,
-        references=references,
-        require_probe=require_probe,
-        probe_interval=probe_interval,
-        probe_tolerance=probe_tolerance,
-        mixes=mixes,
-    )
-    for pair in mixes:
-        log.info(
-            "routes may mix recipes %s and %s of %s (certified)", pair.cpu_recipe, pair.gpu_recipe, pair.artifact[:12]
-        )
-    if probe_references:
-        log.info("probe references: %d answers from %d file(s)", len(references), len(probe_references))
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(tracker.expire_loop)
-        url = await nursery.start(serve_http, tracker.app, listen)
-        task_status.started(TrackerReady(url=url, issuer_key=tracker_identity.node_id.hex(), pid=os.getpid()))
-        log.info("tracker at %s, issuer key %s", url, tracker_identity.node_id.hex())
+__all__ = ["GatewayOptions", "NodeOptions", "main_node", "run_gateway", "run_node"]
 
 
 @attrs.frozen
@@ -599,6 +458,7 @@ async def run_gateway(
             request_timeout=opts.request_timeout,
             queue_timeout=opts.queue_timeout,
             ledger=Ledger(opts.ledger) if opts.ledger else None,
+            client_id=dialer.node_id,
         )
         url = await nursery.start(serve_http, gateway.app, opts.listen)
         task_status.started(GatewayReady(url=url, models=tuple(m.model_id for m in served), pid=os.getpid()))

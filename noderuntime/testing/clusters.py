@@ -50,13 +50,16 @@ class Cluster:
         hops: Sequence[Hop] | None = None,
         ttl: float = 600.0,
         issuer: Identity | None = None,
+        client: bytes = b"",
     ) -> bytes:
+        """A ticket for ``session_id`` on the cluster's route; ``client``: whom it lets reach a relayed head."""
         return issue(
             issuer or self.issuer,
             session_id=session_id,
             epoch=epoch,
             artifact=self.artifact,
             hops=hops or self.hops,
+            client=client,
             ttl_seconds=ttl,
         )
 
@@ -96,16 +99,20 @@ class Cluster:
         hops: tuple[Hop, ...] | None = None,
         artifact: bytes | None = None,
     ) -> AbstractAsyncContextManager[Any]:
-        """A route generation over the cluster (or ``hops``), with a fresh ticket unless given one."""
+        """A route generation over the cluster (or ``hops``), with a fresh ticket unless given one.
+
+        The fresh ticket names ``connector``'s relay key as its client, as a tracker's would.
+        """
         session_id = session_id or os.urandom(16)
         hops = hops or self.hops
+        client = getattr(connector, "node_id", b"")
         return open_route_generation(
             connector,
             hops,
             request,
             artifact=artifact or self.artifact,
             recipe=self.recipe,
-            ticket=self.ticket(session_id, hops=hops) if ticket is None else ticket,
+            ticket=self.ticket(session_id, hops=hops, client=client) if ticket is None else ticket,
             session_id=session_id,
         )
 
@@ -147,19 +154,24 @@ def running_cluster(
     relay_url_for: Sequence[str] | None = None,
     threads: int | None = None,
     env: dict[str, str] | None = None,
+    relay_url: str | None = None,
+    issuer: Identity | None = None,
 ) -> Iterator[Cluster]:
     """Start a relay (when needed) and one node process per range; stop them all on exit.
 
     ``prefix``/``hosts`` run node i under a command prefix (``ip netns exec H``) bound to
     an address; ``relay_url_for`` gives each node the relay URL it can reach; ``env`` is
-    added to the nodes' environment.
+    added to the nodes' environment; ``relay_url`` names a relay someone else runs (none
+    is started then); ``issuer`` signs the tickets the nodes trust (a fresh key when None).
     """
-    issuer = Identity.generate()
+    issuer = issuer or Identity.generate()
     key = issuer.node_id.hex()
     relay = relay_info = None
     processes: list[ManagedProcess] = []
     try:
-        if relay_only or with_relay:
+        if relay_url is not None:
+            relay_info = RelayReady(url=relay_url, port=0, pid=0, http="")
+        elif relay_only or with_relay:
             relay = ManagedProcess(
                 "relay",
                 ["relay", "--listen", f"{relay_host}:0", "--issuer-key", key, "--http", f"{relay_host}:0"],

@@ -9,15 +9,17 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from noderuntime.access.identity import Identity
+from noderuntime.access.identity import Identity, channel_keys
 from noderuntime.access.tickets import TicketVerifier, issue
-from noderuntime.relay.server import Relay, serve
 from noderuntime.transport import FrameStream, memory_stream_pair
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from protocol import Hop, Span
+from relay.server import Relay, serve
 
 KINDS = ("memory", "grpc", "relay")
+# the relayed seam without its end-to-end channel, for benchmarks that measure what the channel costs
+PLAINTEXT_RELAY = "relay_plaintext"
 
 
 @asynccontextmanager
@@ -40,7 +42,7 @@ async def grpc_peer(
 
 @asynccontextmanager
 async def seam(kind: str) -> AsyncIterator[tuple[FrameStream, FrameStream]]:
-    """(client end, server end) of one fresh seam over ``kind``."""
+    """(client end, server end) of one fresh seam over ``kind`` (one of :data:`KINDS`, or :data:`PLAINTEXT_RELAY`)."""
     if kind == "memory":
         a, b = memory_stream_pair()
         yield a, b
@@ -56,13 +58,15 @@ async def seam(kind: str) -> AsyncIterator[tuple[FrameStream, FrameStream]]:
     async with trio.open_nursery() as nursery:
         server = await nursery.start(serve, relay, "127.0.0.1", 0)
         url = f"ws://127.0.0.1:{server.port}"
-        listener = RelayListener(url, node, send.send_nowait)
+        plaintext = kind == PLAINTEXT_RELAY
+        listener = RelayListener(url, node, send.send_nowait, plaintext=plaintext)
         async with trio.open_nursery() as listening:
             await listening.start(listener.run)
             session = os.urandom(16)
             hops = [Hop(node.node_id, Span(0, 1))]
-            ticket = issue(issuer, session_id=session, epoch=0, artifact=b"a" * 32, hops=hops)
-            relayed = await RelayDialer(nursery).dial(url, node.node_id, session_id=session, epoch=0, ticket=ticket)
+            dialer = RelayDialer(nursery, channel_keys(Identity.generate()), plaintext=plaintext)
+            ticket = issue(issuer, session_id=session, epoch=0, artifact=b"a" * 32, hops=hops, client=dialer.node_id)
+            relayed = await dialer.dial(url, node.node_id, session_id=session, epoch=0, ticket=ticket)
             yield relayed, await receive.receive()
             # the node leaves while the relay still runs to answer its closing handshake:
             # cancelled together, the close would wait out its second

@@ -299,6 +299,7 @@ class Tracker:
             epoch=0,
             artifact=bytes.fromhex(body.artifact),
             hops=hops,
+            client=bytes.fromhex(body.client),
             ttl_seconds=body.ttl_seconds,
         )
         self.state.note_session(n.node_id for n in choice.nodes)

@@ -101,6 +101,8 @@ class RouteRequest(BaseModel):
     tokens: int = Field(gt=0, le=1 << 22)
     exclude: list[str] = Field(default_factory=list, max_length=256)
     ttl_seconds: float = Field(default=600.0, gt=0, le=86400)
+    # the key the gateway proves when it reaches a head through a relay; the ticket names it
+    client: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
 
 
 class RouteHop(BaseModel):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import attrs
+
 from protocol import StatusCode
 
 
@@ -23,6 +25,15 @@ class StreamBroken(TransportError):
     """The stream was reset or the connection failed."""
 
 
+@attrs.frozen
+class PeerAuthentication:
+    """What a stream's own handshake proved about its peer: its node id, and the session it is bound to."""
+
+    node_id: bytes
+    session_id: bytes
+    epoch: int
+
+
 class FrameStream(Protocol):
     """A bidirectional, ordered stream of opaque frames (one seam of one session).
 
@@ -32,7 +43,11 @@ class FrameStream(Protocol):
     for the peer. ``abort`` ends the stream with a status the peer's ``receive``
     raises (as :class:`StreamBroken` with that code): the answer to a peer whose
     bytes never became a session, so there is no session to send an Error frame in.
+    ``authenticated`` is what the stream's own handshake proved of its peer (a relayed
+    seam's end-to-end channel), or None where the transport proves nothing of it.
     """
+
+    authenticated: PeerAuthentication | None
 
     async def send(self, frame: bytes) -> None:
         """Send one frame."""

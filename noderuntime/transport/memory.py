@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import trio
 
-from noderuntime.transport.base import StreamBroken, StreamClosed
+from noderuntime.transport.base import PeerAuthentication, StreamBroken, StreamClosed
 from protocol import StatusCode
 
 
@@ -12,6 +12,7 @@ class MemoryFrameStream:
     """One end of an in-memory seam."""
 
     kind = "memory"
+    authenticated: PeerAuthentication | None = None  # nothing proven of the peer here
 
     def __init__(
         self,

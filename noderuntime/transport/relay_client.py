@@ -1,4 +1,8 @@
-"""Both client sides of the relay: a node listening through it, and a peer dialling through it."""
+"""Both client sides of the relay: a node listening through it, and a peer dialling through it.
+
+Once the relay pairs them, the two run the end-to-end handshake of :mod:`noderuntime.transport.sealed`
+in the paired connection: what the relay forwards after that is sealed.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,10 @@ from collections.abc import Callable
 import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, connect_websocket_url
 
-from noderuntime.access.identity import Identity
+from noderuntime.access.identity import Identity, channel_keys
 from noderuntime.transport import relay_messages as m
 from noderuntime.transport.base import FrameStream, StreamBroken
+from noderuntime.transport.sealed import open_acceptor_side, open_dialer_side, plaintext_for_benchmarks
 from noderuntime.transport.websocket import (
     KEEPALIVE_SECONDS,
     MAX_MESSAGE_BYTES,
@@ -21,6 +26,7 @@ from noderuntime.transport.websocket import (
     until_silent,
 )
 from protocol import StatusCode
+from protocol.channel import Binding, ChannelKeys
 
 log = logging.getLogger(__name__)
 
@@ -66,18 +72,42 @@ async def _expect_paired(ws: WebSocketConnection, url: str) -> None:
 class RelayDialer:
     """Opens seams to nodes that are reachable only through a relay."""
 
-    def __init__(self, nursery: trio.Nursery, tls: ssl.SSLContext | None = None) -> None:
-        """``nursery`` hosts each connection's background reader; it must outlive the seams."""
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        keys: ChannelKeys,
+        tls: ssl.SSLContext | None = None,
+        *,
+        plaintext: bool | None = None,
+    ) -> None:
+        """``nursery`` hosts each connection's background reader; it must outlive the seams.
+
+        ``keys``: the dialling side's (:func:`noderuntime.access.identity.channel_keys`); the
+        ticket of each session dialled must name their node id before the node dialled.
+        ``plaintext``: seams without the end-to-end channel, for benchmarks and tests of
+        old peers only (None: as :data:`~noderuntime.transport.sealed.PLAINTEXT_ENV` says).
+        """
         self._nursery = nursery
         self._tls = tls
+        self.keys = keys
+        self._plaintext = plaintext_for_benchmarks() if plaintext is None else plaintext
+
+    @property
+    def node_id(self) -> bytes:
+        """Whom this dialer proves to be to the nodes it reaches."""
+        return self.keys.node_id
 
     async def dial(self, relay_url: str, target: bytes, *, session_id: bytes, epoch: int, ticket: bytes) -> FrameStream:
-        """A seam to ``target`` through ``relay_url`` (ws:// or wss://)."""
+        """A sealed seam to ``target`` through ``relay_url`` (ws:// or wss://), its handshake done."""
         url = relay_url.rstrip("/") + "/dial"
         ws = await _connect(self._nursery, url, self._tls)
         try:
             await ws.send_message(m.Dial(target, session_id, epoch, ticket).encode())
             await _expect_paired(ws, relay_url)
+            if self._plaintext:
+                return WebSocketFrameStream(ws, relay_url)
+            binding = Binding(session_id, epoch, self.keys.node_id, target)
+            return await open_dialer_side(ws, self.keys, binding, relay_url)
         except ConnectionClosed:
             raise StreamBroken(f"the relay at {relay_url} closed the dial", StatusCode.UNAVAILABLE) from None
         except BaseException:
@@ -85,7 +115,6 @@ class RelayDialer:
                 scope.shield = True
                 await ws.aclose()
             raise
-        return WebSocketFrameStream(ws, relay_url)
 
 
 class RelayListener:
@@ -100,15 +129,20 @@ class RelayListener:
         tls: ssl.SSLContext | None = None,
         retry_seconds: float = 1.0,
         keepalive: float = KEEPALIVE_SECONDS,
+        plaintext: bool | None = None,
     ) -> None:
+        """``plaintext``: as :class:`RelayDialer`'s, for benchmarks and tests of old peers only."""
         self.url = relay_url.rstrip("/")
         self.identity = identity
+        self._keys = channel_keys(identity)
+        self._plaintext = plaintext_for_benchmarks() if plaintext is None else plaintext
         self._on_stream = on_stream
         self._tls = tls
         self._retry = retry_seconds
         self._keepalive = keepalive
         self.connected = False
         self.accepted = 0
+        self.refused = 0  # paired seams whose dialer failed the handshake
         self._running = trio.CancelScope()
 
     def stop(self) -> None:
@@ -182,8 +216,14 @@ class RelayListener:
         try:
             ws = await _connect(nursery, f"{self.url}/accept/{pair}", self._tls)
             await _expect_paired(ws, self.url)
+            stream: FrameStream = (
+                WebSocketFrameStream(ws, self.url)
+                if self._plaintext
+                else await open_acceptor_side(ws, self._keys, self.url)
+            )
         except StreamBroken as exc:
             log.warning("could not accept a relayed seam: %s", exc)
+            self.refused += 1
             return
         self.accepted += 1
-        self._on_stream(WebSocketFrameStream(ws, self.url))
+        self._on_stream(stream)

@@ -12,8 +12,10 @@ Paths:
   in, the relay answers ``{"type": "paired"}``.
 - ``/accept/<pair>``: the target's side of a pair; the relay answers ``{"type": "paired"}``.
 
-After ``paired`` both connections carry binary seam frames, forwarded byte for byte.
-Refusals close the connection with one of the codes below and a reason.
+After ``paired`` both connections carry binary messages, forwarded byte for byte: the
+two ends' end-to-end handshake, then their sealed seam frames
+(:mod:`noderuntime.transport.sealed`); the relay can read none of them. Refusals close
+the connection with one of the codes below and a reason.
 
 Each message is a small frozen class (:class:`Challenge`, :class:`Hello`, ...):
 ``message.encode()`` writes it and ``decode(text, Hello)`` reads one, raising

@@ -6,14 +6,15 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from noderuntime.transport import relay_messages as m
-from noderuntime.transport.base import StreamBroken, StreamClosed
+from noderuntime.transport.base import PeerAuthentication, StreamBroken, StreamClosed
 from protocol import Limits, StatusCode
+from protocol.channel import sealed_size
 
-# One message carries one seam frame, and the encoder cuts every step into frames of at
-# most max_frame_bytes (trio-websocket's default of 1 MiB would close the connection on a
-# larger prefill chunk). No more: a relay holds up to this much, twice, for each
-# connection that has not yet proven anything.
-MAX_MESSAGE_BYTES = Limits().max_frame_bytes
+# One message carries one seam frame, sealed (protocol.channel), and the encoder cuts every
+# step into frames of at most max_frame_bytes (trio-websocket's default of 1 MiB would close
+# the connection on a larger prefill chunk). No more: a relay holds up to this much, twice,
+# for each connection that has not yet proven anything.
+MAX_MESSAGE_BYTES = sealed_size(Limits().max_frame_bytes)
 # The default 4 KiB receive buffer caps throughput at ~66 MB/s on this machine; 256 KiB reaches ~160.
 RECEIVE_BUFFER_BYTES = 256 << 10
 # One queued message per connection: the sender waits for the reader (backpressure).
@@ -42,6 +43,7 @@ class WebSocketFrameStream:
     """The FrameStream interface over one websocket connection."""
 
     kind = "relay"
+    authenticated: PeerAuthentication | None = None  # nothing proven of the peer here
 
     def __init__(self, ws: WebSocketConnection, peer: str) -> None:
         self.ws = ws

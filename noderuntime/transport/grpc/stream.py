@@ -11,7 +11,7 @@ import grpclib.metadata
 import trio
 
 from noderuntime.operations import timeline
-from noderuntime.transport.base import StreamBroken, StreamClosed, TransportError
+from noderuntime.transport.base import PeerAuthentication, StreamBroken, StreamClosed, TransportError
 from noderuntime.transport.grpc import _grpclib_private
 from noderuntime.transport.grpc.bridge import AsyncioThread, Pipe, fresh
 from noderuntime.transport.grpc.errors import PEER_STATUS, RESET, map_exceptions
@@ -24,6 +24,7 @@ class GrpcFrameStream:
     """The trio end of one gRPC seam stream."""
 
     kind = "grpc"
+    authenticated: PeerAuthentication | None = None  # nothing proven of the peer here
 
     def __init__(
         self, runtime: AsyncioThread, token: trio.lowlevel.TrioToken, peer: str, *, server_side: bool = False

@@ -4,9 +4,15 @@ Nodes behind NAT keep an authenticated control connection (``/control``). A peer
 needs a seam to such a node dials ``/dial`` with a session ticket naming that node;
 the relay checks the ticket, tells the node over its control connection to dial
 ``/accept/<pair>``, pairs the two connections and forwards every binary message
-both ways as it is — it never decodes activations. Buffers are bounded (one queued
-message per connection), so a side that stops reading stalls the other side instead
-of growing memory. See :mod:`noderuntime.transport.relay_messages` for the control vocabulary.
+both ways as it is. The two ends seal what they send end to end
+(:mod:`protocol.channel`): the relay holds no key and reads nothing but its own control
+messages. Buffers are bounded (one queued message per connection), so a side that
+stops reading stalls the other side instead of growing memory. See
+:mod:`noderuntime.transport.relay_messages` for the control vocabulary.
+
+This package is what a public relay runs: it imports the protocol and the transport
+pieces it needs, never the engine, a node or the gateway (``tests/test_layers.py``), and
+runs from the light install (``pip install noderuntime``, no llama.cpp).
 """
 
 from __future__ import annotations

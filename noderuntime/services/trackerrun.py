@@ -1,0 +1,59 @@
+"""The tracker's process (``noderuntime tracker``): runs from the light install (no engine)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from noderuntime.access import identity
+from noderuntime.control import admission
+from noderuntime.operations.httpserve import serve_http
+from noderuntime.services.ready import TrackerReady
+from noderuntime.verify.certificates import CoveredPair
+
+log = logging.getLogger(__name__)
+
+
+async def run_tracker(
+    listen: str,
+    data_dir: Path,
+    *,
+    api_key: str | None = None,
+    expire_after: float = 10.0,
+    probe_references: tuple[Path, ...] = (),
+    require_probe: bool = False,
+    probe_interval: float = 600.0,
+    probe_tolerance: float = admission.DEFAULT_TOLERANCE,
+    mixes: Sequence[CoveredPair] = (),
+    task_status: trio.TaskStatus[TrackerReady] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve a tracker until cancelled; ``mixes`` are the recipe pairs certified to share routes."""
+    from noderuntime.tracker.app import Tracker
+
+    tracker_identity = identity.load_or_create(data_dir)
+    references = admission.ProbeReferences.load(probe_references)
+    tracker = Tracker(
+        tracker_identity,
+        expire_after=expire_after,
+        api_key=api_key,
+        references=references,
+        require_probe=require_probe,
+        probe_interval=probe_interval,
+        probe_tolerance=probe_tolerance,
+        mixes=mixes,
+    )
+    for pair in mixes:
+        log.info(
+            "routes may mix recipes %s and %s of %s (certified)", pair.cpu_recipe, pair.gpu_recipe, pair.artifact[:12]
+        )
+    if probe_references:
+        log.info("probe references: %d answers from %d file(s)", len(references), len(probe_references))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tracker.expire_loop)
+        url = await nursery.start(serve_http, tracker.app, listen)
+        task_status.started(TrackerReady(url=url, issuer_key=tracker_identity.node_id.hex(), pid=os.getpid()))
+        log.info("tracker at %s, issuer key %s", url, tracker_identity.node_id.hex())
