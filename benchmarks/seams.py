@@ -2,14 +2,17 @@
 
     python -m benchmarks.seams [--quick] [--out PATH]
 
-1. Round trip of one frame over a seam and back, for memory, gRPC and the relay, with a
+1. Round trip of one frame over a seam and back, for memory, gRPC and the relay (sealed, and
+   unsealed beside it), with a
    decode-size frame (one token of SmolLM2: 2442 bytes) and a prefill-size frame (256
    tokens: ~590 KB): p50 and p95. For gRPC also a seam's opening plus its first round
    trip, on a new connection and on the spare a connector keeps per recent peer.
 2. Single-session greedy decode tok/s of SmolLM2 split 0:15 / 15:30 over two real node
    processes, seam over gRPC and over the relay, against the whole model decoding in one
    process with no network at all (the same engine, recipe and threads). Bytes per token
-   counted on the wire between the shards. Goals: gRPC >= 0.90x, relay >= 0.85x. The same
+   counted on the wire between the shards. Goals: gRPC >= 0.90x, relay >= 0.85x. The relay
+   lane runs twice: sealed end to end, as nodes run it, and without its channel (goal:
+   sealed >= 0.97x unsealed, side by side). The same
    again with each shard process pinned to its own core, against the whole model on one.
    And the whole model served by one node process to the same client: a route with no
    seam between shards, to tell what the seam costs from what serving costs.
@@ -110,8 +113,9 @@ TIMELINE_REPEATS = 3  # generations per route with the nodes' timelines on
 WAKE_IDLE = 0.003  # seconds a thread sleeps before it is woken: about one shard's decode tick
 SWEEP_BYTES = 64 << 20  # about what one decode tick of a shard reads
 # the decode tok/s lanes, each run `repeats` times; ratios are between medians
-LANES = ("whole", "chained", "one_node", "grpc", "relay", "head_alone", "tail_alone")
-ROUTES = ("one_node", "grpc", "relay")
+LANES = ("whole", "chained", "one_node", "grpc", "relay", "relay_plaintext", "head_alone", "tail_alone")
+# relay_plaintext: the relay lane without its end-to-end channel, to tell what sealing costs
+ROUTES = ("one_node", "grpc", "relay", "relay_plaintext")
 GAP_PARTS = ("split", "engine_slower", "worker_round_trip", "between_ticks")
 LANES_1_CORE = ("whole_1core", "grpc_1core_each", "head_alone_1core", "tail_alone_1core")
 
@@ -150,7 +154,7 @@ async def _seam_opens(count: int, tmp: Path) -> dict[str, Any]:
     certificate, then the connection's own), later ones start with their first frame.
     """
     from noderuntime.access.identity import self_signed
-    from noderuntime.services.noderun import server_tls
+    from noderuntime.services.running import server_tls
     from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer
 
     payload = os.urandom(DECODE_FRAME)
@@ -501,6 +505,7 @@ async def _lanes(
     """
     from noderuntime.seams.dialer import open_dialer
     from noderuntime.testing.clusters import running_cluster
+    from noderuntime.transport.sealed import PLAINTEXT_ENV
 
     rates: dict[str, Any] = {k: [] for k in LANES if k not in ROUTES or k in route_names} | {"chained_engine_ms": []}
     head, tail = (cuts[0], cuts[1]), (cuts[1], cuts[2])
@@ -511,6 +516,7 @@ async def _lanes(
             "one_node": ([cuts[0], cuts[-1]], {}),
             "grpc": (cuts, {}),
             "relay": (cuts, {"relay_only": [1]}),
+            "relay_plaintext": (cuts, {"relay_only": [1], "env": {PLAINTEXT_ENV: "1"}}),
         }
         routes = {
             name: stack.enter_context(
@@ -759,7 +765,9 @@ def _main(args: Any, tmp: Path) -> int:
     new_tokens = 32 if args.quick else 128
     repeats = 2 if args.quick else 7
     hops: dict[str, Any] = {}
-    kinds = ("memory", "grpc", "relay")
+    from noderuntime.testing.seams import PLAINTEXT_RELAY
+
+    kinds = ("memory", "grpc", "relay", PLAINTEXT_RELAY)
     small: dict[str, list[float]] = {k: [] for k in kinds}
     large: dict[str, list[float]] = {k: [] for k in kinds}
     # transports take turns over several rounds: this shared machine drifts between fast and
@@ -836,6 +844,9 @@ def _main(args: Any, tmp: Path) -> int:
         "route_relay_over_chained": demo["relay_over_chained"],
         "goal_grpc_0_90": demo["goal_grpc_0_90"],
         "goal_relay_0_85": demo["goal_relay_0_85"],
+        "route_relay_plaintext_decode_tok_s": demo["relay_plaintext_decode_tok_s"],
+        "route_relay_over_relay_plaintext": demo["relay_over_relay_plaintext"],
+        "goal_relay_sealed_0_97": demo["goal_relay_sealed_0_97"],
         "token_stages_us": demo["token_stages"],
         "raw": demo["raw"],
         "larger_model": larger,
@@ -961,7 +972,7 @@ def _largest_lanes(tmp: Path, new_tokens: int, repeats: int) -> dict[str, Any]:
                 "shape": LARGEST_SHAPE,
             }
         # two routes' clusters side by side, then the third's: three at once would not fit
-        rates = trio.run(_lanes, path, LARGEST_CUTS, new_tokens, repeats, ("grpc", "relay"))
+        rates = trio.run(_lanes, path, LARGEST_CUTS, new_tokens, repeats, ("grpc", "relay", "relay_plaintext"))
         for key, values in trio.run(_lanes, path, LARGEST_CUTS, new_tokens, repeats, ("one_node",)).items():
             rates[key] = rates.get(key, []) + values
         figures = _rate_figures(rates)
@@ -1018,13 +1029,19 @@ def _rate_figures(rates: dict[str, Any]) -> dict[str, Any]:
     """Medians and ratios of one model's decode lanes (:func:`_lanes`)."""
     med = {k: statistics.median(v) for k, v in rates.items() if k in LANES}
     whole, one, grpc, relay = med["whole"], med["one_node"], med["grpc"], med["relay"]
+    plaintext = med["relay_plaintext"]
     ticks = {k: _median_ticks(rates[f"{k}_decode_tick_ms"]) for k in ROUTES}
     engine = {k: _median_ticks(rates[f"{k}_decode_engine_ms"]) for k in ROUTES}
     chained = _median_ticks(rates["chained_engine_ms"])
     # what each route's engine calls are held against (ms per token): the whole model for
     # one node; the ranges chained in one process for two shards sharing this machine's caches
-    reference: dict[str, Sequence[float]] = {"one_node": (1e3 / whole,), "grpc": chained, "relay": chained}
-    routes = {"one_node": one, "grpc": grpc, "relay": relay}
+    reference: dict[str, Sequence[float]] = {
+        "one_node": (1e3 / whole,),
+        "grpc": chained,
+        "relay": chained,
+        "relay_plaintext": chained,
+    }
+    routes = {"one_node": one, "grpc": grpc, "relay": relay, "relay_plaintext": plaintext}
     return {
         "whole_decode_tok_s": whole,
         "chained_decode_tok_s": med["chained"],
@@ -1033,6 +1050,10 @@ def _rate_figures(rates: dict[str, Any]) -> dict[str, Any]:
         "one_node_decode_tok_s": one,
         "grpc_decode_tok_s": grpc,
         "relay_decode_tok_s": relay,
+        "relay_plaintext_decode_tok_s": plaintext,
+        # the relayed seam sealed end to end, against the same lane unsealed (goal 0.97)
+        "relay_over_relay_plaintext": relay / plaintext,
+        "goal_relay_sealed_0_97": relay / plaintext >= 0.97,
         "one_node_over_whole": one / whole,
         "grpc_over_whole": grpc / whole,
         "relay_over_whole": relay / whole,
