@@ -12,7 +12,6 @@ project is installed into it afresh on every run, so what runs is this checkout'
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import json
 import os
 import re
@@ -26,7 +25,7 @@ import platformdirs
 import pytest
 import trio
 
-from noderuntime.access.identity import Identity
+from noderuntime.access.identity import Identity, self_signed
 from noderuntime.models.catalogue import make_once
 from noderuntime.seams.client import GenerationRequest
 from noderuntime.seams.dialer import open_dialer
@@ -68,38 +67,6 @@ def _light_venv(tmp: Path) -> Path:
         cwd=tmp,
     )
     return venv
-
-
-def _loopback_certificate(folder: Path) -> Path:
-    """A certificate for 127.0.0.1 (``tls.crt``, its key ``tls.key`` beside it), as a public relay's names its host."""
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    folder.mkdir()
-    (folder / "tls.key").write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    (folder / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return folder / "tls.crt"
 
 
 def _env() -> dict[str, str]:
@@ -161,7 +128,8 @@ def test_a_light_install_runs_a_relay_and_a_tracker_that_full_nodes_use(smollm2:
     assert up.returncode != 0 and "this install has no engine" in up.stderr and "make bootstrap" in up.stderr
     issuer = Identity.generate()
     deploy = ROOT / "deploy"
-    credentials = _loopback_certificate(tmp_path / "credentials")
+    # a certificate for the relay's host, as a public relay's names its own
+    credentials = self_signed(tmp_path / "credentials", "127.0.0.1", addresses=["127.0.0.1"]).cert
     relay_settings = _settings(
         deploy / "relay.env.example",
         RELAY_LISTEN="127.0.0.1:0",

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import ipaddress
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -137,8 +139,14 @@ class TlsFiles:
         return hashlib.sha256(x509.load_pem_x509_certificate(pem).public_bytes(serialization.Encoding.DER)).digest()
 
 
-def self_signed(directory: str | os.PathLike[str], common_name: str = "noderuntime") -> TlsFiles:
-    """A self-signed ECDSA P-256 certificate in ``directory`` (made once, then reused)."""
+def self_signed(
+    directory: str | os.PathLike[str], common_name: str = "noderuntime", *, addresses: Sequence[str] = ()
+) -> TlsFiles:
+    """A self-signed ECDSA P-256 certificate in ``directory`` (made once, then reused).
+
+    ``addresses``: IP addresses it names (a subject alternative name), for a client that
+    checks the host it dialled, as TLS to a relay's ``wss://`` URL does.
+    """
     directory = Path(directory)
     cert_path, key_path = directory / "tls.crt", directory / "tls.key"
     if cert_path.exists() and key_path.exists():
@@ -147,7 +155,7 @@ def self_signed(directory: str | os.PathLike[str], common_name: str = "noderunti
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     now = datetime.datetime.now(datetime.UTC)
-    cert = (
+    builder = (
         x509.CertificateBuilder()
         .subject_name(name)
         .issuer_name(name)
@@ -156,8 +164,11 @@ def self_signed(directory: str | os.PathLike[str], common_name: str = "noderunti
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=3650))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
     )
+    if addresses:
+        names = [x509.IPAddress(ipaddress.ip_address(address)) for address in addresses]
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    cert = builder.sign(key, hashes.SHA256())
     fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(
