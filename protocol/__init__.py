@@ -33,9 +33,10 @@ from protocol.events import (
     route_recipe,
 )
 from protocol.limits import Limits
-from protocol.seam import Direction, SeamEndpoint, State, error_event
+from protocol.seam import HEARTBEAT_MINOR, Direction, SeamEndpoint, State, error_event
 
 __all__ = [
+    "HEARTBEAT_MINOR",
     "MAX_TOP_LOGPROBS",
     "SCHEMA_MAJOR",
     "SCHEMA_MINOR",

@@ -58,6 +58,7 @@ _COLD_SHAPES: dict[int, _Shape] = {
         5: (_PACKABLE, None, "max_tokens"),
         6: (_V, None, ""),
         7: (_L, None, ""),
+        8: (_V, None, ""),
     },
     RELEASE: {1: (_L, None, "")},
     CANCEL: {1: (_L, None, "")},
@@ -105,6 +106,7 @@ def cold_body(event: Event) -> tuple[int, Any]:
             stop_token_ids=list(event.stop_token_ids),
             deadline_unix_ms=event.deadline_unix_ms,
             ticket=event.ticket,
+            prompt_length=event.prompt_length,
         )
     if isinstance(event, Release):
         return RELEASE, pb.Release(reason=event.reason)
@@ -236,6 +238,12 @@ def open_route_event(header: Header, m: Any, limits: Limits) -> OpenRoute:
         top_logprobs=_at_most(s.top_logprobs, MAX_TOP_LOGPROBS, "top_logprobs"),
         prompt_logprobs=s.prompt_logprobs,
     )
+    if m.prompt_length and not 0 < m.prompt_length < len(m.prompt_tokens):
+        raise RemoteProtocolError(
+            f"prompt_length {m.prompt_length} must lie inside the {len(m.prompt_tokens)} prompt tokens"
+        )
+    if m.prompt_length and len(m.prompt_tokens) - m.prompt_length >= m.max_tokens:
+        raise RemoteProtocolError("a resumed session must have tokens left to generate")
     return OpenRoute(
         header,
         tuple(hops),
@@ -245,4 +253,5 @@ def open_route_event(header: Header, m: Any, limits: Limits) -> OpenRoute:
         tuple(m.stop_token_ids),
         m.deadline_unix_ms,
         m.ticket,
+        m.prompt_length,
     )

@@ -16,7 +16,7 @@ import numpy as np
 from protocol.errors import StatusCode
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 2
+SCHEMA_MINOR = 3
 # the most likely tokens a TokenLogprob may list beside the chosen one (OpenAI's bound)
 MAX_TOP_LOGPROBS = 20
 
@@ -145,6 +145,19 @@ class OpenRoute:
     stop_token_ids: tuple[int, ...] = ()
     deadline_unix_ms: int = 0
     ticket: bytes = b""
+    # a resumed session (since 1.3): prompt_tokens[:prompt_length] is the prompt, the rest
+    # was generated already; 0 for a new session, whose prompt_tokens are all prompt
+    prompt_length: int = 0
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        """The prompt itself."""
+        return self.prompt_tokens[: self.prompt_length] if self.prompt_length else self.prompt_tokens
+
+    @property
+    def generated(self) -> tuple[int, ...]:
+        """Tokens a resumed session generated before (none for a new session)."""
+        return self.prompt_tokens[self.prompt_length :] if self.prompt_length else ()
 
 
 @attrs.frozen(eq=False)

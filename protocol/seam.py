@@ -253,13 +253,20 @@ class SeamEndpoint:
             )
 
 
+# From this schema minor on, a hop sends heartbeats (Credit frames toward the client) while
+# a session is open, and watches its next hop's: one that sends nothing, not even a
+# heartbeat, for a while is hung, however long its steps take.
+HEARTBEAT_MINOR = 3
+
 # what a session uses that needs each schema minor version
-_NEEDS = {1: "a grammar or a logit bias", 2: "logprobs"}
+_NEEDS = {1: "a grammar or a logit bias", 2: "logprobs", 3: "resuming a session on a repaired route"}
 
 
 def required_minor(open_route: OpenRoute) -> int:
     """The schema minor version every hop of this session must speak."""
     sampling = open_route.sampling
+    if open_route.prompt_length:
+        return 3
     if sampling.logprobs or sampling.prompt_logprobs:
         return 2
     return 1 if sampling.grammar or sampling.logit_bias else 0

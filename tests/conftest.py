@@ -207,6 +207,7 @@ TIERS = {
         "test_observability",
         "test_parity",
         "test_relay_e2e",
+        "test_repair",
         "test_structured_output",
         "test_timeline",
         "test_tools",

@@ -265,7 +265,7 @@ class FakeShard:
     def remove_sequence(self, seq_id: int) -> None:
         self.removed.append(seq_id)
 
-    def new_sampler(self, params: Sampling, history: Any = ()) -> FakeSampler:
+    def new_sampler(self, params: Sampling, history: Any = (), generated: Any = ()) -> FakeSampler:
         self.samplers.append(FakeSampler())
         return self.samplers[-1]
 

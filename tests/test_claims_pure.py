@@ -314,16 +314,16 @@ def _grant(*names: bytes) -> RouteGrant:
 
 
 def test_the_next_attempt_avoids_whom_the_failure_points_at() -> None:
-    """routing.to_exclude: "Which nodes the next attempt should avoid, from who reported what"."""
+    """routing.to_exclude: "the one the error names ... else the head"."""
     grant = _grant(b"a", b"b", b"c")
     a, b, c = (h.node_id for h in grant.hops)
-    # a hop that reports its next hop gone, hung or broken blames that next hop, not itself
-    assert to_exclude(grant, RouteError("next hop went away", StatusCode.UNAVAILABLE, a)) == [b]
-    assert to_exclude(grant, RouteError("next hop broke the protocol", StatusCode.UNAVAILABLE, b)) == [c]
-    # full, or failed in its own engine: the reporter itself
+    # a hop names the node the error is about: its next hop gone, hung or broken; itself full,
+    # failed in its own engine, or leaving
+    assert to_exclude(grant, RouteError("next hop went away", StatusCode.UNAVAILABLE, b)) == [b]
+    assert to_exclude(grant, RouteError("next hop broke the protocol", StatusCode.UNAVAILABLE, c)) == [c]
     assert to_exclude(grant, RouteError("full", StatusCode.RESOURCE_EXHAUSTED, b)) == [b]
     assert to_exclude(grant, RouteError("engine", StatusCode.INTERNAL, a)) == [a]
-    assert to_exclude(grant, RouteError("tail failed", StatusCode.UNAVAILABLE, c)) == [c]  # nobody after it
+    assert to_exclude(grant, RouteError("leaving", StatusCode.UNAVAILABLE, b)) == [b]
     # nobody named (the head unreachable, or a stranger's id): the head
     assert to_exclude(grant, RouteError("cannot reach the head", StatusCode.UNAVAILABLE)) == [a]
     assert to_exclude(grant, RouteError("?", StatusCode.UNAVAILABLE, b"z" * 32)) == [a]

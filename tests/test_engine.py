@@ -343,3 +343,64 @@ def test_a_unified_kv_is_only_for_measuring_and_leaves_fingerprints_alone(tiny_m
         result = whole.run(rows, want_logits=True)
         assert result.logits is not None and result.logits.shape == (2, whole.n_vocab)
         assert whole.kv_cells_used() == 4
+
+
+RESUMED = {
+    "greedy": Sampling(),
+    "seeded": Sampling(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, seed=77, repeat_penalty=1.1),
+    "penalties": Sampling(temperature=1.2, seed=5, frequency_penalty=0.7, presence_penalty=0.4, penalty_last_n=16),
+    "grammar": Sampling(
+        temperature=0.8, seed=11, grammar='root ::= "{\\"name\\": \\"" [a-z]+ "\\", \\"legs\\": " [0-9]+ "}"'
+    ),
+}
+
+
+def _continue(
+    model: ShardEngine, seq: int, tokens: list[int], chain: engine.SamplerChain, n: int, stop: frozenset[int]
+) -> list[int]:
+    """Prefill ``tokens`` in one piece on ``seq``, then sample up to ``n`` tokens one decode step at a time."""
+    last = len(tokens) - 1
+    rows = Rows(
+        np.full(len(tokens), seq, np.int32),
+        np.arange(len(tokens), dtype=np.int32),
+        np.arange(len(tokens)) == last,
+        tokens=np.asarray(tokens, np.int32),
+    )
+    token = model.run(rows, samplers={last: chain}).sampled[last]
+    out = [token]
+    for position in range(len(tokens), len(tokens) + n - 1):
+        if token in stop:
+            break
+        step = Rows(
+            np.array([seq], np.int32),
+            np.array([position], np.int32),
+            np.ones(1, bool),
+            tokens=np.array([token], np.int32),
+        )
+        token = model.run(step, samplers={0: chain}).sampled[0]
+        out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(RESUMED))
+def test_a_chain_rebuilt_over_the_tokens_so_far_goes_on_as_the_first_would_have(smollm2: Path, name: str) -> None:
+    """A route repair resumes a session on another tail: its chain, built over the prompt and the
+    tokens generated so far (penalties, grammar) and drawing at each position from the seed and
+    the position alone, must pick what the lost chain would have, after the prefix's KV is
+    recomputed in one prefill rather than token by token."""
+    params = RESUMED[name]
+    vocab = Vocab(smollm2)
+    prompt = vocab.tokenize("Describe a cat as JSON with its name and number of legs:")
+    recipe = Recipe(n_threads=2, n_ctx_per_seq=256, n_seq_max=2, n_batch=256, n_ubatch=256)
+    with ShardEngine(smollm2, recipe) as model:
+        first = model.new_sampler(params, history=prompt)
+        reference = _continue(model, 0, prompt, first, 24, vocab.eog_tokens)
+        first.close()
+        model.remove_sequence(0)
+        assert len(reference) >= 12, reference
+        for cut in (1, 5, len(reference) - 2):
+            chain = model.new_sampler(params, history=prompt, generated=reference[:cut])
+            resumed = _continue(model, 1, prompt + reference[:cut], chain, len(reference) - cut, vocab.eog_tokens)
+            chain.close()
+            model.remove_sequence(1)
+            assert resumed == reference[cut:], (name, cut)

@@ -25,6 +25,7 @@ from noderuntime.services.localroute import LocalRoute, open_local_route
 from noderuntime.transport import FrameStream, StreamBroken, TransportError, memory_stream_pair
 from protocol import (
     Activations,
+    Credit,
     Direction,
     Error,
     Event,
@@ -72,14 +73,21 @@ async def _as_head_toward_the_tail(route: LocalRoute, max_tokens: int) -> tuple[
     return conn, endpoint
 
 
+async def _answer(conn: SeamConnection) -> Event:
+    """The next event from the tail that is not one of its heartbeats (Credit frames)."""
+    with trio.fail_after(10):
+        while isinstance(event := await conn.receive(), Credit):
+            pass
+    return event
+
+
 async def test_a_step_larger_than_a_batch_is_refused_with_its_status(route: LocalRoute) -> None:
     """Once a session is open its seam takes no tensor larger than a batch of hidden states."""
     conn, endpoint = await _as_head_toward_the_tail(route, max_tokens=400)  # reserves 405 positions
     rows = RECIPE.n_batch + 44  # within the reservation, beyond what one batch takes
     hidden = np.zeros((rows, route.nodes[1].engine_n_embd), np.float32)
     await conn.send(Activations(endpoint.header(Phase.PREFILL, Span(0, rows)), (NamedTensor("hidden_states", hidden),)))
-    with trio.fail_after(10):
-        refusal = await conn.receive()
+    refusal = await _answer(conn)
     assert isinstance(refusal, Error) and refusal.code == StatusCode.RESOURCE_EXHAUSTED, refusal
     assert "exceeds" in refusal.message
     await conn.aclose()
@@ -92,8 +100,7 @@ async def test_a_decode_step_of_several_rows_is_refused(route: LocalRoute) -> No
     conn, endpoint = await _as_head_toward_the_tail(route, max_tokens=16)
     hidden = np.zeros((3, route.nodes[1].engine_n_embd), np.float32)
     await conn.send(Activations(endpoint.header(Phase.DECODE, Span(0, 3)), (NamedTensor("hidden_states", hidden),)))
-    with trio.fail_after(10):
-        refusal = await conn.receive()
+    refusal = await _answer(conn)
     assert isinstance(refusal, Error) and refusal.code == StatusCode.INVALID_ARGUMENT, refusal
     await conn.aclose()
     await _idle(route)

@@ -13,15 +13,17 @@ import trio
 import trio.testing
 
 from noderuntime.node.batcher import StepOutput, StepRequest
-from noderuntime.node.ending import ENDINGS, EndReason, ending, idle_blame, stop_reason
+from noderuntime.node.ending import ENDINGS, Blame, EndReason, ending, idle_blame, stop_reason
 from noderuntime.node.leases import LeaseManager
 from noderuntime.node.sessions import RouteSession, SessionContext
 from noderuntime.seams.connection import SeamConnection
 from noderuntime.transport import TransportError, memory_stream_pair
 from protocol import (
+    Credit,
     Direction,
     Encoding,
     Error,
+    Event,
     Hop,
     Identity,
     Limits,
@@ -75,6 +77,13 @@ class FakeNode:
         )
 
 
+async def _receive(client: SeamConnection) -> Event:
+    """The client's next event that is not a heartbeat (a Credit the head sends while it serves)."""
+    while isinstance(event := await client.receive(), Credit):
+        pass
+    return event
+
+
 async def _open(
     node: FakeNode, prompt: tuple[int, ...], max_tokens: int, **context: Any
 ) -> tuple[SeamConnection, RouteSession]:
@@ -103,14 +112,14 @@ async def test_a_session_prefills_in_chunks_generates_and_is_released(autojump_c
     client, session = await _open(node, tuple(range(1, 11)), 3)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(session.run)
-        tokens = [await client.receive() for _ in range(3)]
+        tokens = [await _receive(client) for _ in range(3)]
         assert all(isinstance(t, Tokens) for t in tokens)
         assert [t.token_ids for t in tokens] == [(108,), (110,), (111,)]  # type: ignore[union-attr]
         assert [t.finish_reason for t in tokens] == ["", "", "length"]  # type: ignore[union-attr]
         assert node.last_steps == [session.lease.seq_id]  # told before the Release: no tick waits for it
         assert client.endpoint is not None
         await client.send(Release(client.endpoint.header(Phase.RELEASE), "done"))
-        usage = await client.receive()
+        usage = await _receive(client)
         assert isinstance(usage, Usage) and len(usage.records) == 1
     # chunks of 4, 4 and 2 prompt rows (the last one sampled), then one row per token
     assert [(s.start, s.n_rows, s.sampler is not None) for s in node.steps] == [
@@ -134,9 +143,9 @@ async def test_a_client_that_never_releases_is_ended_by_the_idle_watchdog(
     started = trio.current_time()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(session.run)
-        finished = await client.receive()
+        finished = await _receive(client)
         assert isinstance(finished, Tokens) and finished.finished
-        error = await client.receive()  # nobody released: the watchdog ends it
+        error = await _receive(client)  # nobody released: the watchdog ends it
     assert isinstance(error, Error) and error.code == StatusCode.DEADLINE_EXCEEDED
     assert session.end is not None and session.end.reason is EndReason.IDLE
     assert 30.0 <= trio.current_time() - started <= 30.0 * 1.5
@@ -152,6 +161,8 @@ def test_every_ending_has_its_row_and_an_open_code_must_be_given() -> None:
     assert ending(EndReason.DOWNSTREAM_ERROR, "x", StatusCode.RESOURCE_EXHAUSTED).code is StatusCode.RESOURCE_EXHAUSTED
     with pytest.raises(ValueError, match="needs a status code"):
         ending(EndReason.IDLE)
+    with pytest.raises(ValueError, match="whom it blames"):
+        ending(EndReason.IDLE, code=StatusCode.UNAVAILABLE)
     with pytest.raises(ValueError, match="ends with"):
         ending(EndReason.RELEASED, code=StatusCode.INTERNAL)
     # who is told: a failure comes from one side and is told to the other
@@ -167,8 +178,9 @@ def test_the_watchdog_blames_the_side_that_stalled() -> None:
     assert idle_blame(30, sends_up=1, awaiting_downstream=True) == (
         StatusCode.DEADLINE_EXCEEDED,
         "the previous hop read nothing for 30 s",
+        Blame.PREVIOUS,
     )
-    assert idle_blame(30, sends_up=0, awaiting_downstream=True)[0] is StatusCode.UNAVAILABLE  # may be retried
+    assert idle_blame(30, sends_up=0, awaiting_downstream=True)[::2] == (StatusCode.UNAVAILABLE, Blame.NEXT)
     assert idle_blame(30, sends_up=0, awaiting_downstream=False)[0] is StatusCode.DEADLINE_EXCEEDED
 
 

@@ -204,7 +204,16 @@ def test_hops_read_back_what_they_write_with_the_keys_gateways_expect() -> None:
         hops=[RouteHop.of(hop) for hop in HOPS],
     )
     text = json.dumps(reply.model_dump(mode="json"))
-    assert list(json.loads(text)) == ["session_id", "epoch", "ticket", "recipe", "cost_ms", "ctx_per_session", "hops"]
+    assert list(json.loads(text)) == [
+        "session_id",
+        "epoch",
+        "ticket",
+        "recipe",
+        "cost_ms",
+        "ctx_per_session",
+        "hops",
+        "exact",
+    ]
     assert tuple(hop.hop() for hop in RouteReply.model_validate_json(text).hops) == HOPS
 
 

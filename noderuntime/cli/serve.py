@@ -142,6 +142,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         tls_cert=tls_cert,
         tls_key=tls_key,
         idle_timeout=args.idle_timeout,
+        hang_timeout=args.hang_timeout,
+        drain_timeout=args.drain_timeout,
         http=args.http,
         tracker=args.tracker,
         memory_limit=args.memory_limit,
@@ -254,12 +256,46 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_down(args: argparse.Namespace) -> int:
+    """Drain the node whose data directory is given: SIGTERM, then wait for it to hand over and exit."""
+    import signal
+    import time
+
+    pid_file = Path(args.data_dir) / "node.pid"  # noderun.PID_FILE, read without importing the engine
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        raise CliError(f"no node runs from {args.data_dir} (no readable {pid_file})") from None
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        raise CliError(f"the node of {args.data_dir} (pid {pid}) is not running") from None
+    except PermissionError:
+        raise CliError(f"not allowed to signal the node of {args.data_dir} (pid {pid})") from None
+    print(f"node {pid}: leaving (its sessions go on through other nodes)", flush=True)
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            print(f"node {pid}: gone", flush=True)
+            return 0
+        time.sleep(0.1)
+    raise CliError(f"the node (pid {pid}) is still running after {args.timeout:.0f} s")
+
+
 def add_commands(sub: Any) -> None:
     """Add this group's commands to the ``noderuntime`` parser's subcommands."""
     _add_up(sub)
     _add_tracker(sub)
     _add_gateway(sub)
     _add_relay(sub)
+    p = sub.add_parser(
+        "down", help="make a node leave politely: routes stop naming it, its sessions go on through other nodes"
+    )
+    p.add_argument("--data-dir", default=str(default_data_dir()), help="the node's data directory (as given to up)")
+    p.add_argument("--timeout", type=seconds, default=30.0, help="seconds to wait for it to exit")
+    p.set_defaults(func=_cmd_down)
 
 
 def _add_up(sub: Any) -> None:
@@ -318,6 +354,18 @@ def _add_up(sub: Any) -> None:
     p.add_argument("--tls-key", type=Path, help="PEM key for the gRPC listener")
     p.add_argument("--tls-self-signed", action="store_true", help="make (once) and use a self-signed certificate")
     p.add_argument("--idle-timeout", type=seconds, default=60.0, help="seconds a session may make no progress")
+    p.add_argument(
+        "--drain-timeout",
+        type=seconds,
+        default=10.0,
+        help="on SIGTERM or `noderuntime down`, seconds to wait for live sessions to be handed over",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=seconds,
+        default=2.0,
+        help="seconds a next hop may send nothing, not even a heartbeat, before it counts as hung",
+    )
     p.add_argument("--http", type=listen_address, default="127.0.0.1:0", help="HOST:PORT of /status (port 0: any)")
     p.add_argument("--tracker", type=url, help="register with this tracker (and trust its session tickets)")
     p.add_argument(

@@ -101,8 +101,14 @@ class Engine(Protocol):
         """Drop a sequence's KV."""
         ...
 
-    def new_sampler(self, params: Sampling, history: Sequence[int] = ()) -> Any:
-        """A sampler chain for a session, primed with ``history`` for penalties."""
+    def new_sampler(self, params: Sampling, history: Sequence[int] = (), generated: Sequence[int] = ()) -> Any:
+        """A sampler chain for a session, primed with ``history`` (the prompt) for penalties.
+
+        ``generated``: tokens this session already sampled (a session resumed on a new
+        route): the chain takes them as it took them then, grammar and penalties alike, so
+        it picks next what the first chain would have. Every seeded draw depends on the
+        seed and the position alone (:func:`draw_seed`), not on how many came before.
+        """
         ...
 
     def kv_cells_used(self) -> int:
@@ -113,6 +119,19 @@ class Engine(Protocol):
     def live_samplers(self) -> int:
         """Sampler chains not yet closed."""
         ...
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The 32-bit seed of the draw that picks the token after ``position`` in a session seeded ``seed``.
+
+    Counter-based: a draw depends on (seed, position) only, so a sampler rebuilt on another
+    node after a route repair draws what the lost one would have. SplitMix64's finalizer
+    over both, so that neighbouring positions get unrelated generators.
+    """
+    z = (seed ^ (position * 0x9E3779B97F4A7C15)) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
 
 
 def transformers_versions() -> dict[str, str]:

@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import platform
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -32,7 +33,7 @@ import numpy as np
 
 from noderuntime.engine import backends
 from noderuntime.engine.backends import BackendMismatchError, NoDeviceError
-from noderuntime.engine.base import EngineError, GrammarError, Rows, StepResult, token_logprob
+from noderuntime.engine.base import EngineError, GrammarError, Rows, StepResult, draw_seed, token_logprob
 from noderuntime.models import artifacts
 from noderuntime.models.artifacts import ArtifactError, ArtifactInfo, LayerRange
 from protocol import Sampling, TokenLogprob
@@ -300,6 +301,33 @@ def device_memory(device: str) -> tuple[int, int]:
     return free.value, total.value
 
 
+# switches llama.cpp's system info lists that are no kernel: how threads wait, not what they compute
+_NOT_KERNELS = frozenset({"OPENMP"})
+
+
+def kernel_class(device: str = "cpu") -> str:
+    """The drift class of this build on ``device``: what decides a shard's bits beyond its recipe's settings.
+
+    On the CPU, the instruction sets the loaded wheel was compiled for (``GGML_NATIVE``: an
+    AVX2 build and an AVX-512 build of one commit sum in other orders) and its CPU kernels
+    (llamafile's, repacking), as llama.cpp's system info lists them: ``x86_64:avx,avx2,...``.
+    On a GPU, the backend and the device's own description (another GPU model runs other
+    kernels). Routes, repairs and audits that claim bit-exactness stay within one class.
+    """
+    kind = backends.parse_device(device)[0]
+    if kind != "cpu":
+        # only a process that loaded the device's own build sees it (a node on it always does)
+        return f"{kind}:{describe_device(device)}" if build_info()["backend"] == kind else kind
+    info = llama_cpp.llama_print_system_info().decode("utf-8", "replace")
+    flags: set[str] = set()
+    for section in info.split("CPU :")[1:2]:
+        for item in section.split("|"):
+            name, _, value = item.partition("=")
+            if value.strip() == "1" and name.strip() not in _NOT_KERNELS:
+                flags.add(name.strip().lower())
+    return f"{platform.machine()}:{','.join(sorted(flags))}"
+
+
 def describe_device(device: str) -> str:
     """What ``device`` is here: ``"cpu"``, or the GPU's own description ("NVIDIA GeForce RTX 4090",
     "llvmpipe (LLVM 15.0.6, 256 bits)"); :class:`BackendMismatchError` when this process loaded
@@ -450,6 +478,7 @@ class Recipe:
             "n_ubatch": self.n_ubatch,
             "repack": self.repack,
             "kv_type": self.kv_type,
+            "kernel_class": kernel_class(self.device),
             # only when set: every recipe nodes run leaves it out, so their fingerprints stay
             **({"kv_unified": True} if self.kv_unified else {}),
         }
@@ -635,9 +664,12 @@ class SamplerChain:
     """A per-session llama.cpp sampler chain. Free it with :meth:`close` (idempotent).
 
     A grammar sees only sampled tokens: the prompt history primes the penalties alone (a
-    grammar fed the prompt would reject it). It masks the logits before the rest of the
-    chain, as llama.cpp's own chain would with it first, except where masking commutes with
-    the rest; see :meth:`sample`.
+    grammar fed the prompt would reject it), ``generated`` tokens prime both. It masks the
+    logits before the rest of the chain, as llama.cpp's own chain would with it first,
+    except where masking commutes with the rest; see :meth:`sample`. The seeded draw at
+    each position is a fresh llama.cpp ``dist`` sampler seeded by ``draw_seed(seed,
+    position)``: one generator for the session would make a draw depend on every draw
+    before it, which a chain rebuilt after a route repair could not replay.
     """
 
     def __init__(
@@ -647,6 +679,7 @@ class SamplerChain:
         n_vocab: int,
         history: Sequence[int] = (),
         *,
+        generated: Sequence[int] = (),
         live: set[int] | None = None,
     ) -> None:
         """``live``, if given, holds the ids of chains not yet closed (the engine's count of them)."""
@@ -673,7 +706,7 @@ class SamplerChain:
         penalties = (params.repeat_penalty, params.frequency_penalty, params.presence_penalty)
         if penalties != (1.0, 0.0, 0.0):
             penalty = llama_cpp.llama_sampler_init_penalties(n_vocab, params.penalty_last_n, *penalties)
-            for token in history:
+            for token in (*history, *generated):
                 llama_cpp.llama_sampler_accept(penalty, int(token))
             add(chain, penalty)
         # Biases, penalties and temperature move each logit on its own, and greedy and the draw
@@ -692,6 +725,7 @@ class SamplerChain:
             for chooser in choosers:
                 add(chain, chooser)
             add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
+            # a placeholder: sample() puts in the draw of each position before it draws
             add(chain, llama_cpp.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
         self._grammar_last = grammar is not None and not choosers
         # the chain's last sampler: greedy, or the seeded draw that _retry asks again
@@ -701,9 +735,23 @@ class SamplerChain:
         self._one = np.zeros(1, dtype=_TOKEN_DATA)
         if live is not None:
             live.add(id(self))
+        if grammar is not None:
+            for token in generated:  # the grammar is where the first chain left it
+                llama_cpp.llama_sampler_accept(grammar, int(token))
 
-    def sample(self, ctx: Any, index: int) -> int:
-        """Sample from the context's logits row ``index`` (and accept the token).
+    def _draw_for(self, position: int) -> None:
+        """Make the chain's draw the one of ``position`` (greedy has none)."""
+        if self.params.temperature <= 0.0:
+            return
+        last = llama_cpp.llama_sampler_chain_n(self._chain) - 1
+        llama_cpp.llama_sampler_free(llama_cpp.llama_sampler_chain_remove(self._chain, last))
+        llama_cpp.llama_sampler_chain_add(
+            self._chain, llama_cpp.llama_sampler_init_dist(draw_seed(self.params.seed, position))
+        )
+        self._draw = llama_cpp.llama_sampler_chain_get(self._chain, last)
+
+    def sample(self, ctx: Any, index: int, position: int) -> int:
+        """Sample the token after ``position`` from the context's logits row ``index`` (and accept it).
 
         With a grammar whose mask commutes with the chain, the chain first draws from all the
         tokens, and the grammar is asked about the one token drawn: llama.cpp's grammar checks
@@ -718,6 +766,7 @@ class SamplerChain:
         """
         if self._chain is None:
             raise EngineError("sampler chain is closed")
+        self._draw_for(position)
         if self._grammar is None:
             return int(llama_cpp.llama_sampler_sample(self._chain, ctx, index))
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, index), shape=(self._n_vocab,))
@@ -1069,7 +1118,7 @@ class ShardEngine:
             for row, chain in (samplers or {}).items():
                 if not rows.outputs[row]:
                     raise EngineError(f"row {row} has a sampler but asked for no output")
-                sampled[row] = chain.sample(self._ctx, row)
+                sampled[row] = chain.sample(self._ctx, row, int(rows.positions[row]))
                 if chain.params.logprobs:
                     logprobs[row] = token_logprob(self._logits_row(row), sampled[row], chain.params.top_logprobs)
             for row, (token, top) in (scores or {}).items():
@@ -1085,10 +1134,10 @@ class ShardEngine:
         ptr = llama_cpp.llama_get_logits_ith(self._ctx, row)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
-    def new_sampler(self, params: Sampling, history: Sequence[int] = ()) -> SamplerChain:
-        """A sampler chain for this model's vocabulary, primed with ``history`` for penalties."""
+    def new_sampler(self, params: Sampling, history: Sequence[int] = (), generated: Sequence[int] = ()) -> SamplerChain:
+        """A sampler chain for this model's vocabulary (see :meth:`Engine.new_sampler`)."""
         vocab = llama_cpp.llama_model_get_vocab(self._model)
-        return SamplerChain(params, vocab, self.n_vocab, history, live=self._live_samplers)
+        return SamplerChain(params, vocab, self.n_vocab, history, generated=generated, live=self._live_samplers)
 
     @property
     def live_samplers(self) -> int:

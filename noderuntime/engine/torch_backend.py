@@ -50,7 +50,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeRotaryEmbedding,
 )
 
-from noderuntime.engine.base import GrammarError, Rows, StepResult, token_logprob, transformers_versions
+from noderuntime.engine.base import GrammarError, Rows, StepResult, draw_seed, token_logprob, transformers_versions
 from noderuntime.engine.llama import EngineError, MemoryReport
 from noderuntime.models.artifacts import ArtifactInfo, LayerRange
 from protocol import Sampling, TokenLogprob
@@ -253,19 +253,26 @@ class TorchSampler:
     """Per-session sampling from a logits row, with llama.cpp's chain semantics.
 
     Penalties (repeat, frequency, presence over the last ``penalty_last_n`` tokens), then
-    greedy, or top-k, top-p, min-p, temperature and a seeded draw.
+    greedy, or top-k, top-p, min-p, temperature and a seeded draw, which depends on the seed
+    and the position alone (:func:`~noderuntime.engine.base.draw_seed`).
     """
 
-    def __init__(self, params: Sampling, history: Sequence[int] = (), *, live: set[int] | None = None) -> None:
+    def __init__(
+        self,
+        params: Sampling,
+        history: Sequence[int] = (),
+        *,
+        generated: Sequence[int] = (),
+        live: set[int] | None = None,
+    ) -> None:
         self.params = params
-        self.history: list[int] = [int(t) for t in history]
-        self._rng = np.random.default_rng(params.seed & 0xFFFFFFFF)
+        self.history: list[int] = [int(t) for t in (*history, *generated)]
         self._live = live
         if live is not None:
             live.add(id(self))
 
-    def pick(self, logits: np.ndarray) -> int:
-        """Choose the next token from ``logits`` (float32 [n_vocab]) and remember it."""
+    def pick(self, logits: np.ndarray, position: int) -> int:
+        """Choose the token after ``position`` from ``logits`` (float32 [n_vocab]) and remember it."""
         p = self.params
         row = logits.astype(np.float64)
         for token, bias in p.logit_bias:
@@ -293,7 +300,8 @@ class TorchSampler:
             scaled = np.where(keep, row / p.temperature, -np.inf)
             final = np.exp(scaled - scaled.max())
             final /= final.sum()
-            token = int(self._rng.choice(row.size, p=final))
+            rng = np.random.default_rng(draw_seed(p.seed, position))
+            token = int(rng.choice(row.size, p=final))
         self.history.append(token)
         return token
 
@@ -507,7 +515,7 @@ class TorchEngine:
                     for row, sampler in (samplers or {}).items():
                         if row not in where:
                             raise EngineError(f"row {row} has a sampler but asked for no output")
-                        sampled[row] = sampler.pick(all_logits[where[row]])
+                        sampled[row] = sampler.pick(all_logits[where[row]], int(rows.positions[row]))
                         if sampler.params.logprobs:
                             top = sampler.params.top_logprobs
                             logprobs[row] = token_logprob(all_logits[where[row]], sampled[row], top)
@@ -559,11 +567,11 @@ class TorchEngine:
         mlp: torch.Tensor = block.mlp(block.post_attention_layernorm(h)[None])[0]
         return h + mlp
 
-    def new_sampler(self, params: Sampling, history: Sequence[int] = ()) -> TorchSampler:
-        """A sampler for one session, primed with ``history`` for penalties."""
+    def new_sampler(self, params: Sampling, history: Sequence[int] = (), generated: Sequence[int] = ()) -> TorchSampler:
+        """A sampler for one session (see :meth:`Engine.new_sampler`)."""
         if params.grammar:
             raise GrammarError("the transformers backend has no grammar sampler: serve structured output from GGUF")
-        return TorchSampler(params, history, live=self._live_samplers)
+        return TorchSampler(params, history, generated=generated, live=self._live_samplers)
 
     @property
     def live_samplers(self) -> int:

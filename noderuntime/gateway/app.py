@@ -31,14 +31,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from noderuntime.access.identity import Identity
 from noderuntime.control.ledger import Ledger, check
 from noderuntime.gateway.auth import ApiKeys
 from noderuntime.gateway.errors import RETRY_AFTER_SECONDS, ApiError, error_response
 from noderuntime.gateway.routing import (
     DEADLINE_GRACE_SECONDS,
     MAX_ATTEMPTS,
+    MAX_REPAIRS,
     bad_route,
     describe_route,
+    repairable,
     route_error,
     silent_route,
     time_left,
@@ -64,7 +67,8 @@ from noderuntime.operations import timeline
 from noderuntime.operations.httpserve import BodyLimit
 from noderuntime.operations.telemetry import GatewayMetrics, exposition, trio_tasks
 from noderuntime.seams.client import GenerationRequest, RouteError, open_route_generation
-from noderuntime.tracker.client import RouteGrant, TrackerError, request_route
+from noderuntime.tracker.client import RequestSigner, RouteGrant, TrackerError, request_repair, request_route
+from noderuntime.tracker.messages import RepairRequest
 from protocol import Sampling, StatusCode, TokenLogprob, Tokens
 
 log = logging.getLogger(__name__)
@@ -94,9 +98,10 @@ class Gateway:
         request_timeout: float = 600.0,
         queue_timeout: float = 10.0,
         ledger: Ledger | None = None,
-        client_id: bytes = b"",
+        identity: Identity | None = None,
     ) -> None:
-        """``client_id``: the node id ``connector`` proves on relayed seams; route tickets name it."""
+        """``identity``: the key ``connector`` proves on relayed seams, which route tickets name and
+        which signs the gateway's route repairs (a fresh one when None)."""
         if any(not key for key in api_keys):
             raise ValueError("an API key must not be empty: it would let in every request that sends none")
         self.models = {m.model_id: m for m in models}
@@ -108,13 +113,22 @@ class Gateway:
         self.request_timeout = request_timeout
         self.queue_timeout = queue_timeout
         self.ledger = ledger
-        self.client_id = client_id
+        self.identity = identity or Identity.generate()
+        self.signer = RequestSigner(self.identity)
         self.metrics = GatewayMetrics()
         self.http = httpx.AsyncClient()
         # its own threads: a burst of huge prompts must not hold those of name lookups and the ledger
         self._tokenizing = trio.CapacityLimiter(max(2, os.cpu_count() or 2))
         self.app = self._build()
-        self.counters: dict[str, int] = {"requests": 0, "completed": 0, "errors": 0, "cancelled": 0, "retries": 0}
+        self.counters: dict[str, int] = {
+            "requests": 0,
+            "completed": 0,
+            "errors": 0,
+            "cancelled": 0,
+            "retries": 0,
+            "repairs": 0,
+            "repairs_failed": 0,
+        }
 
     # --- helpers
 
@@ -205,7 +219,7 @@ class Gateway:
                 tokens,
                 exclude=exclude,
                 api_key=self.tracker_key,
-                client_id=self.client_id,
+                client_id=self.identity.node_id,
             )
         except TrackerError as exc:
             if exc.status == 429:
@@ -218,9 +232,15 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def _route_session(
-        self, model: ServedModel, request: GenerationRequest, *, open_ended: bool = False
-    ) -> AsyncIterator[tuple[Any, Tokens, RouteGrant]]:
-        """A route session that produced its first tokens.
+        self,
+        model: ServedModel,
+        request: GenerationRequest,
+        *,
+        open_ended: bool = False,
+        repairing: RouteGrant | None = None,
+        exclude: Sequence[bytes] = (),
+    ) -> AsyncIterator[tuple[Any, Tokens, RouteGrant, GenerationRequest]]:
+        """A route session that produced its first tokens, and the request it runs.
 
         ``open_ended`` (the client gave no max_tokens): the reply may fill the context the
         granted route holds, not only the tokens asked of the tracker.
@@ -229,15 +249,23 @@ class Gateway:
         ``MAX_ATTEMPTS``). When every route is full, the request waits up to
         ``queue_timeout`` for a slot: the tracker's view of free slots is a heartbeat old,
         and sessions end all the time.
+
+        ``repairing``: the grant of a session whose route failed mid-generation; ``request``
+        then resumes it (:meth:`GenerationRequest.resumed`), on a whole new route under the
+        session's next epoch, which the tracker grants to this gateway alone (it signs).
         """
-        exclude: list[bytes] = []
+        exclude = list(exclude)
         failures = 0
         queue_until = trio.current_time() + self.queue_timeout
         backoff = 0.05
+        positions = (request.prompt_length or len(request.prompt_tokens)) + request.max_tokens
         while True:
             try:
                 timeline.mark("gateway.granting")
-                grant = await self._grant(model, len(request.prompt_tokens) + request.max_tokens, exclude)
+                if repairing is None:
+                    grant = await self._grant(model, positions, exclude)
+                else:
+                    grant = await self._repair_grant(repairing, positions, exclude)
                 timeline.mark("gateway.granted")
             except ApiError as exc:
                 if exc.status == 429 and trio.current_time() + backoff < queue_until:
@@ -246,7 +274,7 @@ class Gateway:
                     continue
                 raise
             session_request = request
-            if open_ended and grant.ctx_per_session:
+            if open_ended and grant.ctx_per_session and repairing is None:
                 room = min(model.n_ctx, grant.ctx_per_session) - len(request.prompt_tokens)
                 session_request = attrs.evolve(request, max_tokens=max(request.max_tokens, room))
             async with contextlib.AsyncExitStack() as stack:
@@ -289,11 +317,33 @@ class Gateway:
                     if failures >= MAX_ATTEMPTS:
                         raise error from None
                     exclude += to_exclude(grant, exc)
+                    if repairing is not None:
+                        repairing = grant  # its ticket is the session's newest: the next epoch follows it
                     log.info("route attempt failed before the first token (%s); trying another", exc)
                     continue
                 assert first is not None
-                yield gen, first, grant
+                yield gen, first, grant, session_request
                 return
+
+    async def _repair_grant(self, failed: RouteGrant, positions: int, exclude: Sequence[bytes]) -> RouteGrant:
+        """A whole new route for a session whose route ``failed``, under its next epoch."""
+        repair = RepairRequest(
+            ticket=failed.ticket.hex(),
+            keep=0,
+            tokens=positions,
+            recipe=failed.recipe.hex(),
+            exclude=[n.hex() for n in exclude],
+            ttl_seconds=self.request_timeout,
+        )
+        try:
+            return await request_repair(self.http, self.tracker_url, self.signer, repair)
+        except TrackerError as exc:
+            self.counters["repairs_failed"] += 1
+            if exc.status == 429:
+                raise ApiError(429, f"every route is busy: {exc}", "rate_limit_error", "routes_full") from None
+            raise ApiError(
+                503, f"the route failed and none can take the session over: {exc}", "service_unavailable", "no_route"
+            ) from None
 
     async def _generate(
         self, model: ServedModel, request: GenerationRequest, stop: Sequence[str], *, open_ended: bool
@@ -302,45 +352,86 @@ class Gateway:
 
         The fingerprint is OpenAI's ``system_fingerprint``: of the artifact and the recipe of the
         route that serves, known once the route is granted.
+
+        A route that fails once tokens went out is repaired (up to ``MAX_REPAIRS`` times): the
+        session goes on, under its next epoch, on a whole new route that prefills the prompt and
+        the tokens so far, its sampler rebuilt over them, and the reply goes on where it
+        stopped. On a route of the session's recipe the continuation is what the first route
+        would have sent, bit for bit; on another, it is not, and the final item says so.
         """
         text = TextStream(stop)
         produced = 0
+        generated: list[int] = []
         logprobs: list[TokenLogprob] = []
-        async with self._route_session(model, request, open_ended=open_ended) as (gen, first, grant):
-            route = describe_route(grant)
-            fingerprint = system_fingerprint(model.artifact, grant.recipe)
-            prompt_logprobs = first.prompt_logprobs
-            check_logprobs(model, request, first, prompt=True)
-            if prompt_logprobs:
-                yield Emitted("", fingerprint=fingerprint, prompt_logprobs=prompt_logprobs)
-            event: Tokens | None = first
-            while event is not None:
-                if event is not first:
-                    check_logprobs(model, request, event, prompt=False)
-                for k, token in enumerate(event.token_ids):
-                    if not 0 <= token < model.vocab.n_vocab:  # the route's word, not a known piece
-                        raise bad_route(f"it sent token id {token}, outside the vocabulary")
-                    produced += 1
-                    if token in request.stop_token_ids and event.finished:
-                        continue  # the end-of-turn token itself is not text
-                    delta = text.push(model.vocab.piece(token))
-                    mine = (event.logprobs[k],) if event.logprobs else ()
-                    logprobs += mine
-                    if delta or mine:
-                        yield Emitted(delta, mine, fingerprint=fingerprint)
-                    if text.stopped:
+        repairs: list[dict[str, Any]] = []
+        prompt_logprobs: tuple[TokenLogprob, ...] = ()
+        opening = self._route_session(model, request, open_ended=open_ended)
+        failed_at: float | None = None
+        while True:
+            failure: RouteError | None = None
+            async with opening as (gen, first, grant, session_request):
+                if failed_at is not None:
+                    repairs[-1]["stall_ms"] = round((trio.current_time() - failed_at) * 1e3, 1)
+                    repairs[-1]["bit_exact"] = grant.exact
+                    repairs[-1]["route"] = describe_route(grant)
+                route = describe_route(grant)
+                fingerprint = system_fingerprint(model.artifact, grant.recipe)
+                if not repairs:
+                    prompt_logprobs = first.prompt_logprobs
+                    check_logprobs(model, request, first, prompt=True)
+                    if prompt_logprobs:
+                        yield Emitted("", fingerprint=fingerprint, prompt_logprobs=prompt_logprobs)
+                event: Tokens | None = first
+                while event is not None:
+                    if event is not first or repairs:
+                        check_logprobs(model, request, event, prompt=False)
+                    for k, token in enumerate(event.token_ids):
+                        if not 0 <= token < model.vocab.n_vocab:  # the route's word, not a known piece
+                            raise bad_route(f"it sent token id {token}, outside the vocabulary")
+                        produced += 1
+                        generated.append(token)
+                        if token in request.stop_token_ids and event.finished:
+                            continue  # the end-of-turn token itself is not text
+                        delta = text.push(model.vocab.piece(token))
+                        mine = (event.logprobs[k],) if event.logprobs else ()
+                        logprobs += mine
+                        if delta or mine:
+                            yield Emitted(delta, mine, fingerprint=fingerprint)
+                        if text.stopped:
+                            break
+                    if text.stopped or event.finished:
                         break
-                if text.stopped or event.finished:
-                    break
-                try:
-                    with trio.fail_after(time_left(request)):
-                        event = await gen.next()
-                except trio.TooSlowError:
-                    raise silent_route() from None
-                except RouteError as exc:
-                    # tokens already went out: no retry, a typed error in their place
-                    raise route_error(exc) from None
-            reason = "stop" if text.stopped or gen.finish_reason == "stop" else "length"
+                    try:
+                        with trio.fail_after(time_left(request)):
+                            event = await gen.next()
+                    except trio.TooSlowError:
+                        raise silent_route() from None
+                    except RouteError as exc:
+                        if not repairable(exc) or len(repairs) >= MAX_REPAIRS:
+                            # tokens already went out: a typed error in their place
+                            raise route_error(exc) from None
+                        failure = exc
+                        break
+                reason = "stop" if text.stopped or gen.finish_reason == "stop" else "length"
+            if failure is None:
+                break
+            # the failed session left its block (its seam closed, nothing to release): resume it
+            failed_at = trio.current_time()
+            self.counters["repairs"] += 1
+            self.metrics.route_repairs.labels(failure.code.name).inc()
+            log.info("request %s: route failed after %d tokens (%s); repairing", request.request_id, produced, failure)
+            avoid = to_exclude(grant, failure)
+            resumed = session_request.resumed(generated)
+            repairs.append(
+                {
+                    "after_tokens": produced,
+                    "failed": str(failure)[:200],
+                    "failed_node": avoid[0].hex()[:16] if avoid else "",
+                    # what the new route prefills: the prompt and the reply so far
+                    "replayed_tokens": len(resumed.prompt_tokens),
+                }
+            )
+            opening = self._route_session(model, resumed, repairing=grant, exclude=avoid)
         # the session was released on leaving the block: every hop's signed usage is here
         records = [check(r, request_id=request.request_id, hops=grant.hops) for r in gen.usage or ()]
         for record in records:
@@ -355,7 +446,7 @@ class Gateway:
         tail = text.finish()
         if tail:
             yield Emitted(tail, fingerprint=fingerprint)
-        done = Generated(text.text, produced, reason, route, records, logprobs, prompt_logprobs)
+        done = Generated(text.text, produced, reason, route, records, logprobs, prompt_logprobs, repairs)
         yield Emitted("", done=done, fingerprint=fingerprint)
 
     # --- the app
@@ -647,6 +738,9 @@ class Gateway:
             "choices": [shape.whole_choice(r) for shape, r in zip(shapes, done, strict=True)],
             "usage": usage_counts(len(generation.prompt_tokens), sum(r.completion_tokens for r in done)),
             "route": done[0].route,
+            # a route that failed mid-reply and the ones that took over, per choice (bit_exact
+            # false: the continuation ran on other kernels, and may differ from an undisturbed run)
+            **({"repairs": [r.repairs for r in done]} if any(r.repairs for r in done) else {}),
         }
 
     async def _streamed(
@@ -746,7 +840,8 @@ class Gateway:
                     if done is not None:
                         await self._record(shape.model, generations[i], shape.created, done)
                         tokens += done.completion_tokens
-                        yield chunk(shape.chunk_choice(finish=done.finish_reason), route=done.route)
+                        repaired = {"repairs": done.repairs} if done.repairs else {}
+                        yield chunk(shape.chunk_choice(finish=done.finish_reason), route=done.route, **repaired)
                         del pending[i]
                     elif item.prompt_logprobs:
                         yield chunk(shape.chunk_choice(text=shape.echo or "", prompt_logprobs=item.prompt_logprobs))

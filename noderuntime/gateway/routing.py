@@ -12,6 +12,7 @@ from noderuntime.tracker.client import RouteGrant
 from protocol import StatusCode
 
 MAX_ATTEMPTS = 3
+MAX_REPAIRS = 3  # a session whose routes keep failing ends with the last failure
 DEADLINE_GRACE_SECONDS = 5.0  # beyond a request's deadline, for the route's own word on it
 
 
@@ -46,16 +47,18 @@ def route_error(exc: RouteError) -> ApiError:
     return ApiError(503, f"the route failed: {exc}", "service_unavailable", "route_failed")
 
 
+def repairable(exc: RouteError) -> bool:
+    """Whether a route that failed mid-generation may be replaced: not when the client or the
+    request's own deadline ended it, or a route refused it for good reason."""
+    return exc.code not in (StatusCode.CANCELLED, StatusCode.DEADLINE_EXCEEDED, StatusCode.OK)
+
+
 def to_exclude(grant: RouteGrant, exc: RouteError) -> list[bytes]:
-    """Which nodes the next attempt should avoid, from who reported what."""
+    """Which nodes the next attempt should avoid: the one the error names (every hop names
+    the node an error is about: itself, or the next or previous hop it lost), else the head,
+    whose own seam to this gateway failed."""
     ids = [h.node_id for h in grant.hops]
-    if exc.node_id in ids:
-        at = ids.index(exc.node_id)
-        if exc.code in (StatusCode.RESOURCE_EXHAUSTED, StatusCode.INTERNAL) or at + 1 == len(ids):
-            return [exc.node_id]  # full, or failed in its own engine
-        # the reporter is alive (it reported): its next hop went away, hung or broke the protocol
-        return [ids[at + 1]]
-    return ids[:1]
+    return [exc.node_id] if exc.node_id in ids else ids[:1]
 
 
 def bad_route(what: str) -> ApiError:

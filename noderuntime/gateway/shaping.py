@@ -29,6 +29,9 @@ class Generated:
     records: list[CheckedRecord] = attrs.Factory(list)
     logprobs: list[TokenLogprob] = attrs.Factory(list)  # of the reply's tokens, when asked
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # of the prompt's tokens but the first, when asked
+    # each time the route failed mid-generation and the session went on on another: where,
+    # why, the new route, the stall, and whether the continuation stayed bit-exact
+    repairs: list[dict[str, Any]] = attrs.Factory(list)
 
 
 @attrs.frozen

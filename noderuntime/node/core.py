@@ -76,6 +76,8 @@ class NodeConfig:
     max_batch_tokens: int = 512
     prefill_chunk: int = 256
     idle_timeout: float = 60.0
+    # a next hop that sends nothing, not even a heartbeat, this long is hung (sessions/HEARTBEAT_MINOR)
+    hang_timeout: float = 2.0
     max_session_seconds: float = 3600.0
     encoding: Encoding = Encoding.F32
     limits: Limits = Limits()
@@ -86,7 +88,7 @@ class NodeConfig:
     def __attrs_post_init__(self) -> None:
         if not 0 < self.prefill_chunk <= self.max_batch_tokens:
             raise ValueError("prefill_chunk must lie in 1..max_batch_tokens")
-        for name in ("idle_timeout", "max_session_seconds", "open_timeout"):
+        for name in ("idle_timeout", "hang_timeout", "max_session_seconds", "open_timeout"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds")
         if self.max_opening < 1:
@@ -146,6 +148,9 @@ class Node:
         self.ready = trio.Event()
         self._probe_lock = trio.Lock()
         self.capability: dict[str, Any] | None = None  # measured at start (noderun), shown in /status
+        # what a leaving node does first (telling its tracker), before it hands its sessions over
+        self.on_leave: list[Callable[[], Awaitable[None]]] = []
+        self._emptied = trio.Event()  # set when a stopping node's last session has ended
         self._session_context = SessionContext(
             node_id=node_id,
             step=self.batcher.step,
@@ -159,6 +164,7 @@ class Node:
             encoding=config.encoding,
             prefill_chunk=config.prefill_chunk,
             idle_timeout=config.idle_timeout,
+            hang_timeout=config.hang_timeout,
             n_embd=engine.n_embd,
             n_vocab=engine.n_vocab,
         )
@@ -201,6 +207,23 @@ class Node:
         self.metrics.admissions_refused.labels(StatusCode.UNAVAILABLE.name).inc()
         log.info("refused a seam: %s", refusal)
         self._spawn(self._refuse_stream, stream, refusal)
+
+    async def drain(self) -> None:
+        """Leave politely: take no more sessions, say so (:attr:`on_leave`), hand each live one over.
+
+        Every session ends as the node's own leaving (NODE_STOPPED, naming this node): its
+        previous hop, or the client at the head, repairs the route around it. Returns once
+        they all ended (bound it with a cancel scope).
+        """
+        self._stopping = True
+        for hook in self.on_leave:
+            await hook()
+        handed = len(self.sessions)
+        for session in list(self.sessions.values()):
+            session.cancel(EndReason.NODE_STOPPED, "the node is leaving: go on without it")
+        if self.sessions:
+            await self._emptied.wait()
+        log.info("drained: %d sessions handed over", handed)
 
     def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> bool:
         try:
@@ -335,6 +358,8 @@ class Node:
             end = session.end
         finally:
             self.sessions.pop(session.key, None)
+            if self._stopping and not self.sessions:
+                self._emptied.set()
             reason = (end.reason if end is not None else EndReason.NODE_STOPPED).value
             self._ended[reason] += 1
             self.metrics.sessions_ended.labels(reason).inc()
@@ -386,9 +411,10 @@ class Node:
             raise RemoteProtocolError(
                 f"prompt token id {max(prompt)} outside the vocabulary", StatusCode.INVALID_ARGUMENT
             )
-        if len(prompt) + open_route.max_tokens > config.ctx_per_seq:
+        # a resumed session's generated tokens count against its max_tokens, as they did
+        if len(open_route.prompt) + open_route.max_tokens > config.ctx_per_seq:
             raise RemoteProtocolError(
-                f"prompt ({len(prompt)}) + max_tokens ({open_route.max_tokens}) exceeds the context of "
+                f"prompt ({len(open_route.prompt)}) + max_tokens ({open_route.max_tokens}) exceeds the context of "
                 f"{config.ctx_per_seq} per session",
                 StatusCode.OUT_OF_RANGE,
             )
@@ -400,7 +426,7 @@ class Node:
         deadline = deadline_from_unix_ms(open_route.deadline_unix_ms, self.config.max_session_seconds)
         if deadline <= trio.current_time():
             return RemoteProtocolError("the session's deadline has passed", StatusCode.DEADLINE_EXCEEDED)
-        lease = self.leases.acquire(len(open_route.prompt_tokens) + open_route.max_tokens)
+        lease = self.leases.acquire(len(open_route.prompt) + open_route.max_tokens)
         if lease is None:
             self._refused += 1
             stats = self.leases.statistics()
@@ -416,7 +442,9 @@ class Node:
         sampler = None
         if index == len(open_route.hops) - 1:
             try:
-                sampler = self.engine.new_sampler(open_route.sampling, history=open_route.prompt_tokens)
+                sampler = self.engine.new_sampler(
+                    open_route.sampling, history=open_route.prompt, generated=open_route.generated
+                )
             except GrammarError as exc:  # the peer's grammar, or a backend without grammar sampling
                 lease.release()
                 self.batcher.retire(lease.seq_id)

@@ -32,12 +32,13 @@ import trio
 
 from noderuntime.control.ledger import UsageBody
 from noderuntime.node.batcher import StepFailed, StepOutput, StepRequest
-from noderuntime.node.ending import EndReason, SessionEnd, ending, idle_blame, seam_lost, stop_reason
+from noderuntime.node.ending import Blame, EndReason, SessionEnd, ending, idle_blame, seam_lost, stop_reason
 from noderuntime.node.leases import Lease
 from noderuntime.operations.telemetry import SessionLog
 from noderuntime.seams.connection import SeamConnection
 from noderuntime.transport import FrameStream, TransportError
 from protocol import (
+    HEARTBEAT_MINOR,
     Activations,
     Cancel,
     Credit,
@@ -55,6 +56,7 @@ from protocol import (
     RemoteProtocolError,
     SeamEndpoint,
     Span,
+    State,
     StatusCode,
     TokenLogprob,
     Tokens,
@@ -83,6 +85,8 @@ class SessionContext:
     idle_timeout: float
     n_embd: int
     n_vocab: int
+    # a next hop silent this long (no frame, no heartbeat) is hung; heartbeats go out 4 times as often
+    hang_timeout: float = 2.0
 
 
 @attrs.frozen
@@ -138,12 +142,15 @@ class RouteSession:
         self._decode_sent_at: float | None = None
         self.scope = trio.CancelScope(deadline=deadline)
         self.end: SessionEnd | None = None
-        self.generated = 0
+        self.generated = len(open_route.generated)  # a resumed session goes on counting
         self._logprob: TokenLogprob | None = None  # the tail's last sampled token's, when asked
         self._prompt_logprobs: list[TokenLogprob] = []  # the tail's prompt rows scored so far
         self._inner: trio.CancelScope | None = None
         self._tokens_in: trio.MemorySendChannel[Tokens] | None = None
         self._last_activity = trio.current_time()
+        self._last_sent_up = -math.inf  # when a frame last went to the previous hop
+        self._heard_down = trio.current_time()  # when a frame (a heartbeat too) last came from the next hop
+        self._down_beats = False  # the next hop speaks heartbeats (its frames' schema says)
         self._awaiting_downstream = False  # activations sent, their tokens not yet back
         self._sends_up = 0  # sends to the previous hop under way (one that lasts waits for it to read)
         self._released = False
@@ -218,12 +225,20 @@ class RouteSession:
                 self.upstream.endpoint.header(Phase.CANCEL),
                 end.code,
                 end.message or end.label,
-                end.node_id or self.context.node_id,
+                end.node_id or self._blamed(end.blame),
             )
             await self.upstream.notify(error)
         if self.downstream is not None:
             await self.downstream.aclose()
         await self.upstream.aclose()
+
+    def _blamed(self, blame: Blame) -> bytes:
+        """The node id an Error frame names for ``blame``: whom a repair should avoid."""
+        if blame is Blame.NEXT and self.next_hop is not None:
+            return self.next_hop.node_id
+        if blame is Blame.PREVIOUS and self.index > 0:
+            return self.open_route.hops[self.index - 1].node_id
+        return self.context.node_id
 
     # --- the work
 
@@ -233,6 +248,8 @@ class RouteSession:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watchdog)
             nursery.start_soon(self._upstream_loop)
+            if self.open_route.header.schema_minor >= HEARTBEAT_MINOR:
+                nursery.start_soon(self._heartbeat)
             receive = None
             if not self.is_tail:
                 send, receive = trio.open_memory_channel[Tokens](1)
@@ -262,13 +279,44 @@ class RouteSession:
         return True
 
     async def _watchdog(self) -> None:
-        idle = self.context.idle_timeout
+        idle, hang = self.context.idle_timeout, self.context.hang_timeout
         while True:
-            await trio.sleep(max(0.05, idle / 4))
-            if trio.current_time() - self._last_activity > idle:
-                code, message = idle_blame(idle, sends_up=self._sends_up, awaiting_downstream=self._awaiting_downstream)
-                self._finish(ending(EndReason.IDLE, message, code))
+            await trio.sleep(max(0.05, min(idle, hang) / 4))
+            now = trio.current_time()
+            if self.downstream is not None and self._down_beats and now - self._heard_down > hang:
+                self._finish(
+                    ending(EndReason.DOWNSTREAM_SILENT, f"the next hop sent nothing, not a heartbeat, for {hang:.1f} s")
+                )
                 return
+            if now - self._last_activity > idle:
+                code, message, blame = idle_blame(
+                    idle, sends_up=self._sends_up, awaiting_downstream=self._awaiting_downstream
+                )
+                self._finish(ending(EndReason.IDLE, message, code, blame=blame))
+                return
+
+    async def _heartbeat(self) -> None:
+        """Tell the previous hop this node is alive, whenever nothing else has for a while.
+
+        A Credit is not progress (the previous hop's idle watchdog still sees a hop that sends
+        only these as idle); it only keeps a slow but living hop from being taken for a hung one.
+        """
+        every = self.context.hang_timeout / 4
+        endpoint = self.upstream.endpoint
+        while True:
+            wait = self._last_sent_up + every - trio.current_time()
+            if wait > 0:
+                await trio.sleep(wait)
+                continue
+            if self.end is not None or endpoint is None or endpoint.outbound_state is State.CLOSED:
+                return  # the session is ending, or said its last (usage, an error) upstream
+            self._last_sent_up = trio.current_time()
+            with trio.move_on_after(every):  # a previous hop that does not read: its own watchdog sees to it
+                try:
+                    if not await self._send_up(Credit(self._up_header(Phase.DECODE), 0)):
+                        return
+                except ProtocolError:
+                    return  # its last word (usage, an error) went up while this one waited its turn
 
     async def _upstream_loop(self) -> None:
         """Frames from upstream: Activations (non-head), Release, Cancel, Error."""
@@ -320,6 +368,8 @@ class RouteSession:
             except TransportError as exc:
                 self._finish(seam_lost(False, exc.code, str(exc)))
                 return
+            self._heard_down = trio.current_time()
+            self._down_beats = self._down_beats or event.header.schema_minor >= HEARTBEAT_MINOR
             if isinstance(event, Credit):
                 continue
             self._touch()
@@ -546,6 +596,7 @@ class RouteSession:
 
     async def _send_up(self, event: Event) -> bool:
         self._sends_up += 1
+        self._last_sent_up = trio.current_time()
         try:
             await self.upstream.send(event)
             return True

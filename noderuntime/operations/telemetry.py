@@ -107,6 +107,12 @@ class GatewayMetrics:
         )
         self.prompt_tokens = Counter("noderuntime_gateway_prompt_tokens_total", "Prompt tokens", registry=r)
         self.completion_tokens = Counter("noderuntime_gateway_completion_tokens_total", "Completion tokens", registry=r)
+        self.route_repairs = Counter(
+            "noderuntime_gateway_route_repairs_total",
+            "Sessions moved to a new route after theirs failed mid-generation",
+            ["code"],
+            registry=r,
+        )
         self.route_retries = Counter(
             "noderuntime_gateway_route_retries_total", "Routes abandoned before a token", ["code"], registry=r
         )

@@ -13,6 +13,7 @@ usage records; leaving it by an exception or cancellation cancels the session.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -24,9 +25,12 @@ import trio
 from noderuntime.seams.connection import SeamConnection
 from noderuntime.transport import FrameStream, TransportError
 from protocol import (
+    HEARTBEAT_MINOR,
     Cancel,
+    Credit,
     Direction,
     Error,
+    Event,
     Hop,
     Identity,
     Limits,
@@ -57,6 +61,16 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     deadline_unix_ms: int = 0
     request_id: str = ""
+    # a session resumed on a repaired route: prompt_tokens[:prompt_length] is the prompt and
+    # the rest was generated already (see protocol.OpenRoute); 0 for a new session
+    prompt_length: int = 0
+
+    def resumed(self, generated: Sequence[int]) -> GenerationRequest:
+        """This request carried on after ``generated`` tokens, for a new route to go on with."""
+        prompt = self.prompt_tokens[: self.prompt_length] if self.prompt_length else self.prompt_tokens
+        # its prompt's logprobs were sent with the first tokens: not again
+        sampling = attrs.evolve(self.sampling, prompt_logprobs=False)
+        return attrs.evolve(self, prompt_tokens=(*prompt, *generated), prompt_length=len(prompt), sampling=sampling)
 
 
 class RouteError(Exception):
@@ -69,10 +83,17 @@ class RouteError(Exception):
 
 
 class Generation:
-    """An open route session, from the client's side."""
+    """An open route session, from the client's side.
 
-    def __init__(self, conn: SeamConnection, session_id: bytes, epoch: int) -> None:
+    A head that speaks heartbeats (schema 1.3) and sends nothing, not one, for
+    ``hang_timeout`` seconds is hung: :meth:`next` raises UNAVAILABLE, and the route may be
+    repaired. An older head is waited on as long as the caller waits.
+    """
+
+    def __init__(self, conn: SeamConnection, session_id: bytes, epoch: int, hang_timeout: float = 2.0) -> None:
         self.conn = conn
+        self.hang_timeout = hang_timeout
+        self._beats = False  # the head sends heartbeats
         self.session_id = session_id
         self.epoch = epoch
         self.tokens: list[int] = []
@@ -101,7 +122,20 @@ class Generation:
         self.failed = True  # a broken head: do not wait on it for usage records
         raise RouteError(f"unexpected {type(event).__name__} from the head", StatusCode.INTERNAL)
 
-    async def _receive(self) -> object:
+    async def _receive(self, *, watch: bool = True) -> Event:
+        """The next event that is not a heartbeat; with ``watch``, a heartbeating head silent too long fails."""
+        while True:
+            with trio.move_on_after(self.hang_timeout if self._beats and watch else math.inf):
+                event = await self._receive_any()
+                if not isinstance(event, Credit):
+                    return event
+                continue  # a heartbeat: the head is alive
+            self.failed = True
+            raise RouteError(
+                f"the head sent nothing, not a heartbeat, for {self.hang_timeout:.1f} s", StatusCode.UNAVAILABLE
+            )
+
+    async def _receive_any(self) -> Event:
         try:
             event = await self.conn.receive()
         except RemoteProtocolError as exc:
@@ -117,14 +151,15 @@ class Generation:
         if isinstance(event, Cancel):
             self.failed = True
             raise RouteError(event.reason or "cancelled by the route", StatusCode.CANCELLED)
+        self._beats = self._beats or event.header.schema_minor >= HEARTBEAT_MINOR
         return event
 
     async def release(self, reason: str = "done") -> tuple[UsageRecord, ...]:
         """End the session normally and collect every hop's usage record."""
         await self.conn.send(Release(self.endpoint.header(Phase.RELEASE), reason))
-        with trio.fail_after(USAGE_TIMEOUT):
+        with trio.fail_after(USAGE_TIMEOUT):  # bounds the wait itself: a silent head costs no more than this
             while True:
-                event = await self._receive()
+                event = await self._receive(watch=False)
                 if isinstance(event, Usage):
                     self.usage = event.records
                     return event.records
@@ -205,6 +240,7 @@ async def open_generation(
                 request.stop_token_ids,
                 request.deadline_unix_ms,
                 ticket,
+                request.prompt_length,
             )
         )
         try:

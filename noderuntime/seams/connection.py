@@ -58,6 +58,9 @@ class SeamConnection:
         self._closed = False
         self._broken = False
         self._stages = (f"{label}.sent", f"{label}.received", f"{label}.decoded")
+        # one event at a time: each takes the next step id, and must leave in that order
+        # (a session's tokens and its heartbeats go up the same seam from two tasks)
+        self._sending = trio.StrictFIFOLock()
 
     def set_limits(self, limits: Limits) -> None:
         """Bound what this connection sends and accepts by ``limits`` from now on."""
@@ -66,6 +69,16 @@ class SeamConnection:
 
     async def send(self, event: Event) -> None:
         """Check ``event`` against the state machine, encode it and send its frames."""
+        try:  # uncontended, taking the turn costs no checkpoint
+            self._sending.acquire_nowait()
+        except trio.WouldBlock:
+            await self._sending.acquire()
+        try:
+            await self._send(event)
+        finally:
+            self._sending.release()
+
+    async def _send(self, event: Event) -> None:
         if self._broken:
             raise StreamBroken("an earlier event was cut off mid-way on this seam")
         snapshot = self.endpoint.outbound_snapshot() if self.endpoint is not None else None

@@ -67,6 +67,15 @@ class ManagedProcess:
         self.launch()
         return self.wait_ready(timeout)
 
+    def restart(self, timeout: float = 60.0) -> Ready:
+        """Start it again, as it was started (after it exited or was killed); its new ready line."""
+        if self.alive():
+            raise ProcessError(f"{self.name} still runs")
+        self._ready.clear()
+        self._info = None
+        self._malformed = ""
+        return self.start(timeout)
+
     def launch(self) -> None:
         """Start the process without waiting (see :meth:`wait_ready`)."""
         self.proc = subprocess.Popen(

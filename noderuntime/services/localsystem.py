@@ -80,11 +80,15 @@ def start(
     ctx: int = 2048,
     quiet: bool = False,
     relay_last: bool = True,
+    replicas: int = 1,
+    node_options: tuple[str, ...] = (),
 ) -> LocalSystem:
     """Start the processes and wait until a route serves; the caller stops them.
 
     ``model_name`` is a known model's name or a GGUF file's path. With two shards or more,
     the last is reachable only through the relay, unless ``relay_last`` is False.
+    ``replicas``: nodes per range (``node{i}``, then ``node{i}.1``, ...), so that a route
+    whose node leaves has another to go on; ``node_options``: more flags for every node.
     """
     path, model_id = _model_path(model_name, quiet=quiet)
     info = artifacts.inspect(path)
@@ -138,12 +142,13 @@ def start(
         # the nodes and the gateway need only the tracker and the relay: they start together
         # (a node loads and measures its shard in about a second, most of it importing)
         nodes = []
-        for i, (a, b) in enumerate(itertools.pairwise(cuts)):
+        for (i, (a, b)), copy in itertools.product(enumerate(itertools.pairwise(cuts)), range(replicas)):
             behind_relay = relay_last and i == len(cuts) - 2 and len(cuts) > 2
             reach = ["--relay", relay.url] if behind_relay else ["--listen", "127.0.0.1:0"]
+            name = f"node{i}" if copy == 0 else f"node{i}.{copy}"
             nodes.append(
                 begin(
-                    f"node{i}",
+                    name,
                     [
                         "up",
                         "--model",
@@ -153,7 +158,7 @@ def start(
                         "--tracker",
                         tracker.url,
                         "--data-dir",
-                        str(root / f"node{i}"),
+                        str(root / name),
                         "--slots",
                         str(slots),
                         "--ctx",
@@ -161,6 +166,7 @@ def start(
                         "--threads",
                         str(threads),
                         *reach,
+                        *node_options,
                     ],
                 )
             )

@@ -31,6 +31,7 @@ from noderuntime.engine.llama import (
     build_info,
     describe_device,
     flash_attn_choice,
+    kernel_class,
     pinned_cores,
 )
 from noderuntime.engine.thread import EngineThread
@@ -73,6 +74,8 @@ class NodeOptions:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     idle_timeout: float = 60.0
+    hang_timeout: float = 2.0
+    drain_timeout: float = 10.0  # seconds a leaving node waits for its sessions to be handed over
     expected_fingerprint: str | None = None
     tracker: str | None = None  # register with this tracker and take its issuer key
     http: str | None = "127.0.0.1:0"  # status (and metrics) endpoint
@@ -145,6 +148,7 @@ async def run_node(
                 max_batch_tokens=opts.batch,
                 prefill_chunk=min(256, opts.batch),
                 idle_timeout=opts.idle_timeout,
+                hang_timeout=opts.hang_timeout,
                 limits=limits,
             )
             node = Node(
@@ -215,6 +219,7 @@ async def run_node(
                     ctx_per_session=shown.ctx_per_session,
                     capability=record,
                     device=shown.device,
+                    kernel_class=kernel_class(opts.device) if opts.backend == "llama.cpp" else "",
                 )
 
                 async def answer_probe(seed: int) -> dict[str, Any]:
@@ -222,8 +227,11 @@ async def run_node(
 
                 link = TrackerLink(opts.tracker, me, registration, node_load(node), on_probe=answer_probe)
                 await nursery.start(link.run)
+                node.on_leave.append(link.leave)
             if on_node is not None:
                 on_node(node)
+            pid_file = opts.data_dir / PID_FILE
+            pid_file.write_text(f"{os.getpid()}\n")
             task_status.started(shown)
             log.info(
                 "node %s serving layers %s of %s at %s%s",
@@ -241,6 +249,10 @@ async def run_node(
         runtime.close()
         engine.close()
         engine_thread.close()
+        (opts.data_dir / PID_FILE).unlink(missing_ok=True)
+
+
+PID_FILE = "node.pid"  # in the data directory while the node runs: `noderuntime down` reads it
 
 
 async def _load_engine(opts: NodeOptions, engine_thread: EngineThread) -> tuple[artifacts.ArtifactInfo, Any, Any, Any]:
@@ -400,8 +412,21 @@ def node_status(
 
 
 def main_node(opts: NodeOptions) -> int:
-    """Run a node in this process until a signal; the exit status."""
-    return run_main(run_node, opts)
+    """Run a node in this process until a signal; the exit status.
+
+    The first SIGTERM (or SIGINT, or ``noderuntime down``) drains it: the tracker stops
+    routing to it, every live session's neighbours are told to go on without it (they
+    repair the route around it), and it exits once its sessions ended or after
+    ``drain_timeout``; a second signal stops it at once.
+    """
+    running: list[Node] = []
+
+    async def drain() -> None:
+        with trio.move_on_after(opts.drain_timeout):
+            if running:
+                await running[0].drain()
+
+    return run_main(functools.partial(run_node, opts, on_node=running.append), drain=drain)
 
 
 __all__ = ["GatewayOptions", "NodeOptions", "main_node", "run_gateway", "run_node"]
@@ -447,7 +472,8 @@ async def run_gateway(
         served.append(
             ServedModel(model_id, info.fingerprint, vocab, template, int(time.time()), opts.ctx or info.context_length)
         )
-    async with open_dialer() as dialer, trio.open_nursery() as nursery:
+    me = identity.Identity.generate()  # the key its tickets name and its repairs are signed with
+    async with open_dialer(identity=me) as dialer, trio.open_nursery() as nursery:
         gateway = Gateway(
             served,
             opts.tracker,
@@ -458,7 +484,7 @@ async def run_gateway(
             request_timeout=opts.request_timeout,
             queue_timeout=opts.queue_timeout,
             ledger=Ledger(opts.ledger) if opts.ledger else None,
-            client_id=dialer.node_id,
+            identity=me,
         )
         url = await nursery.start(serve_http, gateway.app, opts.listen)
         task_status.started(GatewayReady(url=url, models=tuple(m.model_id for m in served), pid=os.getpid()))

@@ -5,6 +5,7 @@ Light on purpose: the relay and the tracker run from an install without the engi
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import ssl
@@ -41,8 +42,14 @@ def announce(info: Ready) -> None:
     print(ready.dump(info), flush=True)
 
 
-async def run_until_signal(main: Callable[..., Awaitable[None]], *args: Any) -> None:
-    """Run ``main(*args, task_status=...)`` and announce readiness; SIGINT/SIGTERM drain it."""
+async def run_until_signal(
+    main: Callable[..., Awaitable[None]], *args: Any, drain: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    """Run ``main(*args, task_status=...)`` and announce readiness; SIGINT/SIGTERM drain it.
+
+    ``drain``, if given, runs first (a node hands its sessions over); a second signal
+    while it runs stops at once.
+    """
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             info = await nursery.start(main, *args)
@@ -51,16 +58,30 @@ async def run_until_signal(main: Callable[..., Awaitable[None]], *args: Any) -> 
             async def watch() -> None:
                 async for signum in signals:
                     log.info("received %s: draining", signal.Signals(signum).name)
+                    if drain is not None:
+                        async with trio.open_nursery() as draining:
+                            draining.start_soon(_until_second_signal, signals, draining.cancel_scope)
+                            await drain()
+                            draining.cancel_scope.cancel()
                     nursery.cancel_scope.cancel()
                     return
 
             nursery.start_soon(watch)
 
 
-def run_main(main: Callable[..., Awaitable[None]], *args: Any) -> int:
+async def _until_second_signal(signals: Any, scope: trio.CancelScope) -> None:
+    async for signum in signals:
+        log.info("received %s again: stopping now", signal.Signals(signum).name)
+        scope.cancel()
+        return
+
+
+def run_main(
+    main: Callable[..., Awaitable[None]], *args: Any, drain: Callable[[], Awaitable[None]] | None = None
+) -> int:
     """Run ``main`` in this process until a signal; the exit status (errors before it served, unwrapped)."""
     try:
-        trio.run(run_until_signal, main, *args)
+        trio.run(functools.partial(run_until_signal, main, *args, drain=drain))
     except BaseExceptionGroup as group:
         # a failure before the service was up (a model that does not fit, a port in use)
         # comes wrapped by the nursery; the user needs the error itself

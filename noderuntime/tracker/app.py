@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import attrs
 import trio
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,7 +37,16 @@ from noderuntime.access.signing import SignatureChecker, SignatureError
 from noderuntime.control.admission import AdmissionError, ProbeAnswer, ProbeReferences, check_capability, compare
 from noderuntime.operations.httpserve import BodyLimit
 from noderuntime.operations.telemetry import TrackerMetrics, exposition, trio_tasks
-from noderuntime.tracker.messages import Heartbeat, ProbeReply, Registration, RouteHop, RouteReply, RouteRequest
+from noderuntime.tracker.messages import (
+    Heartbeat,
+    Leave,
+    ProbeReply,
+    Registration,
+    RepairRequest,
+    RouteHop,
+    RouteReply,
+    RouteRequest,
+)
 from noderuntime.tracker.state import STEP_BUDGET_MS, NodeRecord, NoRoute, TrackerState
 from noderuntime.verify.certificates import CoveredPair
 from protocol import Hop, Span, route_recipe
@@ -135,10 +145,12 @@ class Tracker:
         app.get("/v1/info")(self._info)
         app.post("/v1/nodes/register")(self._register)
         app.post("/v1/nodes/heartbeat")(self._heartbeat)
+        app.post("/v1/nodes/leave")(self._leave)
         app.post("/v1/nodes/probe")(self._probe)
         app.get("/v1/nodes")(self._nodes)
         app.get("/v1/artifacts")(self._artifacts)
         app.post("/v1/routes")(self._route)
+        app.post("/v1/routes/repair")(self._repair)
         return app
 
     async def _invalid(self, _request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -193,6 +205,7 @@ class Tracker:
             ctx_per_session=body.ctx_per_session,
             model_name=body.model_name,
             device=body.device,
+            kernel_class=body.kernel_class,
             measured=measured,
             probe_required=self.require_probe or bool(self.references.seeds(key)),
         )
@@ -230,6 +243,13 @@ class Tracker:
         if challenge is not None:
             answer["probe"] = challenge
         return answer
+
+    async def _leave(self, body: Leave, request: Request) -> dict[str, Any]:
+        node_id = await self._authenticated(request, body.node_id)
+        known = self.state.leave(node_id, time.time())
+        self.challenges.pop(node_id, None)
+        log.info("node %s left%s", node_id.hex()[:12], "" if known else " (it was not registered)")
+        return {"ok": True, "was_registered": known}
 
     async def _probe(self, body: ProbeReply, request: Request) -> dict[str, Any]:
         node_id = await self._authenticated(request, body.node_id)
@@ -316,6 +336,85 @@ class Tracker:
         )
         return JSONResponse(reply.model_dump(mode="json"))
 
+    async def _repair(self, body: RepairRequest, request: Request) -> JSONResponse:
+        """The rest of a session's route after its first ``keep`` hops, and its ticket for the next epoch.
+
+        Only a party of the session may ask, proven by its signature: the ticket's client for
+        a whole new route, the hop before the lost range for the rest of one. A route that
+        keeps hops runs the session's recipe (the kept hops' KV must meet bit-identical
+        activations); a whole new one prefers it and says when it could not (``exact``).
+        """
+        requester = await self._authenticated(request, request.headers.get("x-node-id", ""))
+        try:
+            ticket = tickets.decode(bytes.fromhex(body.ticket), [self.identity.node_id])
+        except tickets.TicketError as exc:
+            raise HTTPException(403, f"not a ticket of this tracker's: {exc}") from None
+        if ticket.expires_unix_ms <= time.time() * 1000:
+            raise HTTPException(403, "the session's ticket has expired")
+        if body.keep >= len(ticket.hops):
+            raise HTTPException(400, f"keep must leave hops to replace: the route has {len(ticket.hops)}")
+        if requester != ticket.dialer_of(body.keep):
+            raise HTTPException(403, "only the session's client, or the hop before the lost range, may repair it")
+        try:
+            exclude = [bytes.fromhex(x) for x in body.exclude]
+        except ValueError:
+            raise HTTPException(400, "exclude holds hex node ids") from None
+        kept = [Hop(node, Span(a, b)) for node, a, b in ticket.hops[: body.keep]]
+        start = kept[-1].layers.end if kept else 0
+        artifact = ticket.artifact.hex()
+        try:
+            if kept:
+                choice = self.state.choose(
+                    artifact,
+                    body.tokens,
+                    exclude=[*exclude, *(h.node_id for h in kept)],
+                    start=start,
+                    recipe=body.recipe,
+                )
+            else:
+                choice = self.state.choose(artifact, body.tokens, exclude=exclude, prefer=body.recipe)
+        except NoRoute as exc:
+            self.metrics.routes.labels("repair_none").inc()
+            return JSONResponse({"error": str(exc), "full": exc.full}, status_code=429 if exc.full else 503)
+        recipes = [body.recipe] * len(kept) + [n.recipe for n in choice.nodes]
+        mixed = len(set(recipes)) > 1
+        # the kept hops as the registry knows them, for their neighbours to dial (one that has
+        # left it keeps no address: the hops before it reach it by the seams they hold)
+        known = [self.state.nodes.get(hop.node_id) for hop in kept]
+        hops = [
+            *(
+                Hop(hop.node_id, hop.layers, r.address, r.relay, r.tls_cert_sha256) if r is not None else hop
+                for hop, r in zip(kept, known, strict=True)
+            ),
+            *(Hop(n.node_id, Span(*n.layers), n.address, n.relay, n.tls_cert_sha256) for n in choice.nodes),
+        ]
+        if mixed:
+            hops = [attrs.evolve(h, recipe_fingerprint=bytes.fromhex(r)) for h, r in zip(hops, recipes, strict=True)]
+        epoch = ticket.epoch + 1
+        issued = tickets.issue(
+            self.identity,
+            session_id=ticket.session_id,
+            epoch=epoch,
+            artifact=ticket.artifact,
+            hops=hops,
+            client=ticket.client,
+            ttl_seconds=body.ttl_seconds,
+        )
+        self.state.note_session(n.node_id for n in choice.nodes)
+        self.metrics.routes.labels("repaired").inc()
+        route = route_recipe([bytes.fromhex(r) for r in recipes])
+        reply = RouteReply(
+            session_id=ticket.session_id.hex(),
+            epoch=epoch,
+            ticket=issued.hex(),
+            recipe=route.hex(),
+            cost_ms=round(choice.cost_ms, 3),
+            ctx_per_session=min(n.ctx_per_session for n in choice.nodes),
+            hops=[RouteHop.of(hop) for hop in hops],
+            exact=set(recipes) == {body.recipe},
+        )
+        return JSONResponse(reply.model_dump(mode="json"))
+
 
 def _public(record: NodeRecord, now: float, step_budget_ms: float) -> dict[str, Any]:
     return {
@@ -326,6 +425,7 @@ def _public(record: NodeRecord, now: float, step_budget_ms: float) -> dict[str, 
         "n_layer": record.n_layer,
         "recipe": record.recipe,
         "device": record.device,
+        "kernel_class": record.kernel_class,
         "address": record.address,
         "relay": record.relay,
         "reachability": record.reachability,

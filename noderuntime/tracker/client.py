@@ -16,10 +16,13 @@ from pydantic import ValidationError
 from noderuntime.access import untrusted
 from noderuntime.access.identity import Identity
 from noderuntime.access.signing import sign
-from noderuntime.tracker.messages import Heartbeat, ProbeReply, Registration, RouteReply
+from noderuntime.tracker.messages import Heartbeat, Leave, ProbeReply, Registration, RepairRequest, RouteReply
 from protocol import Hop
 
 log = logging.getLogger(__name__)
+
+
+LEAVE_SECONDS = 1.0  # how long a leaving node gives the tracker to hear it
 
 
 class TrackerError(Exception):
@@ -123,50 +126,79 @@ class TrackerLink:
             log.warning("the tracker refused the probe answer: %s", reply.text[:200])
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run until cancelled; ``started`` once first registered. Tracker outages are waited out."""
+        """Run until cancelled; ``started`` once first registered. Tracker outages are waited out.
+
+        Cancelled (the node is leaving), it tells the tracker so, at once and briefly: routes
+        stop naming it before its sessions' neighbours repair them around it.
+        """
+        async with httpx.AsyncClient() as client:
+            try:
+                await self._run(client, task_status)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self.leave(client)
+
+    async def leave(self, client: httpx.AsyncClient | None = None) -> None:
+        """Tell the tracker this node leaves (bounded, idempotent): it stops routing to it at once."""
+        if not self.registered:
+            return
+        if client is None:
+            async with httpx.AsyncClient() as own:
+                await self.leave(own)
+            return
+        with trio.move_on_after(LEAVE_SECONDS):
+            await self._leave(client)
+
+    async def _leave(self, client: httpx.AsyncClient) -> None:
+        body = Leave(node_id=self.identity.node_id.hex()).model_dump(mode="json")
+        try:
+            response = await self._post(client, "/v1/nodes/leave", body)
+        except httpx.HTTPError as exc:
+            log.warning("could not tell the tracker %s that this node leaves: %s", self.url, exc)
+            return
+        if response.status_code == 200:
+            self.registered = False
+            log.info("told the tracker %s that this node leaves", self.url)
+
+    async def _run(self, client: httpx.AsyncClient, task_status: trio.TaskStatus[None]) -> None:
         started = False
         interval = 2.0
-        async with httpx.AsyncClient() as client:
-            while True:
-                try:
-                    if not self.registered:
-                        body = self.registration.model_dump(mode="json")
-                        response = await self._post(client, "/v1/nodes/register", body)
-                        if response.status_code != 200:
-                            raise TrackerError(f"registration refused: {response.text[:200]}", response.status_code)
-                        body = _answer(response, "registration")
-                        interval = body.get("heartbeat_seconds", 2.0)
-                        if (
-                            isinstance(interval, bool)
-                            or not isinstance(interval, int | float)
-                            or not 0 < interval < 3600
-                        ):
-                            raise TrackerError("the tracker's heartbeat interval is not a number of seconds", 200)
-                        self.registered = True
-                        self.registrations += 1
-                        log.info("registered with the tracker %s", self.url)
-                        await self._answer_probe(client, body)
-                        if not started:
-                            started = True
-                            task_status.started()
-                    else:
-                        beat = Heartbeat(node_id=self.identity.node_id.hex(), **attrs.asdict(self._load()))
-                        response = await self._post(client, "/v1/nodes/heartbeat", beat.model_dump(mode="json"))
-                        if response.status_code == 404:
-                            log.info("the tracker forgot this node (restarted?): registering again")
-                            self.registered = False
-                            continue
-                        if response.status_code != 200:
-                            raise TrackerError(f"heartbeat refused: {response.text[:200]}", response.status_code)
-                        self.heartbeats += 1
-                        await self._answer_probe(client, _answer(response, "heartbeat"))
-                except (httpx.HTTPError, TrackerError) as exc:
-                    if self.registered:
-                        log.warning("tracker %s unreachable (%s); retrying", self.url, exc)
-                    self.registered = self.registered and not isinstance(exc, TrackerError)
-                    await trio.sleep(self._retry)
-                    continue
-                await trio.sleep(interval)
+        while True:
+            try:
+                if not self.registered:
+                    body = self.registration.model_dump(mode="json")
+                    response = await self._post(client, "/v1/nodes/register", body)
+                    if response.status_code != 200:
+                        raise TrackerError(f"registration refused: {response.text[:200]}", response.status_code)
+                    body = _answer(response, "registration")
+                    interval = body.get("heartbeat_seconds", 2.0)
+                    if isinstance(interval, bool) or not isinstance(interval, int | float) or not 0 < interval < 3600:
+                        raise TrackerError("the tracker's heartbeat interval is not a number of seconds", 200)
+                    self.registered = True
+                    self.registrations += 1
+                    log.info("registered with the tracker %s", self.url)
+                    await self._answer_probe(client, body)
+                    if not started:
+                        started = True
+                        task_status.started()
+                else:
+                    beat = Heartbeat(node_id=self.identity.node_id.hex(), **attrs.asdict(self._load()))
+                    response = await self._post(client, "/v1/nodes/heartbeat", beat.model_dump(mode="json"))
+                    if response.status_code == 404:
+                        log.info("the tracker forgot this node (restarted?): registering again")
+                        self.registered = False
+                        continue
+                    if response.status_code != 200:
+                        raise TrackerError(f"heartbeat refused: {response.text[:200]}", response.status_code)
+                    self.heartbeats += 1
+                    await self._answer_probe(client, _answer(response, "heartbeat"))
+            except (httpx.HTTPError, TrackerError) as exc:
+                if self.registered:
+                    log.warning("tracker %s unreachable (%s); retrying", self.url, exc)
+                self.registered = self.registered and not isinstance(exc, TrackerError)
+                await trio.sleep(self._retry)
+                continue
+            await trio.sleep(interval)
 
 
 @attrs.frozen
@@ -179,6 +211,25 @@ class RouteGrant:
     ticket: bytes
     recipe: bytes
     ctx_per_session: int = 0  # positions a session may fill on every hop; 0 when the tracker did not say
+    exact: bool = True  # a repair's route: it runs the session's recipe (bit-exact continuation)
+
+
+class RequestSigner:
+    """Signs tracker requests for one identity, each with a newer timestamp than the last.
+
+    The tracker refuses a signed request whose timestamp is not newer than the signer's
+    previous one (replays); a gateway repairing several sessions at once would send two in
+    one millisecond.
+    """
+
+    def __init__(self, identity: Identity) -> None:
+        self.identity = identity
+        self._last = 0
+
+    def headers(self, method: str, path: str, body: bytes) -> dict[str, str]:
+        """The signature headers for this request."""
+        self._last = max(int(time.time() * 1000), self._last + 1)
+        return sign(self.identity, method, path, body, self._last)
 
 
 async def request_route(
@@ -203,6 +254,28 @@ async def request_route(
         response = await client.post(url.rstrip("/") + "/v1/routes", json=body, headers=headers, timeout=10)
     except httpx.HTTPError as exc:
         raise TrackerError(f"the tracker {url} is unreachable: {exc}") from None
+    return _grant(response, url)
+
+
+async def request_repair(
+    client: httpx.AsyncClient, url: str, signer: RequestSigner, repair: RepairRequest
+) -> RouteGrant:
+    """Ask the tracker for the rest of a session's route and its next epoch's ticket (see :class:`RepairRequest`).
+
+    :class:`TrackerError` with 503 (no replacement) or 429 (all full), as :func:`request_route`.
+    """
+    path = "/v1/routes/repair"
+    data = repair.model_dump_json().encode()
+    headers = {"content-type": "application/json", **signer.headers("POST", path, data)}
+    try:
+        response = await client.post(url.rstrip("/") + path, content=data, headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        raise TrackerError(f"the tracker {url} is unreachable: {exc}") from None
+    return _grant(response, url)
+
+
+def _grant(response: httpx.Response, url: str) -> RouteGrant:
+    """The route grant in a tracker's answer, or :class:`TrackerError` for a refusal or a malformed one."""
     if response.status_code != 200:
         try:
             detail = untrusted.json_object(response.text, "the tracker's answer")
@@ -224,4 +297,5 @@ async def request_route(
         bytes.fromhex(reply.ticket),
         bytes.fromhex(reply.recipe),
         reply.ctx_per_session,
+        reply.exact,
     )

@@ -41,6 +41,9 @@ class Registration(BaseModel):
     capability: dict[str, str]  # {"body": signed JSON text, "signature": hex}
     # where its layers and KV live (the recipe fingerprint names the kind of device, not the index)
     device: str = Field(default="cpu", pattern=DEVICE)
+    # its drift class (engine.llama.kernel_class), which the recipe fingerprint covers: shown, and
+    # told apart when two recipes differ by it alone
+    kernel_class: str = Field(default="", max_length=300)
 
     @field_validator("address")
     @classmethod
@@ -85,6 +88,12 @@ class Heartbeat(BaseModel):
     step_ms: float = Field(ge=0, le=1e6)
 
 
+class Leave(BaseModel):
+    """A node leaving (SIGTERM, ``noderuntime down``): routes stop naming it at once."""
+
+    node_id: str = Field(pattern=HEX32)
+
+
 class ProbeReply(BaseModel):
     """A node's answer to its probe challenge."""
 
@@ -103,6 +112,22 @@ class RouteRequest(BaseModel):
     ttl_seconds: float = Field(default=600.0, gt=0, le=86400)
     # the key the gateway proves when it reaches a head through a relay; the ticket names it
     client: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
+
+
+class RepairRequest(BaseModel):
+    """A route session's repair: the rest of its route after ``keep`` hops, under the next epoch.
+
+    Signed (``access.signing``) by whoever repairs: the ticket's client for a whole new route
+    (``keep`` 0, the session replayed from its tokens), or the hop just before the lost range
+    (``keep`` its index plus one: it replays what it sent, the hops before it keep their KV).
+    """
+
+    ticket: str = Field(pattern=r"^([0-9a-f]{2})+$", max_length=2 * MAX_TICKET_BYTES)  # the session's current one
+    keep: int = Field(ge=0, le=255)
+    tokens: int = Field(gt=0, le=1 << 22)
+    recipe: str = Field(pattern=r"^[0-9a-f]{16}$")  # the session's: a replacement of the same is exact
+    exclude: list[str] = Field(default_factory=list, max_length=256)
+    ttl_seconds: float = Field(default=600.0, gt=0, le=86400)
 
 
 class RouteHop(BaseModel):
@@ -159,6 +184,8 @@ class RouteReply(BaseModel):
     # the longest session every hop of the route can hold (prompt and reply); 0: not said
     ctx_per_session: int = Field(default=0, ge=0, le=1 << 22)
     hops: list[RouteHop] = Field(min_length=1, max_length=256)
+    # a repair's route: whether it runs the session's recipe, so the continuation is bit-exact
+    exact: bool = True
 
 
 _HOPS: TypeAdapter[list[RouteHop]] = TypeAdapter(list[RouteHop])

@@ -32,6 +32,7 @@ DEFAULT_STEP_MS = 10.0
 NEAR_EQUAL = 0.10  # routes within 10 % of the cheapest are equally good
 STEP_BUDGET_MS = 1000.0  # a node gets no more sessions than keep its decode step under this
 MAX_ROUTES = 2000  # enumeration cap: a tracker of a few hundred nodes stays well under it
+DEPARTED_KEPT = 64  # departed nodes remembered, for status pages
 
 
 @attrs.frozen
@@ -50,6 +51,7 @@ class NodeRecord:
     ctx_per_session: int
     model_name: str = ""
     device: str = "cpu"  # where its layers and KV live ("vulkan:0"): shown, not routed on
+    kernel_class: str = ""  # its drift class, as the node names it (the recipe fingerprint covers it)
     # load, from heartbeats
     active_sessions: int = 0
     free_slots: int = 0
@@ -142,6 +144,8 @@ class TrackerState:
         self.step_budget_ms = step_budget_ms
         self.mixes: dict[str, frozenset[frozenset[str]]] = {a: frozenset(p) for a, p in (mixes or {}).items()}
         self.nodes: dict[bytes, NodeRecord] = {}
+        # the nodes that left lately, newest last: (record, when, why: "left" or "expired")
+        self.departed: collections.deque[tuple[NodeRecord, float, str]] = collections.deque(maxlen=DEPARTED_KEPT)
         self._rng = rng or random.Random()
 
     def register(self, record: NodeRecord, now: float) -> None:
@@ -175,8 +179,16 @@ class TrackerState:
         """Drop nodes silent for too long; returns their ids."""
         gone = [nid for nid, r in self.nodes.items() if now - r.last_seen > self.expire_after]
         for nid in gone:
-            del self.nodes[nid]
+            self.departed.append((self.nodes.pop(nid), now, "expired"))
         return gone
+
+    def leave(self, node_id: bytes, now: float) -> bool:
+        """Forget a node that says it leaves; False if it was not registered."""
+        record = self.nodes.pop(node_id, None)
+        if record is None:
+            return False
+        self.departed.append((record, now, "left"))
+        return True
 
     def note_session(self, node_ids: Iterable[bytes]) -> None:
         """Count a routed session in its nodes' load until their next heartbeat reports the truth.
@@ -218,20 +230,42 @@ class TrackerState:
             if r.artifact == artifact and r.node_id not in excluded and r.ctx_per_session >= tokens and r.admitted
         ]
 
-    def choose(self, artifact: str, tokens: int, *, exclude: Iterable[bytes] = ()) -> RouteChoice:
-        """Pick a route for a session of ``tokens`` positions; raises :class:`NoRoute`."""
+    def choose(
+        self,
+        artifact: str,
+        tokens: int,
+        *,
+        exclude: Iterable[bytes] = (),
+        start: int = 0,
+        recipe: str | None = None,
+        prefer: str | None = None,
+    ) -> RouteChoice:
+        """Pick a route for a session of ``tokens`` positions; raises :class:`NoRoute`.
+
+        ``start``: the route covers ``[start, n_layer)`` only (the rest of a route under
+        repair, whose first hops stay); ``recipe``: only nodes of that recipe (a repair's
+        replacement must compute what the lost hops did, bit for bit); ``prefer``: routes of
+        that one recipe first, any other only when none has room.
+        """
         candidates = self._eligible(artifact, tokens, exclude)
+        if recipe is not None:
+            candidates = [c for c in candidates if c.recipe == recipe]
         if not candidates:
             raise NoRoute(f"no node serves artifact {artifact[:16]}… for {tokens} tokens", full=False)
         # counted over every node of the artifact, as /v1/artifacts shows it: not over the
         # candidates left after exclusions and full nodes, where a few could outvote the rest
         n_layer = layer_count(self.nodes_of(artifact))
-        routes = all_routes([c for c in candidates if c.n_layer == n_layer], n_layer, self.mixes.get(artifact, ()))
+        routes = all_routes(
+            [c for c in candidates if c.n_layer == n_layer], n_layer, self.mixes.get(artifact, ()), start=start
+        )
         if not routes:
-            raise NoRoute(f"the nodes of artifact {artifact[:16]}… do not cover its {n_layer} layers", full=False)
+            what = f"layers {start}:{n_layer}" if start else f"{n_layer} layers"
+            raise NoRoute(f"the nodes of artifact {artifact[:16]}… do not cover its {what}", full=False)
         free = [r for r in routes if all(node.has_room(self.step_budget_ms) for node in r)]
         if not free:
             raise NoRoute("every route is at capacity", full=True)
+        if prefer is not None:
+            free = [r for r in free if {node.recipe for node in r} == {prefer}] or free
         costed = sorted(((route_cost(r), r) for r in free), key=lambda pair: pair[0])
         best = costed[0][0]
         near = [pair for pair in costed if pair[0] <= best * (1.0 + NEAR_EQUAL)]
@@ -254,9 +288,9 @@ def route_cost(route: Sequence[NodeRecord]) -> float:
 
 
 def all_routes(
-    nodes: Sequence[NodeRecord], n_layer: int, mixes: Collection[frozenset[str]] = ()
+    nodes: Sequence[NodeRecord], n_layer: int, mixes: Collection[frozenset[str]] = (), *, start: int = 0
 ) -> list[list[NodeRecord]]:
-    """Every chain of nodes covering ``[0, n_layer)`` contiguously (capped): of one recipe, or
+    """Every chain of nodes covering ``[start, n_layer)`` contiguously (capped): of one recipe, or
     of a pair of recipes in ``mixes`` (pairs a mixed-route certificate covers) using both.
 
     Only boundaries from which the allowed recipes' nodes still reach ``n_layer`` are
@@ -272,20 +306,24 @@ def all_routes(
     groups += sorted({pair for pair in mixes if len(pair) == 2 and pair <= recipes}, key=sorted)
     routes: list[list[NodeRecord]] = []
     for group in groups:
-        _walk(by_start, n_layer, group, routes)
+        _walk(by_start, n_layer, group, routes, start)
     return routes
 
 
 def _walk(
-    by_start: dict[int, list[NodeRecord]], n_layer: int, group: frozenset[str], routes: list[list[NodeRecord]]
+    by_start: dict[int, list[NodeRecord]],
+    n_layer: int,
+    group: frozenset[str],
+    routes: list[list[NodeRecord]],
+    start: int = 0,
 ) -> None:
     """Add to ``routes`` the chains whose hops run the recipes of ``group``, each of them."""
     # boundaries from which the group's nodes reach n_layer; a node's end lies above its
     # start, so walking the starts downwards settles each boundary once
     viable: set[int] = set()
-    for start in sorted(by_start, reverse=True):
-        if any(n.recipe in group and (n.layers[1] == n_layer or n.layers[1] in viable) for n in by_start[start]):
-            viable.add(start)
+    for boundary in sorted(by_start, reverse=True):
+        if any(n.recipe in group and (n.layers[1] == n_layer or n.layers[1] in viable) for n in by_start[boundary]):
+            viable.add(boundary)
     # a pair's chains that run only one of its recipes are that recipe's own routes, found
     # on their own; they count as visits, so enumerating a pair stays bounded too
     visits = 0
@@ -305,8 +343,8 @@ def _walk(
                 extend(path, node.layers[1])
                 path.pop()
 
-    if 0 in viable:
-        extend([], 0)
+    if start in viable:
+        extend([], start)
 
 
 def unmixed(nodes: Sequence[NodeRecord], mixes: Mapping[str, Collection[frozenset[str]]] | None = None) -> list[str]:
@@ -321,9 +359,11 @@ def unmixed(nodes: Sequence[NodeRecord], mixes: Mapping[str, Collection[frozense
     for artifact in sorted({n.artifact for n in nodes}):
         certified = (mixes or {}).get(artifact, ())
         devices: dict[str, set[str]] = {}
+        classes: dict[str, set[str]] = {}
         for node in nodes:
             if node.artifact == artifact:
                 devices.setdefault(node.recipe, set()).add(node.device.partition(":")[0])
+                classes.setdefault(node.recipe, set()).add(node.kernel_class)
         recipes = sorted(devices)
         for i, a in enumerate(recipes):
             for b in recipes[i + 1 :]:
@@ -335,6 +375,12 @@ def unmixed(nodes: Sequence[NodeRecord], mixes: Mapping[str, Collection[frozense
                     lines.append(
                         where + "their devices agree only within a tolerance, and no certificate covers this "
                         "pair (benchmarks.backends certifies one; the tracker takes it with --certificate)"
+                    )
+                elif classes[a] != classes[b]:
+                    lines.append(
+                        where + "they run other CPU kernels (drift classes "
+                        f"{' / '.join(sorted(classes[a]))} and {' / '.join(sorted(classes[b]))}): their bits differ, "
+                        "and no certificate covers this pair"
                     )
                 else:
                     lines.append(where + "their kernels or settings differ (quant, ubatch, flash attention, KV)")

@@ -42,6 +42,7 @@ def _record(node: dict[str, Any]) -> NodeRecord:
         ctx_per_session=node["ctx_per_session"],
         model_name=node["model_name"],
         device=str(node.get("device", "cpu")),
+        kernel_class=str(node.get("kernel_class", "")),
         active_sessions=node["active_sessions"],
         free_slots=node["free_slots"],
         queue_depth=node["queue_depth"],

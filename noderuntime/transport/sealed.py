@@ -132,13 +132,17 @@ class SealedFrameStream:
 
     async def _end(self, code: StatusCode, message: str, *, sealed: bool) -> None:
         self.closed.set()
-        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-            # a sender stuck on a peer that stops reading holds the lock: then the close goes unsealed
-            if sealed and not self._channel.closed and not self._sending.locked():
-                async with self._sending:
-                    with contextlib.suppress(ConnectionClosed):
-                        await self.ws.send_message(self._channel.seal_close(code, message))
-            await self.ws.aclose()
+        with trio.CancelScope(shield=True):
+            # after the send under way (a heartbeat, say); a sender stuck on a peer that stops
+            # reading holds the turn past the wait, and then the close goes unsealed
+            with trio.move_on_after(0.5):
+                if sealed and not self._channel.closed:
+                    async with self._sending:
+                        if not self._channel.closed:
+                            with contextlib.suppress(ConnectionClosed):
+                                await self.ws.send_message(self._channel.seal_close(code, message))
+            with trio.move_on_after(1.0):
+                await self.ws.aclose()
 
     async def aclose(self) -> None:
         """End the seam cleanly (a sealed close, then the websocket's); idempotent, bounded."""

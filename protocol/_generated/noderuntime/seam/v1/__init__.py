@@ -350,6 +350,14 @@ class OpenRoute(betterproto2.Message):
     Signed by the route issuer; verified by each hop and by relays. Opaque here.
     """
 
+    prompt_length: "int" = betterproto2.field(8, betterproto2.TYPE_UINT32)
+    """
+    Since 1.3. A session resumed on a new route (a route repair): the first prompt_length
+    of prompt_tokens are the prompt and the rest were generated already. The tail's
+    sampler takes them as it took them then and generation goes on from there; the
+    Tokens frames carry only what is generated next. 0: a new session (all prompt).
+    """
+
 
 default_message_pool.register_message("noderuntime.seam.v1", "OpenRoute", OpenRoute)
 
