@@ -504,3 +504,17 @@ def test_the_tracker_killed_and_restarted(rig: Rig) -> None:
         deadline_s=KILL_DEADLINE,
         serving_again_after_restart_s=time.monotonic() - restarted,
     )
+
+
+def test_a_process_started_from_a_thread_outlives_the_thread() -> None:
+    """The kernel sends a child its death signal when the thread that forked it exits: a node
+    restarted from a short-lived thread (a benchmark's chaos) must not stop with that thread."""
+    server = ManagedProcess("http", ["0", "--bind", "127.0.0.1"], module="http.server")
+    starter = threading.Thread(target=server.launch)
+    starter.start()
+    starter.join()
+    try:
+        time.sleep(1.0)
+        assert server.alive(), server.tail()
+    finally:
+        server.kill()

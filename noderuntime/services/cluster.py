@@ -78,16 +78,18 @@ class ManagedProcess:
 
     def launch(self) -> None:
         """Start the process without waiting (see :meth:`wait_ready`)."""
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=self._env,
-            cwd=self._cwd,
-            start_new_session=True,
-            preexec_fn=self._before_exec,
-        )
+        self.proc = _SPAWNER.submit(
+            lambda: subprocess.Popen(
+                self.argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=self._env,
+                cwd=self._cwd,
+                start_new_session=True,
+                preexec_fn=self._before_exec,
+            )
+        ).result()
         threading.Thread(target=self._read, name=f"{self.name}-output", daemon=True).start()
 
     def _before_exec(self) -> None:
@@ -165,6 +167,13 @@ class ManagedProcess:
             with _suppress():
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+# Every child is forked from this one long-lived thread. The kernel sends a child its
+# death signal when the *thread* that forked it exits, not the process: a node restarted
+# from a short-lived thread (a benchmark's chaos thread) would be stopped when that
+# thread ends. One worker, never shut down before the interpreter exits.
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
 
 
 def _die_with_parent() -> None:
