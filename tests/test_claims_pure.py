@@ -58,8 +58,8 @@ def test_a_node_key_is_made_once_private_and_reused(tmp_path: Path) -> None:
         ids.load_or_create(tmp_path / "node")
 
 
-def test_signed_requests_must_be_fresh_newer_than_the_last_and_intact() -> None:
-    """signing.py: "timestamps must be fresh and increase per node (no replays)"; anything else is a SignatureError."""
+def test_signed_requests_must_be_fresh_accepted_once_and_intact() -> None:
+    """signing.py: fresh "and each accepted once"; "it does not ask timestamps to increase"."""
     me = ids.Identity.generate()
     checker = signing.SignatureChecker()
     now = 1_700_000_000_000
@@ -68,9 +68,18 @@ def test_signed_requests_must_be_fresh_newer_than_the_last_and_intact() -> None:
     assert checker.check(headers, "POST", "/v1/nodes/heartbeat", body, now + 10) == me.node_id
     with pytest.raises(signing.SignatureError, match="replayed"):
         checker.check(headers, "POST", "/v1/nodes/heartbeat", body, now + 20)
+    # a concurrent request signed a moment before, arriving after: accepted, once
     older = signing.sign(me, "POST", "/v1/nodes/heartbeat", body, now - 1)
+    assert checker.check(older, "POST", "/v1/nodes/heartbeat", body, now + 20) == me.node_id
     with pytest.raises(signing.SignatureError, match="replayed"):
-        checker.check(older, "POST", "/v1/nodes/heartbeat", body, now + 20)
+        checker.check(older, "POST", "/v1/nodes/heartbeat", body, now + 30)
+    # the memory of accepted requests is bounded; a full one refuses, and forgets what expired
+    small = signing.SignatureChecker(capacity=1)
+    small.check(headers, "POST", "/v1/nodes/heartbeat", body, now)
+    with pytest.raises(signing.SignatureError, match="too many"):
+        small.check(older, "POST", "/v1/nodes/heartbeat", body, now)
+    later = signing.sign(me, "POST", "/v1/nodes/heartbeat", body, now + signing.WINDOW_MS + 5)
+    assert small.check(later, "POST", "/v1/nodes/heartbeat", body, now + signing.WINDOW_MS + 5) == me.node_id
     stale = signing.sign(me, "POST", "/v1/nodes/heartbeat", body, now + 1)
     with pytest.raises(signing.SignatureError, match="too far"):
         checker.check(stale, "POST", "/v1/nodes/heartbeat", body, now + 1 + 10 * 60_000)  # ten minutes old

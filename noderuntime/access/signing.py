@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import heapq
 
 import attrs
 
@@ -32,9 +33,17 @@ def sign(identity: Identity, method: str, path: str, body: bytes, now_ms: int) -
 
 @attrs.define
 class SignatureChecker:
-    """Verifies signed requests; timestamps must be fresh and increase per node (no replays)."""
+    """Verifies signed requests: fresh (within :data:`WINDOW_MS` of this clock) and each accepted once.
 
-    last: dict[bytes, int] = attrs.Factory(dict)
+    A replay is the same signed message again, so the checker remembers the digest of every
+    message it accepted until its timestamp leaves the window (after which the clock check
+    refuses it anyway). It does not ask timestamps to increase: one signer's concurrent
+    requests (a gateway repairing two sessions) may arrive in any order.
+    """
+
+    capacity: int = 1_000_000
+    _seen: set[bytes] = attrs.Factory(set)
+    _expiry: list[tuple[int, bytes]] = attrs.Factory(list)  # a heap: (timestamp, digest)
 
     def check(self, headers: dict[str, str], method: str, path: str, body: bytes, now_ms: int) -> bytes:
         """The authenticated node id; :class:`SignatureError` otherwise."""
@@ -47,9 +56,16 @@ class SignatureChecker:
             raise SignatureError("missing or malformed x-node-id / x-timestamp / x-signature headers") from None
         if abs(now_ms - ts) > WINDOW_MS:
             raise SignatureError("request timestamp is too far from the tracker's clock")
-        if not verify(node_id, DOMAIN, _message(method, path, timestamp, body), signature):
+        message = _message(method, path, timestamp, body)
+        if not verify(node_id, DOMAIN, message, signature):
             raise SignatureError("request signature does not verify for the claimed node id")
-        if ts <= self.last.get(node_id, -1):
-            raise SignatureError("request replayed (timestamp not newer than the last one)")
-        self.last[node_id] = ts
+        while self._expiry and self._expiry[0][0] < now_ms - WINDOW_MS:
+            self._seen.discard(heapq.heappop(self._expiry)[1])
+        digest = hashlib.sha256(node_id + message).digest()
+        if digest in self._seen:
+            raise SignatureError("request replayed (this signed request was accepted already)")
+        if len(self._seen) >= self.capacity:
+            raise SignatureError("too many signed requests within the freshness window; try again shortly")
+        self._seen.add(digest)
+        heapq.heappush(self._expiry, (ts, digest))
         return node_id

@@ -215,11 +215,10 @@ class RouteGrant:
 
 
 class RequestSigner:
-    """Signs tracker requests for one identity, each with a newer timestamp than the last.
+    """Signs tracker requests for one identity, each with a distinct timestamp.
 
-    The tracker refuses a signed request whose timestamp is not newer than the signer's
-    previous one (replays); a gateway repairing several sessions at once would send two in
-    one millisecond.
+    The tracker accepts each signed request once: two identical requests signed in the
+    same millisecond (a gateway repairing two sessions of one prompt) would read as a replay.
     """
 
     def __init__(self, identity: Identity) -> None:
