@@ -387,6 +387,12 @@ def main() -> None:
             s["slots_leased"] == 0 and s["kv_cells"] == 0 and s["active_sessions"] == 0 and s["samplers_live"] == 0
             for s in idle
         ),
+        # every node's prefix cache: repeated prompts were reused, within each node's budget
+        "prefix_cache": [s["prefix_cache"] for s in idle],
+        "prefix_hits": sum(s["prefix_cache"]["hits"] for s in idle if s["prefix_cache"]),
+        "prefix_within_budget": all(
+            s["prefix_cache"]["bytes"] <= s["prefix_cache"]["budget_bytes"] for s in idle if s["prefix_cache"]
+        ),
         "structured_share": STRUCTURED_SHARE,
         "leaks": leaks,
         "settled_after_seconds": round(settled_after, 1),

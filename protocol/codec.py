@@ -35,8 +35,8 @@ from protocol.hot import (
     ACTIVATIONS,
     OPEN_ROUTE,
     PAYLOAD_FIELD,
+    PREFIX,
     TOKENS,
-    USAGE,
     logprob_fields,
     read_header,
     read_tokens,
@@ -223,7 +223,7 @@ class FrameDecoder:
             if number == 1:
                 wire.expect(wire_type, wire.LEN, number, "Frame")
                 header_range = (a, b)
-            elif OPEN_ROUTE <= number <= USAGE:
+            elif OPEN_ROUTE <= number <= PREFIX:
                 wire.expect(wire_type, wire.LEN, number, "Frame")
                 if body is not None and body[0] != number:
                     raise RemoteProtocolError("frame carries more than one body")

@@ -18,6 +18,7 @@ from protocol.events import (
     Header,
     Hop,
     OpenRoute,
+    Prefix,
     Release,
     Sampling,
     Span,
@@ -25,7 +26,7 @@ from protocol.events import (
     UsageRecord,
     route_recipe,
 )
-from protocol.hot import CANCEL, CREDIT, ERROR, OPEN_ROUTE, RELEASE, USAGE, finite
+from protocol.hot import CANCEL, CREDIT, ERROR, OPEN_ROUTE, PREFIX, RELEASE, USAGE, finite
 from protocol.limits import Limits
 
 # The shapes of the cold messages, checked on the wire before the generated parser sees
@@ -59,11 +60,13 @@ _COLD_SHAPES: dict[int, _Shape] = {
         6: (_V, None, ""),
         7: (_L, None, ""),
         8: (_V, None, ""),
+        9: (_V, None, ""),
     },
     RELEASE: {1: (_L, None, "")},
     CANCEL: {1: (_L, None, "")},
     ERROR: {1: (_V, None, ""), 2: (_L, None, ""), 3: (_L, None, "")},
     CREDIT: {1: (_V, None, "")},
+    PREFIX: {1: (_V, None, "")},
     USAGE: {1: (_L, _RECORD_SHAPE, "max_records")},
 }
 _MAX_OTHER_FIELDS = 64  # occurrences of singular and unknown fields in one message
@@ -107,6 +110,7 @@ def cold_body(event: Event) -> tuple[int, Any]:
             deadline_unix_ms=event.deadline_unix_ms,
             ticket=event.ticket,
             prompt_length=event.prompt_length,
+            prefix_offer=event.prefix_offer,
         )
     if isinstance(event, Release):
         return RELEASE, pb.Release(reason=event.reason)
@@ -116,6 +120,8 @@ def cold_body(event: Event) -> tuple[int, Any]:
         return ERROR, pb.Error(code=int(event.code), message=event.message, node_id=event.node_id)
     if isinstance(event, Credit):
         return CREDIT, pb.Credit(frames=event.frames)
+    if isinstance(event, Prefix):
+        return PREFIX, pb.Prefix(positions=event.positions)
     if isinstance(event, Usage):
         return USAGE, pb.Usage(
             records=[pb.UsageRecord(body=r.body, node_id=r.node_id, signature=r.signature) for r in event.records]
@@ -159,6 +165,7 @@ def read_cold(field: int, header: Header, body: bytes, limits: Limits) -> Event:
         ERROR: pb.Error,
         CREDIT: pb.Credit,
         USAGE: pb.Usage,
+        PREFIX: pb.Prefix,
     }[field]
     check_shape(body, 0, len(body), _COLD_SHAPES[field], limits, message_type.__name__)
     try:
@@ -178,6 +185,8 @@ def read_cold(field: int, header: Header, body: bytes, limits: Limits) -> Event:
         return Error(header, StatusCode.coerce(message.code), message.message, message.node_id)
     if field == CREDIT:
         return Credit(header, message.frames)
+    if field == PREFIX:
+        return Prefix(header, message.positions)
     return Usage(header, tuple(UsageRecord(r.body, r.node_id, r.signature) for r in message.records))
 
 
@@ -244,6 +253,8 @@ def open_route_event(header: Header, m: Any, limits: Limits) -> OpenRoute:
         )
     if m.prompt_length and len(m.prompt_tokens) - m.prompt_length >= m.max_tokens:
         raise RemoteProtocolError("a resumed session must have tokens left to generate")
+    if m.prefix_offer >= len(m.prompt_tokens):
+        raise RemoteProtocolError("a prefix offer must leave the last prompt token to compute")
     return OpenRoute(
         header,
         tuple(hops),
@@ -254,4 +265,5 @@ def open_route_event(header: Header, m: Any, limits: Limits) -> OpenRoute:
         m.deadline_unix_ms,
         m.ticket,
         m.prompt_length,
+        m.prefix_offer,
     )

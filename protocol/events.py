@@ -16,7 +16,7 @@ import numpy as np
 from protocol.errors import StatusCode
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 3
+SCHEMA_MINOR = 4
 # the most likely tokens a TokenLogprob may list beside the chosen one (OpenAI's bound)
 MAX_TOP_LOGPROBS = 20
 
@@ -148,6 +148,8 @@ class OpenRoute:
     # a resumed session (since 1.3): prompt_tokens[:prompt_length] is the prompt, the rest
     # was generated already; 0 for a new session, whose prompt_tokens are all prompt
     prompt_length: int = 0
+    # prompt positions the hops so far can take from their prefix caches (since 1.4; 0: none)
+    prefix_offer: int = 0
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -233,10 +235,10 @@ class Error:
 
 @attrs.frozen
 class Credit:
-    """Flow control, reserved: the receiver would allow this many more frames.
+    """A heartbeat upstream (since 1.3): the sender is alive, though it has nothing to say.
 
-    The schema carries it and the state machine lets it travel upstream, but no hop sends
-    or honours it: backpressure comes from the transports.
+    ``frames`` was meant for flow control and is honoured by nobody (backpressure comes
+    from the transports); hops send 0.
     """
 
     header: Header
@@ -260,4 +262,12 @@ class Usage:
     records: tuple[UsageRecord, ...]
 
 
-Event: TypeAlias = OpenRoute | Activations | Tokens | Release | Cancel | Error | Credit | Usage
+@attrs.frozen
+class Prefix:
+    """Upstream, first (since 1.4): the prompt positions every hop restored from its prefix cache."""
+
+    header: Header
+    positions: int
+
+
+Event: TypeAlias = OpenRoute | Activations | Tokens | Release | Cancel | Error | Credit | Usage | Prefix

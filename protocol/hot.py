@@ -26,7 +26,7 @@ from protocol.limits import Limits
 FLOAT = struct.Struct("<f")
 
 # Frame.body field numbers
-OPEN_ROUTE, ACTIVATIONS, TOKENS, RELEASE, CANCEL, ERROR, CREDIT, USAGE = range(2, 10)
+OPEN_ROUTE, ACTIVATIONS, TOKENS, RELEASE, CANCEL, ERROR, CREDIT, USAGE, PREFIX = range(2, 11)
 PAYLOAD_FIELD = 15
 
 

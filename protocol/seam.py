@@ -29,6 +29,7 @@ from protocol.events import (
     Identity,
     OpenRoute,
     Phase,
+    Prefix,
     Release,
     Span,
     Tokens,
@@ -67,6 +68,7 @@ TRANSITIONS: dict[Direction, dict[tuple[State, type], State]] = {
         (_OPEN, Error): _CLOSED,
     },
     _U: {
+        (_IDLE, Prefix): _OPEN,  # only first: the session's Activations start where it says
         (_IDLE, Credit): _OPEN,
         (_OPEN, Credit): _OPEN,
         (_IDLE, Tokens): _OPEN,
@@ -118,6 +120,7 @@ class SeamEndpoint:
         # the schema minor version the peer must speak for what this session uses: a peer
         # below it would ignore the field (proto3 skips unknown fields), not refuse it
         self.required_minor = 0
+        self._offer = 0  # the prefix the OpenRoute that crossed this seam offered
 
     @property
     def outbound_state(self) -> State:
@@ -174,9 +177,22 @@ class SeamEndpoint:
             track.kv_length = header.positions.end
         if isinstance(event, OpenRoute):
             self.required_minor = max(self.required_minor, required_minor(event))
+            self._offer = event.prefix_offer
+        if isinstance(event, Prefix):
+            self._take_prefix(self._in, event, LocalProtocolError)
         track.last_step = header.step_id
         track.state = state
         return event
+
+    def _take_prefix(self, track: _Track, event: Prefix, error: type[ProtocolError]) -> None:
+        """The session's Activations start at ``event.positions``: nothing may have crossed before."""
+        if track.kv_length or not self._offer or not 0 <= event.positions <= self._offer:
+            raise error(
+                f"a prefix of {event.positions} positions where {self._offer} were offered and "
+                f"{track.kv_length} already crossed",
+                StatusCode.FAILED_PRECONDITION,
+            )
+        track.kv_length = event.positions
 
     # --- receiving
 
@@ -198,6 +214,7 @@ class SeamEndpoint:
             )
         if isinstance(event, OpenRoute):
             self.required_minor = max(self.required_minor, required_minor(event))
+            self._offer = event.prefix_offer
         self._check_identity(header.identity)
         if header.step_id == track.last_step and track.last_step >= 0:
             return None  # the peer retried a step we already accepted
@@ -214,6 +231,8 @@ class SeamEndpoint:
         if isinstance(event, Activations):
             self._check_positions(track, header, RemoteProtocolError)
             track.kv_length = header.positions.end
+        if isinstance(event, Prefix):
+            self._take_prefix(self._out, event, RemoteProtocolError)
         track.last_step = header.step_id
         track.state = state
         return event

@@ -183,6 +183,7 @@ TIERS = {
         "test_gateway_pure",
         "test_hostile_peers",
         "test_node_core",
+        "test_prefix",
     ),
     "processes": (  # real processes and sockets on loopback
         "test_access",
@@ -206,6 +207,7 @@ TIERS = {
         "test_network_route",
         "test_observability",
         "test_parity",
+        "test_prefix_route",
         "test_relay_e2e",
         "test_repair",
         "test_structured_output",

@@ -69,6 +69,8 @@ def test_a_soak_loses_nothing_and_leaks_nothing(tmp_path: Path) -> None:
     assert figures["errors"] == 0, figures["errors_by_kind"]
     assert figures["mismatches"] == 0 and figures["checked_against_reference"] >= 5
     assert figures["idle_at_end"], figures["nodes_at_end"]  # no slot, no KV cell held anywhere
+    # repeated prompts took their prefixes from the nodes' caches, which kept to their budgets
+    assert figures["prefix_hits"] > 0 and figures["prefix_within_budget"], figures["prefix_cache"]
     assert figures["serves_after"]
     for process, leak in figures["leaks"].items():
         assert leak["tasks"] <= 0, (process, leak)

@@ -11,6 +11,7 @@ trickles by the watchdog of the session waiting on it, within ``--idle-timeout``
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -276,8 +277,10 @@ class Stream(threading.Thread):
         assert self.error is None and self.done, (self.error, self.done, self.chunks)
 
     def stall_after(self, since: float) -> float:
-        """Seconds from ``since`` to the first text that came after it."""
-        return next(t for t in self.arrivals if t > since) - since
+        """The longest wait for text after ``since`` (a token already on its way when a node
+        stopped arrives at once: the stall is the gap after it)."""
+        after = [since, *(t for t in self.arrivals if t > since)]
+        return max(b - a for a, b in itertools.pairwise(after))
 
     def failed_within(self, since: float, seconds: float) -> float:
         """Assert the stream ended with an error event within ``seconds`` of ``since``."""

@@ -270,11 +270,9 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
         url = gateway.url
 
         def ask() -> httpx.Response:
-            return httpx.post(
-                url + "/v1/chat/completions",
-                timeout=60,
-                json={"model": "smollm2-135m", "messages": MESSAGES, "max_tokens": 4, "temperature": 0},
-            )
+            # no prefix reuse: the same prompt would keep to the route that holds it
+            body = {"model": "smollm2-135m", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+            return httpx.post(url + "/v1/chat/completions", timeout=60, json={**body, "cache_prompt": False})
 
         first = ask()
         assert first.status_code == 200

@@ -29,6 +29,20 @@ def test_the_dry_run_sizes_exactly_what_the_load_allocates(smollm2: Path, layers
     assert planned.total == real.total + memplan.RUNTIME_BYTES
 
 
+def test_the_prefix_cache_takes_what_a_limit_leaves_unless_its_size_is_named(smollm2: Path) -> None:
+    layers = LayerRange(0, 30)
+    base = memplan.needs(smollm2, layers, RECIPE).host
+    size = memplan.prefix_cache_size
+    assert size(smollm2, layers, RECIPE, memplan.Budget(), None) == memplan.DEFAULT_PREFIX_CACHE
+    assert size(smollm2, layers, RECIPE, memplan.Budget(host=base + (100 << 20)), None) == 100 << 20
+    assert size(smollm2, layers, RECIPE, memplan.Budget(host=base + (1 << 40)), None) == memplan.DEFAULT_PREFIX_CACHE
+    assert size(smollm2, layers, RECIPE, memplan.Budget(host=base - 1), None) == 0
+    # a size the operator names is kept, and counted in full against the limit
+    assert size(smollm2, layers, RECIPE, memplan.Budget(host=base), 64 << 20) == 64 << 20
+    with pytest.raises(memplan.MemoryLimitError, match="prefix cache 64 MiB"):
+        memplan.check(smollm2, layers, RECIPE, base, 64 << 20)
+
+
 def test_a_dry_run_engine_cannot_run(smollm2: Path) -> None:
     with ShardEngine(smollm2, RECIPE, LayerRange(0, 4), dry_run=True) as engine, pytest.raises(EngineError):
         engine.run(None)  # type: ignore[arg-type]

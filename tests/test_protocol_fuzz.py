@@ -217,6 +217,7 @@ COLD_SEEDS = {
     7: bytes(pb.Error(code=13, message="x", node_id=b"n" * 32)),
     8: bytes(pb.Credit(frames=4)),
     9: bytes(pb.Usage(records=[pb.UsageRecord(body=b"{}", node_id=b"n" * 32, signature=b"s" * 64)])),
+    10: bytes(pb.Prefix(positions=48)),
 }
 
 
@@ -230,6 +231,7 @@ COLD_SEEDS = {
         (2, b"\x3d\x00\x00\x00\x00"),  # OpenRoute.ticket as a fixed32
         (9, b"\x08\x03"),  # Usage.records as a varint
         (8, b"\x0a\x01a"),  # Credit.frames as bytes
+        (10, b"\x0a\x01a"),  # Prefix.positions as bytes
         (2, bytes(pb.OpenRoute(hops=[pb.Hop(node_id=b"n")])) + b"\x1a" + wire.varint(400_000) + b"\x01" * 400_000),
         (2, b"\x0a\x00" * 100_000),  # 100,000 empty hops
         (9, b"\x0a\x00" * 100_000),  # 100,000 empty usage records

@@ -13,6 +13,7 @@ from protocol import (
     Error,
     LocalProtocolError,
     Phase,
+    Prefix,
     Release,
     RemoteProtocolError,
     SeamEndpoint,
@@ -68,6 +69,7 @@ def test_every_transition_outside_the_table_is_an_error() -> None:
         "Error": lambda hd: Error(hd, StatusCode.INTERNAL, "x"),
         "Credit": lambda hd: Credit(hd, 1),
         "Usage": lambda hd: Usage(hd, ()),
+        "Prefix": lambda hd: Prefix(hd, 0),
     }
     for direction, table in TRANSITIONS.items():
         for state in State:
@@ -77,6 +79,7 @@ def test_every_transition_outside_the_table_is_an_error() -> None:
                 )
                 receiver._in.state = state
                 receiver._in.last_step = 0 if state is not State.IDLE else -1
+                receiver._offer = 16  # a Prefix answers an offer
                 event = make(h.header(receiver._in.last_step + 1, ident=HEAD))
                 allowed = (state, type(event)) in table
                 if allowed:
@@ -86,6 +89,37 @@ def test_every_transition_outside_the_table_is_an_error() -> None:
                     with pytest.raises(RemoteProtocolError) as info:
                         receiver.receive(event)
                     assert info.value.code == StatusCode.FAILED_PRECONDITION, (direction, state, name)
+
+
+def test_a_prefix_comes_first_within_the_offer_and_sets_where_activations_start() -> None:
+    head, tail = pair()
+    offered = attrs.evolve(h.open_route(HEAD), header=head.header(Phase.PREFILL), prefix_offer=32)
+    tail.receive(head.send(offered))
+    for positions in (33, -1):
+        with pytest.raises(LocalProtocolError, match="offered"):
+            tail.send(Prefix(tail.header(Phase.PREFILL), positions))
+    prefix = Prefix(tail.header(Phase.PREFILL), 16)
+    assert head.receive(tail.send(prefix)) is prefix
+    # the session's Activations start where the prefix ends, on both sides
+    with pytest.raises(LocalProtocolError, match="continue from 16"):
+        head.send(Activations(head.header(Phase.PREFILL, Span(0, 4)), h.activations(rows=4).tensors))
+    step = Activations(head.header(Phase.PREFILL, Span(16, 20)), h.activations(rows=4).tensors)
+    assert tail.receive(head.send(step)) is step
+    # only first: a second Prefix is out of order
+    with pytest.raises(LocalProtocolError):
+        tail.send(Prefix(tail.header(Phase.PREFILL), 16))
+
+
+def test_a_prefix_nobody_offered_or_beyond_the_offer_is_refused() -> None:
+    head, tail = pair()
+    tail.receive(head.send(attrs.evolve(h.open_route(HEAD), header=head.header(Phase.PREFILL))))
+    with pytest.raises(RemoteProtocolError, match="0 were offered") as info:
+        head.receive(Prefix(tail.header(Phase.PREFILL), 0))
+    assert info.value.code == StatusCode.FAILED_PRECONDITION
+    head, tail = pair()
+    tail.receive(head.send(attrs.evolve(h.open_route(HEAD), header=head.header(Phase.PREFILL), prefix_offer=8)))
+    with pytest.raises(RemoteProtocolError, match="9 positions where 8"):
+        head.receive(Prefix(tail.header(Phase.PREFILL), 9))
 
 
 def test_duplicate_of_last_step_is_ignored_gap_and_regression_are_errors() -> None:

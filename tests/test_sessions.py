@@ -15,6 +15,7 @@ import trio.testing
 from noderuntime.node.batcher import StepOutput, StepRequest
 from noderuntime.node.ending import ENDINGS, Blame, EndReason, ending, idle_blame, stop_reason
 from noderuntime.node.leases import LeaseManager
+from noderuntime.node.prefix import PrefixCache
 from noderuntime.node.sessions import RouteSession, SessionContext
 from noderuntime.seams.connection import SeamConnection
 from noderuntime.transport import TransportError, memory_stream_pair
@@ -29,6 +30,7 @@ from protocol import (
     Limits,
     OpenRoute,
     Phase,
+    Prefix,
     Release,
     Sampling,
     SeamEndpoint,
@@ -48,6 +50,18 @@ class FakeNode:
     steps: list[StepRequest] = attrs.Factory(list)
     retired: list[tuple[int, Any]] = attrs.Factory(list)
     last_steps: list[int] = attrs.Factory(list)
+    # what the prefix cache's engine calls did: ("save", seq, positions) / ("restore", seq, keep)
+    kv_calls: list[tuple[str, int, int]] = attrs.Factory(list)
+    cache: PrefixCache = attrs.Factory(lambda: PrefixCache(1 << 20))
+    next_hop: Any = None  # the stream a two-hop session's head dials
+
+    async def save(self, seq: int, positions: int) -> bytes:
+        self.kv_calls.append(("save", seq, positions))
+        return b"kv" * positions
+
+    async def restore(self, seq: int, state: bytes, keep: int) -> None:
+        assert len(state) >= 2 * keep
+        self.kv_calls.append(("restore", seq, keep))
 
     async def step(self, request: StepRequest) -> StepOutput:
         self.steps.append(request)
@@ -56,7 +70,9 @@ class FakeNode:
         return StepOutput(None, 100 + request.start, request.n_rows, 0.01)
 
     async def connect(self, hop: Hop, open_route: OpenRoute) -> Any:
-        raise TransportError("one hop: nothing to connect to")
+        if self.next_hop is None:
+            raise TransportError("one hop: nothing to connect to")
+        return self.next_hop
 
     def context(self, idle_timeout: float = 5.0) -> SessionContext:
         return SessionContext(
@@ -74,6 +90,9 @@ class FakeNode:
             idle_timeout=idle_timeout,
             n_embd=8,
             n_vocab=1000,
+            prefix_cache=self.cache,
+            save_state=self.save,
+            restore_state=self.restore,
         )
 
 
@@ -85,15 +104,21 @@ async def _receive(client: SeamConnection) -> Event:
 
 
 async def _open(
-    node: FakeNode, prompt: tuple[int, ...], max_tokens: int, **context: Any
+    node: FakeNode,
+    prompt: tuple[int, ...],
+    max_tokens: int,
+    *,
+    offer: int = 0,
+    hops: tuple[Hop, ...] = (Hop(b"n" * 32, LAYERS),),
+    **context: Any,
 ) -> tuple[SeamConnection, RouteSession]:
-    """A client's seam and the one-hop session (head and tail) it opened."""
+    """A client's seam and the session (the head, the tail too with one hop) it opened."""
     ours, theirs = memory_stream_pair()
     identity = Identity("req", b"s" * 16, 0, b"a" * 32, b"r" * 8, Span())
     client = SeamConnection(ours, SeamEndpoint(identity, Direction.DOWNSTREAM, peer_shard=LAYERS))
     assert client.endpoint is not None
-    hops = (Hop(b"n" * 32, LAYERS),)
-    await client.send(OpenRoute(client.endpoint.header(Phase.PREFILL), hops, Sampling(), prompt, max_tokens))
+    header = client.endpoint.header(Phase.PREFILL)
+    await client.send(OpenRoute(header, hops, Sampling(), prompt, max_tokens, prefix_offer=offer))
     upstream = SeamConnection(theirs)
     opening = await upstream.receive()
     assert isinstance(opening, OpenRoute)
@@ -103,7 +128,9 @@ async def _open(
     lease = LeaseManager(2, 64).acquire(len(prompt) + max_tokens)
     assert lease is not None
     sampler = object()
-    session = RouteSession(node.context(**context), opening, 0, upstream, lease, sampler, trio.current_time() + 600)
+    cached = node.cache.lookup(prompt, limit=offer) if offer else (0, None)
+    deadline = trio.current_time() + 600
+    session = RouteSession(node.context(**context), opening, 0, upstream, lease, sampler, deadline, cached)
     return client, session
 
 
@@ -150,6 +177,58 @@ async def test_a_client_that_never_releases_is_ended_by_the_idle_watchdog(
     assert session.end is not None and session.end.reason is EndReason.IDLE
     assert 30.0 <= trio.current_time() - started <= 30.0 * 1.5
     assert node.retired == [(session.lease.seq_id, session.sampler)]
+
+
+# --- prefix reuse
+
+
+async def test_a_session_restores_the_agreed_prefix_says_so_first_and_keeps_its_kv(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    node = FakeNode()
+    prompt = tuple(range(1, 41))
+    assert node.cache.store((*prompt[:32], 7, 7, 7), b"kv" * 35)  # an earlier session's 35 positions
+    client, session = await _open(node, prompt, 2, offer=len(prompt) - 1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(session.run)
+        prefix = await _receive(client)
+        assert isinstance(prefix, Prefix) and prefix.positions == 32  # two whole blocks; the third differs
+        tokens = [await _receive(client) for _ in range(2)]
+        assert client.endpoint is not None
+        await client.send(Release(client.endpoint.header(Phase.RELEASE), "done"))
+        await _receive(client)
+    seq = session.lease.seq_id
+    # restored before any step, which start after it; saved (41 positions) before the KV was freed
+    assert node.kv_calls == [("restore", seq, 32), ("save", seq, 41)]
+    assert [(s.start, s.n_rows) for s in node.steps] == [(32, 4), (36, 4), (40, 1)]
+    assert session.usage.cached_tokens == 32 and session.kv_length == 41
+    assert node.retired == [(seq, session.sampler)]
+    assert [t.token_ids for t in tokens] == [(136,), (140,)]  # type: ignore[union-attr]
+    assert node.cache.statistics().stored == 2  # the earlier session's, and this one's
+
+
+async def test_an_older_next_hop_that_sends_no_prefix_means_none(autojump_clock: trio.testing.MockClock) -> None:
+    node = FakeNode()
+    prompt = tuple(range(1, 41))
+    node.cache.store(prompt, b"kv" * 40)
+    ours, node.next_hop = memory_stream_pair()
+    hops = (Hop(b"n" * 32, LAYERS), Hop(b"m" * 32, Span(4, 8)))
+    client, session = await _open(node, prompt, 1, offer=39, hops=hops)
+    next_hop = SeamConnection(ours)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(session.run)
+        opening = await next_hop.receive()
+        assert isinstance(opening, OpenRoute) and opening.prefix_offer == 32  # what the head holds
+        endpoint = SeamEndpoint(attrs.evolve(opening.header.identity, shard=Span(4, 8)), Direction.UPSTREAM)
+        endpoint.receive(opening)
+        next_hop.endpoint = endpoint
+        # a hop of schema 1.3 heartbeats and knows nothing of prefixes
+        await next_hop.send(Credit(attrs.evolve(endpoint.header(Phase.PREFILL), schema_minor=3), 0))
+        prefix = await _receive(client)
+        assert isinstance(prefix, Prefix) and prefix.positions == 0
+        nursery.cancel_scope.cancel()
+    assert ("restore", session.lease.seq_id, 32) not in node.kv_calls
+    assert node.steps and node.steps[0].start == 0  # the head prefills from the start
 
 
 # --- the ending table and the rules it is decided by

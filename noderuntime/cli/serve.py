@@ -144,6 +144,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         idle_timeout=args.idle_timeout,
         hang_timeout=args.hang_timeout,
         drain_timeout=args.drain_timeout,
+        prefix_cache=args.prefix_cache,
         http=args.http,
         tracker=args.tracker,
         memory_limit=args.memory_limit,
@@ -354,6 +355,14 @@ def _add_up(sub: Any) -> None:
     p.add_argument("--tls-key", type=Path, help="PEM key for the gRPC listener")
     p.add_argument("--tls-self-signed", action="store_true", help="make (once) and use a self-signed certificate")
     p.add_argument("--idle-timeout", type=seconds, default=60.0, help="seconds a session may make no progress")
+    p.add_argument(
+        "--prefix-cache",
+        type=size,
+        default=None,
+        help="memory for finished sessions' KV, reused by new sessions that begin alike (a chat's next turn, "
+        "a shared system prompt); counted in --memory-limit; 0: none (default 256MiB, or under --memory-limit "
+        "what the shard leaves of it, up to 256MiB)",
+    )
     p.add_argument(
         "--drain-timeout",
         type=seconds,

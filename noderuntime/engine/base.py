@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import numpy as np
@@ -118,6 +118,23 @@ class Engine(Protocol):
     @property
     def live_samplers(self) -> int:
         """Sampler chains not yet closed."""
+        ...
+
+
+@runtime_checkable
+class SavesSequences(Protocol):
+    """An engine that can save a sequence's KV and put it back (for a node's prefix cache)."""
+
+    def save_sequence(self, seq_id: int) -> bytes:
+        """The KV ``seq_id`` holds, as bytes."""
+        ...
+
+    def restore_sequence(self, seq_id: int, state: bytes, keep: int) -> None:
+        """Put saved KV into the empty ``seq_id``, keeping its first ``keep`` positions."""
+        ...
+
+    def positions(self, seq_id: int) -> tuple[int, int] | None:
+        """(first, last) position ``seq_id`` holds in KV, or ``None`` when empty."""
         ...
 
 

@@ -1149,6 +1149,51 @@ class ShardEngine:
         if self._ctx is not None:
             llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
 
+    def save_sequence(self, seq_id: int) -> bytes:
+        """The KV ``seq_id`` holds, as llama.cpp writes a sequence's state (its cells, this shard's layers).
+
+        What a prefix cache keeps of a finished session: :meth:`restore_sequence` puts it back.
+        """
+        if self._ctx is None:
+            raise EngineError("the engine is closed")
+        size = int(llama_cpp.llama_state_seq_get_size(self._ctx, seq_id))
+        buffer = (ctypes.c_uint8 * size)()
+        written = int(llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, seq_id))
+        if written != size:
+            raise EngineError(f"llama.cpp wrote {written} of the {size} bytes of sequence {seq_id}'s state")
+        return bytes(buffer)
+
+    def restore_sequence(self, seq_id: int, state: bytes, keep: int) -> None:
+        """Put a saved sequence's KV into ``seq_id`` (which must hold none), keeping its first ``keep`` positions."""
+        if self._ctx is None:
+            raise EngineError("the engine is closed")
+        if self.positions(seq_id) is not None:
+            raise EngineError(f"sequence {seq_id} is not empty")
+        buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if int(llama_cpp.llama_state_seq_set_data(self._ctx, buffer, len(state), seq_id)) == 0:
+            llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+            raise EngineError(f"llama.cpp could not restore a saved state into sequence {seq_id}")
+        span = self.positions(seq_id)
+        if span is None or span[0] != 0 or span[1] < keep - 1:
+            llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+            raise EngineError(f"the saved state holds positions {span}, not the first {keep}")
+        llama_cpp.llama_memory_seq_rm(self._memory, seq_id, keep, -1)
+
+    def copy_sequence(self, source: int, target: int, keep: int) -> None:
+        """Give the empty ``target`` the first ``keep`` positions of ``source``'s KV, in place.
+
+        The other way to reuse a prefix (the node keeps :meth:`save_sequence`'s bytes instead,
+        ``benchmarks.prefix`` compares them). With one KV stream per sequence, as here, llama.cpp
+        copies only whole streams (a partial range aborts the process), at the next batch: the
+        copy is ``n_ctx_per_seq`` cells of every layer, whatever ``keep`` is.
+        """
+        if self._ctx is None:
+            raise EngineError("the engine is closed")
+        if self.positions(target) is not None:
+            raise EngineError(f"sequence {target} is not empty")
+        llama_cpp.llama_memory_seq_cp(self._memory, source, target, -1, -1)
+        llama_cpp.llama_memory_seq_rm(self._memory, target, keep, -1)
+
     def positions(self, seq_id: int) -> tuple[int, int] | None:
         """(first, last) position held in KV for ``seq_id``, or ``None`` when empty."""
         if self._ctx is None:

@@ -80,11 +80,12 @@ class ShardNeeds:
     runtime: int = RUNTIME_BYTES
     device: str = "cpu"
     on_device: int = 0
+    prefix_cache: int = 0  # finished sessions' KV it may keep (host memory, --prefix-cache)
 
     @property
     def total(self) -> int:
         """Everything together, on the host and on the device."""
-        return self.weights + self.kv + self.compute + self.runtime
+        return self.weights + self.kv + self.compute + self.runtime + self.prefix_cache
 
     @property
     def host(self) -> int:
@@ -97,6 +98,8 @@ class ShardNeeds:
             f"weights {human(self.weights)}, KV {human(self.kv)}, "
             f"compute {human(self.compute)}, runtime {human(self.runtime)}"
         )
+        if self.prefix_cache:
+            parts += f", prefix cache {human(self.prefix_cache)}"
         if self.device == "cpu":
             return f"{human(self.total)} ({parts})"
         return f"{human(self.on_device)} on {self.device} and {human(self.host)} of host memory ({parts})"
@@ -151,18 +154,27 @@ def capped(recipe: Recipe) -> Recipe:
     return attrs.evolve(recipe, use_mmap=False)
 
 
-def needs(model: str | os.PathLike[str], layers: LayerRange, recipe: Recipe) -> ShardNeeds:
-    """What serving ``layers`` of ``model`` with ``recipe`` will hold (a dry run: seconds, no allocation)."""
+def needs(model: str | os.PathLike[str], layers: LayerRange, recipe: Recipe, prefix_cache: int = 0) -> ShardNeeds:
+    """What serving ``layers`` of ``model`` with ``recipe`` will hold (a dry run: seconds, no allocation),
+    with a prefix cache of ``prefix_cache`` bytes."""
     engine = ShardEngine(model, capped(recipe), layers, dry_run=True)
     try:
         report = engine.memory()
     finally:
         engine.close()
-    return ShardNeeds(layers, report.weights, report.kv, report.compute, device=recipe.device, on_device=report.device)
+    return ShardNeeds(
+        layers,
+        report.weights,
+        report.kv,
+        report.compute,
+        device=recipe.device,
+        on_device=report.device,
+        prefix_cache=prefix_cache,
+    )
 
 
 def widest_fit(
-    model: str | os.PathLike[str], start: int, end: int, recipe: Recipe, limit: int | Budget
+    model: str | os.PathLike[str], start: int, end: int, recipe: Recipe, limit: int | Budget, prefix_cache: int = 0
 ) -> LayerRange | None:
     """The longest range ``start:k`` (k <= ``end``) that fits ``limit`` (host bytes, or a budget);
     ``None`` if not even one layer does."""
@@ -172,18 +184,38 @@ def widest_fit(
     while lo < hi:
         mid = (lo + hi + 1) // 2
         candidate = LayerRange(start, mid)
-        if budget.admits(needs(model, candidate, recipe)):
+        if budget.admits(needs(model, candidate, recipe, prefix_cache)):
             best, lo = candidate, mid
         else:
             hi = mid - 1
     return best
 
 
-def check(model: str | os.PathLike[str], layers: LayerRange, recipe: Recipe, limit: int | Budget) -> ShardNeeds:
+DEFAULT_PREFIX_CACHE = 256 << 20
+
+
+def prefix_cache_size(
+    model: str | os.PathLike[str], layers: LayerRange, recipe: Recipe, budget: Budget, asked: int | None
+) -> int:
+    """The prefix cache a node keeps: ``asked`` when its operator named a size (counted in full
+    against the limit by :func:`check`); otherwise :data:`DEFAULT_PREFIX_CACHE`, or, under a
+    host memory limit, what the shard leaves of it up to that (0 when it leaves nothing), so
+    that a node that fits its limit without a cache still starts."""
+    if asked is not None:
+        return asked
+    if budget.host is None:
+        return DEFAULT_PREFIX_CACHE
+    left = budget.host - needs(model, layers, recipe).host
+    return max(0, min(DEFAULT_PREFIX_CACHE, left))
+
+
+def check(
+    model: str | os.PathLike[str], layers: LayerRange, recipe: Recipe, limit: int | Budget, prefix_cache: int = 0
+) -> ShardNeeds:
     """The shard's needs when they fit ``limit`` (host bytes, or a budget of host and device memory);
     otherwise a :class:`MemoryLimitError` that says what would."""
     budget = limit if isinstance(limit, Budget) else Budget(host=limit)
-    wanted = needs(model, layers, recipe)
+    wanted = needs(model, layers, recipe, prefix_cache)
     if budget.admits(wanted):
         return wanted
     info = inspect(model, verify=False)
@@ -192,7 +224,7 @@ def check(model: str | os.PathLike[str], layers: LayerRange, recipe: Recipe, lim
         # a shard file holds its range only: no shorter range of it can be tried, or served
         advice = "lower --slots or --ctx, or cut a shorter shard from the whole model"
         raise MemoryLimitError(f"{message}: {advice}", wanted, None)
-    fitting = widest_fit(model, layers.start, layers.end - 1, recipe, budget)
+    fitting = widest_fit(model, layers.start, layers.end - 1, recipe, budget, prefix_cache)
     if fitting is None:
         advice = (
             f"not even layer {layers.start} alone fits with {recipe.n_seq_max} slots of {recipe.n_ctx_per_seq} "
@@ -204,6 +236,7 @@ def check(model: str | os.PathLike[str], layers: LayerRange, recipe: Recipe, lim
 
 
 __all__ = [
+    "DEFAULT_PREFIX_CACHE",
     "RUNTIME_BYTES",
     "Budget",
     "MemoryLimitError",
@@ -214,4 +247,5 @@ __all__ = [
     "human",
     "needs",
     "parse_bytes",
+    "prefix_cache_size",
 ]

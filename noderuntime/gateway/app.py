@@ -10,6 +10,7 @@ session on every shard.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
@@ -63,6 +64,7 @@ from noderuntime.gateway.tools import (
     ChatOutput,
     hermes_history,
 )
+from noderuntime.node.prefix import block_hashes
 from noderuntime.operations import timeline
 from noderuntime.operations.httpserve import BodyLimit
 from noderuntime.operations.telemetry import GatewayMetrics, exposition, trio_tasks
@@ -72,6 +74,8 @@ from noderuntime.tracker.messages import RepairRequest
 from protocol import Sampling, StatusCode, TokenLogprob, Tokens
 
 log = logging.getLogger(__name__)
+
+MAX_SERVED_PREFIXES = 100_000  # block hashes of served prefixes remembered for affinity (16 B each, and nodes)
 
 _UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|list|dict|.*\[.*\])$")
 MAX_BODY = 8 << 20  # a request body: far above any prompt that fits a context
@@ -115,6 +119,9 @@ class Gateway:
         self.ledger = ledger
         self.identity = identity or Identity.generate()
         self.signer = RequestSigner(self.identity)
+        # prefix affinity: the block hash of a prefix a route served -> that route's nodes
+        # (they keep its KV in their prefix caches); a request that begins alike asks for them
+        self._served_prefixes: collections.OrderedDict[bytes, tuple[bytes, ...]] = collections.OrderedDict()
         self.metrics = GatewayMetrics()
         self.http = httpx.AsyncClient()
         # its own threads: a burst of huge prompts must not hold those of name lookups and the ledger
@@ -208,9 +215,30 @@ class Gateway:
             tuple(sorted(set(model.stop_tokens()) | set(stop_ids))),
             deadline,
             f"req-{uuid.uuid4().hex[:16]}",
+            reuse_prefix=body.cache_prompt is not False,
         )
 
-    async def _grant(self, model: ServedModel, tokens: int, exclude: list[bytes]) -> RouteGrant:
+    def _prefix_holders(self, prompt: Sequence[int]) -> list[bytes]:
+        """The nodes of the route that last served the longest prefix of ``prompt`` this gateway saw."""
+        for digest in reversed(block_hashes(prompt)):
+            nodes = self._served_prefixes.get(digest)
+            if nodes is not None:
+                self._served_prefixes.move_to_end(digest)
+                return list(nodes)
+        return []
+
+    def _served(self, tokens: Sequence[int], grant: RouteGrant) -> None:
+        """Remember that ``grant``'s nodes now hold ``tokens`` (a finished session's prompt and reply)."""
+        nodes = tuple(h.node_id for h in grant.hops)
+        for digest in block_hashes(tokens):
+            self._served_prefixes[digest] = nodes
+            self._served_prefixes.move_to_end(digest)
+        while len(self._served_prefixes) > MAX_SERVED_PREFIXES:
+            self._served_prefixes.popitem(last=False)
+
+    async def _grant(
+        self, model: ServedModel, tokens: int, exclude: list[bytes], prompt: Sequence[int] = ()
+    ) -> RouteGrant:
         try:
             return await request_route(
                 self.http,
@@ -220,6 +248,7 @@ class Gateway:
                 exclude=exclude,
                 api_key=self.tracker_key,
                 client_id=self.identity.node_id,
+                prefer=[n for n in self._prefix_holders(prompt) if n not in exclude],
             )
         except TrackerError as exc:
             if exc.status == 429:
@@ -263,7 +292,8 @@ class Gateway:
             try:
                 timeline.mark("gateway.granting")
                 if repairing is None:
-                    grant = await self._grant(model, positions, exclude)
+                    prompt = request.prompt_tokens if request.reuse_prefix else ()
+                    grant = await self._grant(model, positions, exclude, prompt)
                 else:
                     grant = await self._repair_grant(repairing, positions, exclude)
                 timeline.mark("gateway.granted")
@@ -365,6 +395,7 @@ class Gateway:
         logprobs: list[TokenLogprob] = []
         repairs: list[dict[str, Any]] = []
         prompt_logprobs: tuple[TokenLogprob, ...] = ()
+        cached = 0
         opening = self._route_session(model, request, open_ended=open_ended)
         failed_at: float | None = None
         while True:
@@ -377,6 +408,7 @@ class Gateway:
                 route = describe_route(grant)
                 fingerprint = system_fingerprint(model.artifact, grant.recipe)
                 if not repairs:
+                    cached = gen.cached_tokens
                     prompt_logprobs = first.prompt_logprobs
                     check_logprobs(model, request, first, prompt=True)
                     if prompt_logprobs:
@@ -432,8 +464,11 @@ class Gateway:
                 }
             )
             opening = self._route_session(model, resumed, repairing=grant, exclude=avoid)
-        # the session was released on leaving the block: every hop's signed usage is here
+        # the session was released on leaving the block: every hop's signed usage is here, and
+        # its nodes keep its prefix
         records = [check(r, request_id=request.request_id, hops=grant.hops) for r in gen.usage or ()]
+        if gen.usage is not None:
+            self._served((*request.prompt_tokens, *generated), grant)
         for record in records:
             self.metrics.usage_records.labels(str(record.valid).lower()).inc()
             if not record.valid:
@@ -446,7 +481,7 @@ class Gateway:
         tail = text.finish()
         if tail:
             yield Emitted(tail, fingerprint=fingerprint)
-        done = Generated(text.text, produced, reason, route, records, logprobs, prompt_logprobs, repairs)
+        done = Generated(text.text, produced, reason, route, records, logprobs, prompt_logprobs, repairs, cached)
         yield Emitted("", done=done, fingerprint=fingerprint)
 
     # --- the app
@@ -736,7 +771,9 @@ class Gateway:
         return {
             **shapes[0].envelope(kind, fingerprint),
             "choices": [shape.whole_choice(r) for shape, r in zip(shapes, done, strict=True)],
-            "usage": usage_counts(len(generation.prompt_tokens), sum(r.completion_tokens for r in done)),
+            "usage": usage_counts(
+                len(generation.prompt_tokens), sum(r.completion_tokens for r in done), done[0].cached_tokens
+            ),
             "route": done[0].route,
             # a route that failed mid-reply and the ones that took over, per choice (bit_exact
             # false: the continuation ran on other kernels, and may differ from an undisturbed run)
@@ -819,6 +856,7 @@ class Gateway:
 
         pending: dict[int, Emitted | None] = dict(enumerate(firsts))
         tokens = 0
+        cached = 0
         finished = False
         try:
             for shape, first in zip(shapes, firsts, strict=True):
@@ -840,6 +878,7 @@ class Gateway:
                     if done is not None:
                         await self._record(shape.model, generations[i], shape.created, done)
                         tokens += done.completion_tokens
+                        cached = cached or done.cached_tokens
                         repaired = {"repairs": done.repairs} if done.repairs else {}
                         yield chunk(shape.chunk_choice(finish=done.finish_reason), route=done.route, **repaired)
                         del pending[i]
@@ -855,7 +894,11 @@ class Gateway:
                             yield chunk(choice)
             if include_usage:
                 yield event(
-                    {**envelope, "choices": [], "usage": usage_counts(len(generations[0].prompt_tokens), tokens)}
+                    {
+                        **envelope,
+                        "choices": [],
+                        "usage": usage_counts(len(generations[0].prompt_tokens), tokens, cached),
+                    }
                 )
             finished = True
             yield b"data: [DONE]\n\n"

@@ -48,7 +48,7 @@ _UNSUPPORTED = {
     "include_stop_str_in_output": (),
 }
 # fields that change nothing in a reply: OpenAI's bookkeeping, llama.cpp's cache hint
-_HARMLESS = frozenset({"store", "metadata", "service_tier", "cache_prompt"})
+_HARMLESS = frozenset({"store", "metadata", "service_tier"})
 _logged_unknown: set[str] = set()  # names of unknown fields already logged, at most _MAX_LOGGED
 _MAX_LOGGED = 256
 
@@ -244,6 +244,10 @@ class SamplingFields(BaseModel):
     guided_grammar: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS, description="vLLM's: GBNF")
     guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=1024, description="vLLM's")
     structured_outputs: StructuredOutputs | None = None
+    cache_prompt: bool | None = Field(
+        default=None,
+        description="llama.cpp's: false keeps the route from taking the prompt's start from its nodes' prefix caches",
+    )
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingFields:

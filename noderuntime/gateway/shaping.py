@@ -32,6 +32,7 @@ class Generated:
     # each time the route failed mid-generation and the session went on on another: where,
     # why, the new route, the stall, and whether the continuation stayed bit-exact
     repairs: list[dict[str, Any]] = attrs.Factory(list)
+    cached_tokens: int = 0  # prompt positions the route took from its nodes' prefix caches
 
 
 @attrs.frozen
@@ -173,5 +174,11 @@ def check_logprobs(model: ServedModel, request: GenerationRequest, event: Tokens
             raise bad_route("its logprobs name tokens outside the vocabulary")
 
 
-def usage_counts(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage_counts(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached``: prompt tokens whose KV the route reused (as OpenAI reports them)."""
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

@@ -22,11 +22,12 @@ import trio
 
 from noderuntime.control import admission
 from noderuntime.control.admission import ProbeAnswer
-from noderuntime.engine.base import Engine, GrammarError
+from noderuntime.engine.base import Engine, EngineError, GrammarError, SavesSequences
 from noderuntime.engine.thread import EngineThread
 from noderuntime.node.batcher import Batcher, BatcherStatistics
 from noderuntime.node.ending import EndReason
 from noderuntime.node.leases import LeaseManager, LeaseStatistics
+from noderuntime.node.prefix import PrefixCache
 from noderuntime.node.sessions import RouteSession, SessionContext, SessionKey, deadline_from_unix_ms
 from noderuntime.operations import timeline
 from noderuntime.operations.telemetry import NodeMetrics, SessionLog, exposition
@@ -78,6 +79,8 @@ class NodeConfig:
     idle_timeout: float = 60.0
     # a next hop that sends nothing, not even a heartbeat, this long is hung (sessions/HEARTBEAT_MINOR)
     hang_timeout: float = 2.0
+    # bytes of finished sessions' KV kept for new sessions that begin alike (0: none)
+    prefix_cache_bytes: int = 0
     max_session_seconds: float = 3600.0
     encoding: Encoding = Encoding.F32
     limits: Limits = Limits()
@@ -151,6 +154,13 @@ class Node:
         # what a leaving node does first (telling its tracker), before it hands its sessions over
         self.on_leave: list[Callable[[], Awaitable[None]]] = []
         self._emptied = trio.Event()  # set when a stopping node's last session has ended
+        # finished sessions' KV, where the engine can save and restore a sequence's
+        self.prefix_cache = (
+            PrefixCache(config.prefix_cache_bytes)
+            if config.prefix_cache_bytes and isinstance(engine, SavesSequences)
+            else None
+        )
+        self._evictions_counted = 0
         self._session_context = SessionContext(
             node_id=node_id,
             step=self.batcher.step,
@@ -167,6 +177,9 @@ class Node:
             hang_timeout=config.hang_timeout,
             n_embd=engine.n_embd,
             n_vocab=engine.n_vocab,
+            prefix_cache=self.prefix_cache,
+            save_state=self._save_state,
+            restore_state=self._restore_state,
         )
 
     # --- running
@@ -207,6 +220,25 @@ class Node:
         self.metrics.admissions_refused.labels(StatusCode.UNAVAILABLE.name).inc()
         log.info("refused a seam: %s", refusal)
         self._spawn(self._refuse_stream, stream, refusal)
+
+    async def _save_state(self, seq_id: int, positions: int) -> bytes:
+        assert isinstance(self.engine, SavesSequences)
+        engine = self.engine
+
+        def save() -> bytes:
+            # the KV must be what the session's steps say, or the cache would file it under wrong tokens
+            held = engine.positions(seq_id)
+            if held != (0, positions - 1):
+                raise EngineError(f"sequence {seq_id} holds positions {held}, not the session's {positions}")
+            return engine.save_sequence(seq_id)
+
+        state: bytes = await self.batcher.exclusive(save)
+        return state
+
+    async def _restore_state(self, seq_id: int, state: bytes, keep: int) -> None:
+        assert isinstance(self.engine, SavesSequences)
+        engine = self.engine
+        await self.batcher.exclusive(lambda: engine.restore_sequence(seq_id, state, keep))
 
     async def drain(self) -> None:
         """Leave politely: take no more sessions, say so (:attr:`on_leave`), hand each live one over.
@@ -330,6 +362,10 @@ class Node:
                     )
             if self.ticket_check is not None:
                 await self.ticket_check(first, index, proven.node_id if proven is not None else None)
+            # after the ticket: a second opening of a session is a replayed ticket, and is told so
+            ident = first.header.identity
+            if SessionKey(ident.session_id, ident.epoch) in self.sessions:
+                raise RemoteProtocolError("this session is already open here", StatusCode.ALREADY_EXISTS)
         except ProtocolError as exc:
             await self._refuse(conn, first.header.identity, exc)
             return None
@@ -418,8 +454,6 @@ class Node:
                 f"{config.ctx_per_seq} per session",
                 StatusCode.OUT_OF_RANGE,
             )
-        if SessionKey(ident.session_id, ident.epoch) in self.sessions:
-            raise RemoteProtocolError("this session is already open here", StatusCode.ALREADY_EXISTS)
         return index
 
     def _admit(self, open_route: OpenRoute, index: int, conn: SeamConnection) -> RouteSession | ProtocolError:
@@ -449,7 +483,13 @@ class Node:
                 lease.release()
                 self.batcher.retire(lease.seq_id)
                 return RemoteProtocolError(str(exc), StatusCode.INVALID_ARGUMENT)
-        return RouteSession(self._session_context, open_route, index, conn, lease, sampler, deadline)
+        cached: tuple[int, bytes | None] = (0, None)
+        if self.prefix_cache is not None and open_route.prefix_offer and not open_route.sampling.prompt_logprobs:
+            # a session that scores its prompt must compute every row of it
+            cached = self.prefix_cache.lookup(open_route.prompt_tokens, limit=open_route.prefix_offer)
+            self.metrics.prefix_lookups.labels("hit" if cached[0] else "miss").inc()
+            self.metrics.prefix_tokens.inc(cached[0])
+        return RouteSession(self._session_context, open_route, index, conn, lease, sampler, deadline, cached)
 
     async def _refuse(self, conn: SeamConnection, theirs: Identity, error: ProtocolError) -> None:
         self.metrics.admissions_refused.labels(error.code.name).inc()
@@ -486,6 +526,11 @@ class Node:
         self.metrics.slots_total.set(stats.leases.slots_total)
         self.metrics.slots_in_use.set(stats.leases.slots_leased + stats.leases.slots_draining)
         self.metrics.kv_cells.set(await self.kv_cells_used())
+        if self.prefix_cache is not None:
+            cache = self.prefix_cache.statistics()
+            self.metrics.prefix_bytes.set(cache.bytes)
+            self.metrics.prefix_evictions.inc(cache.evictions - self._evictions_counted)
+            self._evictions_counted = cache.evictions
         return exposition(self.metrics.registry)
 
     async def kv_cells_used(self) -> int:

@@ -31,9 +31,11 @@ import numpy as np
 import trio
 
 from noderuntime.control.ledger import UsageBody
+from noderuntime.engine.base import EngineError
 from noderuntime.node.batcher import StepFailed, StepOutput, StepRequest
 from noderuntime.node.ending import Blame, EndReason, SessionEnd, ending, idle_blame, seam_lost, stop_reason
 from noderuntime.node.leases import Lease
+from noderuntime.node.prefix import BLOCK, PrefixCache
 from noderuntime.operations.telemetry import SessionLog
 from noderuntime.seams.connection import SeamConnection
 from noderuntime.transport import FrameStream, TransportError
@@ -51,6 +53,7 @@ from protocol import (
     NamedTensor,
     OpenRoute,
     Phase,
+    Prefix,
     ProtocolError,
     Release,
     RemoteProtocolError,
@@ -87,6 +90,10 @@ class SessionContext:
     n_vocab: int
     # a next hop silent this long (no frame, no heartbeat) is hung; heartbeats go out 4 times as often
     hang_timeout: float = 2.0
+    # the node's prefix cache, and the engine calls that save a finished sequence's KV and put one back
+    prefix_cache: PrefixCache | None = None
+    save_state: Callable[[int, int], Awaitable[bytes]] | None = None
+    restore_state: Callable[[int, bytes, int], Awaitable[None]] | None = None
 
 
 @attrs.frozen
@@ -106,6 +113,7 @@ class SessionUsage:
 
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    cached_tokens: int = 0  # prompt positions restored from the prefix cache, not computed
     compute_seconds: float = 0.0
     started: float = attrs.Factory(time.time)
 
@@ -122,7 +130,9 @@ class RouteSession:
         lease: Lease,
         sampler: Any,
         deadline: float,
+        cached: tuple[int, bytes | None] = (0, None),
     ) -> None:
+        """``cached``: what this node's prefix cache holds of the prompt (positions, the saved state)."""
         self.context = context
         self.open_route = open_route
         self.index = index
@@ -158,6 +168,17 @@ class RouteSession:
         self._driver_done = trio.Event()
         if not self.is_head:
             self._driver_done.set()
+        # prefix reuse: the previous hop offered ``_offer_in`` positions; this node holds
+        # ``cached[0]`` of them and offers the next hop the lesser; the route settles on the
+        # tail's answer (``_agreed``), which every hop restores and passes up as a Prefix
+        self._offer_in = open_route.prefix_offer
+        self._cached, self._cached_state = cached if self._offer_in else (0, None)
+        self._my_offer = min(self._offer_in, self._cached)
+        self._agreed: int | None = None if self._offer_in else 0
+        self._settled = trio.Event()
+        if self._agreed == 0:
+            self._settled.set()
+        self._seen: list[int] = []  # tokens generated so far, as they passed this node
 
     # --- lifecycle
 
@@ -184,8 +205,8 @@ class RouteSession:
 
     @property
     def kv_length(self) -> int:
-        """Positions this session holds in KV, by the steps it ran."""
-        return self.usage.prefill_tokens + self.usage.decode_tokens
+        """Positions this session holds in KV, by the steps it ran and the prefix it restored."""
+        return self.usage.cached_tokens + self.usage.prefill_tokens + self.usage.decode_tokens
 
     async def run(self) -> SessionEnd:
         """Serve the session to its end; returns why it ended."""
@@ -240,10 +261,46 @@ class RouteSession:
             return self.open_route.hops[self.index - 1].node_id
         return self.context.node_id
 
+    # --- the prefix
+
+    async def _keep_prefix(self) -> None:
+        """Save this finished session's KV and tokens in the node's prefix cache (between batches)."""
+        cache, save = self.context.prefix_cache, self.context.save_state
+        tokens = (*self.open_route.prompt_tokens, *self._seen)[: self.kv_length]
+        if cache is None or save is None or cache.budget == 0 or len(tokens) < BLOCK:
+            return
+        try:
+            state = await save(self.lease.seq_id, len(tokens))
+        except EngineError as exc:
+            self.log.warning("could not keep this session's prefix: %s", exc)
+            return
+        cache.store(tokens, state)
+
+    async def _settle(self, agreed: int) -> bool:
+        """Restore ``agreed`` positions from the prefix cache (when any) and say so upstream, first."""
+        restore = self.context.restore_state
+        if agreed and (self._cached_state is None or restore is None or agreed > self._cached):
+            raise AssertionError("a prefix was agreed on that this node does not hold")  # the offers rule it out
+        if agreed:
+            assert self._cached_state is not None and restore is not None
+            try:
+                await restore(self.lease.seq_id, self._cached_state, agreed)
+            except EngineError as exc:
+                self._finish(ending(EndReason.ENGINE_ERROR, f"could not restore the session's prefix: {exc}"))
+                return False
+        self._cached_state = None  # held no longer than needed
+        self._agreed = agreed
+        self.usage.cached_tokens = agreed
+        self._settled.set()
+        return await self._send_up(Prefix(self._up_header(Phase.PREFILL), agreed))
+
     # --- the work
 
     async def _serve(self) -> None:
         if not self.is_tail and not await self._open_downstream():
+            return
+        # nothing to wait for downstream: the answer is this node's own
+        if self._agreed is None and (self.is_tail or self._my_offer == 0) and not await self._settle(self._my_offer):
             return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watchdog)
@@ -270,7 +327,7 @@ class RouteSession:
         self.downstream = SeamConnection(
             stream, endpoint, self.context.limits, on_frame=self.context.count_frame, label="down"
         )
-        forward = attrs.evolve(self.open_route, header=endpoint.header(Phase.PREFILL))
+        forward = attrs.evolve(self.open_route, header=endpoint.header(Phase.PREFILL), prefix_offer=self._my_offer)
         try:
             await self.downstream.send(forward)
         except TransportError as exc:
@@ -283,6 +340,9 @@ class RouteSession:
         while True:
             await trio.sleep(max(0.05, min(idle, hang) / 4))
             now = trio.current_time()
+            # an older next hop says nothing until it has tokens: it reuses nothing
+            if self._agreed is None and now - self._heard_down > hang and not await self._settle(0):
+                return
             if self.downstream is not None and self._down_beats and now - self._heard_down > hang:
                 self._finish(
                     ending(EndReason.DOWNSTREAM_SILENT, f"the next hop sent nothing, not a heartbeat, for {hang:.1f} s")
@@ -303,6 +363,7 @@ class RouteSession:
         """
         every = self.context.hang_timeout / 4
         endpoint = self.upstream.endpoint
+        await self._settled.wait()  # a Prefix the previous hop waits for goes first
         while True:
             wait = self._last_sent_up + every - trio.current_time()
             if wait > 0:
@@ -338,10 +399,11 @@ class RouteSession:
                     return
             elif isinstance(event, Release):
                 await self._stop_driver()
-                self.release()
                 if self.downstream is not None:
                     await self._send_down(Release(self._down_endpoint().header(Phase.RELEASE), event.reason))
-                else:
+                await self._keep_prefix()  # before the KV goes
+                self.release()
+                if self.downstream is None:
                     await self._send_usage([])
                     self._finish(ending(EndReason.RELEASED))
                     return
@@ -370,11 +432,26 @@ class RouteSession:
                 return
             self._heard_down = trio.current_time()
             self._down_beats = self._down_beats or event.header.schema_minor >= HEARTBEAT_MINOR
+            if self._agreed is None:
+                # the next hop's first frame: its Prefix, or (an older hop) anything else, which means none
+                agreed = event.positions if isinstance(event, Prefix) else 0
+                if not await self._settle(agreed):
+                    return
+                if isinstance(event, Prefix):
+                    continue
+            elif isinstance(event, Prefix):  # after this node gave up waiting and settled on none
+                await self._protocol_failure_down(
+                    RemoteProtocolError(
+                        "a Prefix after the session's prefix was settled", StatusCode.FAILED_PRECONDITION
+                    )
+                )
+                return
             if isinstance(event, Credit):
                 continue
             self._touch()
             self._awaiting_downstream = False
             if isinstance(event, Tokens):
+                self._seen += event.token_ids
                 if event.finished:
                     self.context.last_step(self.lease.seq_id)
                 if self._decode_sent_at is not None:
@@ -418,9 +495,10 @@ class RouteSession:
         """The head: chunked prefill of the prompt, then one decode step per token sent back."""
         prompt = np.asarray(self.open_route.prompt_tokens, dtype=np.int32)
         chunk = self.context.prefill_chunk
-        position = 0
+        await self._settled.wait()
+        position = self._agreed or 0  # what every hop restored from its prefix cache
         token: int | None = None
-        for start in range(0, len(prompt), chunk):
+        for start in range(position, len(prompt), chunk):
             piece = prompt[start : start + chunk]
             last = start + len(piece) == len(prompt)
             token = await self._step(position, tokens=piece, sample=last and self.is_tail, decode=False)
@@ -546,6 +624,7 @@ class RouteSession:
     async def _emit_token(self, token: int, position: int) -> bool:
         """The tail: send a sampled token upstream; True when the generation is finished."""
         self.generated += 1
+        self._seen.append(token)
         route = self.open_route
         reason = stop_reason(
             token,

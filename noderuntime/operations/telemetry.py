@@ -76,6 +76,16 @@ class NodeMetrics:
         )
         self.errors = Counter("noderuntime_errors_total", "Errors", ["kind"], registry=r)
         self.probes = Counter("noderuntime_node_probes_total", "Known-answer probes answered", registry=r)
+        self.prefix_lookups = Counter(
+            "noderuntime_prefix_cache_lookups_total", "Prefix cache lookups", ["result"], registry=r
+        )
+        self.prefix_tokens = Counter(
+            "noderuntime_prefix_cache_hit_tokens_total", "Prompt positions found in the prefix cache", registry=r
+        )
+        self.prefix_evictions = Counter(
+            "noderuntime_prefix_cache_evictions_total", "Prefix cache entries dropped for room", registry=r
+        )
+        self.prefix_bytes = Gauge("noderuntime_prefix_cache_bytes", "Bytes the prefix cache holds", registry=r)
 
     def on_tick(self, rows: int, decode_rows: int, seconds: float) -> None:
         """The batcher's per-batch hook."""

@@ -36,6 +36,7 @@ from protocol import (
     Limits,
     OpenRoute,
     Phase,
+    Prefix,
     ProtocolError,
     Release,
     RemoteProtocolError,
@@ -64,6 +65,8 @@ class GenerationRequest:
     # a session resumed on a repaired route: prompt_tokens[:prompt_length] is the prompt and
     # the rest was generated already (see protocol.OpenRoute); 0 for a new session
     prompt_length: int = 0
+    # whether the route may take the prompt's first positions from its nodes' prefix caches
+    reuse_prefix: bool = True
 
     def resumed(self, generated: Sequence[int]) -> GenerationRequest:
         """This request carried on after ``generated`` tokens, for a new route to go on with."""
@@ -94,6 +97,7 @@ class Generation:
         self.conn = conn
         self.hang_timeout = hang_timeout
         self._beats = False  # the head sends heartbeats
+        self.cached_tokens = 0  # prompt positions the route took from its prefix caches
         self.session_id = session_id
         self.epoch = epoch
         self.tokens: list[int] = []
@@ -127,6 +131,9 @@ class Generation:
         while True:
             with trio.move_on_after(self.hang_timeout if self._beats and watch else math.inf):
                 event = await self._receive_any()
+                if isinstance(event, Prefix):
+                    self.cached_tokens = event.positions
+                    continue
                 if not isinstance(event, Credit):
                     return event
                 continue  # a heartbeat: the head is alive
@@ -164,6 +171,14 @@ class Generation:
                     self.usage = event.records
                     return event.records
                 # tokens generated after our Release crossed the route are dropped
+
+
+def _prefix_offer(request: GenerationRequest) -> int:
+    """The prompt positions a route may take from its prefix caches: all but the last (its logits
+    are needed), none when the request scores its prompt (every row must be computed) or opts out."""
+    if not request.reuse_prefix or request.sampling.prompt_logprobs:
+        return 0
+    return max(0, len(request.prompt_tokens) - 1)
 
 
 @asynccontextmanager
@@ -241,6 +256,7 @@ async def open_generation(
                 request.deadline_unix_ms,
                 ticket,
                 request.prompt_length,
+                _prefix_offer(request),
             )
         )
         try:

@@ -76,6 +76,8 @@ class NodeOptions:
     idle_timeout: float = 60.0
     hang_timeout: float = 2.0
     drain_timeout: float = 10.0  # seconds a leaving node waits for its sessions to be handed over
+    # bytes of finished sessions' KV kept for sessions that begin alike; None: memplan.prefix_cache_size decides
+    prefix_cache: int | None = None
     expected_fingerprint: str | None = None
     tracker: str | None = None  # register with this tracker and take its issuer key
     http: str | None = "127.0.0.1:0"  # status (and metrics) endpoint
@@ -114,7 +116,7 @@ async def run_node(
         turns = await trio.to_thread.run_sync(CoreTurns)  # opens a file per core
     engine_thread = EngineThread(turns=turns)
     try:
-        info, recipe, layers, engine = await _load_engine(opts, engine_thread)
+        info, recipe, layers, engine, prefix_cache = await _load_engine(opts, engine_thread)
     except BaseException:
         engine_thread.close()
         raise
@@ -149,6 +151,7 @@ async def run_node(
                 prefill_chunk=min(256, opts.batch),
                 idle_timeout=opts.idle_timeout,
                 hang_timeout=opts.hang_timeout,
+                prefix_cache_bytes=prefix_cache,
                 limits=limits,
             )
             node = Node(
@@ -255,15 +258,18 @@ async def run_node(
 PID_FILE = "node.pid"  # in the data directory while the node runs: `noderuntime down` reads it
 
 
-async def _load_engine(opts: NodeOptions, engine_thread: EngineThread) -> tuple[artifacts.ArtifactInfo, Any, Any, Any]:
-    """(the model file's info, the recipe, the layers, the engine), loaded on ``engine_thread``.
+async def _load_engine(
+    opts: NodeOptions, engine_thread: EngineThread
+) -> tuple[artifacts.ArtifactInfo, Any, Any, Any, int]:
+    """(the model file's info, the recipe, the layers, the engine, the prefix cache's bytes), loaded on
+    ``engine_thread``.
 
     With ``--memory-limit``, and on a GPU always, the plan is checked first: a shard that
     cannot fit is refused before anything is allocated.
     """
     if opts.backend == "transformers":
         info, recipe, engine = await engine_thread.run(functools.partial(_torch_engine, opts))
-        return info, recipe, engine.layers, engine
+        return info, recipe, engine.layers, engine, 0  # it cannot save a sequence
     info = artifacts.inspect(opts.model)
     layers = opts.layers or info.layer_range
     if opts.device != "cpu":
@@ -285,8 +291,11 @@ async def _load_engine(opts: NodeOptions, engine_thread: EngineThread) -> tuple[
         recipe = memplan.capped(recipe)
     # a shard on a GPU is always planned against the memory its device has free
     budget = await trio.to_thread.run_sync(memplan.device_budget, recipe, opts.memory_limit)
+    prefix_cache = await trio.to_thread.run_sync(
+        lambda: memplan.prefix_cache_size(opts.model, layers, recipe, budget, opts.prefix_cache)
+    )
     if budget.host is not None or budget.device is not None:
-        planned = await trio.to_thread.run_sync(lambda: memplan.check(opts.model, layers, recipe, budget))
+        planned = await trio.to_thread.run_sync(lambda: memplan.check(opts.model, layers, recipe, budget, prefix_cache))
         limits = [f"{memplan.human(budget.host)} host limit"] if budget.host is not None else []
         limits += [f"{memplan.human(budget.device)} free on {opts.device}"] if budget.device is not None else []
         log.info("layers %s will hold %s, within the %s", layers, planned.describe(), " and ".join(limits))
@@ -295,7 +304,7 @@ async def _load_engine(opts: NodeOptions, engine_thread: EngineThread) -> tuple[
     engine = await engine_thread.run(
         lambda: ShardEngine(opts.model, recipe, layers, expected_fingerprint=opts.expected_fingerprint, cores=cores)
     )
-    return info, recipe, layers, engine
+    return info, recipe, layers, engine, prefix_cache
 
 
 def check_device(device: str) -> str:
@@ -399,6 +408,7 @@ def node_status(
             "admissions_refused": stats.admissions_refused,
             "batcher": attrs.asdict(stats.batcher),
             "relay_connected": listener.connected if listener is not None else None,
+            "prefix_cache": attrs.asdict(node.prefix_cache.statistics()) if node.prefix_cache is not None else None,
             "seams": {
                 "direct": getattr(connector, "direct_attempts", 0),
                 "relay": getattr(connector, "relay_attempts", 0),

@@ -299,10 +299,11 @@ class Tracker:
             raise HTTPException(401, "a valid tracker key is required to request routes")
         try:
             exclude = [bytes.fromhex(x) for x in body.exclude]
+            near = [bytes.fromhex(x) for x in body.prefer]
         except ValueError:
-            raise HTTPException(400, "exclude holds hex node ids") from None
+            raise HTTPException(400, "exclude and prefer hold hex node ids") from None
         try:
-            choice = self.state.choose(body.artifact, body.tokens, exclude=exclude)
+            choice = self.state.choose(body.artifact, body.tokens, exclude=exclude, near=near)
         except NoRoute as exc:
             self.metrics.routes.labels("full" if exc.full else "none").inc()
             return JSONResponse({"error": str(exc), "full": exc.full}, status_code=429 if exc.full else 503)

@@ -240,15 +240,19 @@ async def request_route(
     exclude: list[bytes] | None = None,
     api_key: str | None = None,
     client_id: bytes = b"",
+    prefer: list[bytes] | None = None,
 ) -> RouteGrant:
     """Ask the tracker for a route; :class:`TrackerError` with 503 (none) or 429 (all full).
 
     ``client_id``: the node id the asker proves when it dials a head through a relay; its ticket names it.
+    ``prefer``: nodes that hold the prompt's prefix, taken when a route through them has room.
     """
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    body = {"artifact": artifact, "tokens": tokens, "exclude": [n.hex() for n in exclude or []]}
+    body: dict[str, Any] = {"artifact": artifact, "tokens": tokens, "exclude": [n.hex() for n in exclude or []]}
     if client_id:
         body["client"] = client_id.hex()
+    if prefer:
+        body["prefer"] = [n.hex() for n in prefer]
     try:
         response = await client.post(url.rstrip("/") + "/v1/routes", json=body, headers=headers, timeout=10)
     except httpx.HTTPError as exc:

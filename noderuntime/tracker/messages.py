@@ -112,6 +112,9 @@ class RouteRequest(BaseModel):
     ttl_seconds: float = Field(default=600.0, gt=0, le=86400)
     # the key the gateway proves when it reaches a head through a relay; the ticket names it
     client: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
+    # nodes that hold this prompt's prefix in their caches (the route that served its start):
+    # a route through them is taken when it has room
+    prefer: list[str] = Field(default_factory=list, max_length=256)
 
 
 class RepairRequest(BaseModel):

@@ -239,13 +239,16 @@ class TrackerState:
         start: int = 0,
         recipe: str | None = None,
         prefer: str | None = None,
+        near: Collection[bytes] = (),
     ) -> RouteChoice:
         """Pick a route for a session of ``tokens`` positions; raises :class:`NoRoute`.
 
         ``start``: the route covers ``[start, n_layer)`` only (the rest of a route under
         repair, whose first hops stay); ``recipe``: only nodes of that recipe (a repair's
         replacement must compute what the lost hops did, bit for bit); ``prefer``: routes of
-        that one recipe first, any other only when none has room.
+        that one recipe first, any other only when none has room; ``near``: nodes that hold
+        the session's prefix (affinity): a route with room through most of them is taken,
+        whatever it costs, and only when none has room do the others spread the load.
         """
         candidates = self._eligible(artifact, tokens, exclude)
         if recipe is not None:
@@ -266,10 +269,15 @@ class TrackerState:
             raise NoRoute("every route is at capacity", full=True)
         if prefer is not None:
             free = [r for r in free if {node.recipe for node in r} == {prefer}] or free
+        if near:
+            wanted = set(near)
+            overlap = [sum(node.node_id in wanted for node in r) for r in free]
+            if max(overlap) > 0:
+                free = [r for r, o in zip(free, overlap, strict=True) if o == max(overlap)]
         costed = sorted(((route_cost(r), r) for r in free), key=lambda pair: pair[0])
         best = costed[0][0]
-        near = [pair for pair in costed if pair[0] <= best * (1.0 + NEAR_EQUAL)]
-        cost, route = self._rng.choice(near)
+        equals = [pair for pair in costed if pair[0] <= best * (1.0 + NEAR_EQUAL)]
+        cost, route = self._rng.choice(equals)
         return RouteChoice(tuple(route), cost)
 
 

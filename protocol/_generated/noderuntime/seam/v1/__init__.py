@@ -16,6 +16,7 @@ __all__ = (
     "LogitBias",
     "OpenRoute",
     "Phase",
+    "Prefix",
     "Release",
     "Sampling",
     "Span",
@@ -209,6 +210,11 @@ class Frame(betterproto2.Message):
 
     usage: "Usage | None" = betterproto2.field(9, betterproto2.TYPE_MESSAGE, optional=True, group="body")
 
+    prefix: "Prefix | None" = betterproto2.field(10, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+    """
+    since 1.4
+    """
+
 
 default_message_pool.register_message("noderuntime.seam.v1", "Frame", Frame)
 
@@ -358,8 +364,30 @@ class OpenRoute(betterproto2.Message):
     Tokens frames carry only what is generated next. 0: a new session (all prompt).
     """
 
+    prefix_offer: "int" = betterproto2.field(9, betterproto2.TYPE_UINT32)
+    """
+    Since 1.4. How many of the prompt's first positions the hops so far can take from
+    their prefix caches: the client offers at most all but the last prompt token, each hop
+    lowers it to what it holds and passes it on, and the tail answers with the Prefix that
+    every hop then restores. 0: no reuse (and no Prefix comes back).
+    """
+
 
 default_message_pool.register_message("noderuntime.seam.v1", "OpenRoute", OpenRoute)
+
+
+@dataclass(eq=False, repr=False)
+class Prefix(betterproto2.Message):
+    """
+    Since 1.4. The first frame upstream of a session whose OpenRoute offered a prefix: every
+    hop holds the KV of these first positions (restored from its prefix cache), and the
+    Activations of the session start here.
+    """
+
+    positions: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
+
+
+default_message_pool.register_message("noderuntime.seam.v1", "Prefix", Prefix)
 
 
 @dataclass(eq=False, repr=False)
