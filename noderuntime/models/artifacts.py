@@ -33,8 +33,10 @@ SHARD_START_KEY = "shard.layer_start"
 SHARD_END_KEY = "shard.layer_end"
 PARENT_FINGERPRINT_KEY = "noderuntime.parent.fingerprint"
 PARENT_INDEX_KEY = "noderuntime.parent.tensor_index"
-# Keys that describe how a file was cut, not what model it holds.
-_NON_IDENTITY_PREFIXES = ("shard.", "noderuntime.", "GGUF.")
+# Keys that describe how a file was cut, not what model it holds: a shard file's range and
+# parent, a gguf-split part's number and count (so a model stored in parts has the
+# fingerprint of the same model in one file, and its shard files name no other parts).
+_NON_IDENTITY_PREFIXES = ("shard.", "noderuntime.", "GGUF.", "split.")
 
 SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen3", "qwen3moe", "gemma3"})
 _FINGERPRINT_DOMAIN = b"noderuntime-artifact-v1\n"
@@ -194,6 +196,47 @@ def _tensor_index(gguf: ggufio.GGUFFile) -> list[TensorEntry]:
     return entries
 
 
+def tensor_index(gguf: ggufio.GGUFFile) -> list[TensorEntry]:
+    """The tensor index of a file's tensors, in file order (it reads each tensor's sampled bytes)."""
+    return _tensor_index(gguf)
+
+
+def fingerprint_of(gguf: ggufio.GGUFFile, index: Iterable[TensorEntry]) -> str:
+    """The fingerprint of a model with ``gguf``'s metadata and the tensors ``index`` lists.
+
+    For a model stored in gguf-split parts: the first part's header and every part's tensors.
+    """
+    return _fingerprint(_identity_fields(gguf), index)
+
+
+def model_fields(gguf: ggufio.GGUFFile) -> list[bytes]:
+    """The raw metadata fields that say what model a file holds, in file order: what shard files copy."""
+    return [f.raw for key, f in gguf.fields.items() if not key.startswith(_NON_IDENTITY_PREFIXES)]
+
+
+def shard_fields(
+    model: Sequence[bytes], layers: LayerRange, fingerprint: str, parent: Sequence[TensorEntry]
+) -> list[bytes]:
+    """The raw metadata of the shard file of ``layers``: the model's fields, then its range and its parent."""
+    return [
+        *model,
+        ggufio.uint32_field(SHARD_START_KEY, layers.start),
+        ggufio.uint32_field(SHARD_END_KEY, layers.end),
+        ggufio.string_field(PARENT_FINGERPRINT_KEY, fingerprint),
+        ggufio.string_array_field(PARENT_INDEX_KEY, [entry.line() for entry in parent]),
+    ]
+
+
+def shard_file_name(stem: str, layers: LayerRange) -> str:
+    """The name :func:`split` gives the shard file of ``layers`` of the model file named ``stem``."""
+    return f"{stem}.layers-{layers.start}-{layers.end}.gguf"
+
+
+def tied_output(index: Iterable[TensorEntry]) -> bool:
+    """Whether the model's output head is its token embedding (it has no ``output.weight``)."""
+    return not any(entry.name == "output.weight" for entry in index)
+
+
 def _fingerprint(fields: Iterable[tuple[str, bytes]], index: Iterable[TensorEntry]) -> str:
     digest = hashlib.sha256(_FINGERPRINT_DOMAIN)
     for name, blob in fields:
@@ -336,20 +379,15 @@ def split(
             raise ArtifactError(str(exc)) from None
     gguf = _open(model)
     parent = _tensor_index(gguf)
-    tied = not any(entry.name == "output.weight" for entry in parent)
+    tied = tied_output(parent)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    kept = [f.raw for key, f in gguf.fields.items() if not key.startswith(_NON_IDENTITY_PREFIXES)]
+    kept = model_fields(gguf)
     written = []
     for layers in ranges:
-        target = out / f"{model.stem}.layers-{layers.start}-{layers.end}.gguf"
+        target = out / shard_file_name(model.stem, layers)
         tmp = target.with_suffix(".gguf.partial")
-        extra = [
-            ggufio.uint32_field(SHARD_START_KEY, layers.start),
-            ggufio.uint32_field(SHARD_END_KEY, layers.end),
-            ggufio.string_field(PARENT_FINGERPRINT_KEY, info.fingerprint),
-            ggufio.string_array_field(PARENT_INDEX_KEY, [entry.line() for entry in parent]),
-        ]
+        fields = shard_fields(kept, layers, info.fingerprint, parent)
         tensors = [t for t in gguf.tensors if tensor_belongs(t.name, layers, info.n_layer, tied)]
         try:
             with (
@@ -362,9 +400,7 @@ def split(
                     disable=not progress,
                 ) as bar,
             ):
-                ggufio.write(
-                    tmp, kept + extra, [(t, source) for t in tensors], alignment=gguf.alignment, progress=bar.update
-                )
+                ggufio.write(tmp, fields, [(t, source) for t in tensors], alignment=gguf.alignment, progress=bar.update)
         except BaseException:  # a full disk, Ctrl-C: no half-written slice of gigabytes left behind
             tmp.unlink(missing_ok=True)
             raise

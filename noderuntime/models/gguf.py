@@ -112,16 +112,27 @@ def tensor_nbytes(shape: Sequence[int], ggml_type: int) -> int:
     return n // block * type_size
 
 
+class HeaderIncomplete(GGUFError):
+    """The header goes on past the bytes given: parse again with at least ``needed`` of them."""
+
+    def __init__(self, needed: int) -> None:
+        super().__init__(f"the header goes on past the bytes given: at least {needed} are needed")
+        self.needed = needed
+
+
 class _Cursor:
-    def __init__(self, buf: Any, limit: int) -> None:
+    def __init__(self, buf: Any, limit: int, size: int) -> None:
         self.buf = buf
         self.pos = 0
-        self.limit = limit
+        self.limit = limit  # bytes at hand: a prefix of the file when read over the network
+        self.size = size  # of the whole file
 
     def take(self, n: int) -> int:
         start = self.pos
-        if n < 0 or start + n > self.limit:
-            raise GGUFError(f"truncated header: needs {n} bytes at offset {start}, file has {self.limit}")
+        if n < 0 or start + n > self.size:
+            raise GGUFError(f"truncated header: needs {n} bytes at offset {start}, file has {self.size}")
+        if start + n > self.limit:
+            raise HeaderIncomplete(start + n)
         self.pos = start + n
         return start
 
@@ -152,7 +163,7 @@ class _Cursor:
             if element in _SIZES:
                 self.take(_SIZES[element] * count)
             elif element == STRING:
-                if count > self.limit:
+                if count > self.size:
                     raise GGUFError(f"array of {count} strings cannot fit in the file")
                 for _ in range(count):
                     self.take(self.unpack("<Q"))
@@ -186,41 +197,55 @@ def read(path: str | os.PathLike[str]) -> GGUFFile:
     if size < 24:
         raise GGUFError(f"{size} bytes is too small for a GGUF file")
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        cur = _Cursor(mm, size)
-        if bytes(mm[0:4]) != GGUF_MAGIC:
-            raise GGUFError("bad magic: not a GGUF file")
-        cur.take(4)
-        version = cur.unpack("<I")
-        if version not in (2, 3):
-            raise GGUFError(f"GGUF version {version} is not supported")
-        n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
-        if n_tensors > size // 24 or n_kv > size // 12:
-            raise GGUFError(f"header declares {n_kv} keys and {n_tensors} tensors, more than the file can hold")
-        fields: dict[str, Field] = {}
-        for _ in range(n_kv):
-            start = cur.pos
-            key = cur.string()
-            vtype = cur.unpack("<I")
-            value_start = cur.pos
-            element, count = cur.skip_value(vtype)
-            if key in fields:
-                raise GGUFError(f"duplicate key {key!r}")
-            fields[key] = Field(key, vtype, bytes(mm[start : cur.pos]), value_start - start, element, count)
-        alignment = DEFAULT_ALIGNMENT
-        if "general.alignment" in fields:
-            alignment = fields["general.alignment"].value()
-            if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
-                raise GGUFError(f"alignment {alignment!r:.40} is not a power of two")
-        infos = []
-        for _ in range(n_tensors):
-            name = cur.string()
-            n_dims = cur.unpack("<I")
-            if not 0 < n_dims <= _MAX_DIMS:
-                raise GGUFError(f"tensor {name!r} has {n_dims} dimensions")
-            shape = tuple(cur.unpack("<Q") for _ in range(n_dims))
-            ggml_type, offset = cur.unpack("<I"), cur.unpack("<Q")
-            infos.append((name, shape, ggml_type, offset))
-        data_offset = -(-cur.pos // alignment) * alignment
+        return parse(mm, size, path)
+
+
+def parse(head: Any, file_size: int, path: str | os.PathLike[str]) -> GGUFFile:
+    """Parse a GGUF header from ``head``, the first bytes of a file of ``file_size`` bytes.
+
+    ``head`` may be all of the file or a prefix read over the network: when the header goes
+    on past it, :class:`HeaderIncomplete` says how many bytes at least to read. ``path``
+    only names the file in the result and in messages.
+    """
+    path = Path(path)
+    size = file_size
+    if size < 24:
+        raise GGUFError(f"{size} bytes is too small for a GGUF file")
+    cur = _Cursor(head, min(len(head), size), size)
+    cur.take(4)
+    if bytes(head[0:4]) != GGUF_MAGIC:
+        raise GGUFError("bad magic: not a GGUF file")
+    version = cur.unpack("<I")
+    if version not in (2, 3):
+        raise GGUFError(f"GGUF version {version} is not supported")
+    n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+    if n_tensors > size // 24 or n_kv > size // 12:
+        raise GGUFError(f"header declares {n_kv} keys and {n_tensors} tensors, more than the file can hold")
+    fields: dict[str, Field] = {}
+    for _ in range(n_kv):
+        start = cur.pos
+        key = cur.string()
+        vtype = cur.unpack("<I")
+        value_start = cur.pos
+        element, count = cur.skip_value(vtype)
+        if key in fields:
+            raise GGUFError(f"duplicate key {key!r}")
+        fields[key] = Field(key, vtype, bytes(head[start : cur.pos]), value_start - start, element, count)
+    alignment = DEFAULT_ALIGNMENT
+    if "general.alignment" in fields:
+        alignment = fields["general.alignment"].value()
+        if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+            raise GGUFError(f"alignment {alignment!r:.40} is not a power of two")
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = cur.unpack("<I")
+        if not 0 < n_dims <= _MAX_DIMS:
+            raise GGUFError(f"tensor {name!r} has {n_dims} dimensions")
+        shape = tuple(cur.unpack("<Q") for _ in range(n_dims))
+        ggml_type, offset = cur.unpack("<I"), cur.unpack("<Q")
+        infos.append((name, shape, ggml_type, offset))
+    data_offset = -(-cur.pos // alignment) * alignment
     tensors = []
     seen = set()
     for name, shape, ggml_type, offset in infos:
@@ -249,13 +274,53 @@ def string_field(key: str, value: str) -> bytes:
 
 def uint32_field(key: str, value: int) -> bytes:
     """Raw bytes of a uint32 metadata field."""
-    return _pack_string(key) + struct.pack("<II", UINT32, value)
+    return scalar_field(key, UINT32, value)
+
+
+def scalar_field(key: str, vtype: int, value: Any) -> bytes:
+    """Raw bytes of a metadata field of scalar type ``vtype`` (``UINT16``, ``INT32``, ...)."""
+    try:
+        packed = struct.pack(_SCALAR[vtype], value)
+    except KeyError:
+        raise GGUFError(f"{vtype} is not a scalar metadata type") from None
+    return _pack_string(key) + struct.pack("<I", vtype) + packed
 
 
 def string_array_field(key: str, values: Iterable[str]) -> bytes:
     """Raw bytes of an array-of-strings metadata field."""
     items = [_pack_string(v) for v in values]
     return _pack_string(key) + struct.pack("<IIQ", ARRAY, STRING, len(items)) + b"".join(items)
+
+
+@attrs.frozen
+class Layout:
+    """Where everything goes in a file :func:`write` makes: its header, each tensor, its size.
+
+    A file laid out here and filled in place (a tensor at a time, in any order, the rest
+    left zero) is byte for byte the file :func:`write` makes from the same arguments.
+    """
+
+    header: bytes  # magic, counts, metadata, tensor index and the padding up to the data
+    offsets: tuple[int, ...]  # absolute offset of each tensor's data, in the order given
+    size: int  # of the whole file, the last tensor's padding included
+
+
+def layout(raw_fields: Sequence[bytes], tensors: Sequence[TensorInfo], *, alignment: int = DEFAULT_ALIGNMENT) -> Layout:
+    """The layout of a GGUF v3 file holding ``raw_fields`` and ``tensors`` (their order kept)."""
+    index = bytearray()
+    relative = []
+    offset = 0
+    for info in tensors:
+        index += _pack_string(info.name) + struct.pack("<I", len(info.shape))
+        index += struct.pack(f"<{len(info.shape)}Q", *info.shape) + struct.pack("<IQ", info.ggml_type, offset)
+        relative.append(offset)
+        offset += -(-info.n_bytes // alignment) * alignment
+    header = bytearray(GGUF_MAGIC + struct.pack("<IQQ", 3, len(tensors), len(raw_fields)))
+    for raw in raw_fields:
+        header += raw
+    header += index
+    header += b"\0" * (-len(header) % alignment)
+    return Layout(bytes(header), tuple(len(header) + r for r in relative), len(header) + offset)
 
 
 def write(
@@ -270,18 +335,9 @@ def write(
 
     ``progress``, if given, is called with the bytes written after each tensor.
     """
-    index = bytearray()
-    offset = 0
-    for info, _ in tensors:
-        index += _pack_string(info.name) + struct.pack("<I", len(info.shape))
-        index += struct.pack(f"<{len(info.shape)}Q", *info.shape) + struct.pack("<IQ", info.ggml_type, offset)
-        offset += -(-info.n_bytes // alignment) * alignment
+    planned = layout(raw_fields, [info for info, _ in tensors], alignment=alignment)
     with open(path, "wb") as out:
-        out.write(GGUF_MAGIC + struct.pack("<IQQ", 3, len(tensors), len(raw_fields)))
-        for raw in raw_fields:
-            out.write(raw)
-        out.write(index)
-        out.write(b"\0" * (-out.tell() % alignment))
+        out.write(planned.header)
         for info, source in tensors:
             source.seek(info.offset)
             left = info.n_bytes
