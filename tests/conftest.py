@@ -195,6 +195,7 @@ TIERS = {
         "test_cores",
         "test_devices",
         "test_faults",
+        "test_fetch",
         "test_gate_f",
         "test_gate_f_served",
         "test_gateway",

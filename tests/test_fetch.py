@@ -1,0 +1,319 @@
+"""Fetching only a shard's layers over HTTP, from a real file server on loopback.
+
+The shard file a ranged pull writes is byte for byte the one ``shard split`` writes; it
+costs about the range's share of the model; every tensor is checked against a signed
+manifest; each way a server can misbehave is a clear error or a resume, never a shard.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from noderuntime.access.identity import Identity
+from noderuntime.models import artifacts, fetch, manifest, synth
+from noderuntime.models.artifacts import LayerRange
+from noderuntime.models.fetch import FetchError
+from noderuntime.models.manifest import Manifest, ManifestError
+
+from .rangeserver import RangeServer, write_split_parts
+
+# what a pull may read beyond the headers and the range's tensors: the small gaps between
+# wanted tensors it reads rather than asking for each (fetch.MERGE_GAP a gap), a few
+SLACK = 256 << 10
+MULTI_SHAPE = synth.ModelShape(
+    n_layer=6, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_vocab=2048, context_length=512, tied_output=False
+)
+MULTI_CUTS = [14, 37]  # part 1: embedding, block 0 and some of 1; part 2: the rest of 1, 2 and 3; part 3: the rest
+
+
+@attrs.frozen
+class Served:
+    """A model as a publisher serves it, its signed manifest, and its shard files as ``shard split`` cuts them."""
+
+    root: Path  # the folder the server serves
+    name: str  # the (first) file's name
+    whole: Path  # the model in one file
+    manifest: Manifest
+    manifest_path: Path
+    splits: dict[str, Path]
+
+
+@pytest.fixture(scope="module")
+def publisher() -> Identity:
+    return Identity.generate()
+
+
+@pytest.fixture(scope="module")
+def demo(smollm2: Path, publisher: Identity, tmp_path_factory: pytest.TempPathFactory) -> Served:
+    folder = tmp_path_factory.mktemp("demo")
+    (folder / "served").mkdir()
+    (folder / "served" / smollm2.name).symlink_to(smollm2)
+    signed = manifest.make(smollm2, publisher)
+    (folder / "manifest.json").write_text(signed.dumps())
+    ranges = LayerRange.parse_list("0:10,10:20,20:30")
+    splits = artifacts.split(smollm2, ranges, folder / "split")
+    return Served(
+        folder / "served",
+        smollm2.name,
+        smollm2,
+        signed,
+        folder / "manifest.json",
+        {str(r): p for r, p in zip(ranges, splits, strict=True)},
+    )
+
+
+@pytest.fixture(scope="module")
+def multi(publisher: Identity, tmp_path_factory: pytest.TempPathFactory) -> Served:
+    folder = tmp_path_factory.mktemp("multi")
+    (folder / "whole").mkdir()
+    whole = synth.write_model(folder / "whole" / "multi.gguf", MULTI_SHAPE, quant="Q8_0", seed=7)
+    parts = write_split_parts(whole, folder / "served", MULTI_CUTS)
+    signed = manifest.make(parts[0], publisher)
+    (folder / "manifest.json").write_text(signed.dumps())
+    ranges = LayerRange.parse_list("0:2,1:3,2:4,4:6")
+    splits = artifacts.split(whole, ranges, folder / "split")
+    return Served(
+        folder / "served",
+        parts[0].name,
+        whole,
+        signed,
+        folder / "manifest.json",
+        {str(r): p for r, p in zip(ranges, splits, strict=True)},
+    )
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Path], RangeServer]]:
+    """Start a file server on a folder; all are stopped after the test."""
+    started: list[RangeServer] = []
+
+    def start(root: Path) -> RangeServer:
+        started.append(RangeServer(root))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.close()
+
+
+def _share(signed: Manifest, layers: LayerRange) -> tuple[int, int]:
+    """(header bytes, tensor bytes) a pull of ``layers`` must read: the headers of the parts it touches."""
+    tied = artifacts.tied_output(signed.index())
+    wanted = [t for t in signed.tensors if artifacts.tensor_belongs(t.name, layers, signed.n_layer, tied)]
+    parts = {0} | {t.part for t in wanted}
+    return sum(signed.parts[p].data_offset for p in parts), sum(t.n_bytes for t in wanted)
+
+
+def _pull(server: RangeServer, served: Served, layers: str, out: Path, **options: Any) -> fetch.PulledShard:
+    options.setdefault("backoff", 0.0)
+    return fetch.pull_layers(
+        server.url(served.name), LayerRange.parse(layers), str(served.manifest_path), out, **options
+    )
+
+
+@pytest.mark.parametrize("layers", ["0:10", "10:20", "20:30"], ids=["head", "middle", "tail"])
+def test_a_fetched_range_is_the_shard_file_split_writes_and_costs_its_share(
+    layers: str, demo: Served, publisher: Identity, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    server = serve(demo.root)
+    pulled = _pull(server, demo, layers, tmp_path, publisher=publisher.node_id)
+    assert filecmp.cmp(pulled.path, demo.splits[layers], shallow=False)
+    info = artifacts.inspect(pulled.path)
+    assert info.fingerprint == demo.manifest.artifact == artifacts.inspect(demo.whole).fingerprint
+    assert info.layer_range == LayerRange.parse(layers) and not pulled.reused
+    header, tensors = _share(demo.manifest, LayerRange.parse(layers))
+    assert header + tensors <= server.sent <= header + tensors + SLACK
+    assert pulled.fetched_bytes == server.sent
+    file_size = demo.whole.stat().st_size
+    print(
+        f"layers {layers}: {server.sent} of {file_size} bytes ({server.sent / file_size:.1%}), "
+        f"{len(server.requests)} requests"
+    )
+    assert all(r.startswith("bytes=") and "," not in r for _, r in server.requests)  # single ranges only
+    left = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))  # the folder's lock stays
+    assert left == sorted([pulled.path.name, pulled.path.name + ".verified"])
+
+
+def test_a_pulled_shard_is_reused_until_it_changes(
+    demo: Served, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    server = serve(demo.root)
+    first = _pull(server, demo, "20:30", tmp_path)
+    server.reset()
+    again = _pull(server, demo, "20:30", tmp_path)
+    assert again.reused and again.path == first.path and server.sent == 0
+    stat = first.path.stat()
+    os.utime(first.path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # not the file it verified
+    fresh = _pull(server, demo, "20:30", tmp_path)
+    assert not fresh.reused and server.sent > 0
+    assert filecmp.cmp(fresh.path, demo.splits["20:30"], shallow=False)
+
+
+@pytest.mark.parametrize("layers", ["0:2", "1:3", "2:4", "4:6"])
+def test_a_range_of_a_model_in_parts_reads_only_the_parts_and_spans_it_needs(
+    layers: str, multi: Served, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    assert multi.manifest.artifact == artifacts.inspect(multi.whole).fingerprint  # split keys are not identity
+    assert len(multi.manifest.parts) == 3
+    server = serve(multi.root)
+    pulled = _pull(server, multi, layers, tmp_path)
+    assert filecmp.cmp(pulled.path, multi.splits[layers], shallow=False)
+    header, tensors = _share(multi.manifest, LayerRange.parse(layers))
+    assert header + tensors <= server.sent <= header + tensors + SLACK
+    tied = artifacts.tied_output(multi.manifest.index())
+    wanted = {
+        t.part
+        for t in multi.manifest.tensors
+        if artifacts.tensor_belongs(t.name, LayerRange.parse(layers), multi.manifest.n_layer, tied)
+    }
+    asked = {name for name, _ in server.requests}
+    assert asked == {multi.manifest.parts[p].file for p in {0} | wanted}
+
+
+def test_a_server_that_ignores_range_is_a_clear_error(
+    demo: Served, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    server = serve(demo.root)
+    server.faults.ignore_range = True
+    with pytest.raises(FetchError, match="ignores Range requests"):
+        _pull(server, demo, "10:20", tmp_path)
+    assert not list(tmp_path.glob("*.gguf"))
+
+
+def test_an_answer_for_other_bytes_than_asked_is_a_clear_error(
+    demo: Served, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    server = serve(demo.root)
+    server.faults.shift = 4096
+    with pytest.raises(FetchError, match=r"answered with bytes 4096-\d+ \(Content-Range\) to a request for bytes 0-"):
+        _pull(server, demo, "10:20", tmp_path)
+    assert not list(tmp_path.glob("*.gguf"))
+
+
+def test_answers_shorter_than_asked_are_followed_by_requests_for_the_rest(
+    demo: Served, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    server = serve(demo.root)
+    server.faults.cap = 4 << 20
+    pulled = _pull(server, demo, "10:20", tmp_path)
+    assert filecmp.cmp(pulled.path, demo.splits["10:20"], shallow=False)
+    header, tensors = _share(demo.manifest, LayerRange(10, 20))
+    assert header + tensors <= server.sent <= header + tensors + SLACK
+    assert len(server.requests) >= tensors // (4 << 20)
+
+
+def test_a_file_changed_mid_pull_is_a_clear_error_and_the_next_pull_keeps_what_was_verified(
+    demo: Served, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    server = serve(demo.root)
+    server.faults.cap = 4 << 20
+    server.faults.change_etag_after = 3  # the header, then two answers of the range
+    with pytest.raises(FetchError, match="changed on the server during the pull"):
+        _pull(server, demo, "10:20", tmp_path)
+    first = server.sent
+    assert not list(tmp_path.glob("*.gguf"))
+    server.reset()
+    server.faults.cap, server.faults.change_etag_after = 4 << 20, 0  # the new file, from the first request on
+    pulled = _pull(server, demo, "10:20", tmp_path)
+    assert filecmp.cmp(pulled.path, demo.splits["10:20"], shallow=False)
+    header, tensors = _share(demo.manifest, LayerRange(10, 20))
+    # verified tensors are kept; the bytes of the tensor the change cut through are fetched again,
+    # and the answer refused for its new ETag was already in the socket when it was refused
+    largest = max(t.n_bytes for t in demo.manifest.tensors if t.name.startswith("blk."))
+    assert first + server.sent <= 2 * header + tensors + largest + server.faults.cap + SLACK
+
+
+def test_a_dropped_connection_is_resumed_where_it_broke(
+    demo: Served, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    server = serve(demo.root)
+    server.faults.drop_after, server.faults.drops = 5_000_000, 3
+    pulled = _pull(server, demo, "10:20", tmp_path)
+    assert server.faults.drops == 0
+    assert filecmp.cmp(pulled.path, demo.splits["10:20"], shallow=False)
+    header, tensors = _share(demo.manifest, LayerRange(10, 20))
+    assert header + tensors <= server.sent <= header + tensors + SLACK
+
+
+def test_a_pull_stopped_by_a_dropped_connection_goes_on_from_there_when_run_again(
+    demo: Served, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    server = serve(demo.root)
+    server.faults.drop_after, server.faults.drops = 9_000_000, 1
+    with pytest.raises(FetchError, match="run the same command again to go on"):
+        _pull(server, demo, "10:20", tmp_path, retries=0)
+    assert not list(tmp_path.glob("*.gguf")) and list(tmp_path.glob("*.fetch.json"))
+    first = server.sent
+    server.reset()
+    pulled = _pull(server, demo, "10:20", tmp_path, retries=0)
+    assert filecmp.cmp(pulled.path, demo.splits["10:20"], shallow=False)
+    header, tensors = _share(demo.manifest, LayerRange(10, 20))
+    assert first + server.sent <= 2 * header + tensors + SLACK  # the header twice, each tensor byte once
+    assert not list(tmp_path.glob("*.fetch*"))
+
+
+def _damaged_copy(served: Served, folder: Path, file: str, offset: int) -> Path:
+    folder.mkdir()
+    for part in served.manifest.parts:
+        shutil.copyfile(served.root / part.file, folder / part.file)
+    with (folder / file).open("r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+    return folder
+
+
+def test_a_damaged_byte_in_a_served_tensor_is_caught(
+    demo: Served, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    (tensor,) = (t for t in demo.manifest.tensors if t.name == "blk.15.ffn_up.weight")
+    root = _damaged_copy(demo, tmp_path / "served", demo.name, tensor.offset + tensor.n_bytes // 2)
+    server = serve(root)
+    with pytest.raises(FetchError, match=r"tensor blk\.15\.ffn_up\.weight from .* does not have the sha256"):
+        _pull(server, attrs.evolve(demo, root=root), "10:20", tmp_path / "out")
+    assert not list((tmp_path / "out").glob("*.gguf"))
+    # a pull that samples the tensor's ends only would pass it: the damage is in its middle
+    server.reset()
+    assert tensor.n_bytes > 2 * 4096
+
+
+def test_a_damaged_header_is_caught_before_any_tensor_is_read(
+    multi: Served, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    data = (multi.root / multi.name).read_bytes()
+    root = _damaged_copy(multi, tmp_path / "served", multi.name, data.index(b"synthetic-llama") + 3)
+    server = serve(root)
+    with pytest.raises(FetchError, match="is not the file the manifest of"):
+        _pull(server, attrs.evolve(multi, root=root), "2:4", tmp_path / "out")
+    assert server.sent == multi.manifest.parts[0].data_offset
+
+
+def test_a_manifest_changed_after_signing_or_signed_by_another_key_is_refused(
+    demo: Served, publisher: Identity, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    server = serve(demo.root)
+    data = json.loads(demo.manifest_path.read_text())
+    data["tensors"][5]["sha256"] = "0" * 64
+    tampered = tmp_path / "tampered.json"
+    tampered.write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="does not carry a valid signature"):
+        fetch.pull_layers(server.url(demo.name), LayerRange(0, 10), str(tampered), tmp_path / "out")
+    other = tmp_path / "other.json"
+    other.write_text(demo.manifest.signed(Identity.generate()).dumps())
+    with pytest.raises(ManifestError, match="not by the publisher key given"):
+        fetch.pull_layers(
+            server.url(demo.name), LayerRange(0, 10), str(other), tmp_path / "out", publisher=publisher.node_id
+        )
+    assert server.sent == 0  # refused before a byte of the model was read
+    with pytest.raises(ManifestError, match="does not carry a valid signature"):
+        manifest.load(tampered)
