@@ -175,6 +175,7 @@ TIERS = {
         "test_enginethread",
         "test_node_pure",
         "test_sessions",
+        "test_swarm",
         "test_tracker",
     ),
     "engine": (  # real llama.cpp in this process, on real GGUF files

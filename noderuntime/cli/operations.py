@@ -11,6 +11,7 @@ from typing import Any
 
 from noderuntime.cli.args import (
     CliError,
+    api_key,
     default_data_dir,
     positive_int,
     public_key,
@@ -75,7 +76,7 @@ def _cmd_probe_check(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from noderuntime.tracker.status import show
 
-    return show(args.tracker, as_json=args.json)
+    return show(args.tracker, as_json=args.json, status_key=args.status_key)
 
 
 def _cmd_bench_verify(args: argparse.Namespace) -> int:
@@ -136,6 +137,7 @@ def add_commands(sub: Any) -> None:
 
     p = sub.add_parser("status", help="nodes, ranges, load and routes known to a tracker")
     p.add_argument("--tracker", type=url, required=True)
+    p.add_argument("--status-key", type=api_key, help="the tracker's status key, if it has one")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_status)
 

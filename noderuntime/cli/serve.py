@@ -204,6 +204,7 @@ def _cmd_tracker(args: argparse.Namespace) -> int:
             probe_interval=args.probe_interval,
             probe_tolerance=args.probe_tolerance,
             mixes=mixes,
+            status_key=args.status_key,
             **kw,
         ),
     )
@@ -413,6 +414,12 @@ def _add_tracker(sub: Any) -> None:
     p.add_argument("--listen", type=listen_address, required=True, help="HOST:PORT (port 0: any)")
     p.add_argument("--data-dir", default=str(default_data_dir().with_name("tracker")), help="where its key lives")
     p.add_argument("--api-key", type=api_key, help="require this bearer key for route requests (the gateway's)")
+    p.add_argument(
+        "--status-key",
+        type=api_key,
+        help="require this key to read the swarm map (/) and the node lists (/v1/status, /v1/status/nodes, "
+        "/v1/nodes): Authorization: Bearer KEY, or ?key=KEY (default: they are open, and hold nothing secret)",
+    )
     p.add_argument(
         "--expire-after", type=seconds, default=10.0, help="seconds without heartbeat before a node is dropped"
     )

@@ -29,9 +29,11 @@ async def run_tracker(
     probe_interval: float = 600.0,
     probe_tolerance: float = admission.DEFAULT_TOLERANCE,
     mixes: Sequence[CoveredPair] = (),
+    status_key: str | None = None,
     task_status: trio.TaskStatus[TrackerReady] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve a tracker until cancelled; ``mixes`` are the recipe pairs certified to share routes."""
+    """Serve a tracker until cancelled; ``mixes`` are the recipe pairs certified to share routes;
+    ``status_key``, when given, is needed to read the swarm map and the node lists."""
     from noderuntime.tracker.app import Tracker
 
     tracker_identity = identity.load_or_create(data_dir)
@@ -45,6 +47,7 @@ async def run_tracker(
         probe_interval=probe_interval,
         probe_tolerance=probe_tolerance,
         mixes=mixes,
+        status_key=status_key,
     )
     for pair in mixes:
         log.info(

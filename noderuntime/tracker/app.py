@@ -4,6 +4,11 @@
 - ``POST /v1/nodes/register`` and ``POST /v1/nodes/heartbeat``: signed by the node's key
   (see :mod:`noderuntime.access.signing`); a node cannot register under another node's id.
 - ``GET  /v1/nodes``, ``GET /v1/artifacts``: what the tracker knows.
+- ``GET  /``: the swarm map, a page that reads ``GET /v1/status`` (every model's coverage,
+  aggregated) and ``GET /v1/status/nodes`` (a page of nodes, filtered) as it goes.
+  Read-only and open, unless the tracker has a status key: then these and ``/v1/nodes``
+  need it (``Authorization: Bearer KEY``, or ``?key=KEY``); ``/v1/info`` and
+  ``/v1/artifacts`` stay open, for the nodes and gateways that read them.
 - ``POST /v1/nodes/probe``: a node's answer to its known-answer probe (signed).
 - ``POST /v1/routes``: a route for a session and its signed ticket (optionally behind a
   bearer key): 503 when no route exists, 429 when every route is full.
@@ -18,16 +23,17 @@ a probe seed; until the node answers it correctly it is kept out of routes.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import random
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Annotated, Any
 
 import attrs
 import trio
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
@@ -37,9 +43,11 @@ from noderuntime.access.signing import SignatureChecker, SignatureError
 from noderuntime.control.admission import AdmissionError, ProbeAnswer, ProbeReferences, check_capability, compare
 from noderuntime.operations.httpserve import BodyLimit
 from noderuntime.operations.telemetry import TrackerMetrics, exposition, trio_tasks
+from noderuntime.tracker import swarm
 from noderuntime.tracker.messages import (
     Heartbeat,
     Leave,
+    NodeQuery,
     ProbeReply,
     Registration,
     RepairRequest,
@@ -49,11 +57,14 @@ from noderuntime.tracker.messages import (
 )
 from noderuntime.tracker.state import STEP_BUDGET_MS, NodeRecord, NoRoute, TrackerState
 from noderuntime.verify.certificates import CoveredPair
+from noderuntime.web import add_pages, file_response
 from protocol import Hop, Span, route_recipe
 
 HEARTBEAT_SECONDS = 2.0
 MAX_BODY = 64 << 10
 PROBE_ANSWER_SECONDS = 60.0  # a challenge unanswered this long is sent again
+# the swarm's status is computed at most this often, however many pages poll it
+SWARM_CACHE_SECONDS = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +84,15 @@ class Tracker:
         probe_tolerance: float = 1e-3,
         step_budget_ms: float = STEP_BUDGET_MS,
         mixes: Iterable[CoveredPair] = (),
+        status_key: str | None = None,
     ) -> None:
         """``references`` let the tracker probe shards; ``require_probe`` admits no shard it cannot probe;
-        ``mixes`` are the pairs of recipes that certificates let share a route."""
+        ``mixes`` are the pairs of recipes that certificates let share a route; ``status_key``, when
+        given, is needed to read the swarm map and the node lists."""
+        if status_key is not None and not status_key:
+            raise ValueError("a status key must not be empty: it would let in every request that sends none")
+        self.status_key = status_key
+        self._swarm_cache: tuple[float, dict[str, Any]] | None = None
         self.identity = identity
         self.mixes = tuple(mixes)
         by_artifact: dict[str, set[frozenset[str]]] = {}
@@ -148,6 +165,9 @@ class Tracker:
         app.post("/v1/nodes/leave")(self._leave)
         app.post("/v1/nodes/probe")(self._probe)
         app.get("/v1/nodes")(self._nodes)
+        app.get("/v1/status")(self._swarm)
+        app.get("/v1/status/nodes")(self._swarm_nodes)
+        add_pages(app, "swarm.html", ("swarm.js", "dom.js", "pages.css"), guard=self._page_guard)
         app.get("/v1/artifacts")(self._artifacts)
         app.post("/v1/routes")(self._route)
         app.post("/v1/routes/repair")(self._repair)
@@ -280,7 +300,48 @@ class Tracker:
             )
         return {"passed": verdict.passed, "exact": verdict.exact, "detail": verdict.describe()}
 
-    async def _nodes(self) -> dict[str, Any]:
+    def _may_read_status(self, request: Request) -> bool:
+        """Whether ``request`` may read the swarm's status: there is no status key, or it shows it."""
+        if self.status_key is None:
+            return True
+        given = request.query_params.get("key", "")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            given = token.strip()
+        # in constant time: how long a refusal takes says nothing of the key
+        return hmac.compare_digest(given.encode(), self.status_key.encode())
+
+    def _check_status_key(self, request: Request) -> None:
+        if not self._may_read_status(request):
+            raise HTTPException(
+                401,
+                "this tracker's status needs its status key (Authorization: Bearer KEY, or ?key=KEY)",
+                headers={"www-authenticate": "Bearer"},
+            )
+
+    async def _page_guard(self, request: Request) -> Response | None:
+        # a page that asks for the key, rather than a JSON refusal a browser shows as code
+        return None if self._may_read_status(request) else file_response("locked.html", 401)
+
+    async def _swarm(self, request: Request) -> JSONResponse:
+        """The swarm at a glance, for the map (see :mod:`noderuntime.tracker.swarm`)."""
+        self._check_status_key(request)
+        now = time.time()
+        if self._swarm_cache is None or now - self._swarm_cache[0] >= SWARM_CACHE_SECONDS:
+            status = swarm.swarm_status(
+                self.state, now, routes_issued=self.routes_issued, heartbeat_seconds=HEARTBEAT_SECONDS
+            )
+            self._swarm_cache = (now, status.model_dump(mode="json"))
+        return JSONResponse(self._swarm_cache[1])
+
+    async def _swarm_nodes(self, query: Annotated[NodeQuery, Query()], request: Request) -> JSONResponse:
+        """One page of the nodes ``query`` selects, for the map's node list."""
+        self._check_status_key(request)
+        page = swarm.node_page(self.state, query, time.time(), heartbeat_seconds=HEARTBEAT_SECONDS)
+        return JSONResponse(page.model_dump(mode="json"))
+
+    async def _nodes(self, request: Request) -> dict[str, Any]:
+        self._check_status_key(request)
         now = time.time()
         return {
             "nodes": [

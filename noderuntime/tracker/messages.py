@@ -1,6 +1,7 @@
 """The JSON a node, a gateway and a tracker exchange, defined once: the tracker validates
 with these and the others build their messages with them; a gateway validates a route
-grant (:class:`RouteReply`) with them in turn.
+grant (:class:`RouteReply`) with them in turn. The swarm map's pages read what the tracker
+serves them as :class:`SwarmStatus` and :class:`NodePage`, asked for with a :class:`NodeQuery`.
 
 A route's hops travel as :class:`RouteHop` objects: :func:`encode_hops` writes them and
 :func:`decode_hops` reads them back as :class:`protocol.Hop` values, raising pydantic's
@@ -11,9 +12,9 @@ from __future__ import annotations
 
 import urllib.parse
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, TypeAdapter, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from noderuntime.access import untrusted
 from noderuntime.access.tickets import MAX_TICKET_BYTES
@@ -202,3 +203,149 @@ def encode_hops(hops: Iterable[Hop]) -> list[dict[str, Any]]:
 def decode_hops(data: Any) -> tuple[Hop, ...]:
     """A JSON list of hops (as :func:`encode_hops` writes it); ``ValidationError`` when malformed."""
     return tuple(hop.hop() for hop in _HOPS.validate_python(data))
+
+
+# --- the swarm map's JSON (``GET /v1/status`` and ``GET /v1/status/nodes``): what a page shows,
+# aggregated by the tracker so that no answer grows with the number of nodes but the one page
+# of nodes a reader asked for
+
+ProbeState = Literal["passed", "failed", "pending", "none"]
+NodeFilter = Literal["all", "admitted", "pending", "failed", "direct", "relay", "slow", "stale"]
+NodeOrder = Literal["layers", "step", "load", "seen"]
+MAX_PAGE = 200
+
+
+class LayerSegment(BaseModel):
+    """Consecutive layers ``[start, end)`` that the same nodes serve: one stretch of a model's layer strip."""
+
+    start: int
+    end: int
+    nodes: int  # registered nodes holding these layers
+    admitted: int  # of them, those routes may use (probe passed, or none required)
+    tokens_per_s: float  # decode tokens per second the admitted ones give these layers together
+    active_sessions: int
+    slots: int
+    thin: bool  # the least served layers of a model whose layers are not all served alike
+
+
+class RangeBand(BaseModel):
+    """The nodes of one layer range."""
+
+    start: int
+    end: int
+    nodes: int
+    admitted: int
+    tokens_per_s: float
+
+
+class RouteHopView(BaseModel):
+    """A hop of a route the tracker would pick, as a page shows it."""
+
+    node_id: str
+    layers: tuple[int, int]
+    device: str
+    reachability: str
+
+
+class RouteView(BaseModel):
+    """A route the tracker would pick now, and its estimated cost per decode step."""
+
+    hops: list[RouteHopView]
+    cost_ms: float
+    near_equal: bool  # within the spread of the cheapest: the tracker picks among these at random
+
+
+class ModelView(BaseModel):
+    """One model artifact's coverage: its layer strip, its ranges, its routes, counts of its nodes."""
+
+    artifact: str
+    name: str  # the name most of its nodes give it: a node's word, shown as text
+    n_layer: int
+    nodes: int
+    admitted: int
+    routable: bool
+    segments: list[LayerSegment]
+    bands: list[RangeBand]
+    bands_not_shown: int  # ranges past the bands listed (most nodes first)
+    routes: list[RouteView]  # the cheapest few
+    route_count: int  # routes with room on every hop
+    routes_capped: bool  # counting stopped at the enumeration's cap: there may be more
+    active_sessions: int
+    devices: dict[str, int]  # by kind of device (cpu, cuda, ...)
+    drift_classes: dict[str, int]  # the most common few; "other" holds the rest
+    reachability: dict[str, int]
+    probes: dict[str, int]
+    slow: int
+    stale: int
+
+
+class DepartedView(BaseModel):
+    """A node that left lately (``left``: it said so; ``expired``: it fell silent)."""
+
+    node_id: str
+    model_name: str
+    artifact: str
+    layers: tuple[int, int]
+    why: str
+    seconds_ago: float
+
+
+class SwarmStatus(BaseModel):
+    """``GET /v1/status``: the swarm at a glance."""
+
+    generated_unix: float
+    heartbeat_seconds: float
+    expire_after_seconds: float
+    nodes: int
+    routes_issued: int
+    models: list[ModelView]
+    departed: list[DepartedView]  # newest first
+
+
+class NodeView(BaseModel):
+    """One node as the map lists it: no address, relay URL or key, only what it serves and how well."""
+
+    node_id: str
+    model_name: str
+    artifact: str
+    n_layer: int
+    layers: tuple[int, int]
+    device: str
+    drift_class: str  # the CPU kernels or device class its bits depend on (its recipe names it)
+    reachability: str  # direct, relay-only or direct+relay
+    active_sessions: int
+    slots: int
+    queue_depth: int
+    step_ms: float  # recent engine time per batch, from its heartbeats
+    estimated_step_ms: float  # what the tracker costs a step at one more session
+    tokens_per_s: float
+    probe: ProbeState
+    probe_detail: str
+    admitted: bool
+    slow: bool  # slower per layer than twice the median of its model's nodes (tails against tails)
+    stale: bool  # not heard from for more than two heartbeats
+    seconds_since_heartbeat: float
+
+
+class NodeQuery(BaseModel):
+    """The query of ``GET /v1/status/nodes``: which nodes, in which order, which page."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    artifact: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
+    layer: int | None = Field(default=None, ge=0, lt=MAX_LAYERS)  # nodes holding this layer
+    q: str = Field(default="", max_length=100)  # in the node id, model name, device or drift class
+    state: NodeFilter = "all"
+    sort: NodeOrder = "layers"
+    offset: int = Field(default=0, ge=0, le=1 << 20)
+    limit: int = Field(default=25, ge=1, le=MAX_PAGE)
+    key: str = Field(default="", max_length=1000)  # the status key, when the tracker has one
+
+
+class NodePage(BaseModel):
+    """One page of the nodes a :class:`NodeQuery` selects; ``total`` counts all of them."""
+
+    total: int
+    offset: int
+    limit: int
+    nodes: list[NodeView]

@@ -98,6 +98,16 @@ class NodeRecord:
         fitting = sum(1 for batch in range(1, self.slots + 1) if self.measured.step_ms(batch) <= step_budget_ms)
         return max(1, fitting)
 
+    def tokens_per_s(self, step_budget_ms: float) -> float:
+        """Decode tokens per second this node gives its layers at the sessions routes may send it.
+
+        Its capacity in sessions, each advancing one token per measured step at that batch;
+        a node that measured nothing is taken at its reported step time (or the default).
+        """
+        sessions = self.capacity(step_budget_ms)
+        step = self.measured.step_ms(sessions) if self.measured is not None else (self.step_ms or DEFAULT_STEP_MS)
+        return sessions * 1000.0 / max(step, 1e-3)
+
     def has_room(self, step_budget_ms: float) -> bool:
         """Whether one more session may be routed here now."""
         if self.free_slots <= 0:
@@ -208,15 +218,22 @@ class TrackerState:
         out: dict[str, dict[str, object]] = {}
         for artifact in {r.artifact for r in self.nodes.values()}:
             nodes = self.nodes_of(artifact)
-            n_layer = layer_count(nodes)
-            eligible = [r for r in self._eligible(artifact, 1, exclude=()) if r.n_layer == n_layer]
             out[artifact] = {
                 "name": nodes[0].model_name,
-                "n_layer": n_layer,
+                "n_layer": layer_count(nodes),
                 "nodes": len(nodes),
-                "routable": bool(all_routes(eligible, n_layer, self.mixes.get(artifact, ()))),
+                "routable": self.routable(artifact),
             }
         return out
+
+    def routable(self, artifact: str) -> bool:
+        """Whether the nodes routes may use chain into a complete route of ``artifact``, full or not."""
+        nodes = self.nodes_of(artifact)
+        if not nodes:
+            return False
+        n_layer = layer_count(nodes)
+        eligible = [r for r in self._eligible(artifact, 1, exclude=()) if r.n_layer == n_layer]
+        return bool(all_routes(eligible, n_layer, self.mixes.get(artifact, ())))
 
     def nodes_of(self, artifact: str) -> list[NodeRecord]:
         """Registered nodes of one artifact."""
@@ -250,6 +267,34 @@ class TrackerState:
         the session's prefix (affinity): a route with room through most of them is taken,
         whatever it costs, and only when none has room do the others spread the load.
         """
+        free = self._free_routes(artifact, tokens, exclude, start, recipe)
+        if prefer is not None:
+            free = [r for r in free if {node.recipe for node in r} == {prefer}] or free
+        if near:
+            wanted = set(near)
+            overlap = [sum(node.node_id in wanted for node in r) for r in free]
+            if max(overlap) > 0:
+                free = [r for r, o in zip(free, overlap, strict=True) if o == max(overlap)]
+        costed = sorted(((route_cost(r), r) for r in free), key=lambda pair: pair[0])
+        best = costed[0][0]
+        equals = [pair for pair in costed if pair[0] <= best * (1.0 + NEAR_EQUAL)]
+        cost, route = self._rng.choice(equals)
+        return RouteChoice(tuple(route), cost)
+
+    def routes_now(self, artifact: str) -> list[RouteChoice]:
+        """The routes :meth:`choose` would pick from for a short session of ``artifact`` now, cheapest
+        first; [] when it would find none. Those within ``NEAR_EQUAL`` of the first are equally likely.
+        """
+        try:
+            free = self._free_routes(artifact, 1, (), 0, None)
+        except NoRoute:
+            return []
+        return sorted((RouteChoice(tuple(r), route_cost(r)) for r in free), key=lambda choice: choice.cost_ms)
+
+    def _free_routes(
+        self, artifact: str, tokens: int, exclude: Iterable[bytes], start: int, recipe: str | None
+    ) -> list[list[NodeRecord]]:
+        """The complete routes with room on every hop; raises :class:`NoRoute` when there are none."""
         candidates = self._eligible(artifact, tokens, exclude)
         if recipe is not None:
             candidates = [c for c in candidates if c.recipe == recipe]
@@ -267,18 +312,7 @@ class TrackerState:
         free = [r for r in routes if all(node.has_room(self.step_budget_ms) for node in r)]
         if not free:
             raise NoRoute("every route is at capacity", full=True)
-        if prefer is not None:
-            free = [r for r in free if {node.recipe for node in r} == {prefer}] or free
-        if near:
-            wanted = set(near)
-            overlap = [sum(node.node_id in wanted for node in r) for r in free]
-            if max(overlap) > 0:
-                free = [r for r, o in zip(free, overlap, strict=True) if o == max(overlap)]
-        costed = sorted(((route_cost(r), r) for r in free), key=lambda pair: pair[0])
-        best = costed[0][0]
-        equals = [pair for pair in costed if pair[0] <= best * (1.0 + NEAR_EQUAL)]
-        cost, route = self._rng.choice(equals)
-        return RouteChoice(tuple(route), cost)
+        return free
 
 
 def layer_count(nodes: Sequence[NodeRecord]) -> int:

@@ -12,9 +12,15 @@ from noderuntime.control.admission import Capability
 from noderuntime.tracker.state import NodeRecord, all_routes, route_cost, unmixed
 
 
-def fetch(tracker: str) -> tuple[list[dict[str, Any]], dict[str, set[frozenset[str]]]]:
-    """The tracker's ``/v1/nodes``: the nodes, and by artifact the recipe pairs routes may mix."""
-    with urllib.request.urlopen(tracker.rstrip("/") + "/v1/nodes", timeout=10) as response:
+def fetch(tracker: str, status_key: str | None = None) -> tuple[list[dict[str, Any]], dict[str, set[frozenset[str]]]]:
+    """The tracker's ``/v1/nodes``: the nodes, and by artifact the recipe pairs routes may mix.
+
+    ``status_key``: the tracker's, when it has one.
+    """
+    request = urllib.request.Request(tracker.rstrip("/") + "/v1/nodes")
+    if status_key is not None:
+        request.add_header("Authorization", f"Bearer {status_key}")
+    with urllib.request.urlopen(request, timeout=10) as response:
         try:
             answer = json.loads(response.read())
             nodes: list[dict[str, Any]] = answer["nodes"]
@@ -99,10 +105,10 @@ def routes(
     return sorted(out, key=lambda item: (item[0], item[2]))
 
 
-def show(tracker: str, *, as_json: bool = False) -> int:
+def show(tracker: str, *, as_json: bool = False, status_key: str | None = None) -> int:
     """Print the status table (or JSON); exit status 1 if the tracker is unreachable."""
     try:
-        nodes, mixes = fetch(tracker)
+        nodes, mixes = fetch(tracker, status_key)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         print(f"noderuntime: error: cannot read {tracker}/v1/nodes: {exc}")
         return 1
