@@ -11,12 +11,13 @@ from __future__ import annotations
 import http.server
 import re
 import socket
+import sys
 import threading
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import attrs
 
@@ -35,6 +36,15 @@ class Faults:
     change_etag_after: int | None = None  # ranged requests after which the file's ETag changes
     drop_after: int | None = None  # body bytes after which a response's connection is cut
     drops: int = 0  # how many responses are cut so
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: socket.socket | tuple[bytes, socket.socket], client_address: Any) -> None:
+        # a client that hangs up on an answer (as a pull does on one it refuses) is no fault here
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class RangeServer:
@@ -59,8 +69,7 @@ class RangeServer:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _Server(("127.0.0.1", 0), Handler)
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self._thread.start()
 

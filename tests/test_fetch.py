@@ -16,13 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import pytest
+import trio
 
 from noderuntime.access.identity import Identity
 from noderuntime.models import artifacts, fetch, manifest, synth
 from noderuntime.models.artifacts import LayerRange
 from noderuntime.models.fetch import FetchError
 from noderuntime.models.manifest import Manifest, ManifestError
+from noderuntime.operations.httpserve import serve_http
+from noderuntime.tracker.app import Tracker
 
 from .rangeserver import RangeServer, write_split_parts
 
@@ -317,3 +321,24 @@ def test_a_manifest_changed_after_signing_or_signed_by_another_key_is_refused(
     assert server.sent == 0  # refused before a byte of the model was read
     with pytest.raises(ManifestError, match="does not carry a valid signature"):
         manifest.load(tampered)
+
+
+async def test_a_tracker_serves_its_manifests_and_a_pull_finds_the_one_of_its_file(
+    demo: Served, multi: Served, publisher: Identity, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    server = serve(multi.root)
+    tracker = Tracker(Identity.generate(), manifests=[demo.manifest, multi.manifest])
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
+        async with httpx.AsyncClient() as client:
+            answer = await client.get(f"{url}/v1/manifests/{demo.manifest.artifact}")
+            assert Manifest.loads(answer.content).check(publisher.node_id) == demo.manifest
+            assert (await client.get(f"{url}/v1/manifests/{'0' * 64}")).status_code == 404
+        pulled = await trio.to_thread.run_sync(
+            lambda: fetch.pull_layers(
+                server.url(multi.name), LayerRange(2, 4), url, tmp_path, publisher=publisher.node_id
+            )
+        )
+        nursery.cancel_scope.cancel()
+    assert pulled.artifact == multi.manifest.artifact
+    assert filecmp.cmp(pulled.path, multi.splits["2:4"], shallow=False)

@@ -27,6 +27,7 @@ from noderuntime.cli.args import (
 )
 from noderuntime.engine.cores import machine_cores
 from noderuntime.models import catalogue as models
+from noderuntime.models import manifest
 
 API_KEYS_ENV = "NODERUNTIME_API_KEYS"  # comma-separated; keys in argv show in `ps`
 # set in the environment of a node re-executed on its device's backend: it must not do so again
@@ -180,6 +181,17 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     return relayrun.main_relay(host, port, tuple(args.issuer_key), tls, args.http, limits)
 
 
+def _load_manifests(paths: list[Path]) -> tuple[manifest.Manifest, ...]:
+    """The manifests a tracker serves, each signature checked; one per artifact."""
+    loaded: dict[str, manifest.Manifest] = {}
+    for path in paths:
+        found = manifest.load(path)
+        if found.artifact in loaded and loaded[found.artifact] != found:
+            raise CliError(f"--manifest {path}: another manifest of artifact {found.artifact[:16]}… was given")
+        loaded[found.artifact] = found
+    return tuple(loaded.values())
+
+
 def _cmd_tracker(args: argparse.Namespace) -> int:
     from noderuntime.services import running, trackerrun
     from noderuntime.verify.certificates import load_certificate
@@ -190,6 +202,7 @@ def _cmd_tracker(args: argparse.Namespace) -> int:
         mixes = tuple(load_certificate(path) for path in args.certificate)
     except ContractError as exc:
         raise CliError(f"--certificate {exc}") from None
+    manifests = _load_manifests(args.manifest)
     import trio
 
     trio.run(
@@ -204,6 +217,7 @@ def _cmd_tracker(args: argparse.Namespace) -> int:
             probe_interval=args.probe_interval,
             probe_tolerance=args.probe_tolerance,
             mixes=mixes,
+            manifests=manifests,
             status_key=args.status_key,
             **kw,
         ),
@@ -442,6 +456,14 @@ def _add_tracker(sub: Any) -> None:
         default=[],
         help="a mixed-route certificate (from `python -m benchmarks.backends`): routes may mix the pair of "
         "recipes it covers; repeatable",
+    )
+    p.add_argument(
+        "--manifest",
+        type=Path,
+        action="append",
+        default=[],
+        help="a signed manifest (from `noderuntime models manifest`) to serve at /v1/manifests/ARTIFACT, "
+        "for nodes that fetch only their layers; repeatable",
     )
     p.set_defaults(func=_cmd_tracker)
 

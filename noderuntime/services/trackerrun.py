@@ -11,6 +11,7 @@ import trio
 
 from noderuntime.access import identity
 from noderuntime.control import admission
+from noderuntime.models.manifest import Manifest
 from noderuntime.operations.httpserve import serve_http
 from noderuntime.services.ready import TrackerReady
 from noderuntime.verify.certificates import CoveredPair
@@ -29,6 +30,7 @@ async def run_tracker(
     probe_interval: float = 600.0,
     probe_tolerance: float = admission.DEFAULT_TOLERANCE,
     mixes: Sequence[CoveredPair] = (),
+    manifests: Sequence[Manifest] = (),  # served to nodes that fetch only their layers
     status_key: str | None = None,
     task_status: trio.TaskStatus[TrackerReady] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -47,8 +49,13 @@ async def run_tracker(
         probe_interval=probe_interval,
         probe_tolerance=probe_tolerance,
         mixes=mixes,
+        manifests=manifests,
         status_key=status_key,
     )
+    for signed in manifests:
+        log.info(
+            "serving the manifest of %s (%s), signed by %s", signed.artifact[:12], signed.name, signed.publisher[:12]
+        )
     for pair in mixes:
         log.info(
             "routes may mix recipes %s and %s of %s (certified)", pair.cpu_recipe, pair.gpu_recipe, pair.artifact[:12]

@@ -13,6 +13,8 @@
 - ``POST /v1/routes``: a route for a session and its signed ticket (optionally behind a
   bearer key): 503 when no route exists, 429 when every route is full.
 - ``GET  /metrics``: Prometheus metrics.
+- ``GET  /v1/manifests`` and ``GET /v1/manifests/{artifact}``: the signed manifests it was
+  given (:mod:`noderuntime.models.manifest`), for nodes that fetch only their layers.
 
 A registration carries the node's signed capability record (see
 :mod:`noderuntime.control.admission`); one that does not verify, or that was measured for
@@ -41,6 +43,7 @@ from noderuntime.access import tickets
 from noderuntime.access.identity import Identity
 from noderuntime.access.signing import SignatureChecker, SignatureError
 from noderuntime.control.admission import AdmissionError, ProbeAnswer, ProbeReferences, check_capability, compare
+from noderuntime.models.manifest import Manifest
 from noderuntime.operations.httpserve import BodyLimit
 from noderuntime.operations.telemetry import TrackerMetrics, exposition, trio_tasks
 from noderuntime.tracker import swarm
@@ -84,6 +87,7 @@ class Tracker:
         probe_tolerance: float = 1e-3,
         step_budget_ms: float = STEP_BUDGET_MS,
         mixes: Iterable[CoveredPair] = (),
+        manifests: Iterable[Manifest] = (),  # served to nodes that fetch only their layers
         status_key: str | None = None,
     ) -> None:
         """``references`` let the tracker probe shards; ``require_probe`` admits no shard it cannot probe;
@@ -94,6 +98,7 @@ class Tracker:
         self.status_key = status_key
         self._swarm_cache: tuple[float, dict[str, Any]] | None = None
         self.identity = identity
+        self.manifests = {m.artifact: m for m in manifests}
         self.mixes = tuple(mixes)
         by_artifact: dict[str, set[frozenset[str]]] = {}
         for pair in self.mixes:
@@ -171,6 +176,8 @@ class Tracker:
         app.get("/v1/artifacts")(self._artifacts)
         app.post("/v1/routes")(self._route)
         app.post("/v1/routes/repair")(self._repair)
+        app.get("/v1/manifests")(self._manifests)
+        app.get("/v1/manifests/{artifact}")(self._manifest)
         return app
 
     async def _invalid(self, _request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -354,6 +361,15 @@ class Tracker:
 
     async def _artifacts(self) -> dict[str, Any]:
         return {"artifacts": self.state.artifacts()}
+
+    async def _manifests(self) -> dict[str, Any]:
+        return {"manifests": [m.summary() for m in self.manifests.values()]}
+
+    async def _manifest(self, artifact: str) -> Response:
+        found = self.manifests.get(artifact)
+        if found is None:
+            raise HTTPException(404, "this tracker serves no manifest of that artifact")
+        return Response(found.dumps(), media_type="application/json")
 
     async def _route(self, body: RouteRequest, request: Request) -> JSONResponse:
         if self.api_key is not None and request.headers.get("authorization") != f"Bearer {self.api_key}":
