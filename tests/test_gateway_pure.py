@@ -559,6 +559,21 @@ async def test_health_says_whether_a_route_exists_and_needs_no_key(gateway: http
     assert down.headers["retry-after"] == "1"
 
 
+async def test_the_chat_page_needs_no_key_and_runs_only_its_own_files(gateway: httpx.AsyncClient) -> None:
+    """The page is served to anyone; the key it is given goes with its API calls, which still need it."""
+    page = await gateway.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    policy = page.headers["content-security-policy"]
+    assert "default-src 'self'" in policy and "script-src 'self'" in policy and "unsafe" not in policy
+    assert 'src="web/chat.js"' in page.text and "<script>" not in page.text  # no inline script to allow
+    for name, kind in (("chat.js", "text/javascript"), ("dom.js", "text/javascript"), ("pages.css", "text/css")):
+        served = await gateway.get(f"/web/{name}")
+        assert served.status_code == 200 and served.headers["content-type"].startswith(kind), name
+        assert served.headers["x-content-type-options"] == "nosniff"
+    assert (await gateway.get("/web/swarm.js")).status_code == 404  # the tracker's, not the gateway's
+    assert (await gateway.get("/v1/models")).status_code == 401
+
+
 async def test_tokenize_and_detokenize_as_llama_server_names_them(gateway: httpx.AsyncClient, vocab: Vocab) -> None:
     assert (await gateway.post("/tokenize", json={"content": "Hello world"})).status_code == 401
     tokens = (await gateway.post("/tokenize", json={"content": "Hello world"}, headers=KEY)).json()["tokens"]

@@ -71,6 +71,7 @@ from noderuntime.operations.telemetry import GatewayMetrics, exposition, trio_ta
 from noderuntime.seams.client import GenerationRequest, RouteError, open_route_generation
 from noderuntime.tracker.client import RequestSigner, RouteGrant, TrackerError, request_repair, request_route
 from noderuntime.tracker.messages import RepairRequest
+from noderuntime.web import add_pages
 from protocol import Sampling, StatusCode, TokenLogprob, Tokens
 
 log = logging.getLogger(__name__)
@@ -539,7 +540,11 @@ class Gateway:
         return app
 
     def _routes(self, app: FastAPI) -> None:
-        """The endpoints: operations (metrics, status, health), llama-server's tokenizer, then OpenAI's API."""
+        """The endpoints: the chat page, operations (metrics, status, health), llama-server's tokenizer,
+        then OpenAI's API."""
+
+        # at /, as llama-server's; it calls the API below from the page, with the key typed into it
+        add_pages(app, "chat.html", ("chat.js", "dom.js", "pages.css"))
 
         @app.get("/metrics", include_in_schema=False)
         async def metrics() -> Any:
