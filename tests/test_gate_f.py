@@ -256,8 +256,10 @@ def test_transformers_agrees_with_our_float32_route(arch: str, tiny_models: dict
     tokens = np.random.default_rng(1).integers(0, 480, 600)
     report = agreement.check_agreement(tiny_models[arch], [0, 1, 3, 4], tokens)
     assert report["tokens"] == 600
-    # float32 against float32: about 2e-9 (flash attention's f16 cast made it 3e-4 and 1.5e-2)
-    assert report["top1_agreement"] >= 0.99 and report["mean_kl"] <= 1e-6, report
+    # float32 against float32: 2.3e-9 on an AVX-512 Xeon, 2.1e-5 (two near-ties of 600 flipped)
+    # on another machine's kernels; flash attention's f16 cast made it 3e-4 and 1.5e-2, and a
+    # wrong architecture is of the order of 1
+    assert report["top1_agreement"] >= 0.99 and report["mean_kl"] <= 1e-4, report
 
 
 def test_a_float32_kv_cache_runs_without_flash_attention() -> None:
