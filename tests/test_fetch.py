@@ -11,6 +11,7 @@ import filecmp
 import json
 import os
 import shutil
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,14 @@ import pytest
 import trio
 
 from noderuntime.access.identity import Identity
+from noderuntime.cli import main
 from noderuntime.models import artifacts, fetch, manifest, synth
 from noderuntime.models.artifacts import LayerRange
 from noderuntime.models.fetch import FetchError
 from noderuntime.models.manifest import Manifest, ManifestError
 from noderuntime.operations.httpserve import serve_http
+from noderuntime.services import ready
+from noderuntime.services.cluster import ManagedProcess
 from noderuntime.tracker.app import Tracker
 
 from .rangeserver import RangeServer, write_split_parts
@@ -323,6 +327,38 @@ def test_a_manifest_changed_after_signing_or_signed_by_another_key_is_refused(
         manifest.load(tampered)
 
 
+def test_the_commands_make_a_manifest_and_pull_a_range_with_it(
+    demo: Served, serve: Callable[[Path], RangeServer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = serve(demo.root)
+    key, made = tmp_path / "publisher.key", tmp_path / "m.json"
+    assert main(["models", "manifest", str(demo.whole), "--key", str(key), "--out", str(made), "--quiet"]) == 0
+    signed = manifest.load(made, manifest.load_key(key).node_id)
+    assert signed.artifact == demo.manifest.artifact
+    capsys.readouterr()
+    url = server.url(demo.name)
+    argv = ["models", "pull", url, "--layers", "20:30", "--manifest", str(made), "--out", str(tmp_path / "shards")]
+    assert main([*argv, "--publisher-key", signed.publisher, "--quiet"]) == 0
+    shown = capsys.readouterr().out.split()
+    assert filecmp.cmp(shown[0], demo.splits["20:30"], shallow=False)
+    for args, message in (
+        (["models", "pull", url, "--layers", "0:10"], "signed manifest"),
+        (["models", "pull", url, "--manifest", str(made)], "--layers"),
+        (["models", "pull", url, "--layers", "0:40", "--manifest", str(made)], "outside the model"),
+        (["models", "pull", "smollm2-135m", "--layers", "0:10"], "a URL"),
+        (["up", "--model", url, "--listen", "127.0.0.1:0", "--issuer-key", "00" * 32], "--layers"),
+        (["up", "--model", url, "--layers", "0:10", "--listen", "127.0.0.1:0", "--issuer-key", "00" * 32], "manifest"),
+    ):
+        where = (
+            ["--data-dir", str(tmp_path / "node")]
+            if args[0] == "up"
+            else ["--out", str(tmp_path / "refused"), "--quiet"]
+        )
+        assert main([*args, *where]) == 1
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line.startswith("noderuntime: error:") and message in line, line
+
+
 async def test_a_tracker_serves_its_manifests_and_a_pull_finds_the_one_of_its_file(
     demo: Served, multi: Served, publisher: Identity, serve: Callable[[Path], RangeServer], tmp_path: Path
 ) -> None:
@@ -342,3 +378,56 @@ async def test_a_tracker_serves_its_manifests_and_a_pull_finds_the_one_of_its_fi
         nursery.cancel_scope.cancel()
     assert pulled.artifact == multi.manifest.artifact
     assert filecmp.cmp(pulled.path, multi.splits["2:4"], shallow=False)
+
+
+def test_a_node_started_on_a_url_serves_the_range_it_fetched(
+    demo: Served, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    """``up --model URL --layers`` pulls its range (the manifest from its tracker) and registers the artifact."""
+    server = serve(demo.root)
+    tracker = ManagedProcess(
+        "tracker",
+        [
+            "tracker",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            str(tmp_path / "t"),
+            "--manifest",
+            str(demo.manifest_path),
+        ],
+    )
+    node = ManagedProcess(
+        "node",
+        [
+            "up",
+            "--model",
+            server.url(demo.name),
+            "--layers",
+            "20:30",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            str(tmp_path / "node"),
+            "--threads",
+            "1",
+            "--slots",
+            "1",
+            "--ctx",
+            "256",
+        ],
+    )
+    try:
+        url = ready.expect(tracker.start(), ready.TrackerReady).url
+        node.argv += ["--tracker", url, "--publisher-key", demo.manifest.publisher]
+        node_id = ready.expect(node.start(), ready.NodeReady).node_id
+        with urllib.request.urlopen(f"{url}/v1/nodes", timeout=10) as answer:
+            (registered,) = (n for n in json.load(answer)["nodes"] if n["node_id"] == node_id)
+    finally:
+        node.stop()
+        tracker.stop()
+    assert registered["artifact"] == demo.manifest.artifact and registered["layers"] == [20, 30]
+    (shard,) = (tmp_path / "node" / "shards").glob("*.gguf")
+    assert filecmp.cmp(shard, demo.splits["20:30"], shallow=False)
+    header, tensors = _share(demo.manifest, LayerRange(20, 30))
+    assert server.sent <= 2 * header + tensors + SLACK  # the header read while finding the manifest

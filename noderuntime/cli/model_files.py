@@ -8,8 +8,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from noderuntime.cli.args import CliError, cuts, positive_int, ranges, resolve_model
-from noderuntime.models import artifacts
+from noderuntime.cli.args import (
+    CliError,
+    cuts,
+    default_data_dir,
+    layers,
+    positive_int,
+    public_key,
+    ranges,
+    resolve_model,
+)
+from noderuntime.models import artifacts, fetch
 from noderuntime.models import catalogue as models
 
 
@@ -49,7 +58,45 @@ def _cmd_shard_split(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_pull(args: argparse.Namespace) -> int:
-    print(models.pull(args.name, progress=not args.quiet))
+    if not fetch.is_url(args.name):
+        if args.layers is not None or args.manifest is not None:
+            raise CliError("--layers and --manifest go with a URL; a known model is pulled whole (then `shard split`)")
+        print(models.pull(args.name, progress=not args.quiet))
+        return 0
+    if args.layers is None:
+        raise CliError("a pull by URL fetches one layer range of the model: give it with --layers A:B")
+    if args.manifest is None:
+        raise CliError(fetch.NO_MANIFEST)
+    pulled = fetch.pull_layers(
+        args.name,
+        args.layers,
+        args.manifest,
+        args.out or models.models_dir(),
+        publisher=args.publisher_key,
+        progress=not args.quiet,
+    )
+    how = "already fetched and verified" if pulled.reused else f"fetched {pulled.fetched_bytes / 1e6:.1f} MB"
+    print(
+        f"{pulled.path}  layers {pulled.layers}  {pulled.path.stat().st_size / 1e6:.1f} MB ({how})  "
+        f"artifact {pulled.artifact[:16]}  manifest signed by {pulled.publisher}"
+    )
+    return 0
+
+
+def _cmd_models_manifest(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from noderuntime.models import manifest
+
+    publisher = manifest.load_key(args.key or default_data_dir().with_name("publisher") / "publisher.key")
+    model = resolve_model(args.file)
+    with tqdm(unit="B", unit_scale=True, desc=f"hash {model.name}", disable=args.quiet) as bar:
+        made = manifest.make(model, publisher, progress=bar.update)
+    Path(args.out).write_text(made.dumps())
+    print(
+        f"{args.out}  artifact {made.artifact}  {len(made.tensors)} tensors in {len(made.parts)} file(s)  "
+        f"signed by {made.publisher}"
+    )
     return 0
 
 
@@ -149,10 +196,38 @@ def add_commands(sub: Any) -> None:
     model_cmds = sub.add_parser("models", help="fetch and make models").add_subparsers(
         dest="models_command", required=True, metavar="SUBCOMMAND"
     )
-    p = model_cmds.add_parser("pull", help="fetch a known model into the user cache")
-    p.add_argument("name", nargs="?", default=models.DEMO_MODEL, help=f"default {models.DEMO_MODEL}")
+    p = model_cmds.add_parser(
+        "pull", help="fetch a known model into the user cache, or one layer range of a model at a URL"
+    )
+    p.add_argument(
+        "name",
+        nargs="?",
+        default=models.DEMO_MODEL,
+        help=f"a known model (default {models.DEMO_MODEL}), or the URL of a GGUF file or of its first gguf-split part",
+    )
+    p.add_argument("--layers", type=layers, help="with a URL: the layer range A:B to fetch, as a shard file")
+    p.add_argument(
+        "--manifest",
+        help="with a URL: the model's signed manifest, as a file, a URL, or the URL of a tracker that serves it",
+    )
+    p.add_argument(
+        "--publisher-key", type=public_key, help="accept only a manifest signed by this key (hex or a file with it)"
+    )
+    p.add_argument("--out", type=Path, help="with a URL: the folder of the shard file (default: the model cache)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_cmd_models_pull)
+    p = model_cmds.add_parser(
+        "manifest", help="write a model's signed manifest: what nodes check the layers they fetch against"
+    )
+    p.add_argument("file", help="a GGUF file, the first of its gguf-split parts, or a known model name")
+    p.add_argument(
+        "--key",
+        type=Path,
+        help="the publisher's Ed25519 key (PEM), made there if missing (default: publisher.key in the user data dir)",
+    )
+    p.add_argument("--out", required=True, help="the manifest file to write (JSON)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_models_manifest)
     p = model_cmds.add_parser("list", help="known models")
     p.set_defaults(func=_cmd_models_list)
     p = model_cmds.add_parser(

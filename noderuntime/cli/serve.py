@@ -27,7 +27,7 @@ from noderuntime.cli.args import (
 )
 from noderuntime.engine.cores import machine_cores
 from noderuntime.models import catalogue as models
-from noderuntime.models import manifest
+from noderuntime.models import fetch, manifest
 
 API_KEYS_ENV = "NODERUNTIME_API_KEYS"  # comma-separated; keys in argv show in `ps`
 # set in the environment of a node re-executed on its device's backend: it must not do so again
@@ -112,7 +112,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
         raise CliError("--tls-cert and --tls-key go together")
     if not args.issuer_key and not args.tracker:
         raise CliError("give the route issuer's public key with --issuer-key, or a --tracker to take it from")
-    model = resolve_model(args.model)
+    expected = None
+    if fetch.is_url(args.model):
+        pulled = _pull_range(args)
+        model, expected = pulled.path, pulled.artifact
+    else:
+        model = resolve_model(args.model)
     if args.backend == "transformers":
         if not model.is_dir():
             raise CliError(f"--backend transformers takes a safetensors model directory; {model} is a file")
@@ -153,8 +158,29 @@ def _cmd_up(args: argparse.Namespace) -> int:
         backend=args.backend,
         device=args.device,
         gpu_layers=args.gpu_layers,
+        expected_fingerprint=expected,
     )
     return noderun.main_node(opts)
+
+
+def _pull_range(args: argparse.Namespace) -> fetch.PulledShard:
+    """The shard file of ``--layers`` of the model at the URL ``--model``, fetched (once) into the data dir."""
+    if args.layers is None:
+        raise CliError("--model URL fetches one layer range of the model: give it with --layers A:B")
+    source = args.manifest or args.tracker
+    if source is None:
+        raise CliError(
+            "--model URL: the range fetched is checked against the model's signed manifest; give --manifest "
+            "(a file, a URL, or a tracker's URL), or a --tracker that serves it"
+        )
+    return fetch.pull_layers(
+        args.model,
+        args.layers,
+        source,
+        Path(args.data_dir) / "shards",
+        publisher=args.publisher_key,
+        progress=sys.stderr.isatty(),
+    )
 
 
 def _cmd_relay(args: argparse.Namespace) -> int:
@@ -318,7 +344,8 @@ def _add_up(sub: Any) -> None:
     p = sub.add_parser("up", help="run a shard node (with --model), serving until Ctrl-C")
     p.add_argument(
         "--model",
-        help="a GGUF file (whole model or a shard file), a known model name, "
+        help="a GGUF file (whole model or a shard file), a known model name, the URL of a GGUF file "
+        "(with --layers: that range alone is fetched, checked against its manifest), "
         "or with --backend transformers a safetensors model directory",
     )
     p.add_argument(
@@ -419,6 +446,16 @@ def _add_up(sub: Any) -> None:
         "--allow-software-gpu",
         action="store_true",
         help="let --device vulkan:N name a software renderer (Mesa's llvmpipe): Vulkan's code path on the CPU",
+    )
+    p.add_argument(
+        "--manifest",
+        help="with --model URL: the signed manifest it is checked against, as a file, a URL, or a tracker's URL "
+        "(default: the --tracker)",
+    )
+    p.add_argument(
+        "--publisher-key",
+        type=public_key,
+        help="with --model URL: accept only a manifest signed by this key (hex or a file with it)",
     )
     p.set_defaults(func=_cmd_up)
 
