@@ -3,27 +3,41 @@
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import random
 import time
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import attrs
 import httpx
 import pytest
 import trio
+from pydantic import ValidationError
 
 from noderuntime.access.identity import Identity
 from noderuntime.access.signing import sign
 from noderuntime.access.tickets import TicketVerifier
 from noderuntime.control.admission import Capability, capability_record
 from noderuntime.operations.httpserve import serve_http
+from noderuntime.tracker import state as tracker_state
 from noderuntime.tracker.app import Tracker
 from noderuntime.tracker.client import NodeLoad, TrackerError, TrackerLink, request_route
-from noderuntime.tracker.messages import Registration
-from noderuntime.tracker.state import MAX_ROUTES, NodeRecord, NoRoute, TrackerState, all_routes, unmixed
+from noderuntime.tracker.messages import MAX_PEERS, MAX_ROUND_TRIP_MS, Heartbeat, Registration
+from noderuntime.tracker.roundtrips import RoundTrips, connect_ms, measure_round_trips
+from noderuntime.tracker.state import (
+    DIRECT_SEAM_MS,
+    MAX_ROUTES,
+    NEAR_EQUAL,
+    NodeRecord,
+    NoRoute,
+    TrackerState,
+    all_routes,
+    unmixed,
+)
 from noderuntime.verify.certificates import CoveredPair
-from protocol import route_recipe
+from protocol import Hop, Span, route_recipe
 
 ARTIFACT = "ab" * 32
 
@@ -182,6 +196,246 @@ def test_silent_nodes_expire_and_come_back_by_registering() -> None:
     assert state.expire(14.0) == []
     assert state.expire(16.0) == [b"a".ljust(32, b".")]
     assert not state.heartbeat(b"a".ljust(32, b"."), 16.5, active_sessions=0, free_slots=4, queue_depth=0, step_ms=9)
+
+
+# --- route choice as a shortest path, against the brute force on small swarms
+
+
+def _id(name: str) -> bytes:
+    return name.encode().ljust(32, b".")
+
+
+def _names(route: Sequence[NodeRecord]) -> str:
+    return " ".join(n.node_id.rstrip(b".").decode() for n in route)
+
+
+def _random_swarm(
+    seed: int, *, recipes: Sequence[str] = ("r" * 16,), seams: float = 0.5, full: float = 0.0
+) -> TrackerState:
+    """Up to 16 nodes with random windows of 30 layers (on a grid of 5, so that they often meet), step
+    times, reachability, room and measured seams."""
+    rng = random.Random(seed)
+    state = TrackerState(rng=random.Random(seed))
+    for i in range(rng.randint(2, 16)):
+        start = rng.randrange(0, 30, 5)
+        end = rng.choice([end for end in range(5, 31, 5) if start < end <= start + 15])
+        record = node(
+            f"n{i}",
+            (start, end),
+            step=rng.uniform(1.0, 20.0),
+            relay=rng.random() < 0.2,
+            recipe=rng.choice(recipes),
+            free=0 if rng.random() < full else None,
+        )
+        state.register(record, 0.0)
+        state.heartbeat(
+            record.node_id, 0.0, active_sessions=0, free_slots=record.free_slots, queue_depth=0, step_ms=record.step_ms
+        )
+    for record in list(state.nodes.values()):
+        # the peers it talks to: nodes starting where it ends (some report, some do not)
+        peers = {p.node_id: rng.uniform(0.0, 40.0) for p in state.nodes.values() if p.layers[0] == record.layers[1]}
+        reported = {p: ms for p, ms in peers.items() if rng.random() < seams}
+        state.heartbeat(
+            record.node_id,
+            0.0,
+            active_sessions=0,
+            free_slots=record.free_slots,
+            queue_depth=0,
+            step_ms=record.step_ms,
+            round_trips=reported,
+        )
+    return state
+
+
+def _oracle(state: TrackerState, routes: list[list[NodeRecord]], near: Collection[bytes] = ()) -> float:
+    """The cheapest of ``routes`` with room, by brute force: through the most ``near`` nodes first."""
+    free = [r for r in routes if all(n.has_room(state.step_budget_ms) for n in r)]
+    most = max(sum(n.node_id in near for n in r) for r in free)
+    return min(state.route_cost(r) for r in free if sum(n.node_id in near for n in r) == most)
+
+
+def test_the_shortest_path_is_the_cheapest_route_of_random_swarms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without its noise route choice takes the cheapest route there is; with it, one within NEAR_EQUAL."""
+    checked = 0
+    for seed in range(300):
+        state = _random_swarm(seed, full=0.15)
+        nodes = list(state.nodes.values())
+        routes = all_routes(nodes, 30)
+        assert len(routes) < MAX_ROUTES  # so the brute force saw every route
+        if not any(all(n.has_room(state.step_budget_ms) for n in r) for r in routes):
+            with pytest.raises(NoRoute) as refused:
+                state.choose(ARTIFACT, 10)
+            assert refused.value.full == bool(routes)
+            continue
+        best = _oracle(state, routes)
+        monkeypatch.setattr(tracker_state, "NEAR_EQUAL", 0.0)
+        exact = state.choose(ARTIFACT, 10)
+        assert exact.cost_ms == pytest.approx(best), seed
+        assert exact.cost_ms == pytest.approx(state.route_cost(exact.nodes))
+        monkeypatch.undo()
+        for _ in range(5):
+            chosen = state.choose(ARTIFACT, 10)
+            assert best - 1e-9 <= chosen.cost_ms <= best * (1 + NEAR_EQUAL) + 1e-9, seed
+            assert chosen.nodes[0].layers[0] == 0 and chosen.nodes[-1].layers[1] == 30
+        checked += 1
+    assert checked > 100
+
+
+def test_repairs_recipes_certificates_and_exclusions_hold_on_random_swarms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``start``, ``recipe``, a certified pair and excluded nodes, each against the brute force."""
+    monkeypatch.setattr(tracker_state, "NEAR_EQUAL", 0.0)
+    cpu, gpu, other = "c" * 16, "g" * 16, "o" * 16
+    pair = frozenset((cpu, gpu))
+    for seed in range(200):
+        state = _random_swarm(seed, recipes=(cpu, gpu, other))
+        state.mixes = {ARTIFACT: frozenset((pair,))}
+        nodes = list(state.nodes.values())
+        rng = random.Random(seed)
+        excluded = {n.node_id for n in nodes if rng.random() < 0.2}
+        start = rng.choice([0, *(n.layers[0] for n in nodes)])
+        allowed = [n for n in nodes if n.node_id not in excluded]
+        for recipe in (None, cpu, other):
+            mine = [n for n in allowed if recipe is None or n.recipe == recipe]
+            routes = all_routes(mine, 30, [pair] if recipe is None else (), start=start)
+            if not routes:
+                with pytest.raises(NoRoute) as refused:
+                    state.choose(ARTIFACT, 10, exclude=excluded, start=start, recipe=recipe)
+                assert not refused.value.full
+                continue
+            chosen = state.choose(ARTIFACT, 10, exclude=excluded, start=start, recipe=recipe)
+            assert chosen.cost_ms == pytest.approx(_oracle(state, routes)), (seed, recipe)
+            assert chosen.nodes[0].layers[0] == start and not excluded & {n.node_id for n in chosen.nodes}
+            used = {n.recipe for n in chosen.nodes}
+            assert used == {recipe} if recipe else (len(used) == 1 or used == pair)
+
+
+def test_affinity_takes_the_route_through_most_near_nodes_then_the_cheapest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A discount on ``near`` nodes larger than any route's cost: their count first, the cost second."""
+    monkeypatch.setattr(tracker_state, "NEAR_EQUAL", 0.0)
+    for seed in range(200):
+        state = _random_swarm(seed, full=0.1)
+        nodes = list(state.nodes.values())
+        routes = all_routes(nodes, 30)
+        if not any(all(n.has_room(state.step_budget_ms) for n in r) for r in routes):
+            continue
+        near = {n.node_id for n in random.Random(seed).sample(nodes, min(3, len(nodes)))}
+        chosen = state.choose(ARTIFACT, 10, near=near)
+        free = [r for r in routes if all(n.has_room(state.step_budget_ms) for n in r)]
+        most = max(sum(n.node_id in near for n in r) for r in free)
+        assert sum(n.node_id in near for n in chosen.nodes) == most, seed
+        assert chosen.cost_ms == pytest.approx(_oracle(state, routes, near)), seed
+    # an expensive route through the prefix's holders wins over a cheap one elsewhere
+    state = state_with(node("a", (0, 15), step=90), node("b", (15, 30)), node("c", (0, 15), step=1))
+    assert _names(state.choose(ARTIFACT, 10, near={_id("a")}).nodes) == "a b"
+    assert _names(state.choose(ARTIFACT, 10).nodes) == "c b"
+
+
+def test_near_equal_routes_are_all_taken_and_a_dearer_one_never() -> None:
+    """Random noise on each node's cost spreads requests over routes within NEAR_EQUAL of the cheapest."""
+    heads = [node(f"h{i}", (0, 15), step=10.0 + 0.1 * i) for i in range(4)]  # within 1.5 % of each other
+    dear = node("x", (0, 15), step=13.0)  # 20 % dearer than the cheapest route
+    tails = [node(f"t{i}", (15, 30), step=10.0) for i in range(2)]
+    state = state_with(*heads, dear, *tails, seed=5)
+    taken = collections.Counter(_names(state.choose(ARTIFACT, 10).nodes) for _ in range(400))
+    assert set(taken) == {f"h{i} t{j}" for i in range(4) for j in range(2)}, taken
+    assert min(taken.values()) >= 10
+
+
+def test_a_seam_across_a_slow_link_is_avoided_when_an_equal_route_is_not() -> None:
+    """Heartbeats report round trips to peers; the seam between two nodes costs what either end measured."""
+    state = state_with(node("a", (0, 15)), node("b", (15, 30)), node("c", (15, 30)), seed=1)
+
+    def report(name: str, round_trips: dict[str, float]) -> None:
+        state.heartbeat(
+            _id(name),
+            0.0,
+            active_sessions=0,
+            free_slots=4,
+            queue_depth=0,
+            step_ms=10.0,
+            round_trips={_id(peer): ms for peer, ms in round_trips.items()},
+        )
+
+    def tails() -> set[str]:
+        return {_names(state.choose(ARTIFACT, 10).nodes) for _ in range(50)}
+
+    assert tails() == {"a b", "a c"}  # nothing measured: the constants, and the spread
+    report("a", {"b": 150.0, "c": 0.8})  # b is across an ocean from a
+    assert tails() == {"a c"}
+    assert state.choose(ARTIFACT, 10).cost_ms == pytest.approx(10 + 1.0 + 10 + 0.8)
+    report("a", {"b": 150.0, "c": 151.0})
+    assert tails() == {"a b", "a c"}
+    # either end's word counts, and where both speak the slower: no node makes its seams look faster
+    report("a", {})
+    report("b", {"a": 150.0})
+    assert tails() == {"a c"}
+    report("a", {"b": 1.0})
+    assert tails() == {"a c"}
+    assert state.seam_ms(state.nodes[_id("a")], state.nodes[_id("b")]) == 150.0
+    # soft state: gone with the node that reported it, and with a re-registration
+    state.leave(_id("b"), 1.0)
+    assert state.seam_ms(state.nodes[_id("a")], state.nodes[_id("c")]) == 1.0
+    state.register(node("b", (15, 30)), 2.0)
+    report("a", {"b": 150.0})
+    state.register(node("a", (0, 15)), 3.0)
+    assert tails() == {"a b", "a c"}
+
+
+def test_what_a_node_reports_of_its_peers_is_bounded() -> None:
+    """The message refuses a huge map, negative, infinite or NaN round trips and malformed ids; the state
+    ignores them from any other caller too."""
+    beat = {"node_id": "ab" * 32, "active_sessions": 0, "free_slots": 1, "queue_depth": 0, "step_ms": 1.0}
+    assert Heartbeat.model_validate({**beat, "round_trips": {"cd" * 32: 3.5}}).round_trips == {"cd" * 32: 3.5}
+    for bad in (
+        {f"{i:064x}": 1.0 for i in range(MAX_PEERS + 1)},
+        {"cd" * 32: -1.0},
+        {"cd" * 32: float("nan")},
+        {"cd" * 32: float("inf")},
+        {"cd" * 32: 1e9},
+        {"not hex": 1.0},
+    ):
+        with pytest.raises(ValidationError):
+            Heartbeat.model_validate({**beat, "round_trips": bad})
+    with pytest.raises(ValidationError):
+        Heartbeat.model_validate_json(json.dumps({**beat, "round_trips": {"cd" * 32: 1}}).replace("1}", "NaN}"))
+    state = state_with(node("a", (0, 15)), node("b", (15, 30)))
+    flood = {_id("b"): float("nan"), _id("a"): 5.0} | {bytes([i]) * 32: 1.0 for i in range(200)}
+    state.heartbeat(_id("a"), 0.0, active_sessions=0, free_slots=4, queue_depth=0, step_ms=1.0, round_trips=flood)
+    assert len(state._round_trips[_id("a")]) <= MAX_PEERS
+    assert state.seam_ms(state.nodes[_id("a")], state.nodes[_id("b")]) == DIRECT_SEAM_MS
+    state.heartbeat(
+        _id("a"), 0.0, active_sessions=0, free_slots=4, queue_depth=0, step_ms=1.0, round_trips={_id("b"): 1e12}
+    )
+    assert state.seam_ms(state.nodes[_id("a")], state.nodes[_id("b")]) == MAX_ROUND_TRIP_MS
+
+
+async def test_a_node_measures_its_next_hops_and_its_heartbeat_carries_them() -> None:
+    """TCP connects to the next hops' addresses, smoothed and bounded; a node's heartbeat names them by id."""
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    port = listener.socket.getsockname()[1]
+    assert (ms := await connect_ms(f"127.0.0.1:{port}")) is not None and 0 <= ms < 1000
+    assert await connect_ms("not an address") is None
+    now = [0.0]
+    trips = RoundTrips(clock=lambda: now[0])
+    hop = Hop(_id("b"), Span(15, 30), f"127.0.0.1:{port}")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(measure_round_trips, trips, lambda: [hop], every=0.05, look_every=0.01))
+        with trio.fail_after(5):
+            while not trips.snapshot():
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    listener.socket.close()
+    assert set(trips.snapshot()) == {_id("b")}
+    trips.note(_id("b"), 100.0)
+    smoothed = trips.snapshot()[_id("b")]
+    assert 0 < smoothed < 100.0
+    for i in range(MAX_PEERS + 5):
+        trips.note(bytes([i]) * 32, 1.0)
+    assert len(trips.snapshot()) == MAX_PEERS
+    now[0] = 1e6  # not measured for long: no longer reported
+    assert trips.snapshot() == {}
+    load = NodeLoad(active_sessions=1, free_slots=2, queue_depth=0, step_ms=3.0, round_trips={_id("b"): 4.5})
+    assert load.heartbeat(_id("a")).round_trips == {_id("b").hex(): 4.5}
 
 
 def _registration(me: Identity, **changes: Any) -> dict[str, Any]:

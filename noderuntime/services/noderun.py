@@ -45,9 +45,10 @@ from noderuntime.services.ready import GatewayReady, NodeReady
 from noderuntime.services.running import run_main, server_tls
 from noderuntime.tracker.client import NodeLoad, TrackerError, TrackerLink, fetch_info
 from noderuntime.tracker.messages import Registration
+from noderuntime.tracker.roundtrips import RoundTrips, measure_round_trips
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer, parse_address
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
-from protocol import Limits, Span
+from protocol import Hop, Limits, Span
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +229,10 @@ async def run_node(
                 async def answer_probe(seed: int) -> dict[str, Any]:
                     return (await node.probe(seed)).to_json()
 
-                link = TrackerLink(opts.tracker, me, registration, node_load(node), on_probe=answer_probe)
+                round_trips = RoundTrips()
+                nursery.start_soon(measure_round_trips, round_trips, functools.partial(next_hops, node))
+                load = node_load(node, round_trips)
+                link = TrackerLink(opts.tracker, me, registration, load, on_probe=answer_probe)
                 await nursery.start(link.run)
                 node.on_leave.append(link.leave)
             if on_node is not None:
@@ -350,8 +354,8 @@ async def _tracker_issuer_key(url: str) -> bytes:
                 await trio.sleep(1.0)
 
 
-def node_load(node: Node) -> Callable[[], NodeLoad]:
-    """What a node reports in its heartbeats."""
+def node_load(node: Node, round_trips: RoundTrips | None = None) -> Callable[[], NodeLoad]:
+    """What a node reports in its heartbeats (``round_trips``: those it measured to its peers)."""
 
     def load() -> NodeLoad:
         stats = node.statistics()
@@ -360,9 +364,15 @@ def node_load(node: Node) -> Callable[[], NodeLoad]:
             free_slots=stats.leases.slots_free,
             queue_depth=stats.batcher.waiting,
             step_ms=round(stats.batcher.recent_tick_seconds * 1e3, 3),
+            round_trips=round_trips.snapshot() if round_trips is not None else {},
         )
 
     return load
+
+
+def next_hops(node: Node) -> list[Hop]:
+    """The next hops of the node's route sessions now: the peers whose round trips it measures."""
+    return [session.next_hop for session in list(node.sessions.values()) if session.next_hop is not None]
 
 
 def probe_handler(node: Node) -> Any:

@@ -261,6 +261,7 @@ class Tracker:
             free_slots=body.free_slots,
             queue_depth=body.queue_depth,
             step_ms=body.step_ms,
+            round_trips={bytes.fromhex(peer): ms for peer, ms in body.round_trips.items()},
         )
         if not known:
             raise HTTPException(404, "unknown node: register again")

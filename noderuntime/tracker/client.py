@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import attrs
@@ -61,6 +61,19 @@ class NodeLoad:
     free_slots: int
     queue_depth: int
     step_ms: float
+    # smoothed round trips to the peers it talks to (ms, by node id; see tracker.roundtrips)
+    round_trips: Mapping[bytes, float] = attrs.field(factory=dict)
+
+    def heartbeat(self, node_id: bytes) -> Heartbeat:
+        """The heartbeat that reports this load for ``node_id``."""
+        return Heartbeat(
+            node_id=node_id.hex(),
+            active_sessions=self.active_sessions,
+            free_slots=self.free_slots,
+            queue_depth=self.queue_depth,
+            step_ms=self.step_ms,
+            round_trips={peer.hex(): ms for peer, ms in self.round_trips.items()},
+        )
 
 
 class TrackerLink:
@@ -182,7 +195,7 @@ class TrackerLink:
                         started = True
                         task_status.started()
                 else:
-                    beat = Heartbeat(node_id=self.identity.node_id.hex(), **attrs.asdict(self._load()))
+                    beat = self._load().heartbeat(self.identity.node_id)
                     response = await self._post(client, "/v1/nodes/heartbeat", beat.model_dump(mode="json"))
                     if response.status_code == 404:
                         log.info("the tracker forgot this node (restarted?): registering again")

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import urllib.parse
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, field_validator
 
 from noderuntime.access import untrusted
 from noderuntime.access.tickets import MAX_TICKET_BYTES
@@ -22,6 +22,8 @@ from protocol import Hop, Span
 
 HEX32 = r"^[0-9a-f]{64}$"
 MAX_LAYERS = 4096
+MAX_PEERS = 32  # round trips one heartbeat may report
+MAX_ROUND_TRIP_MS = 60_000.0
 DEVICE = r"^(cpu|(vulkan|cuda|hip|metal):[0-9]{1,4})$"  # engine.backends.parse_device, bounded
 
 
@@ -87,6 +89,12 @@ class Heartbeat(BaseModel):
     free_slots: int = Field(ge=0)
     queue_depth: int = Field(ge=0)
     step_ms: float = Field(ge=0, le=1e6)
+    # smoothed round trips to the peers it talks to, in ms, by their node ids: the tracker
+    # costs the seams between them by these, and the seams nobody measured by a constant
+    round_trips: dict[
+        Annotated[str, StringConstraints(pattern=HEX32)],
+        Annotated[float, Field(ge=0, le=MAX_ROUND_TRIP_MS, allow_inf_nan=False)],
+    ] = Field(default_factory=dict, max_length=MAX_PEERS)
 
 
 class Leave(BaseModel):
