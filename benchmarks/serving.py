@@ -4,8 +4,13 @@
 
 Lanes, all started at once on the same machine and measured one at a time, the same
 model (SmolLM2-135M Q4_1) and the same client (streaming chat, greedy, the same prompts,
-each conversation opened by a system message with a unique first line so that no server
-reuses a cached prefix, two requests per client):
+two requests per client), under two workloads (``--workloads``):
+
+- ``unique``: each chat opened by a system message with a unique first line, so that no
+  server reuses a cached prefix (every prompt prefilled whole);
+- ``shared``: each chat opened by the model's default system message, the same every
+  time, as chat apps send it (llama-server reuses it from its slots, a node from its
+  prefix cache).
 
 - ``llama_server``: llama.cpp's ``llama-server -np 16`` (continuous batching), built
   from the same vendored llama.cpp, patches and CMake flags as the wheel
@@ -37,6 +42,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,19 +102,28 @@ def _start_llama_cpp_server(model: Path, port: int) -> subprocess.Popen[bytes]:
     return _ready(proc, f"http://127.0.0.1:{port}/v1/models", "llama-cpp-python's server")
 
 
-def system_message() -> str:
-    """A system message no server has seen: SmolLM2's own default one, after a unique first line."""
-    return f"Request {uuid.uuid4().hex[:8]}.\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+# SmolLM2's chat template puts this in when a chat has no system message of its own
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+WORKLOADS = ("unique", "shared")
 
 
-async def stream_chat(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+def system_message(workload: str = "unique") -> str:
+    """The chat's system message.
+
+    ``unique``: one no server has seen (the default one after a unique first line), so that
+    no server reuses a cached prefix: the servers at their slowest, every prompt prefilled
+    whole. ``shared``: the model's default one, the same in every chat, as chat apps send it.
+    """
+    if workload == "shared":
+        return DEFAULT_SYSTEM
+    return f"Request {uuid.uuid4().hex[:8]}.\n{DEFAULT_SYSTEM}"
+
+
+async def stream_chat(url: str, model: str, prompt: str, max_tokens: int, workload: str = "unique") -> dict[str, Any]:
     """One streamed chat request: when it was sent and when each content chunk arrived (perf_counter s)."""
-    # The conversation starts unique: both llama.cpp servers reuse the KV of a prompt prefix
-    # they have seen, and a template's default system message (SmolLM2's is 22 tokens)
-    # would be such a prefix before any text of the user's.
     body = {
         "model": model,
-        "messages": [{"role": "system", "content": system_message()}, {"role": "user", "content": prompt}],
+        "messages": [{"role": "system", "content": system_message(workload)}, {"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
@@ -130,13 +145,24 @@ async def stream_chat(url: str, model: str, prompt: str, max_tokens: int) -> dic
     return {"started": started, "arrivals": arrivals}
 
 
-async def run_clients(url: str, model: str, clients: int, requests_each: int, max_tokens: int) -> dict[str, Any]:
+Streamer = Callable[[str, str, str, int, str], Awaitable[dict[str, Any]]]
+
+
+async def run_clients(
+    url: str,
+    model: str,
+    clients: int,
+    requests_each: int,
+    max_tokens: int,
+    workload: str = "unique",
+    stream: Streamer = stream_chat,
+) -> dict[str, Any]:
     """``clients`` streaming clients, ``requests_each`` requests one after another each: what arrived when."""
     results: list[dict[str, Any]] = []
 
     async def one(i: int) -> None:
         for r in range(requests_each):
-            results.append(await stream_chat(url, model, PROMPTS[(i + r) % len(PROMPTS)], max_tokens))
+            results.append(await stream(url, model, PROMPTS[(i + r) % len(PROMPTS)], max_tokens, workload))
 
     started = time.perf_counter()
     async with trio.open_nursery() as nursery:
@@ -262,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     p = _common.parser(NAME, __doc__ or "")
     p.add_argument("--lanes", default=",".join(LANES), help="comma-separated lanes to run (llama_server always runs)")
     p.add_argument("--levels", default=None, help="comma-separated client counts (default 1,4,8,16; --quick 1,4)")
+    p.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help="unique (no prefix to reuse), shared (one system message)"
+    )
     args = p.parse_args(argv)
     from noderuntime.engine.llama import Recipe
     from noderuntime.models import artifacts
@@ -272,46 +301,23 @@ def main(argv: list[str] | None = None) -> int:
     levels = [1, 4] if args.quick else LEVELS
     if args.levels:
         levels = [int(n) for n in args.levels.split(",")]
+    workloads = [w for w in WORKLOADS if w in args.workloads.split(",")]
     requests_each = 1 if args.quick else 2
     max_tokens = 24 if args.quick else 64
     slots, ctx = 16, 1024
     server = _llama_server()
-    figures: dict[str, Any] = {}
     lanes = ["llama_server"] + [lane for lane in LANES[1:] if lane in args.lanes.split(",")]
     rounds = 1 if args.quick else ROUNDS
     with contextlib.ExitStack() as stack:
         served = {lane: _start_lane(stack, lane, server, model, info.n_layer, slots, ctx) for lane in lanes}
         for url, model_id, _ in served.values():
             trio.run(run_clients, url, model_id, 1, 1, 4)  # warm-up
-        runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
-        cpu: dict[tuple[str, int], dict[str, float]] = {}
-        for r in range(rounds):
-            order = lanes[r % len(lanes) :] + lanes[: r % len(lanes)]  # each round starts with another lane
-            for level in levels:
-                for lane in order:
-                    url, model_id, pids = served[lane]
-                    before = cpu_seconds(pids)
-                    runs.setdefault((lane, level), []).append(
-                        trio.run(run_clients, url, model_id, level, requests_each, max_tokens)
-                    )
-                    after = cpu_seconds(pids)
-                    spent = cpu.setdefault((lane, level), dict.fromkeys(pids, 0.0))
-                    for name in pids:
-                        spent[name] += after[name] - before[name]
-    for lane in lanes:
-        figures[lane] = {str(n): summarize(runs[lane, n], cpu[lane, n]) for n in levels}
-    base = figures["llama_server"]
-    figures["ratios_over_llama_server"] = {
-        lane: {
-            str(n): {
-                "tokens_per_s": figures[lane][str(n)]["tokens_per_s"] / base[str(n)]["tokens_per_s"],
-                "ttft_p50": figures[lane][str(n)]["ttft_p50_ms"] / base[str(n)]["ttft_p50_ms"],
-                "itl_p50": figures[lane][str(n)]["itl_p50_ms"] / base[str(n)]["itl_p50_ms"],
-            }
-            for n in levels
-        }
-        for lane in lanes[1:]
+        measured = measure_levels(served, lanes, levels, workloads, rounds, requests_each, max_tokens)
+    figures: dict[str, Any] = {
+        workload: {lane: {str(n): measured[workload, lane, n] for n in levels} for lane in lanes}
+        for workload in workloads
     }
+    figures["ratios_over_llama_server"] = {workload: ratios(figures[workload], lanes, levels) for workload in workloads}
     path = _common.out_path(NAME, args)
     _common.write(
         path,
@@ -321,13 +327,17 @@ def main(argv: list[str] | None = None) -> int:
         figures,
         settings={
             "levels": levels,
+            "workloads": {
+                w: system_message(w).replace(DEFAULT_SYSTEM, "<SmolLM2's default system message>") for w in workloads
+            },
             "requests_per_client": requests_each,
             "max_tokens": max_tokens,
             "slots": slots,
             "ctx_per_session": ctx,
-            "llama_server": f"llama-server from the patched sources, --parallel {slots}, --threads 2 ({server})",
+            "llama_server": f"llama-server from the patched sources, --parallel {slots}, --threads 2, "
+            f"cache_prompt on (its default) ({server})",
             "llama_cpp_python": "python -m llama_cpp.server, whole model, n_threads 2, n_ctx 1024",
-            "one_node": "tracker, gateway, one node with the whole model, 2 threads",
+            "one_node": "tracker, gateway, one node with the whole model, 2 threads, prefix cache on (the default)",
             "local_system": "tracker, relay, 2 shard processes (0:15 direct, 15:30 via relay), 1 thread each, gateway",
             "grpc_route": "tracker, 2 shard processes over gRPC, 1 thread each, gateway",
             "llama_cpp_python_version": _version(),
@@ -338,29 +348,79 @@ def main(argv: list[str] | None = None) -> int:
         "Streaming chat completions, aggregate throughput",
         "concurrent clients",
         "tokens / s",
-        {lane: (levels, [figures[lane][str(n)]["tokens_per_s"] for n in levels]) for lane in lanes},
+        {
+            f"{lane} ({workload})": (levels, [figures[workload][lane][str(n)]["tokens_per_s"] for n in levels])
+            for workload in workloads
+            for lane in lanes
+        },
     )
     rows = []
-    for level in levels:
-        for lane in lanes:
-            f = figures[lane][str(level)]
-            ratio = f["tokens_per_s"] / base[str(level)]["tokens_per_s"]
-            rows.append(
-                [
-                    level,
-                    lane,
-                    f["tokens_per_s"],
-                    ratio,
-                    f["ttft_p50_ms"],
-                    f["itl_p50_ms"],
-                    f["itl_p95_ms"],
-                    f["cpu_s_per_token_total"] * 1e3,
-                ]
-            )
-    header = ["clients", "lane", "tok/s", "x llama-server", "TTFT p50 ms", "ITL p50 ms", "ITL p95", "CPU ms/token"]
+    for workload in workloads:
+        base = figures[workload]["llama_server"]
+        for level in levels:
+            for lane in lanes:
+                f = figures[workload][lane][str(level)]
+                rows.append(
+                    [
+                        workload,
+                        level,
+                        lane,
+                        f["tokens_per_s"],
+                        f["tokens_per_s"] / base[str(level)]["tokens_per_s"],
+                        f["ttft_p50_ms"],
+                        f["itl_p50_ms"],
+                        f["cpu_s_per_token_total"] * 1e3,
+                    ]
+                )
+    header = ["workload", "clients", "lane", "tok/s", "x llama-server", "TTFT p50 ms", "ITL p50 ms", "CPU ms/token"]
     print(_common.table(header, rows))
     print(f"\nwrote {path} and {png}")
     return 0
+
+
+def measure_levels(
+    served: dict[str, tuple[str, str, dict[str, int]]],
+    lanes: list[str],
+    levels: list[int],
+    workloads: list[str],
+    rounds: int,
+    requests_each: int,
+    max_tokens: int,
+    stream: Streamer = stream_chat,
+) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """Every (workload, lane, level), ``rounds`` times, interleaved: each round starts with another lane."""
+    runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    cpu: dict[tuple[str, str, int], dict[str, float]] = {}
+    for r in range(rounds):
+        order = lanes[r % len(lanes) :] + lanes[: r % len(lanes)]
+        for workload in workloads:
+            for level in levels:
+                for lane in order:
+                    url, model_id, pids = served[lane]
+                    before = cpu_seconds(pids)
+                    run = trio.run(run_clients, url, model_id, level, requests_each, max_tokens, workload, stream)
+                    runs.setdefault((workload, lane, level), []).append(run)
+                    after = cpu_seconds(pids)
+                    spent = cpu.setdefault((workload, lane, level), dict.fromkeys(pids, 0.0))
+                    for name in pids:
+                        spent[name] += after[name] - before[name]
+    return {key: summarize(runs[key], cpu[key]) for key in runs}
+
+
+def ratios(figures: dict[str, Any], lanes: list[str], levels: list[int]) -> dict[str, Any]:
+    """Each lane's tok/s, TTFT p50 and ITL p50 over llama-server's, per level."""
+    base = figures["llama_server"]
+    return {
+        lane: {
+            str(n): {
+                "tokens_per_s": figures[lane][str(n)]["tokens_per_s"] / base[str(n)]["tokens_per_s"],
+                "ttft_p50": figures[lane][str(n)]["ttft_p50_ms"] / base[str(n)]["ttft_p50_ms"],
+                "itl_p50": figures[lane][str(n)]["itl_p50_ms"] / base[str(n)]["itl_p50_ms"],
+            }
+            for n in levels
+        }
+        for lane in lanes[1:]
+    }
 
 
 def _version() -> str:

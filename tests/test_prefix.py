@@ -23,18 +23,22 @@ from protocol import Sampling
 # --- the cache's bookkeeping
 
 
-def test_the_longest_cached_prefix_is_found_in_whole_blocks_and_never_the_last_token() -> None:
+def test_the_longest_cached_prefix_is_found_by_blocks_then_tokens_and_never_the_last_token() -> None:
     cache = PrefixCache(1 << 20)
     first = list(range(100, 100 + 5 * BLOCK + 3))
     assert cache.store(first, b"a" * 100)
     assert cache.lookup([*first[: 3 * BLOCK], 1, 2, 3]) == (3 * BLOCK, b"a" * 100)
+    # past the last whole block it matches token by token: here 5 tokens into the fourth
+    assert cache.lookup([*first[: 3 * BLOCK + 5], 1, 2, 3])[0] == 3 * BLOCK + 5
     # a prompt that is exactly the cached tokens keeps its last token to compute
-    assert cache.lookup(first[: 4 * BLOCK])[0] == 3 * BLOCK
-    assert cache.lookup(first, limit=2 * BLOCK + 5)[0] == 2 * BLOCK
+    assert cache.lookup(first[: 4 * BLOCK])[0] == 4 * BLOCK - 1
+    assert cache.lookup(first, limit=2 * BLOCK + 5)[0] == 2 * BLOCK + 5
+    assert cache.lookup([*first, 9, 9])[0] == len(first)  # all the entry holds, and no more
     assert cache.lookup([7, *first[1:]]) == (0, None)  # the first block differs: nothing
-    assert cache.lookup(first[:BLOCK]) == (0, None)  # one block, all of it the prompt
+    assert cache.lookup([*first[: BLOCK - 1], 1, 2]) == (0, None)  # not one whole block in common
     stats = cache.statistics()
-    assert (stats.hits, stats.misses, stats.hit_tokens) == (3, 2, 3 * BLOCK + 3 * BLOCK + 2 * BLOCK)
+    assert (stats.hits, stats.misses) == (5, 2)
+    assert stats.hit_tokens == 3 * BLOCK + (3 * BLOCK + 5) + (4 * BLOCK - 1) + (2 * BLOCK + 5) + len(first)
 
 
 def test_the_newest_entry_answers_and_the_least_recently_used_goes_first() -> None:
@@ -42,7 +46,7 @@ def test_the_newest_entry_answers_and_the_least_recently_used_goes_first() -> No
     common = list(range(2 * BLOCK))
     cache.store(common + [1] * BLOCK, b"1" * 100)
     cache.store(common + [2] * BLOCK, b"2" * 100)
-    assert cache.lookup(common + [9] * BLOCK)[1] == b"2" * 100  # both hold the common blocks: the newer
+    assert cache.lookup(common + [9] * BLOCK)[1] == b"2" * 100  # both hold the common blocks alike: the newer
     assert cache.lookup(common + [1] * BLOCK + [0])[1] == b"1" * 100  # and now the first is the fresher
     cache.store(list(range(500, 500 + 2 * BLOCK)), b"3" * 100)  # over the budget: the second goes
     stats = cache.statistics()

@@ -10,8 +10,10 @@ for one artifact, recipe and layer range, so those key the cache by being the no
 
 Within ``budget`` bytes of state, least recently used entries go first, and an entry goes
 at once when a newer one begins with all its tokens (a conversation's previous turn). A
-hit is always whole blocks, and never the prompt's last token: the tail must compute its
-logits.
+hit is found by whole blocks and then goes on token by token as far as the entry and the
+prompt agree (a chat's next turn shares its previous turn up to where the reply's text
+was tokenized differently or the new message begins); never the prompt's last token: the
+tail must compute its logits.
 """
 
 from __future__ import annotations
@@ -80,24 +82,34 @@ class PrefixCache:
     def lookup(self, prompt: Sequence[int], limit: int | None = None) -> tuple[int, bytes | None]:
         """(positions, state): the longest cached prefix of ``prompt``, at most ``limit`` positions.
 
-        ``positions`` is a whole number of blocks, below ``len(prompt)``; ``state`` the entry's
-        (which holds at least that many positions), or ``(0, None)`` on a miss.
+        Found by whole blocks (a prompt must share one with an entry), then token by token
+        with the entry that matches longest past them, as llama-server's slots match;
+        ``positions`` is below ``len(prompt)``; ``state`` the entry's (which holds at least
+        that many positions), or ``(0, None)`` on a miss.
         """
         most = len(prompt) - 1 if limit is None else min(limit, len(prompt) - 1)
         hashes = block_hashes(prompt, max(0, most) // BLOCK)
         for i in range(len(hashes) - 1, -1, -1):
-            holders = self._by_hash.get(hashes[i])
-            if not holders:
+            whole = (i + 1) * BLOCK
+            best: tuple[int, int] | None = None  # (positions, key): the entry that goes on matching longest
+            for key in reversed(self._by_hash.get(hashes[i], ())):  # the newest first
+                entry = self._entries[key]
+                if tuple(entry.tokens[:whole]) != tuple(prompt[:whole]):
+                    continue  # a hash collision: the tokens say no
+                # past the last whole block, token by token, as far as the entry and the prompt agree
+                positions = whole
+                stop = min(len(entry.tokens), most)
+                while positions < stop and entry.tokens[positions] == prompt[positions]:
+                    positions += 1
+                if best is None or positions > best[0]:
+                    best = (positions, key)
+            if best is None:
                 continue
-            key = holders[-1]
-            entry = self._entries[key]
-            positions = (i + 1) * BLOCK
-            if tuple(entry.tokens[:positions]) != tuple(prompt[:positions]):
-                continue  # a hash collision: the tokens say no
+            positions, key = best
             self._entries.move_to_end(key)
             self._hits += 1
             self._hit_tokens += positions
-            return positions, entry.state
+            return positions, self._entries[key].state
         self._misses += 1
         return 0, None
 

@@ -155,6 +155,9 @@ class RouteSession:
         self.generated = len(open_route.generated)  # a resumed session goes on counting
         self._logprob: TokenLogprob | None = None  # the tail's last sampled token's, when asked
         self._prompt_logprobs: list[TokenLogprob] = []  # the tail's prompt rows scored so far
+        # set once a released session's KV is in the prefix cache: its usage goes up only then, so
+        # that a client holding every hop's usage may count on the next turn finding it
+        self._kept = trio.Event()
         self._inner: trio.CancelScope | None = None
         self._tokens_in: trio.MemorySendChannel[Tokens] | None = None
         self._last_activity = trio.current_time()
@@ -401,7 +404,10 @@ class RouteSession:
                 await self._stop_driver()
                 if self.downstream is not None:
                     await self._send_down(Release(self._down_endpoint().header(Phase.RELEASE), event.reason))
-                await self._keep_prefix()  # before the KV goes
+                try:
+                    await self._keep_prefix()  # before the KV goes
+                finally:
+                    self._kept.set()
                 self.release()
                 if self.downstream is None:
                     await self._send_usage([])
@@ -465,6 +471,7 @@ class RouteSession:
                 # on up with our header, and with whatever else it carries (logprobs)
                 await self._send_up(attrs.evolve(event, header=self._up_header(Phase.DECODE, event.header.positions)))
             elif isinstance(event, Usage):
+                await self._kept.wait()
                 await self._send_usage(list(event.records))
                 self._finish(ending(EndReason.RELEASED))
                 return
