@@ -61,6 +61,8 @@ _COLD_SHAPES: dict[int, _Shape] = {
         7: (_L, None, ""),
         8: (_V, None, ""),
         9: (_V, None, ""),
+        10: (_V, None, ""),
+        11: (_V, None, ""),
     },
     RELEASE: {1: (_L, None, "")},
     CANCEL: {1: (_L, None, "")},
@@ -111,6 +113,8 @@ def cold_body(event: Event) -> tuple[int, Any]:
             ticket=event.ticket,
             prompt_length=event.prompt_length,
             prefix_offer=event.prefix_offer,
+            audit=event.audit,
+            audit_from=event.audit_from,
         )
     if isinstance(event, Release):
         return RELEASE, pb.Release(reason=event.reason)
@@ -255,6 +259,13 @@ def open_route_event(header: Header, m: Any, limits: Limits) -> OpenRoute:
         raise RemoteProtocolError("a resumed session must have tokens left to generate")
     if m.prefix_offer >= len(m.prompt_tokens):
         raise RemoteProtocolError("a prefix offer must leave the last prompt token to compute")
+    if m.audit and not (m.prompt_length and m.prefix_offer <= m.audit_from < len(m.prompt_tokens)):
+        raise RemoteProtocolError(
+            "an audit names the tokens its route sampled (prompt_length) and commits from a position "
+            "it computes, at or past its prefix offer"
+        )
+    if m.audit_from and not m.audit:
+        raise RemoteProtocolError("audit_from belongs to an audit")
     return OpenRoute(
         header,
         tuple(hops),
@@ -266,4 +277,6 @@ def open_route_event(header: Header, m: Any, limits: Limits) -> OpenRoute:
         m.ticket,
         m.prompt_length,
         m.prefix_offer,
+        m.audit,
+        m.audit_from,
     )

@@ -16,7 +16,7 @@ import numpy as np
 from protocol.errors import StatusCode
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 4
+SCHEMA_MINOR = 5
 # the most likely tokens a TokenLogprob may list beside the chosen one (OpenAI's bound)
 MAX_TOP_LOGPROBS = 20
 
@@ -150,6 +150,10 @@ class OpenRoute:
     prompt_length: int = 0
     # prompt positions the hops so far can take from their prefix caches (since 1.4; 0: none)
     prefix_offer: int = 0
+    # an audit (since 1.5): a teacher-forced recomputation of a served session, whose hops
+    # commit to the rows from audit_from on (see seam.proto)
+    audit: bool = False
+    audit_from: int = 0
 
     @property
     def prompt(self) -> tuple[int, ...]:

@@ -284,6 +284,8 @@ _NEEDS = {1: "a grammar or a logit bias", 2: "logprobs", 3: "resuming a session 
 def required_minor(open_route: OpenRoute) -> int:
     """The schema minor version every hop of this session must speak."""
     sampling = open_route.sampling
+    if open_route.audit:
+        return 5  # an older hop would serve it as a plain resumed session, committing to nothing
     if open_route.prompt_length:
         return 3
     if sampling.logprobs or sampling.prompt_logprobs:

@@ -157,6 +157,7 @@ def _no_session_defects(request: pytest.FixtureRequest, caplog: pytest.LogCaptur
 TIERS = {
     "pure": (  # no I/O: codecs, schemas, tables, the import graph
         "test_claims_pure",
+        "test_commitments",
         "test_contract",
         "test_grpclib_private",
         "test_isolation",
@@ -188,6 +189,7 @@ TIERS = {
     ),
     "processes": (  # real processes and sockets on loopback
         "test_access",
+        "test_audit",
         "test_admission",
         "test_artifacts",
         "test_benchmarks",

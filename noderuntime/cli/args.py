@@ -52,6 +52,17 @@ def seconds(text: str) -> float:
     return value
 
 
+def share(text: str) -> float:
+    """A share between 0 and 1 (``0.03``, ``3%``)."""
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a share: {text!r} (0.03 or 3%)") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a share is between 0 and 1 (0% and 100%), not {text!r}")
+    return value
+
+
 def size(text: str) -> int:
     from noderuntime.engine.memplan import parse_bytes
 

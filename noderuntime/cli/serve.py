@@ -22,6 +22,7 @@ from noderuntime.cli.args import (
     relay_url,
     resolve_model,
     seconds,
+    share,
     size,
     url,
 )
@@ -293,6 +294,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         ctx=args.ctx,
         queue_timeout=args.queue_timeout,
         ledger=Path(args.ledger),
+        audit_rate=args.audit_rate,
     )
     trio.run(running.run_until_signal, lambda **kw: noderun.run_gateway(opts, **kw))
     return 0
@@ -534,6 +536,13 @@ def _add_gateway(sub: Any) -> None:
     p.add_argument("--ctx", type=positive_int, help="context per session the nodes offer (default: the model's)")
     p.add_argument(
         "--queue-timeout", type=seconds, default=10.0, help="seconds a request waits for a free route before 429"
+    )
+    p.add_argument(
+        "--audit-rate",
+        type=share,
+        default=0.03,
+        help="the share of sessions recomputed by other nodes after they end, to catch a node that computes "
+        "something else than its recipe (default 0.03; 0: none)",
     )
     p.add_argument(
         "--ledger",

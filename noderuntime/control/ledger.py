@@ -48,7 +48,8 @@ CREATE TABLE IF NOT EXISTS records (
     valid INTEGER NOT NULL,
     problem TEXT NOT NULL,
     body BLOB NOT NULL,
-    signature BLOB NOT NULL
+    signature BLOB NOT NULL,
+    disputed TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS records_node ON records(node_id);
 """
@@ -71,6 +72,16 @@ class UsageBody:
     bytes_out: int
     started: float  # unix seconds
     ended: float
+    # the hop's commitments (control/commitments.py): digests of the rows (head: token ids)
+    # it took in from position digest_from on, and of what it gave out from output_from on
+    # (rows; the tail's: the tokens it drew). An audit session's record says so.
+    audit: bool = False
+    digest_from: int = 0
+    input_rows: int = 0
+    input_digest: str = ""
+    output_from: int = 0
+    output_rows: int = 0
+    output_digest: str = ""
 
     def encode(self) -> bytes:
         """Canonical JSON (sorted keys, no spaces): the bytes that are signed."""
@@ -114,6 +125,13 @@ def check(record: UsageRecord, *, request_id: str, hops: Sequence[Hop]) -> Check
         compute_ms = fields.get("compute_ms")
         if isinstance(compute_ms, bool) or not isinstance(compute_ms, int | float) or not 0 <= compute_ms < math.inf:
             raise ValueError(f"compute_ms must be a finite non-negative number, not {compute_ms!r:.40}")
+        for key in ("digest_from", "input_rows", "output_from", "output_rows"):
+            if key in fields:
+                untrusted.integer(fields[key], key)
+        for key in ("input_digest", "output_digest"):
+            digest = fields.get(key, "")
+            if not isinstance(digest, str) or (digest and (len(digest) != 64 or digest.strip("0123456789abcdef"))):
+                raise ValueError(f"{key} must be a hex digest, not {digest!r:.40}")
     except ValueError as exc:
         return CheckedRecord(record, {}, False, str(exc))
     return CheckedRecord(record, fields, True, "")
@@ -133,6 +151,9 @@ class Ledger:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with contextlib.closing(self._connect()) as db, db:
                 db.executescript(SCHEMA)
+                columns = {row[1] for row in db.execute("PRAGMA table_info(records)")}
+                if "disputed" not in columns:  # a ledger from before audits
+                    db.execute("ALTER TABLE records ADD COLUMN disputed TEXT NOT NULL DEFAULT ''")
         except (OSError, sqlite3.Error) as exc:  # a directory in the way, no permission, not an SQLite file
             raise LedgerError(f"cannot use the ledger {self.path}: {exc}") from None
 
@@ -164,7 +185,9 @@ class Ledger:
                 f = c.fields if c.valid else {}
                 layers = f.get("layers") or [None, None]
                 db.execute(
-                    "INSERT INTO records VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO records (request_id, node_id, layer_start, layer_end, prefill_tokens, decode_tokens, "
+                    "compute_ms, bytes_in, bytes_out, valid, problem, body, signature) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         request_id,
                         c.record.node_id.hex(),
@@ -182,12 +205,22 @@ class Ledger:
                     ),
                 )
 
+    def dispute(self, request_id: str, node_id: bytes, why: str) -> int:
+        """Mark ``node_id``'s records of ``request_id`` disputed (an audit found them false); how many."""
+        with self._connect() as db:
+            cursor = db.execute(
+                "UPDATE records SET disputed = ? WHERE request_id = ? AND node_id = ?",
+                (why or "disputed", request_id, node_id.hex()),
+            )
+            return cursor.rowcount
+
     def totals(self) -> dict[str, Any]:
-        """Per-node and per-model totals (valid records only) and the flagged records."""
+        """Per-node and per-model totals (valid, undisputed records only) and the flagged and disputed ones."""
         with self._connect() as db:
             nodes = db.execute(
                 "SELECT node_id, COUNT(*), SUM(prefill_tokens), SUM(decode_tokens), SUM(compute_ms), "
-                "SUM(bytes_in), SUM(bytes_out) FROM records WHERE valid = 1 GROUP BY node_id ORDER BY node_id"
+                "SUM(bytes_in), SUM(bytes_out) FROM records WHERE valid = 1 AND disputed = '' "
+                "GROUP BY node_id ORDER BY node_id"
             ).fetchall()
             models = db.execute(
                 "SELECT model, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens) FROM requests "
@@ -195,6 +228,9 @@ class Ledger:
             ).fetchall()
             flagged = db.execute(
                 "SELECT request_id, node_id, problem FROM records WHERE valid = 0 ORDER BY rowid"
+            ).fetchall()
+            disputed = db.execute(
+                "SELECT request_id, node_id, disputed FROM records WHERE disputed != '' ORDER BY rowid"
             ).fetchall()
         return {
             "nodes": [
@@ -214,6 +250,7 @@ class Ledger:
                 for m, c, p, t in models
             ],
             "flagged": [{"request_id": r, "node_id": n, "problem": p} for r, n, p in flagged],
+            "disputed": [{"request_id": r, "node_id": n, "why": w} for r, n, w in disputed],
         }
 
 
@@ -241,4 +278,8 @@ def show(path: str, *, as_json: bool = False) -> int:
         print(f"\n{len(totals['flagged'])} record(s) flagged and not counted:")
         for f in totals["flagged"]:
             print(f"  request {f['request_id']} node {f['node_id'][:16]}: {f['problem']}")
+    if totals["disputed"]:
+        print(f"\n{len(totals['disputed'])} record(s) disputed by audits and not counted:")
+        for d in totals["disputed"]:
+            print(f"  request {d['request_id']} node {d['node_id'][:16]}: {d['why']}")
     return 0

@@ -33,7 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from noderuntime.access.identity import Identity
-from noderuntime.control.ledger import Ledger, check
+from noderuntime.control.ledger import CheckedRecord, Ledger, check
+from noderuntime.gateway.audits import Audits, Served, commitment_problems
 from noderuntime.gateway.auth import ApiKeys
 from noderuntime.gateway.errors import RETRY_AFTER_SECONDS, ApiError, error_response
 from noderuntime.gateway.routing import (
@@ -104,9 +105,12 @@ class Gateway:
         queue_timeout: float = 10.0,
         ledger: Ledger | None = None,
         identity: Identity | None = None,
+        audit_rate: float = 0.0,
     ) -> None:
         """``identity``: the key ``connector`` proves on relayed seams, which route tickets name and
-        which signs the gateway's route repairs (a fresh one when None)."""
+        which signs the gateway's route repairs and audits (a fresh one when None). ``audit_rate``:
+        the share of sessions audited after they end (:mod:`noderuntime.gateway.audits`; run by
+        :meth:`Audits.run`, which the caller starts)."""
         if any(not key for key in api_keys):
             raise ValueError("an API key must not be empty: it would let in every request that sends none")
         self.models = {m.model_id: m for m in models}
@@ -125,6 +129,14 @@ class Gateway:
         self._served_prefixes: collections.OrderedDict[bytes, tuple[bytes, ...]] = collections.OrderedDict()
         self.metrics = GatewayMetrics()
         self.http = httpx.AsyncClient()
+        self.audits = Audits(
+            audit_rate,
+            connector=connector,
+            http=self.http,
+            tracker_url=tracker_url,
+            signer=self.signer,
+            on_dispute=self._dispute,
+        )
         # its own threads: a burst of huge prompts must not hold those of name lookups and the ledger
         self._tokenizing = trio.CapacityLimiter(max(2, os.cpu_count() or 2))
         self.app = self._build()
@@ -397,6 +409,7 @@ class Gateway:
         repairs: list[dict[str, Any]] = []
         prompt_logprobs: tuple[TokenLogprob, ...] = ()
         cached = 0
+        tail_done = False
         opening = self._route_session(model, request, open_ended=open_ended)
         failed_at: float | None = None
         while True:
@@ -432,6 +445,7 @@ class Gateway:
                             yield Emitted(delta, mine, fingerprint=fingerprint)
                         if text.stopped:
                             break
+                    tail_done = event.finished and not text.stopped  # every token the tail drew came here
                     if text.stopped or event.finished:
                         break
                     try:
@@ -470,6 +484,18 @@ class Gateway:
         records = [check(r, request_id=request.request_id, hops=grant.hops) for r in gen.usage or ()]
         if gen.usage is not None:
             self._served((*request.prompt_tokens, *generated), grant)
+            records = self._check_commitments(model, grant, session_request, generated, records, complete=tail_done)
+            if tail_done and not repairs and all(r.valid for r in records):
+                self.audits.consider(
+                    Served(
+                        request.request_id,
+                        bytes.fromhex(model.artifact),
+                        grant,
+                        session_request,
+                        tuple(generated),
+                        tuple(r.record for r in records),
+                    )
+                )
         for record in records:
             self.metrics.usage_records.labels(str(record.valid).lower()).inc()
             if not record.valid:
@@ -484,6 +510,41 @@ class Gateway:
             yield Emitted(tail, fingerprint=fingerprint)
         done = Generated(text.text, produced, reason, route, records, logprobs, prompt_logprobs, repairs, cached)
         yield Emitted("", done=done, fingerprint=fingerprint)
+
+    def _check_commitments(
+        self,
+        model: ServedModel,
+        grant: RouteGrant,
+        request: GenerationRequest,
+        generated: Sequence[int],
+        records: list[CheckedRecord],
+        *,
+        complete: bool,
+    ) -> list[CheckedRecord]:
+        """``records``, those whose commitments break the route's chain flagged (and not counted).
+
+        Only a session whose every drawn token came here can be checked end to end; one the
+        gateway stopped early (a stop string) is not.
+        """
+        if not complete:
+            return records
+        hops = [(h.node_id, h.layers.start, h.layers.end) for h in grant.hops]
+        served = Served("", bytes.fromhex(model.artifact), grant, request, tuple(generated), ())
+        problems = commitment_problems(records, hops, served)
+        if not problems:
+            return records
+        for node, why in problems.items():
+            self.metrics.commitment_mismatches.inc()
+            log.error("request %s: node %s: %s", request.request_id, node.hex()[:16], why)
+        return [
+            attrs.evolve(r, valid=False, problem=problems[r.record.node_id]) if r.record.node_id in problems else r
+            for r in records
+        ]
+
+    async def _dispute(self, request_id: str, node_id: bytes, why: str) -> None:
+        """An audit found ``node_id``'s work on ``request_id`` false: its records there are disputed."""
+        if self.ledger is not None:
+            await trio.to_thread.run_sync(self.ledger.dispute, request_id, node_id, why)
 
     # --- the app
 
@@ -553,7 +614,12 @@ class Gateway:
 
         @app.get("/status", include_in_schema=False)
         async def status() -> dict[str, Any]:
-            return {"counters": dict(self.counters), "models": list(self.models), "tasks": trio_tasks()}
+            return {
+                "counters": dict(self.counters),
+                "audits": {**self.audits.counters, "rate": self.audits.rate, "excluded": self.audits.failed_nodes},
+                "models": list(self.models),
+                "tasks": trio_tasks(),
+            }
 
         @app.get("/health", include_in_schema=False)
         async def health() -> JSONResponse:

@@ -68,6 +68,9 @@ class StepRequest:
     hidden: np.ndarray | None = None  # others: float32 [n, n_embd]
     sampler: Any = None  # tail: sample the last row with this chain
     decode: bool = False
+    # tail: sample the last this many rows with the chain, in order (an audit checks every
+    # token a route drew, teacher-forced, in one prefill); 1 otherwise
+    sample_rows: int = 1
     # tail: per row, the token whose log-probability is wanted there (-1: none), and how
     # many of the most likely tokens beside it (a prompt's logprobs, for OpenAI's echo)
     score: np.ndarray | None = None
@@ -96,6 +99,7 @@ class StepOutput:
     seconds: float  # engine time of that batch
     logprob: TokenLogprob | None = None  # of the sampled token, when its chain asks
     scored: tuple[TokenLogprob, ...] = ()  # of the scored rows, in row order
+    drawn: tuple[int, ...] = ()  # every sampled row's token, in row order (``token`` is the last)
 
 
 @attrs.define(eq=False)
@@ -192,6 +196,8 @@ class Batcher:
             raise RuntimeError(f"sequence {request.seq_id} already has a step waiting")
         if not 0 < request.n_rows <= self.max_batch_tokens:
             raise ValueError(f"a step has 1 to {self.max_batch_tokens} rows, not {request.n_rows}")
+        if not 0 < request.sample_rows <= request.n_rows:
+            raise ValueError(f"a step samples 1 to {request.n_rows} rows, not {request.sample_rows}")
         work = _Work(request)
         timeline.mark("step.submitted")
         if request.single_decode:
@@ -429,7 +435,10 @@ class Batcher:
             scored: tuple[TokenLogprob, ...] = ()
             if work.request.score is not None:
                 scored = tuple(result.logprobs[offset + int(i)] for i in np.flatnonzero(work.request.score >= 0))
-            work.output = StepOutput(hidden, token, len(rows), result.seconds, logprob, scored)
+            drawn: tuple[int, ...] = ()
+            if work.request.sampler is not None:
+                drawn = tuple(result.sampled[offset + n - k] for k in range(work.request.sample_rows, 0, -1))
+            work.output = StepOutput(hidden, token, len(rows), result.seconds, logprob, scored, drawn)
             work.done.set()
             offset += n
 
@@ -445,8 +454,10 @@ class Batcher:
             positions.append(np.arange(request.start, request.start + n, dtype=np.int32))
             out = np.zeros(n, bool)
             if request.sampler is not None:
-                out[-1] = True
-                samplers[offset + n - 1] = request.sampler
+                # in row order: the chain takes each draw as the one before the next
+                for k in range(request.sample_rows, 0, -1):
+                    out[n - k] = True
+                    samplers[offset + n - k] = request.sampler
             if request.score is not None:
                 for i in np.flatnonzero(request.score >= 0).tolist():
                     out[i] = True

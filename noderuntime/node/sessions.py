@@ -30,6 +30,7 @@ import attrs
 import numpy as np
 import trio
 
+from noderuntime.control.commitments import Commitment, as_received
 from noderuntime.control.ledger import UsageBody
 from noderuntime.engine.base import EngineError
 from noderuntime.node.batcher import StepFailed, StepOutput, StepRequest
@@ -155,6 +156,7 @@ class RouteSession:
         self.generated = len(open_route.generated)  # a resumed session goes on counting
         self._logprob: TokenLogprob | None = None  # the tail's last sampled token's, when asked
         self._prompt_logprobs: list[TokenLogprob] = []  # the tail's prompt rows scored so far
+        self._drawn: list[int] = []  # the tail's tokens drawn and not yet sent (an audit's: all)
         # set once a released session's KV is in the prefix cache: its usage goes up only then, so
         # that a client holding every hop's usage may count on the next turn finding it
         self._kept = trio.Event()
@@ -179,9 +181,14 @@ class RouteSession:
         self._my_offer = min(self._offer_in, self._cached)
         self._agreed: int | None = None if self._offer_in else 0
         self._settled = trio.Event()
-        if self._agreed == 0:
-            self._settled.set()
         self._seen: list[int] = []  # tokens generated so far, as they passed this node
+        # what this hop took in and gave out, from the first row it computes (commitments.py);
+        # made when the prefix is settled. An audit's from the row its audited route started at.
+        self._in_commit: Commitment | None = None
+        self._out_commit: Commitment | None = None
+        if self._agreed == 0:
+            self._commit_from(0)
+            self._settled.set()
 
     # --- lifecycle
 
@@ -264,6 +271,29 @@ class RouteSession:
             return self.open_route.hops[self.index - 1].node_id
         return self.context.node_id
 
+    # --- the commitments
+
+    def _commit_from(self, agreed: int) -> None:
+        route = self.open_route
+        rows_from = route.audit_from if route.audit else agreed
+        self._in_commit = Commitment(rows_from)
+        # the tail commits to the tokens it draws, from the first row it samples
+        self._out_commit = Commitment(self._first_sampled_row if self.is_tail else rows_from)
+
+    @property
+    def _first_sampled_row(self) -> int:
+        """The tail's first sampled row: the prompt's last (an audit's: the first its route sampled)."""
+        route = self.open_route
+        return (route.prompt_length if route.audit else len(route.prompt_tokens)) - 1
+
+    def _rows_to_sample(self, start: int, n: int) -> int:
+        """How many of the step's last rows the tail samples: the last prompt row's, or, in an audit,
+        every row its route sampled."""
+        end = start + n
+        if self.open_route.audit:
+            return max(0, end - max(start, self._first_sampled_row))
+        return 1 if end >= len(self.open_route.prompt_tokens) else 0
+
     # --- the prefix
 
     async def _keep_prefix(self) -> None:
@@ -294,6 +324,7 @@ class RouteSession:
         self._cached_state = None  # held no longer than needed
         self._agreed = agreed
         self.usage.cached_tokens = agreed
+        self._commit_from(agreed)
         self._settled.set()
         return await self._send_up(Prefix(self._up_header(Phase.PREFILL), agreed))
 
@@ -507,10 +538,14 @@ class RouteSession:
         token: int | None = None
         for start in range(position, len(prompt), chunk):
             piece = prompt[start : start + chunk]
-            last = start + len(piece) == len(prompt)
-            token = await self._step(position, tokens=piece, sample=last and self.is_tail, decode=False)
+            sample = self._rows_to_sample(start, len(piece)) if self.is_tail else 0
+            token = await self._step(position, tokens=piece, sample=sample, decode=False)
             if token is _FAILED:
                 return
+            if self.open_route.audit and self.is_tail:
+                if position + len(piece) == len(prompt) and await self._emit_drawn():
+                    return
+                token = None
             position += len(piece)
         while True:
             if self.is_tail:
@@ -567,16 +602,19 @@ class RouteSession:
         if decode and len(positions) != 1:
             await self._protocol_failure_up(RemoteProtocolError(f"a decode step of {len(positions)} positions"))
             return False
-        prompt_len = len(self.open_route.prompt_tokens)
-        sample = self.is_tail and positions.end >= prompt_len
+        assert self._in_commit is not None  # the prefix is settled before any Activations come
+        self._in_commit.add_rows(positions.start, hidden)
+        sample = self._rows_to_sample(positions.start, len(positions)) if self.is_tail else 0
         result = await self._step(positions.start, hidden=hidden, sample=sample, decode=decode)
         if result is _FAILED:
             return False
-        if self.is_tail:
-            if sample:
-                assert isinstance(result, int)
-                await self._emit_token(result, positions.end)
-            return True
+        if self.is_tail and sample:
+            if self.open_route.audit:
+                if positions.end == len(self.open_route.prompt_tokens):
+                    await self._emit_drawn()
+                return True
+            assert isinstance(result, int)
+            await self._emit_token(result, positions.end)
         return True
 
     async def _step(
@@ -585,10 +623,14 @@ class RouteSession:
         *,
         tokens: np.ndarray | None = None,
         hidden: np.ndarray | None = None,
-        sample: bool,
+        sample: int,
         decode: bool,
     ) -> Any:
-        """One step through the batcher; forwards the rows downstream; returns the sampled token."""
+        """One step through the batcher; forwards the rows downstream; returns the sampled token.
+
+        ``sample``: how many of the last rows the tail samples (0: none; the tokens of all of
+        them are kept in ``_drawn``, the last one returned).
+        """
         request = StepRequest(
             self.lease.seq_id,
             start,
@@ -596,7 +638,11 @@ class RouteSession:
             hidden=hidden,
             sampler=self.sampler if sample else None,
             decode=decode,
+            sample_rows=max(1, sample),
         )
+        if tokens is not None:
+            assert self._in_commit is not None
+            self._in_commit.add_tokens(start, tokens)
         sampling = self.open_route.sampling
         if self.is_tail and not decode and sampling.prompt_logprobs:
             # each prompt row scores the prompt token after it; the last one's is the sampled token
@@ -612,6 +658,8 @@ class RouteSession:
         self._touch()
         self._logprob = output.logprob
         self._prompt_logprobs += output.scored
+        if sample:
+            self._drawn += output.drawn
         n = request.n_rows
         if decode:
             self.usage.decode_tokens += n
@@ -619,7 +667,8 @@ class RouteSession:
             self.usage.prefill_tokens += n
         self.usage.compute_seconds += output.seconds * n / max(1, output.batch_rows)
         if self.downstream is not None:
-            assert output.hidden is not None
+            assert output.hidden is not None and self._out_commit is not None
+            self._out_commit.add_rows(start, as_received(output.hidden, self.context.encoding))
             header = self._down_endpoint().header(Phase.DECODE if decode else Phase.PREFILL, Span(start, start + n))
             tensor = NamedTensor("hidden_states", output.hidden, self.context.encoding)
             if not await self._send_down(Activations(header, (tensor,))):
@@ -632,6 +681,9 @@ class RouteSession:
         """The tail: send a sampled token upstream; True when the generation is finished."""
         self.generated += 1
         self._seen.append(token)
+        self._drawn = []
+        assert self._out_commit is not None
+        self._out_commit.add_tokens(position - 1, (token,))
         route = self.open_route
         reason = stop_reason(
             token,
@@ -651,6 +703,19 @@ class RouteSession:
         await self._send_up(event)
         return bool(reason)
 
+    async def _emit_drawn(self) -> bool:
+        """An audit's tail: every token drew, teacher-forced, in one last Tokens frame (then finished)."""
+        drawn, self._drawn = self._drawn, []
+        first = self._first_sampled_row
+        assert self._out_commit is not None
+        self._out_commit.add_tokens(first, drawn)
+        self.generated += len(drawn)
+        self._seen += drawn
+        self.context.last_step(self.lease.seq_id)
+        header = self._up_header(Phase.DECODE, Span(first + 1, first + 1 + len(drawn)))
+        await self._send_up(Tokens(header, tuple(drawn), True, "length"))
+        return True
+
     async def _send_usage(self, records: list[UsageRecord]) -> None:
         body = UsageBody(
             node_id=self.context.node_id.hex(),
@@ -666,6 +731,13 @@ class RouteSession:
             bytes_out=self.upstream.bytes_sent + (self.downstream.bytes_sent if self.downstream else 0),
             started=round(self.usage.started, 3),
             ended=round(time.time(), 3),
+            audit=self.open_route.audit,
+            digest_from=self._in_commit.start if self._in_commit else 0,
+            input_rows=self._in_commit.rows if self._in_commit else 0,
+            input_digest=self._in_commit.hexdigest() if self._in_commit else "",
+            output_from=self._out_commit.start if self._out_commit else 0,
+            output_rows=self._out_commit.rows if self._out_commit else 0,
+            output_digest=self._out_commit.hexdigest() if self._out_commit else "",
         ).encode()
         own = UsageRecord(body, self.context.node_id, self.context.sign(body))
         await self._send_up(Usage(self._up_header(Phase.RELEASE), (*records, own)))

@@ -130,6 +130,11 @@ class GatewayMetrics:
         self.usage_records = Counter(
             "noderuntime_gateway_usage_records_total", "Usage records received", ["valid"], registry=r
         )
+        self.commitment_mismatches = Counter(
+            "noderuntime_gateway_commitment_mismatches_total",
+            "Hops whose commitments broke their route's chain (a seam's two ends, or the route's ends)",
+            registry=r,
+        )
         self.errors = Counter("noderuntime_errors_total", "Errors", ["kind"], registry=r)
 
 
@@ -144,6 +149,7 @@ class TrackerMetrics:
         self.routes = Counter("noderuntime_tracker_routes_total", "Route requests", ["outcome"], registry=r)
         self.auth_failures = Counter("noderuntime_tracker_auth_failures_total", "Refused signatures", registry=r)
         self.probes = Counter("noderuntime_tracker_probes_total", "Known-answer probe results", ["result"], registry=r)
+        self.audits = Counter("noderuntime_tracker_audits_total", "Audit reports judged", ["verdict"], registry=r)
         self.errors = Counter("noderuntime_errors_total", "Errors", ["kind"], registry=r)
 
 

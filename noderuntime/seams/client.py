@@ -67,6 +67,9 @@ class GenerationRequest:
     prompt_length: int = 0
     # whether the route may take the prompt's first positions from its nodes' prefix caches
     reuse_prefix: bool = True
+    # an audit (see protocol.OpenRoute): the route recomputes a served session, teacher-forced,
+    # and its hops commit from this position on; None for an ordinary session
+    audit_from: int | None = None
 
     def resumed(self, generated: Sequence[int]) -> GenerationRequest:
         """This request carried on after ``generated`` tokens, for a new route to go on with."""
@@ -178,6 +181,8 @@ def _prefix_offer(request: GenerationRequest) -> int:
     are needed), none when the request scores its prompt (every row must be computed) or opts out."""
     if not request.reuse_prefix or request.sampling.prompt_logprobs:
         return 0
+    if request.audit_from is not None:  # an audit's hops must compute every row they commit to
+        return min(request.audit_from, len(request.prompt_tokens) - 1)
     return max(0, len(request.prompt_tokens) - 1)
 
 
@@ -257,6 +262,8 @@ async def open_generation(
                 ticket,
                 request.prompt_length,
                 _prefix_offer(request),
+                request.audit_from is not None,
+                request.audit_from or 0,
             )
         )
         try:

@@ -466,6 +466,7 @@ class GatewayOptions:
     ctx: int | None = None
     queue_timeout: float = 10.0
     ledger: Path | None = None
+    audit_rate: float = 0.0  # the share of sessions audited after they end (gateway/audits.py)
 
 
 async def run_gateway(
@@ -505,7 +506,9 @@ async def run_gateway(
             queue_timeout=opts.queue_timeout,
             ledger=Ledger(opts.ledger) if opts.ledger else None,
             identity=me,
+            audit_rate=opts.audit_rate,
         )
+        nursery.start_soon(gateway.audits.run)
         url = await nursery.start(serve_http, gateway.app, opts.listen)
         task_status.started(GatewayReady(url=url, models=tuple(m.model_id for m in served), pid=os.getpid()))
         log.info("gateway at %s serving %s", url, ", ".join(m.model_id for m in served))

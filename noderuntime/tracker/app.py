@@ -47,7 +47,13 @@ from noderuntime.models.manifest import Manifest
 from noderuntime.operations.httpserve import BodyLimit
 from noderuntime.operations.telemetry import TrackerMetrics, exposition, trio_tasks
 from noderuntime.tracker import swarm
+from noderuntime.tracker.audits import AUDIT_GRANT_SECONDS, AuditBook, AuditError
+from noderuntime.tracker.audits import Grant as AuditGrant
 from noderuntime.tracker.messages import (
+    AuditFailure,
+    AuditReport,
+    AuditRequest,
+    AuditVerdict,
     Heartbeat,
     Leave,
     NodeQuery,
@@ -117,6 +123,7 @@ class Tracker:
         self._rng = random.SystemRandom()
         self.app = self._build()
         self.routes_issued = 0
+        self.audits = AuditBook()
 
     def _challenge(self, record: NodeRecord, now: float) -> dict[str, int] | None:
         """A probe seed for this node if one is due (registration, interval, or lost answer)."""
@@ -178,6 +185,8 @@ class Tracker:
         app.post("/v1/routes/repair")(self._repair)
         app.get("/v1/manifests")(self._manifests)
         app.get("/v1/manifests/{artifact}")(self._manifest)
+        app.post("/v1/audits")(self._audit_grant)
+        app.post("/v1/audits/report")(self._audit_report)
         return app
 
     async def _invalid(self, _request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -237,6 +246,8 @@ class Tracker:
             probe_required=self.require_probe or bool(self.references.seeds(key)),
         )
         now = time.time()
+        # a node that audits excluded stays out, however often it registers again
+        record = attrs.evolve(record, audit_failed=self.audits.excluded(node_id))
         self.state.register(record, now)
         self.metrics.registrations.inc()
         self.challenges.pop(node_id, None)
@@ -353,7 +364,10 @@ class Tracker:
         now = time.time()
         return {
             "nodes": [
-                _public(r, now, self.state.step_budget_ms)
+                {
+                    **_public(r, now, self.state.step_budget_ms),
+                    "audits": attrs.asdict(self.audits.standing_of(r.node_id)),
+                }
                 for r in sorted(self.state.nodes.values(), key=lambda r: r.layers)
             ],
             # the recipe pairs routes may mix, by the certificates this tracker was given
@@ -414,6 +428,99 @@ class Tracker:
             hops=[RouteHop.of(hop) for hop in hops],
         )
         return JSONResponse(reply.model_dump(mode="json"))
+
+    async def _audit_grant(self, body: AuditRequest, request: Request) -> JSONResponse:
+        """An audit route for a session: for each of its hops another admitted node with the same
+        layers, recipe and kernel class, and a ticket for the audit session, for the session's client alone.
+
+        503 when some hop has none: that session cannot be audited now.
+        """
+        requester = await self._authenticated(request, request.headers.get("x-node-id", ""))
+        try:
+            ticket = tickets.decode(bytes.fromhex(body.ticket), [self.identity.node_id])
+        except tickets.TicketError as exc:
+            raise HTTPException(403, f"not a ticket of this tracker's: {exc}") from None
+        if not ticket.client or requester != ticket.client:
+            raise HTTPException(403, "only a session's client may have it audited")
+        exclude = {bytes.fromhex(x) for x in body.exclude} | {node for node, _, _ in ticket.hops}
+        artifact = ticket.artifact.hex()
+        auditors: list[NodeRecord] = []
+        for node, start, end in ticket.hops:
+            audited = self.state.nodes.get(node)
+            # the audited node's recipe and kernel class as it registered them; gone, the route's
+            like = [
+                n
+                for n in self.state.nodes.values()
+                if n.artifact == artifact
+                and n.layers == (start, end)
+                and n.admitted
+                and n.free_slots > 0
+                and n.node_id not in exclude
+                and n.node_id not in {a.node_id for a in auditors}
+                and (audited is None or (n.recipe, n.kernel_class) == (audited.recipe, audited.kernel_class))
+            ]
+            if not like:
+                self.metrics.routes.labels("audit_none").inc()
+                message = f"no other node of layers {start}:{end}, its recipe and kernel class can audit it now"
+                return JSONResponse({"error": message, "full": False}, status_code=503)
+            auditors.append(self._rng.choice(like))
+        session = os.urandom(16)
+        hops = [Hop(n.node_id, Span(*n.layers), n.address, n.relay, n.tls_cert_sha256) for n in auditors]
+        issued = tickets.issue(
+            self.identity,
+            session_id=session,
+            epoch=0,
+            artifact=ticket.artifact,
+            hops=hops,
+            client=requester,
+            ttl_seconds=body.ttl_seconds,
+        )
+        self.audits.grant(
+            session,
+            AuditGrant(
+                client=requester,
+                audited_session=ticket.session_id,
+                audited_epoch=ticket.epoch,
+                audited=ticket.hops,
+                auditors=tuple((n.node_id, *n.layers) for n in auditors),
+                expires=time.time() + min(body.ttl_seconds, AUDIT_GRANT_SECONDS),
+            ),
+        )
+        self.state.note_session(n.node_id for n in auditors)
+        self.metrics.routes.labels("audit").inc()
+        reply = RouteReply(
+            session_id=session.hex(),
+            epoch=0,
+            ticket=issued.hex(),
+            recipe=route_recipe([bytes.fromhex(n.recipe) for n in auditors]).hex(),
+            ctx_per_session=min(n.ctx_per_session for n in auditors),
+            hops=[RouteHop.of(h) for h in hops],
+        )
+        return JSONResponse(reply.model_dump(mode="json"))
+
+    async def _audit_report(self, body: AuditReport, request: Request) -> dict[str, Any]:
+        """Judge an audit's evidence (:meth:`AuditBook.judge`); exclude a node two auditors agreed against."""
+        requester = await self._authenticated(request, request.headers.get("x-node-id", ""))
+        try:
+            verdict = self.audits.judge(
+                requester,
+                [r.record() for r in body.audited],
+                {bytes.fromhex(session): [r.record() for r in records] for session, records in body.audits.items()},
+                time.time(),
+            )
+        except AuditError as exc:
+            raise HTTPException(400, f"the audit's evidence does not hold: {exc}") from None
+        for node, why in verdict.failed:
+            self.state.update(node, audit_failed=why)
+            log.error("node %s excluded by audit: %s", node.hex()[:12], why)
+        self.metrics.audits.labels("failed" if verdict.failed else "suspected" if verdict.suspected else "passed").inc()
+        return AuditVerdict(
+            passed=[n.hex() for n in verdict.passed],
+            suspected=[n.hex() for n in verdict.suspected],
+            failed=[AuditFailure(node_id=n.hex(), why=why) for n, why in verdict.failed],
+            outvoted=[n.hex() for n in verdict.outvoted],
+            unjudged=[n.hex() for n in verdict.unjudged],
+        ).model_dump(mode="json")
 
     async def _repair(self, body: RepairRequest, request: Request) -> JSONResponse:
         """The rest of a session's route after its first ``keep`` hops, and its ticket for the next epoch.
@@ -521,5 +628,6 @@ def _public(record: NodeRecord, now: float, step_budget_ms: float) -> dict[str, 
         "probe_required": record.probe_required,
         "probe_passed": record.probe_passed,
         "probe_detail": record.probe_detail,
+        "audit_failed": record.audit_failed,
         "admitted": record.admitted,
     }

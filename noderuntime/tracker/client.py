@@ -16,7 +16,17 @@ from pydantic import ValidationError
 from noderuntime.access import untrusted
 from noderuntime.access.identity import Identity
 from noderuntime.access.signing import sign
-from noderuntime.tracker.messages import Heartbeat, Leave, ProbeReply, Registration, RepairRequest, RouteReply
+from noderuntime.tracker.messages import (
+    AuditReport,
+    AuditRequest,
+    AuditVerdict,
+    Heartbeat,
+    Leave,
+    ProbeReply,
+    Registration,
+    RepairRequest,
+    RouteReply,
+)
 from protocol import Hop
 
 log = logging.getLogger(__name__)
@@ -288,6 +298,36 @@ async def request_repair(
     except httpx.HTTPError as exc:
         raise TrackerError(f"the tracker {url} is unreachable: {exc}") from None
     return _grant(response, url)
+
+
+async def request_audit(client: httpx.AsyncClient, url: str, signer: RequestSigner, audit: AuditRequest) -> RouteGrant:
+    """An audit route for a session this client was granted (see :class:`AuditRequest`); :class:`TrackerError`
+    with 503 when some hop has no auditor."""
+    path = "/v1/audits"
+    data = audit.model_dump_json().encode()
+    headers = {"content-type": "application/json", **signer.headers("POST", path, data)}
+    try:
+        response = await client.post(url.rstrip("/") + path, content=data, headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        raise TrackerError(f"the tracker {url} is unreachable: {exc}") from None
+    return _grant(response, url)
+
+
+async def report_audit(client: httpx.AsyncClient, url: str, signer: RequestSigner, report: AuditReport) -> AuditVerdict:
+    """Tell the tracker what an audit found; its verdict, or :class:`TrackerError`."""
+    path = "/v1/audits/report"
+    data = report.model_dump_json().encode()
+    headers = {"content-type": "application/json", **signer.headers("POST", path, data)}
+    try:
+        response = await client.post(url.rstrip("/") + path, content=data, headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        raise TrackerError(f"the tracker {url} is unreachable: {exc}") from None
+    if response.status_code != 200:
+        raise TrackerError(f"the tracker refused the audit report: {response.text[:300]}", response.status_code)
+    try:
+        return AuditVerdict.model_validate_json(response.content)
+    except ValidationError:
+        raise TrackerError(f"the tracker {url} sent a malformed audit verdict", response.status_code) from None
 
 
 def _grant(response: httpx.Response, url: str) -> RouteGrant:

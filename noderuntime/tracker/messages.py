@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapte
 
 from noderuntime.access import untrusted
 from noderuntime.access.tickets import MAX_TICKET_BYTES
-from protocol import Hop, Span
+from protocol import Hop, Span, UsageRecord
 
 HEX32 = r"^[0-9a-f]{64}$"
 MAX_LAYERS = 4096
@@ -357,3 +357,82 @@ class NodePage(BaseModel):
     offset: int
     limit: int
     nodes: list[NodeView]
+
+
+# --- audits (``POST /v1/audits``, ``POST /v1/audits/report``; see tracker/audits.py)
+
+MAX_AUDIT_RECORDS = 256  # usage records in one audited or audit session: one per hop
+MAX_RECORD_BYTES = 4096  # a usage record's signed body
+
+
+class AuditRequest(BaseModel):
+    """A session's client asks for an audit route: other nodes for each hop of the session's route."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ticket: str = Field(pattern=r"^([0-9a-f]{2})+$", max_length=2 * MAX_TICKET_BYTES)  # the audited session's
+    exclude: list[str] = Field(default_factory=list, max_length=256)  # nodes not to audit with (hex ids)
+    ttl_seconds: float = Field(default=600.0, gt=0, le=3600)
+
+    @field_validator("exclude")
+    @classmethod
+    def _ids(cls, value: list[str]) -> list[str]:
+        for node in value:
+            if len(node) != 64 or node.strip("0123456789abcdef"):
+                raise ValueError("exclude holds hex node ids")
+        return value
+
+
+class RecordJSON(BaseModel):
+    """A signed usage record, as JSON carries it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    node_id: str = Field(pattern=HEX32)
+    body: str = Field(max_length=2 * MAX_RECORD_BYTES, pattern=r"^([0-9a-f]{2})*$")
+    signature: str = Field(pattern=r"^[0-9a-f]{128}$")
+
+    @classmethod
+    def of(cls, record: UsageRecord) -> RecordJSON:
+        """The JSON form of ``record``."""
+        return cls(node_id=record.node_id.hex(), body=record.body.hex(), signature=record.signature.hex())
+
+    def record(self) -> UsageRecord:
+        """The record itself."""
+        return UsageRecord(bytes.fromhex(self.body), bytes.fromhex(self.node_id), bytes.fromhex(self.signature))
+
+
+class AuditReport(BaseModel):
+    """What an audit found: the audited session's records, and each audit session's (one, or two)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    audited: list[RecordJSON] = Field(min_length=1, max_length=MAX_AUDIT_RECORDS)
+    audits: dict[str, list[RecordJSON]] = Field(min_length=1, max_length=2)  # audit session id (hex) -> records
+
+    @field_validator("audits")
+    @classmethod
+    def _sessions(cls, value: dict[str, list[RecordJSON]]) -> dict[str, list[RecordJSON]]:
+        for session, records in value.items():
+            if len(session) != 32 or session.strip("0123456789abcdef"):
+                raise ValueError("audits are keyed by their session ids, in hex")
+            if not 1 <= len(records) <= MAX_AUDIT_RECORDS:
+                raise ValueError(f"an audit holds 1 to {MAX_AUDIT_RECORDS} records")
+        return value
+
+
+class AuditFailure(BaseModel):
+    """A node two auditors agreed against, and why."""
+
+    node_id: str
+    why: str
+
+
+class AuditVerdict(BaseModel):
+    """What the tracker concluded from an :class:`AuditReport` (node ids in hex)."""
+
+    passed: list[str]
+    suspected: list[str]
+    failed: list[AuditFailure]
+    outvoted: list[str]
+    unjudged: list[str]

@@ -81,6 +81,8 @@ class NodeRecord:
     probe_required: bool = False
     probe_passed: bool | None = None
     probe_detail: str = ""
+    # why audits excluded it (two auditors agreed against it: tracker/audits.py); "" when they did not
+    audit_failed: str = ""
 
     @property
     def reachability(self) -> str:
@@ -91,8 +93,9 @@ class NodeRecord:
 
     @property
     def admitted(self) -> bool:
-        """Whether routes may use this node: it passed its probe, or none is required of it."""
-        return self.probe_passed is True or (self.probe_passed is None and not self.probe_required)
+        """Whether routes may use this node: it passed its probe (or needs none) and no audit excluded it."""
+        probed = self.probe_passed is True or (self.probe_passed is None and not self.probe_required)
+        return probed and not self.audit_failed
 
     def estimated_step_ms(self) -> float:
         """Decode step time with one more session.

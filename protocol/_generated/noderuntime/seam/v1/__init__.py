@@ -372,6 +372,17 @@ class OpenRoute(betterproto2.Message):
     every hop then restores. 0: no reuse (and no Prefix comes back).
     """
 
+    audit: "bool" = betterproto2.field(10, betterproto2.TYPE_BOOL)
+    """
+    Since 1.5. An audit: the session recomputes, teacher-forced, one that a route served.
+    prompt_tokens are all its tokens but the last; the tail samples every row from
+    prompt_length - 1 on and sends the tokens it drew, which must be the ones that route
+    drew; every hop commits to the rows from position audit_from on (the first position
+    that route computed), as that route's hops did, and says so in its usage record.
+    """
+
+    audit_from: "int" = betterproto2.field(11, betterproto2.TYPE_UINT32)
+
 
 default_message_pool.register_message("noderuntime.seam.v1", "OpenRoute", OpenRoute)
 

@@ -1,0 +1,281 @@
+"""Audits: which the tracker granted, what the evidence of each says, and each node's standing.
+
+No I/O; the tracker's app calls it. A gateway that served a session may have it audited
+(``gateway/audits.py``): the tracker grants an audit route of other nodes, one for each
+hop of the audited route, with the same layers, recipe and kernel class, and remembers
+the grant. The gateway runs the audit (a teacher-forced recomputation whose hops commit
+to their rows, ``control/commitments.py``) and reports back with the signed usage records
+of both sessions. The tracker believes nothing it cannot check: every record must verify
+under its node's key, belong to the session it names, and come from the node the route or
+the grant put at that hop.
+
+A hop that took in the same rows as its auditor (equal input digests) and gave out other
+rows (different output digests) has computed something else than its recipe computes, for
+rows and kernels are bit-exact within one recipe and kernel class. One auditor's word is
+a suspicion: an auditor can lie too. A node is excluded when two auditors the tracker
+chose, in two audits, agree with each other and not with it. An auditor outvoted by the
+other is counted against it. A hop whose input differed from its auditor's cannot be
+judged by this audit: a hop before it differed first.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from noderuntime.access.identity import verify
+from noderuntime.control.ledger import USAGE_DOMAIN
+from protocol import UsageRecord
+
+AUDIT_GRANT_SECONDS = 600.0  # how long a granted audit may take to be reported
+MAX_OPEN_AUDITS = 10_000  # granted and not yet reported (oldest forgotten first)
+
+
+class AuditError(ValueError):
+    """A report the tracker cannot take: its evidence does not hold together."""
+
+
+@attrs.frozen
+class Commitments:
+    """What one usage record says a hop committed to (see ``control/commitments.py``)."""
+
+    node_id: bytes
+    layers: tuple[int, int]
+    session_id: bytes
+    epoch: int
+    audit: bool
+    digest_from: int
+    input_rows: int
+    input_digest: str
+    output_from: int
+    output_rows: int
+    output_digest: str
+
+    @property
+    def input(self) -> tuple[int, int, str]:
+        """Where the input commitment starts, how many rows, and its digest."""
+        return (self.digest_from, self.input_rows, self.input_digest)
+
+    @property
+    def output(self) -> tuple[int, int, str]:
+        """Where the output commitment starts, how many rows, and its digest."""
+        return (self.output_from, self.output_rows, self.output_digest)
+
+
+def commitments(record: UsageRecord) -> Commitments:
+    """The commitments in a signed usage record; :class:`AuditError` unless it verifies and says them."""
+    if not verify(record.node_id, USAGE_DOMAIN, record.body, record.signature):
+        raise AuditError(f"the usage record of node {record.node_id.hex()[:16]} does not verify")
+    try:
+        fields = json.loads(record.body)
+    except ValueError:
+        raise AuditError("a usage record is not JSON") from None
+    if not isinstance(fields, dict) or fields.get("node_id") != record.node_id.hex():
+        raise AuditError("a usage record names another node than its signer")
+    try:
+        layers = fields["layers"]
+        out = Commitments(
+            node_id=record.node_id,
+            layers=(_count(layers[0]), _count(layers[1])),
+            session_id=bytes.fromhex(fields["session_id"]),
+            epoch=_count(fields["epoch"]),
+            audit=fields.get("audit") is True,
+            digest_from=_count(fields.get("digest_from", 0)),
+            input_rows=_count(fields.get("input_rows", 0)),
+            input_digest=_digest(fields.get("input_digest", "")),
+            output_from=_count(fields.get("output_from", 0)),
+            output_rows=_count(fields.get("output_rows", 0)),
+            output_digest=_digest(fields.get("output_digest", "")),
+        )
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise AuditError(f"a usage record lacks its commitments or holds nonsense: {exc}") from None
+    if not out.input_digest or not out.output_digest:
+        raise AuditError(f"node {record.node_id.hex()[:16]} committed to nothing (a node from before commitments)")
+    return out
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise ValueError(f"{value!r:.40} is not a count")
+    return value
+
+
+def _digest(value: Any) -> str:
+    if not isinstance(value, str) or (value and (len(value) != 64 or value.strip("0123456789abcdef"))):
+        raise ValueError(f"{value!r:.80} is not a digest")
+    return value
+
+
+@attrs.frozen
+class Grant:
+    """An audit the tracker granted: whose session, and which node audits which hop."""
+
+    client: bytes
+    audited_session: bytes
+    audited_epoch: int
+    audited: tuple[tuple[bytes, int, int], ...]  # the audited route's hops: (node, start, end)
+    auditors: tuple[tuple[bytes, int, int], ...]  # the audit route's, hop for hop
+    expires: float
+
+
+@attrs.define
+class Standing:
+    """How a node has fared in audits."""
+
+    passed: int = 0  # hops of it that an auditor recomputed to the same bits
+    suspected: int = 0  # hops one auditor disagreed with, unconfirmed
+    failed: int = 0  # hops two auditors agreed against it
+    outvoted: int = 0  # audits it ran whose result the second auditor did not confirm
+    reason: str = ""  # why it was excluded, when it was
+
+
+@attrs.frozen
+class Verdict:
+    """What one report established, hop by hop of the audited route."""
+
+    passed: tuple[bytes, ...]
+    suspected: tuple[bytes, ...]
+    failed: tuple[tuple[bytes, str], ...]  # (node, why)
+    outvoted: tuple[bytes, ...]
+    unjudged: tuple[bytes, ...]  # hops after the first that differed: their input differed
+
+
+class AuditBook:
+    """Granted audits and nodes' standings (soft state, like the rest of the tracker's)."""
+
+    def __init__(self) -> None:
+        self._grants: collections.OrderedDict[bytes, Grant] = collections.OrderedDict()
+        self.standing: dict[bytes, Standing] = collections.defaultdict(Standing)
+        self.granted = 0
+        self.reported = 0
+
+    def grant(self, audit_session: bytes, grant: Grant) -> None:
+        """Remember that ``audit_session`` audits ``grant.audited_session``."""
+        self._grants[audit_session] = grant
+        self.granted += 1
+        while len(self._grants) > MAX_OPEN_AUDITS:
+            self._grants.popitem(last=False)
+
+    def standing_of(self, node_id: bytes) -> Standing:
+        """``node_id``'s standing (all zero for a node never audited)."""
+        return self.standing.get(node_id) or Standing()
+
+    def excluded(self, node_id: bytes) -> str:
+        """Why ``node_id`` is kept out of routes by audits; "" when it is not."""
+        standing = self.standing.get(node_id)
+        return standing.reason if standing is not None else ""
+
+    def judge(
+        self,
+        client: bytes,
+        audited: Sequence[UsageRecord],
+        audits: Mapping[bytes, Sequence[UsageRecord]],
+        now: float,
+    ) -> Verdict:
+        """Check a report (the audited session's records; each audit session's records) and record its verdict.
+
+        :class:`AuditError` when the evidence does not hold together; nothing is recorded then.
+        """
+        if not 1 <= len(audits) <= 2:
+            raise AuditError("a report carries one audit, or two when the first found a difference")
+        grants = []
+        for session, _records in audits.items():
+            grant = self._grants.get(session)
+            if grant is None or grant.expires < now:
+                raise AuditError(f"audit {session.hex()[:16]} was not granted by this tracker, or has expired")
+            if grant.client != client:
+                raise AuditError("only the client an audit was granted to may report it")
+            grants.append(grant)
+        first = grants[0]
+        if any((g.audited_session, g.audited_epoch) != (first.audited_session, first.audited_epoch) for g in grants):
+            raise AuditError("the audits of one report must audit one session")
+        served = _by_hop(audited, first.audited, first.audited_session, first.audited_epoch, audit=False)
+        recomputed = [
+            _by_hop(records, grant.auditors, session, 0, audit=True)
+            for (session, records), grant in zip(audits.items(), grants, strict=True)
+        ]
+        if len(recomputed) == 2 and {n for n, _, _ in grants[0].auditors} & {n for n, _, _ in grants[1].auditors}:
+            raise AuditError("the two audits of a report must have no auditor in common")
+        verdict = _compare(served, recomputed)
+        for session in audits:
+            self._grants.pop(session, None)
+        self.reported += 1
+        for node in verdict.passed:
+            self.standing[node].passed += 1
+        for node in verdict.suspected:
+            self.standing[node].suspected += 1
+        for node, why in verdict.failed:
+            standing = self.standing[node]
+            standing.failed += 1
+            standing.reason = why
+        for node in verdict.outvoted:
+            self.standing[node].outvoted += 1
+        return verdict
+
+
+def _by_hop(
+    records: Iterable[UsageRecord],
+    hops: Sequence[tuple[bytes, int, int]],
+    session: bytes,
+    epoch: int,
+    *,
+    audit: bool,
+) -> list[Commitments]:
+    """The commitments of each hop of ``hops``, in order, from ``records``; every one must be there."""
+    found: dict[tuple[bytes, int, int], Commitments] = {}
+    for record in records:
+        c = commitments(record)
+        if (c.session_id, c.epoch) != (session, epoch) or c.audit != audit:
+            raise AuditError(f"node {c.node_id.hex()[:16]}'s record is for another session")
+        found[(c.node_id, *c.layers)] = c
+    missing = [hop for hop in hops if hop not in found]
+    if missing:
+        raise AuditError(f"no record of node {missing[0][0].hex()[:16]} for layers {missing[0][1]}:{missing[0][2]}")
+    return [found[hop] for hop in hops]
+
+
+def _compare(served: Sequence[Commitments], recomputed: Sequence[Sequence[Commitments]]) -> Verdict:
+    passed: list[bytes] = []
+    suspected: list[bytes] = []
+    failed: list[tuple[bytes, str]] = []
+    outvoted: list[bytes] = []
+    unjudged: list[bytes] = []
+    for k, hop in enumerate(served):
+        audits = [audit[k] for audit in recomputed]
+        if len(audits) != len(recomputed) or any(a.layers != hop.layers for a in audits):
+            raise AuditError("an audit route must have the audited route's hops, layer for layer")
+        if any(a.input != hop.input for a in audits):
+            # its input differed: a hop before it differed, and every hop after it is unjudged
+            unjudged += [h.node_id for h in served[k:]]
+            break
+        differing = [a for a in audits if a.output != hop.output]
+        if not differing:
+            passed.append(hop.node_id)
+            continue
+        if len(audits) == 2 and len(differing) == 2 and audits[0].output == audits[1].output:
+            why = (
+                f"layers {hop.layers[0]}:{hop.layers[1]} gave other rows than two auditors for the same "
+                f"input ({hop.input_rows} rows from position {hop.digest_from})"
+            )
+            failed.append((hop.node_id, why))
+        elif len(audits) == 2 and len(differing) == 1:
+            outvoted.append(differing[0].node_id)  # the other auditor agrees with the node
+            passed.append(hop.node_id)
+            continue
+        else:
+            suspected.append(hop.node_id)
+        unjudged += [h.node_id for h in served[k + 1 :]]
+        break
+    return Verdict(tuple(passed), tuple(suspected), tuple(failed), tuple(outvoted), tuple(unjudged))
+
+
+def detection_probability(audit_rate: float, cheat_rate: float, sessions: int) -> float:
+    """The chance that at least one of ``sessions`` cheated-on sessions is audited (closed form)."""
+    if not (0 <= audit_rate <= 1 and 0 <= cheat_rate <= 1 and sessions >= 0):
+        raise ValueError("rates are between 0 and 1, sessions a count")
+    return 1.0 - math.pow(1.0 - audit_rate * cheat_rate, sessions)
