@@ -9,6 +9,7 @@ switched between tests. The test process plays the gateway.
 from __future__ import annotations
 
 import os
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -245,6 +246,18 @@ async def test_a_relay_that_tampers_with_the_handshake_gets_no_seam(
     await rig.cluster.wait_idle()
 
 
+async def _seam_corrupted(rig: Rig) -> float:
+    """Sessions the nodes ended because a seam failed its integrity check, so far."""
+
+    def fetch(url: str) -> float:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+        line = 'noderuntime_sessions_ended_total{reason="seam_corrupted"} '
+        return sum(float(row[len(line) :]) for row in text.splitlines() if row.startswith(line))
+
+    return sum([await trio.to_thread.run_sync(fetch, info.http) for info in rig.cluster.infos])
+
+
 async def test_a_relay_that_splices_two_sessions_ends_both(rig: Rig, reference: dict[str, list[int]]) -> None:
     honest = await _honest(rig, reference)
     long = attrs.evolve(REQUEST, max_tokens=64)
@@ -261,6 +274,7 @@ async def test_a_relay_that_splices_two_sessions_ends_both(rig: Rig, reference: 
             return
         results.append((tokens, StatusCode.OK))
 
+    corrupted = await _seam_corrupted(rig)
     rig.attack("splice:12")
     try:
         async with trio.open_nursery() as nursery:
@@ -268,11 +282,14 @@ async def test_a_relay_that_splices_two_sessions_ends_both(rig: Rig, reference: 
             nursery.start_soon(one)
     finally:
         rig.attack("honest")
-    # a spliced message opens on neither side: the session it reached ends at once (DATA_LOSS);
-    # the one it was taken from when its next message fails too, when its pair is cut with the
-    # other's, or when its watchdog sees it wait for a message that never comes
+    # a spliced message opens on neither side: the hop it reached ends its session at once,
+    # as corrupted; the one it was taken from when its next message fails too, when its pair
+    # is cut with the other's, or when its watchdog sees it wait for a message that never
+    # comes. The client hears DATA_LOSS when the hop's sealed close gets back to it, which the
+    # relay forwards or not (and a loaded machine may give up on after its 0.5 s): UNAVAILABLE
     codes = [code for _, code in results]
-    assert len(codes) == 2 and StatusCode.DATA_LOSS in codes, results
+    assert len(codes) == 2, results
+    assert await _seam_corrupted(rig) > corrupted
     assert set(codes) <= {StatusCode.DATA_LOSS, StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED}, results
     for tokens, _ in results:
         assert tokens == honest[: len(tokens)] and len(tokens) < long.max_tokens
