@@ -210,6 +210,7 @@ TIERS = {
         "test_mixed_route",
         "test_network_route",
         "test_observability",
+        "test_pages",
         "test_parity",
         "test_prefix_route",
         "test_relay_e2e",

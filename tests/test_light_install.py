@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import urllib.request
 from pathlib import Path
 
 import platformdirs
@@ -147,7 +148,11 @@ def test_a_light_install_runs_a_relay_and_a_tracker_that_full_nodes_use(smollm2:
         venv, _unit_command(deploy / "noderuntime-tracker.service", tracker_settings), tmp_path
     )
     try:
-        expect(tracker_ready, TrackerReady)
+        # the swarm map's files are package data: the installed package serves them
+        tracker_url = expect(tracker_ready, TrackerReady).url
+        for path, kind in (("/", "text/html"), ("/web/swarm.js", "text/javascript"), ("/web/pages.css", "text/css")):
+            with urllib.request.urlopen(tracker_url + path, timeout=10) as response:
+                assert response.headers["content-type"].startswith(kind), path
         url = expect(relay_ready, RelayReady).url
         assert url.startswith("wss://")  # the unit serves TLS
         with running_cluster(

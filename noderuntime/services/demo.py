@@ -26,6 +26,10 @@ def run(prompt: str, max_tokens: int, model_name: str = models.DEMO_MODEL) -> in
     """Run the demo; the exit status."""
     print("starting tracker, relay, two shard nodes and the gateway...", flush=True)
     system = localsystem.start(model_name=model_name, listen="127.0.0.1:0")
+    print(
+        f"\nopen in a browser while the demo runs (`noderuntime up` keeps them until Ctrl-C):\n"
+        f"{localsystem.pages(system)}"
+    )
     try:
         client = OpenAI(base_url=system.gateway_url + "/v1", api_key="not-needed")
         print(f"\nuser: {prompt}\nassistant: ", end="", flush=True)

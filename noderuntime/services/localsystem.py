@@ -82,13 +82,16 @@ def start(
     relay_last: bool = True,
     replicas: int = 1,
     node_options: tuple[str, ...] = (),
+    tracker_options: tuple[str, ...] = (),
+    gateway_options: tuple[str, ...] = (),
 ) -> LocalSystem:
     """Start the processes and wait until a route serves; the caller stops them.
 
     ``model_name`` is a known model's name or a GGUF file's path. With two shards or more,
     the last is reachable only through the relay, unless ``relay_last`` is False.
     ``replicas``: nodes per range (``node{i}``, then ``node{i}.1``, ...), so that a route
-    whose node leaves has another to go on; ``node_options``: more flags for every node.
+    whose node leaves has another to go on; ``node_options``, ``tracker_options`` and
+    ``gateway_options``: more flags for every node, the tracker and the gateway.
     """
     path, model_id = _model_path(model_name, quiet=quiet)
     info = artifacts.inspect(path)
@@ -135,6 +138,7 @@ def start(
                 "--probe-references",
                 str(references),
                 "--require-probe",
+                *tracker_options,
             ],
             TrackerReady,
         )
@@ -184,6 +188,7 @@ def start(
                 str(ctx),
                 "--ledger",
                 str(root / "gateway" / "ledger.sqlite"),
+                *gateway_options,
             ],
         )
         for node in nodes:
@@ -196,6 +201,11 @@ def start(
     return LocalSystem(processes, gateway.url, tracker.url, model_id, root / "gateway" / "ledger.sqlite")
 
 
+def pages(system: LocalSystem) -> str:
+    """The two pages a browser opens, a line each: the tracker's swarm map and the gateway's chat."""
+    return f"  swarm map  {system.tracker_url}/\n  chat       {system.gateway_url}/"
+
+
 def main(listen: str, model_name: str) -> int:
     """Run the local system until Ctrl-C (or SIGTERM)."""
     print("starting the local system: tracker, relay, 2 shard nodes, gateway", flush=True)
@@ -204,7 +214,8 @@ def main(listen: str, model_name: str) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):  # also when started in the background (SIGINT ignored)
         signal.signal(signum, lambda *_: stop.set())
     print(
-        f"\nOpenAI-compatible API at {system.gateway_url}/v1  (tracker {system.tracker_url})\n\n"
+        f"\nOpenAI-compatible API at {system.gateway_url}/v1  (tracker {system.tracker_url})\n"
+        f"{pages(system)}\n\n"
         f"  curl {system.gateway_url}/v1/chat/completions -H 'content-type: application/json' \\\n"
         f'    -d \'{{"model": "{system.model_id}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n\n'
         f"  noderuntime status --tracker {system.tracker_url}\n\nCtrl-C stops everything.",
