@@ -175,6 +175,7 @@ TIERS = {
         "test_claims_memory",
         "test_enginethread",
         "test_node_pure",
+        "test_placement",
         "test_sessions",
         "test_swarm",
         "test_tracker",

@@ -10,6 +10,9 @@
   need it (``Authorization: Bearer KEY``, or ``?key=KEY``); ``/v1/info`` and
   ``/v1/artifacts`` stay open, for the nodes and gateways that read them.
 - ``POST /v1/nodes/probe``: a node's answer to its known-answer probe (signed).
+- ``POST /v1/placement``: a node with no layer range yet asks for one (signed): the window
+  of as many layers as it can hold around the least served layer, reserved for it while it
+  loads (see :mod:`noderuntime.tracker.placement`); 409 when the request contradicts the swarm.
 - ``POST /v1/routes``: a route for a session and its signed ticket (optionally behind a
   bearer key): 503 when no route exists, 429 when every route is full.
 - ``GET  /metrics``: Prometheus metrics.
@@ -57,6 +60,8 @@ from noderuntime.tracker.messages import (
     Heartbeat,
     Leave,
     NodeQuery,
+    PlacementReply,
+    PlacementRequest,
     ProbeReply,
     Registration,
     RepairRequest,
@@ -64,6 +69,7 @@ from noderuntime.tracker.messages import (
     RouteReply,
     RouteRequest,
 )
+from noderuntime.tracker.placement import Placement, PlacementError
 from noderuntime.tracker.state import STEP_BUDGET_MS, NodeRecord, NoRoute, TrackerState
 from noderuntime.verify.certificates import CoveredPair
 from noderuntime.web import add_pages, file_response
@@ -110,6 +116,7 @@ class Tracker:
         for pair in self.mixes:
             by_artifact.setdefault(pair.artifact, set()).add(pair.recipes)
         self.state = TrackerState(expire_after=expire_after, step_budget_ms=step_budget_ms, mixes=by_artifact)
+        self.placement = Placement(self.state)
         self.signatures = SignatureChecker()
         self.api_key = api_key
         self.references = references or ProbeReferences()
@@ -150,7 +157,9 @@ class Tracker:
         """Drop nodes that stopped sending heartbeats."""
         while True:
             await trio.sleep(1.0)
-            self.state.expire(time.time())
+            now = time.time()
+            self.state.expire(now)
+            self.placement.expire(now)
 
     async def _authenticated(self, request: Request, claimed: str) -> bytes:
         body = await request.body()
@@ -176,6 +185,7 @@ class Tracker:
         app.post("/v1/nodes/heartbeat")(self._heartbeat)
         app.post("/v1/nodes/leave")(self._leave)
         app.post("/v1/nodes/probe")(self._probe)
+        app.post("/v1/placement")(self._place)
         app.get("/v1/nodes")(self._nodes)
         app.get("/v1/status")(self._swarm)
         app.get("/v1/status/nodes")(self._swarm_nodes)
@@ -249,6 +259,7 @@ class Tracker:
         # a node that audits excluded stays out, however often it registers again
         record = attrs.evolve(record, audit_failed=self.audits.excluded(node_id))
         self.state.register(record, now)
+        self.placement.registered(node_id)
         self.metrics.registrations.inc()
         self.challenges.pop(node_id, None)
         self.last_probed.pop(node_id, None)
@@ -286,9 +297,36 @@ class Tracker:
     async def _leave(self, body: Leave, request: Request) -> dict[str, Any]:
         node_id = await self._authenticated(request, body.node_id)
         known = self.state.leave(node_id, time.time())
+        self.placement.forget(node_id)
         self.challenges.pop(node_id, None)
         log.info("node %s left%s", node_id.hex()[:12], "" if known else " (it was not registered)")
         return {"ok": True, "was_registered": known}
+
+    async def _place(self, body: PlacementRequest, request: Request) -> JSONResponse:
+        """The range a node without one should load: see :mod:`noderuntime.tracker.placement`."""
+        node_id = await self._authenticated(request, body.node_id)
+        try:
+            given = self.placement.assign(
+                node_id, body.artifact, body.n_layer, body.max_layers, time.time(), tokens_per_s=body.tokens_per_s
+            )
+        except PlacementError as exc:
+            raise HTTPException(409, str(exc)) from None
+        log.info(
+            "node %s (%d layers at most) placed on layers %d:%d, around layer %d (%.1f tokens/s before it)",
+            node_id.hex()[:12],
+            body.max_layers,
+            *given.layers,
+            given.weakest,
+            given.weakest_capacity,
+        )
+        reply = PlacementReply(
+            layers=given.layers,
+            n_layer=body.n_layer,
+            weakest=given.weakest,
+            weakest_capacity=given.weakest_capacity,
+            reserved_seconds=self.placement.reservation_seconds,
+        )
+        return JSONResponse(reply.model_dump(mode="json"))
 
     async def _probe(self, body: ProbeReply, request: Request) -> dict[str, Any]:
         node_id = await self._authenticated(request, body.node_id)

@@ -22,6 +22,8 @@ from noderuntime.tracker.messages import (
     AuditVerdict,
     Heartbeat,
     Leave,
+    PlacementReply,
+    PlacementRequest,
     ProbeReply,
     Registration,
     RepairRequest,
@@ -222,6 +224,42 @@ class TrackerLink:
                 await trio.sleep(self._retry)
                 continue
             await trio.sleep(interval)
+
+
+async def request_placement(
+    client: httpx.AsyncClient, url: str, identity: Identity, asked: PlacementRequest
+) -> PlacementReply:
+    """The layer range the tracker gives a node that has none yet (see :mod:`noderuntime.tracker.placement`).
+
+    :class:`TrackerError` when it is unreachable, refuses (its status), or answers a range that
+    is not one of ``asked.n_layer`` layers of at most ``asked.max_layers``.
+    """
+    path = "/v1/placement"
+    data = asked.model_dump_json().encode()
+    headers = {"content-type": "application/json", **sign(identity, "POST", path, data, int(time.time() * 1000))}
+    try:
+        response = await client.post(url.rstrip("/") + path, content=data, headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        raise TrackerError(f"the tracker {url} is unreachable: {exc}") from None
+    if response.status_code != 200:
+        try:
+            detail = untrusted.json_object(response.content, "the tracker's answer").get("detail")
+        except ValueError:
+            detail = None
+        message = detail if isinstance(detail, str) else response.text[:300]
+        raise TrackerError(f"the tracker refused to place this node: {message}", response.status_code)
+    try:
+        reply = PlacementReply.model_validate_json(response.content)
+    except ValidationError:
+        raise TrackerError(f"the tracker {url} sent a malformed placement", response.status_code) from None
+    start, end = reply.layers
+    if reply.n_layer != asked.n_layer or end > asked.n_layer or end - start > asked.max_layers:
+        raise TrackerError(
+            f"the tracker {url} placed this node on layers {start}:{end} of {reply.n_layer}, which it cannot "
+            f"serve ({asked.max_layers} of {asked.n_layer} layers at most)",
+            response.status_code,
+        )
+    return reply
 
 
 @attrs.frozen

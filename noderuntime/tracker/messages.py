@@ -103,6 +103,40 @@ class Leave(BaseModel):
     node_id: str = Field(pattern=HEX32)
 
 
+class PlacementRequest(BaseModel):
+    """A node that has no layer range yet asks the tracker for one (``POST /v1/placement``, signed).
+
+    ``max_layers``: how many layers of the model it can hold (its memory planner's answer);
+    ``tokens_per_s``: the decode throughput it expects to give them, when it knows one.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    node_id: str = Field(pattern=HEX32)
+    artifact: str = Field(pattern=HEX32)
+    n_layer: int = Field(gt=0, le=MAX_LAYERS, strict=True)
+    max_layers: int = Field(gt=0, le=MAX_LAYERS, strict=True)
+    tokens_per_s: float | None = Field(default=None, gt=0, le=1e9, allow_inf_nan=False)
+
+
+class PlacementReply(BaseModel):
+    """The range the tracker gives a joining node, reserved for it for ``reserved_seconds``."""
+
+    layers: tuple[int, int]
+    n_layer: int = Field(gt=0, le=MAX_LAYERS)
+    weakest: int = Field(ge=0, lt=MAX_LAYERS)  # the layer it was placed around
+    weakest_capacity: float = Field(ge=0, allow_inf_nan=False)  # that layer's tokens/s before it: 0 uncovered
+    reserved_seconds: float = Field(ge=0, allow_inf_nan=False)
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, value: tuple[int, int]) -> tuple[int, int]:
+        start, end = value
+        if not 0 <= start < end <= MAX_LAYERS:
+            raise ValueError(f"layers must be [start, end] with 0 <= start < end <= {MAX_LAYERS}")
+        return value
+
+
 class ProbeReply(BaseModel):
     """A node's answer to its probe challenge."""
 

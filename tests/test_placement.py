@@ -1,0 +1,253 @@
+"""Placement: the range a node that starts without one is given (pure), and the tracker's signed API for it."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import trio
+
+from noderuntime.access.identity import Identity
+from noderuntime.access.signing import sign
+from noderuntime.control.admission import Capability, capability_record
+from noderuntime.operations.httpserve import serve_http
+from noderuntime.tracker.app import Tracker
+from noderuntime.tracker.client import TrackerError, request_placement
+from noderuntime.tracker.messages import PlacementRequest
+from noderuntime.tracker.placement import (
+    MAX_RESERVATIONS,
+    RESERVATION_SECONDS,
+    Placement,
+    PlacementError,
+    best_window,
+)
+from noderuntime.tracker.state import NodeRecord, TrackerState
+
+ARTIFACT = "ab" * 32
+
+
+def node(name: str, layers: tuple[int, int], *, step: float = 10.0, n_layer: int = 30, **changes: Any) -> NodeRecord:
+    """A node of 4 slots that measured nothing: it gives 4 * 1000 / ``step`` tokens/s to its layers."""
+    return NodeRecord(
+        node_id=name.encode().ljust(32, b"."),
+        artifact=ARTIFACT,
+        n_layer=n_layer,
+        layers=layers,
+        recipe="r" * 16,
+        address=f"{name}:1",
+        relay="",
+        tls_cert_sha256=b"",
+        slots=4,
+        ctx_per_session=2048,
+        step_ms=step,
+        **changes,
+    )
+
+
+def _id(name: str) -> bytes:
+    return name.encode().ljust(32, b".")
+
+
+def placement_with(*records: NodeRecord) -> Placement:
+    state = TrackerState()
+    for record in records:
+        state.register(record, 0.0)
+    return Placement(state)
+
+
+def test_the_window_holds_the_weakest_layer_uncovered_ones_first_and_the_thinnest_around_it() -> None:
+    assert best_window([0.0] * 30, 10) == (0, 10)
+    assert best_window([0.0] * 30, 40) == (0, 30)  # more than the model: all of it
+    assert best_window([5.0] * 10 + [0.0] * 20, 10) == (10, 20)
+    # one uncovered layer outweighs any number of thin ones
+    assert best_window([1.0] * 12 + [0.0] + [1.0] * 17, 5)[0] in range(8, 13)
+    # around the weakest (layer 5), the window over the thinner neighbours
+    capacity = [9.0, 9.0, 9.0, 9.0, 2.0, 1.0, 3.0, 9.0, 9.0, 9.0]
+    assert best_window(capacity, 3) == (4, 7)
+    assert best_window(capacity, 2) == (4, 6)
+    # two weakest layers far apart: the window that holds more of the thin ones
+    assert best_window([0.0, 9, 9, 9, 9, 9, 0, 0, 0, 9], 3) == (6, 9)
+    # sums of floats that cancel are an uncovered layer still, not a thin one
+    assert best_window(np.array([0.1 + 0.2 - 0.3, 1e-17, 5.0, 5.0]), 1) == (0, 1)
+    with pytest.raises(ValueError):
+        best_window([], 3)
+
+
+def test_capacity_counts_measured_throughput_of_nodes_that_serve_or_will_and_not_the_excluded() -> None:
+    placement = placement_with(
+        node("a", (0, 10), step=10.0),  # 400 tokens/s
+        node("b", (5, 20), step=40.0),  # 100 tokens/s
+        node("failed", (20, 30), probe_passed=False),
+        node("audited", (20, 30), audit_failed="wrong bits"),
+        node("probing", (25, 30), probe_required=True),  # loading its probe: it will serve
+        node("other", (0, 30), n_layer=31),  # another layer count: it serves no route
+    )
+    capacity = placement.capacity(ARTIFACT, 30, 0.0)
+    assert capacity[:5].tolist() == [400.0] * 5
+    assert capacity[5:10].tolist() == [500.0] * 5
+    assert capacity[10:20].tolist() == [100.0] * 10
+    assert capacity[20:25].tolist() == [0.0] * 5
+    assert capacity[25:].tolist() == [400.0] * 5
+    assert placement.assign(_id("new"), ARTIFACT, 30, 5, 0.0).layers == (20, 25)
+    # a node that asks is counted without what it serves now
+    assert placement.capacity(ARTIFACT, 30, 0.0, exclude=_id("a"))[0] == 0.0
+
+
+def test_a_joiner_takes_the_least_served_window_by_throughput_not_by_count() -> None:
+    # layers 0:15 have two slow nodes, 15:30 one fast one: the slow half is the thinner
+    placement = placement_with(
+        node("slow1", (0, 15), step=100.0), node("slow2", (0, 15), step=100.0), node("fast", (15, 30), step=5.0)
+    )
+    given = placement.assign(_id("new"), ARTIFACT, 30, 15, 0.0)
+    assert given.layers == (0, 15)
+    assert given.weakest_capacity == 80.0
+
+
+def test_two_joiners_asking_at_once_take_different_gaps_and_fill_the_model() -> None:
+    placement = placement_with()
+    first = placement.assign(_id("one"), ARTIFACT, 30, 12, 0.0)
+    second = placement.assign(_id("two"), ARTIFACT, 30, 12, 1.0)
+    third = placement.assign(_id("three"), ARTIFACT, 30, 12, 2.0)
+    assert first.layers == (0, 12) and first.weakest_capacity == 0.0
+    assert second.layers == (12, 24) and second.weakest_capacity == 0.0
+    assert third.layers == (18, 30) and third.weakest_capacity == 0.0
+    assert placement.capacity(ARTIFACT, 30, 3.0).min() > 0
+    # a fourth goes where the joiners are thinnest, even before any of them registered
+    fourth = placement.assign(_id("four"), ARTIFACT, 30, 12, 3.0)
+    assert fourth.layers[0] <= 5 and fourth.weakest_capacity > 0
+    # asking again gives up the old reservation: the same answer, not a second window
+    again = placement.assign(_id("four"), ARTIFACT, 30, 12, 4.0)
+    assert again.layers == fourth.layers
+    assert len(placement.reservations) == 4
+
+
+def test_reservations_lapse_and_a_node_that_registers_or_leaves_clears_its_own() -> None:
+    placement = placement_with()
+    given = placement.assign(_id("one"), ARTIFACT, 30, 10, 0.0)
+    assert given.expires == RESERVATION_SECONDS
+    assert placement.assign(_id("two"), ARTIFACT, 30, 10, 1.0).layers == (10, 20)
+    # one never came: after its reservation lapses, its gap is given again
+    assert placement.assign(_id("late"), ARTIFACT, 30, 10, RESERVATION_SECONDS + 0.5).layers == (0, 10)
+    assert set(placement.reservations) == {_id("two"), _id("late")}
+    # one registered (with the range it was given): its record counts, its reservation is gone
+    placement.state.register(node("two", (10, 20)), 2.0)
+    placement.registered(_id("two"))
+    assert set(placement.reservations) == {_id("late")}
+    capacity = placement.capacity(ARTIFACT, 30, RESERVATION_SECONDS + 1)
+    assert capacity[10:20].tolist() == [400.0] * 10  # counted once, by its record
+    placement.forget(_id("late"))
+    assert not placement.reservations
+    assert placement.assign(_id("new"), ARTIFACT, 30, 10, RESERVATION_SECONDS + 2).layers == (0, 10)
+
+
+def test_reservations_are_bounded_and_a_request_against_the_swarms_layer_count_is_refused() -> None:
+    placement = placement_with(node("a", (0, 30)))
+    with pytest.raises(PlacementError, match="30 layers"):
+        placement.assign(_id("new"), ARTIFACT, 32, 10, 0.0)
+    with pytest.raises(ValueError):
+        placement.assign(_id("new"), ARTIFACT, 30, 0, 0.0)
+    for k in range(MAX_RESERVATIONS + 10):
+        placement.assign(k.to_bytes(32, "big"), ARTIFACT, 30, 3, k * 1e-3)
+    assert len(placement.reservations) == MAX_RESERVATIONS
+    assert (0).to_bytes(32, "big") not in placement.reservations  # the soonest to lapse went first
+
+
+def test_joiners_one_by_one_cover_a_model_none_of_them_can_hold() -> None:
+    placement = placement_with()
+    for k, size in enumerate([7, 9, 5, 11, 6, 8]):
+        placement.assign(_id(f"n{k}"), ARTIFACT, 40, size, float(k))
+    assert placement.capacity(ARTIFACT, 40, 10.0).min() > 0
+
+
+def _registration(me: Identity, layers: tuple[int, int]) -> dict[str, Any]:
+    return {
+        "node_id": me.node_id.hex(),
+        "artifact": ARTIFACT,
+        "n_layer": 30,
+        "layers": list(layers),
+        "recipe": "0123456789abcdef",
+        "address": "127.0.0.1:1",
+        "slots": 2,
+        "ctx_per_session": 512,
+        "capability": capability_record(
+            me,
+            artifact=ARTIFACT,
+            layers=layers,
+            recipe="0123456789abcdef",
+            capability=Capability(2.0, ((1, 10.0), (2, 12.0)), 1, 1, 1, 2),
+        ),
+    }
+
+
+async def test_the_tracker_places_signed_joiners_apart_and_refuses_bad_requests_with_a_4xx() -> None:
+    tracker = Tracker(Identity.generate())
+    one, two, other = Identity.generate(), Identity.generate(), Identity.generate()
+    async with trio.open_nursery() as nursery, httpx.AsyncClient() as client:
+        url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
+        stamps = iter(range(int(time.time() * 1000), 1 << 62))
+
+        async def post(path: str, body: dict[str, Any], signer: Identity) -> httpx.Response:
+            data = json.dumps(body).encode()
+            headers = {**sign(signer, "POST", path, data, next(stamps)), "content-type": "application/json"}
+            return await client.post(url + path, content=data, headers=headers)
+
+        def asked(me: Identity, **changes: Any) -> dict[str, Any]:
+            return {"node_id": me.node_id.hex(), "artifact": ARTIFACT, "n_layer": 30, "max_layers": 20, **changes}
+
+        first = await request_placement(client, url, one, PlacementRequest(**asked(one)))
+        second = await request_placement(client, url, two, PlacementRequest(**asked(two, tokens_per_s=50.0)))
+        assert first.layers == (0, 20) and first.weakest_capacity == 0.0
+        assert second.layers == (10, 30) and second.weakest_capacity == 0.0
+        assert first.reserved_seconds == RESERVATION_SECONDS
+        # unsigned, signed by another, or malformed: refused, and the tracker serves on
+        assert (await client.post(url + "/v1/placement", json=asked(one))).status_code == 401
+        assert (await post("/v1/placement", asked(one), other)).status_code == 403
+        for bad in (
+            asked(one, max_layers=0),
+            asked(one, max_layers=True),
+            asked(one, n_layer="30"),
+            asked(one, n_layer=1 << 20),
+            asked(one, tokens_per_s=-1.0),
+            asked(one, artifact="zz"),
+            asked(one, spare="field"),
+            {"node_id": one.node_id.hex()},
+        ):
+            response = await post("/v1/placement", bad, one)
+            assert response.status_code == 422, bad
+        bad_json = b"{not json"
+        headers = {**sign(one, "POST", "/v1/placement", bad_json, next(stamps)), "content-type": "application/json"}
+        assert (await client.post(url + "/v1/placement", content=bad_json, headers=headers)).status_code == 422
+        # once a node of the artifact registered, another layer count is a conflict
+        assert (await post("/v1/nodes/register", _registration(one, (0, 20)), one)).status_code == 200
+        assert one.node_id not in tracker.placement.reservations
+        assert two.node_id in tracker.placement.reservations
+        with pytest.raises(TrackerError) as conflict:
+            await request_placement(client, url, other, PlacementRequest(**asked(other, n_layer=32)))
+        assert conflict.value.status == 409 and "30 layers" in str(conflict.value)
+        # leaving clears a reservation too
+        assert (await post("/v1/nodes/leave", {"node_id": two.node_id.hex()}, two)).status_code == 200
+        assert not tracker.placement.reservations
+        third = await request_placement(client, url, other, PlacementRequest(**asked(other, max_layers=10)))
+        assert third.layers == (20, 30)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_placement_the_node_cannot_serve_is_a_tracker_error() -> None:
+    me = Identity.generate()
+
+    async def lying(request: httpx.Request) -> httpx.Response:
+        body = {"layers": [0, 25], "n_layer": 30, "weakest": 0, "weakest_capacity": 0.0, "reserved_seconds": 60}
+        return httpx.Response(200, json=body)
+
+    async def garbled(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"\xff\x00")
+
+    asked = PlacementRequest(node_id=me.node_id.hex(), artifact=ARTIFACT, n_layer=30, max_layers=20)
+    for handler, message in ((lying, "cannot serve"), (garbled, "malformed")):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            with pytest.raises(TrackerError, match=message):
+                await request_placement(client, "http://tracker", me, asked)
