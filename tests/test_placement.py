@@ -7,7 +7,6 @@ import time
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
 import trio
 
@@ -15,15 +14,17 @@ from noderuntime.access.identity import Identity
 from noderuntime.access.signing import sign
 from noderuntime.control.admission import Capability, capability_record
 from noderuntime.operations.httpserve import serve_http
+from noderuntime.tracker import placement as placement_module
 from noderuntime.tracker.app import Tracker
 from noderuntime.tracker.client import TrackerError, request_placement
 from noderuntime.tracker.messages import PlacementRequest
 from noderuntime.tracker.placement import (
-    MAX_RESERVATIONS,
     RESERVATION_SECONDS,
+    Piece,
     Placement,
     PlacementError,
-    best_window,
+    choose,
+    route_capacity,
 )
 from noderuntime.tracker.state import NodeRecord, TrackerState
 
@@ -59,66 +60,71 @@ def placement_with(*records: NodeRecord) -> Placement:
     return Placement(state)
 
 
-def test_the_window_holds_the_weakest_layer_uncovered_ones_first_and_the_thinnest_around_it() -> None:
-    assert best_window([0.0] * 30, 10) == (0, 10)
-    assert best_window([0.0] * 30, 40) == (0, 30)  # more than the model: all of it
-    assert best_window([5.0] * 10 + [0.0] * 20, 10) == (10, 20)
-    # one uncovered layer outweighs any number of thin ones
-    assert best_window([1.0] * 12 + [0.0] + [1.0] * 17, 5)[0] in range(8, 13)
-    # around the weakest (layer 5), the window over the thinner neighbours
-    capacity = [9.0, 9.0, 9.0, 9.0, 2.0, 1.0, 3.0, 9.0, 9.0, 9.0]
-    assert best_window(capacity, 3) == (4, 7)
-    assert best_window(capacity, 2) == (4, 6)
-    # two weakest layers far apart: the window that holds more of the thin ones
-    assert best_window([0.0, 9, 9, 9, 9, 9, 0, 0, 0, 9], 3) == (6, 9)
-    # sums of floats that cancel are an uncovered layer still, not a thin one
-    assert best_window(np.array([0.1 + 0.2 - 0.3, 1e-17, 5.0, 5.0]), 1) == (0, 1)
+def test_the_window_completes_a_route_first_then_goes_around_the_weakest_layer_uncovered_ones_first() -> None:
+    assert choose([], 30, 10, 100.0).layers == (0, 10)
+    assert choose([], 30, 40, 100.0).layers == (0, 30)  # more than the model: all of it
+    # no route yet: the chain from layer 0 grows, and the window that completes one wins
+    assert choose([Piece(0, 10, 100.0)], 30, 17, 100.0).layers == (10, 27)
+    assert choose([Piece(0, 10, 100.0), Piece(10, 27, 100.0)], 30, 24, 100.0).layers == (10, 30)
+    # a piece that starts where no chain from layer 0 ends serves no route: the joiner bridges to it
+    assert choose([Piece(20, 30, 100.0)], 30, 25, 100.0).layers == (0, 20)
+    # one route: the window around its slowest stretch, ending where another piece starts
+    slow_middle = [Piece(0, 10, 500.0), Piece(10, 20, 50.0), Piece(20, 30, 500.0)]
+    given = choose(slow_middle, 30, 12, 100.0)
+    assert given.layers == (10, 20) and given.weakest == 10 and given.weakest_capacity == 50.0
+    # by throughput, not by count: two slow nodes are thinner than one fast one
+    by_speed = [Piece(0, 15, 40.0), Piece(0, 15, 40.0), Piece(15, 30, 800.0)]
+    assert choose(by_speed, 30, 15, 100.0).layers == (0, 15)
     with pytest.raises(ValueError):
-        best_window([], 3)
+        choose([], 0, 3, 1.0)
+
+
+def test_joiners_too_small_for_a_stretch_build_a_bridge_that_the_next_ones_finish() -> None:
+    pieces = [Piece(0, 30, 40.0)]
+    for expected in [(0, 10), (10, 20), (20, 30)]:
+        given = choose(pieces, 30, 10, 100.0)
+        assert given.layers == expected
+        pieces.append(Piece(*given.layers, 100.0))
+    assert route_capacity(pieces, 30).tolist() == [140.0] * 30
+
+
+def test_route_capacity_counts_only_pieces_on_a_chain_from_the_first_layer_to_the_last() -> None:
+    pieces = [Piece(0, 10, 1.0), Piece(10, 30, 2.0), Piece(5, 12, 50.0), Piece(0, 12, 7.0)]
+    assert route_capacity(pieces, 30).tolist() == [1.0] * 10 + [2.0] * 20
+    assert route_capacity([Piece(0, 29, 5.0)], 30).tolist() == [0.0] * 30
+    # sums of floats that cancel leave an uncovered layer at exactly 0
+    assert route_capacity([Piece(0, 30, 0.1), Piece(0, 30, 0.2)], 30).min() == 0.3
 
 
 def test_capacity_counts_measured_throughput_of_nodes_that_serve_or_will_and_not_the_excluded() -> None:
     placement = placement_with(
         node("a", (0, 10), step=10.0),  # 400 tokens/s
-        node("b", (5, 20), step=40.0),  # 100 tokens/s
-        node("failed", (20, 30), probe_passed=False),
-        node("audited", (20, 30), audit_failed="wrong bits"),
-        node("probing", (25, 30), probe_required=True),  # loading its probe: it will serve
+        node("b", (10, 30), step=40.0),  # 100 tokens/s
+        node("failed", (10, 30), probe_passed=False),
+        node("audited", (10, 30), audit_failed="wrong bits"),
+        node("probing", (10, 30), probe_required=True),  # answering its probe: it will serve
         node("other", (0, 30), n_layer=31),  # another layer count: it serves no route
+        node("stray", (5, 12)),  # on no route
     )
     capacity = placement.capacity(ARTIFACT, 30, 0.0)
-    assert capacity[:5].tolist() == [400.0] * 5
-    assert capacity[5:10].tolist() == [500.0] * 5
-    assert capacity[10:20].tolist() == [100.0] * 10
-    assert capacity[20:25].tolist() == [0.0] * 5
-    assert capacity[25:].tolist() == [400.0] * 5
-    assert placement.assign(_id("new"), ARTIFACT, 30, 5, 0.0).layers == (20, 25)
+    assert capacity.tolist() == [400.0] * 10 + [500.0] * 20
     # a node that asks is counted without what it serves now
-    assert placement.capacity(ARTIFACT, 30, 0.0, exclude=_id("a"))[0] == 0.0
+    assert placement.capacity(ARTIFACT, 30, 0.0, exclude=_id("a")).max() == 0.0
+    assert placement.assign(_id("new"), ARTIFACT, 30, 10, 0.0).layers == (0, 10)
 
 
-def test_a_joiner_takes_the_least_served_window_by_throughput_not_by_count() -> None:
-    # layers 0:15 have two slow nodes, 15:30 one fast one: the slow half is the thinner
-    placement = placement_with(
-        node("slow1", (0, 15), step=100.0), node("slow2", (0, 15), step=100.0), node("fast", (15, 30), step=5.0)
-    )
-    given = placement.assign(_id("new"), ARTIFACT, 30, 15, 0.0)
-    assert given.layers == (0, 15)
-    assert given.weakest_capacity == 80.0
-
-
-def test_two_joiners_asking_at_once_take_different_gaps_and_fill_the_model() -> None:
+def test_two_joiners_asking_at_once_take_different_gaps_and_form_a_route() -> None:
     placement = placement_with()
     first = placement.assign(_id("one"), ARTIFACT, 30, 12, 0.0)
     second = placement.assign(_id("two"), ARTIFACT, 30, 12, 1.0)
     third = placement.assign(_id("three"), ARTIFACT, 30, 12, 2.0)
     assert first.layers == (0, 12) and first.weakest_capacity == 0.0
     assert second.layers == (12, 24) and second.weakest_capacity == 0.0
-    assert third.layers == (18, 30) and third.weakest_capacity == 0.0
+    assert third.layers == (24, 30) and third.weakest_capacity == 0.0
     assert placement.capacity(ARTIFACT, 30, 3.0).min() > 0
-    # a fourth goes where the joiners are thinnest, even before any of them registered
+    # a fourth doubles a stretch, even before any of them registered
     fourth = placement.assign(_id("four"), ARTIFACT, 30, 12, 3.0)
-    assert fourth.layers[0] <= 5 and fourth.weakest_capacity > 0
+    assert fourth.layers == (0, 12) and fourth.weakest_capacity > 0
     # asking again gives up the old reservation: the same answer, not a second window
     again = placement.assign(_id("four"), ARTIFACT, 30, 12, 4.0)
     assert again.layers == fourth.layers
@@ -137,22 +143,25 @@ def test_reservations_lapse_and_a_node_that_registers_or_leaves_clears_its_own()
     placement.state.register(node("two", (10, 20)), 2.0)
     placement.registered(_id("two"))
     assert set(placement.reservations) == {_id("late")}
-    capacity = placement.capacity(ARTIFACT, 30, RESERVATION_SECONDS + 1)
-    assert capacity[10:20].tolist() == [400.0] * 10  # counted once, by its record
+    pieces = placement.pieces(ARTIFACT, 30, RESERVATION_SECONDS + 1)
+    assert sorted(pieces, key=lambda p: p.start) == [Piece(0, 10, 100.0), Piece(10, 20, 400.0)]  # counted once
     placement.forget(_id("late"))
     assert not placement.reservations
     assert placement.assign(_id("new"), ARTIFACT, 30, 10, RESERVATION_SECONDS + 2).layers == (0, 10)
 
 
-def test_reservations_are_bounded_and_a_request_against_the_swarms_layer_count_is_refused() -> None:
+def test_reservations_are_bounded_and_a_request_against_the_swarms_layer_count_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(placement_module, "MAX_RESERVATIONS", 64)
     placement = placement_with(node("a", (0, 30)))
     with pytest.raises(PlacementError, match="30 layers"):
         placement.assign(_id("new"), ARTIFACT, 32, 10, 0.0)
     with pytest.raises(ValueError):
         placement.assign(_id("new"), ARTIFACT, 30, 0, 0.0)
-    for k in range(MAX_RESERVATIONS + 10):
+    for k in range(64 + 10):
         placement.assign(k.to_bytes(32, "big"), ARTIFACT, 30, 3, k * 1e-3)
-    assert len(placement.reservations) == MAX_RESERVATIONS
+    assert len(placement.reservations) == 64
     assert (0).to_bytes(32, "big") not in placement.reservations  # the soonest to lapse went first
 
 
@@ -201,7 +210,7 @@ async def test_the_tracker_places_signed_joiners_apart_and_refuses_bad_requests_
         first = await request_placement(client, url, one, PlacementRequest(**asked(one)))
         second = await request_placement(client, url, two, PlacementRequest(**asked(two, tokens_per_s=50.0)))
         assert first.layers == (0, 20) and first.weakest_capacity == 0.0
-        assert second.layers == (10, 30) and second.weakest_capacity == 0.0
+        assert second.layers == (20, 30) and second.weakest_capacity == 0.0
         assert first.reserved_seconds == RESERVATION_SECONDS
         # unsigned, signed by another, or malformed: refused, and the tracker serves on
         assert (await client.post(url + "/v1/placement", json=asked(one))).status_code == 401

@@ -1,13 +1,21 @@
 """Where a joining node should serve: plain synchronous code over the tracker's state, no I/O.
 
 A node started without a layer range tells the tracker how many layers it can hold; the
-tracker answers the window of that many layers around the layer with the least serving
+tracker answers a window of at most that many layers where it adds the most serving
 capacity. A layer's capacity is the sum of the decode throughput (tokens/s, as
-:meth:`NodeRecord.tokens_per_s` measures it) of the nodes that hold it: the registered
-nodes that routes use or will use once probed, and the nodes still loading the range the
-tracker gave them (their reservations). An uncovered layer has capacity 0, so it comes
-first. Among the windows that hold a weakest layer, the one whose own layers are the
-thinnest is taken: their capacities, sorted, compared smallest first.
+:meth:`NodeRecord.tokens_per_s` measures it) of the nodes that hold it on a complete
+route: a route's hops meet exactly at their boundaries, so a node whose range no chain
+reaches from the first layer, or that leads to none reaching the last, serves nothing
+however thin its layers are. Counted are the registered nodes that routes use or will use
+once probed, and the nodes still loading the range the tracker gave them (their
+reservations).
+
+The window taken (:func:`choose`) starts where a chain from layer 0 ends and ends where
+other pieces start (or at the model's end, or as far as the node reaches): first a window
+that completes a route, then the one that raises the least capacity most (the window
+around the weakest layer; uncovered layers, at 0, come first) and leaves the fewest layers
+at it, then progress towards a route for pieces that no route holds yet (a bridge over a
+stretch too long for one node, which the next joiners finish), then the longest.
 
 A reservation lasts until its node registers (then its record counts instead, whatever
 range it registered with), leaves, asks again, or :data:`RESERVATION_SECONDS` pass: so two
@@ -18,7 +26,7 @@ its gap for ever.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import attrs
 import numpy as np
@@ -29,8 +37,8 @@ from noderuntime.tracker.state import NodeRecord, TrackerState, layer_count
 RESERVATION_SECONDS = 600.0  # long enough to fetch and load a shard of a large model
 MAX_RESERVATIONS = 4096  # reservations kept at once; beyond, the soonest to expire goes first
 DEFAULT_TOKENS_PER_S = 100.0  # a joiner's throughput when neither it nor any peer measured one
-KEPT = 16  # a window's thinnest layers compared (beyond these, its total decides)
-CHUNK = 256  # windows sorted at once: bounds the memory of one answer on a model of many layers
+MAX_CANDIDATES = 4096  # windows weighed for one answer (the nearest the weakest layer, where there are more)
+CHUNK = 256  # windows weighed at once: bounds the memory of one answer on a model of many layers
 DECIMALS = 6  # capacities are rounded here: sums of floats must see an uncovered layer as exactly 0
 
 Capacities = npt.NDArray[np.float64]
@@ -70,35 +78,152 @@ def counted(record: NodeRecord) -> bool:
     return record.probe_passed is not False and not record.audit_failed
 
 
-def best_window(capacity: Capacities | Iterable[float], size: int) -> tuple[int, int]:
-    """The window of ``size`` layers (at most all of them) to serve: ``[start, end)``.
+@attrs.frozen
+class Piece:
+    """A layer range that a node serves or is loading, and the decode throughput it gives it."""
 
-    It holds a weakest layer; among those that do, the one whose thinnest :data:`KEPT`
-    layers, sorted, are smallest (compared in order), then the smallest total, then the first.
+    start: int
+    end: int
+    tokens_per_s: float
+
+
+@attrs.frozen
+class Choice:
+    """Where a joiner should serve, and the layer of that window that routes served least before it."""
+
+    layers: tuple[int, int]
+    weakest: int
+    weakest_capacity: float
+
+
+def _merged(pieces: Sequence[Piece], n_layer: int) -> list[Piece]:
+    """``pieces`` within ``[0, n_layer)``, those of one range as one: what the search weighs grows with the
+    distinct ranges, not with the nodes."""
+    speeds: dict[tuple[int, int], float] = {}
+    for p in pieces:
+        if 0 <= p.start < p.end <= n_layer:
+            speeds[p.start, p.end] = speeds.get((p.start, p.end), 0.0) + p.tokens_per_s
+    return [Piece(start, end, speed) for (start, end), speed in speeds.items()]
+
+
+def _closure(pieces: Sequence[Piece], n_layer: int) -> npt.NDArray[np.bool_]:
+    """``reach[a, b]``: a chain of ``pieces`` runs from boundary ``a`` to boundary ``b`` (``a`` to itself too)."""
+    reach = np.eye(n_layer + 1, dtype=np.bool_)
+    ends_from: dict[int, set[int]] = {}
+    for piece in pieces:
+        ends_from.setdefault(piece.start, set()).add(piece.end)
+    # every piece runs forward: a boundary's row is final once the rows after it are
+    for boundary in sorted(ends_from, reverse=True):
+        for end in ends_from[boundary]:
+            reach[boundary] |= reach[end]
+    return reach
+
+
+def _capacity(pieces: Sequence[Piece], on_route: npt.NDArray[np.bool_], n_layer: int) -> Capacities:
+    change = np.zeros(n_layer + 1)
+    for piece, counts in zip(pieces, on_route, strict=True):
+        if counts:
+            change[piece.start] += piece.tokens_per_s
+            change[piece.end] -= piece.tokens_per_s
+    return np.maximum(np.round(np.cumsum(change[:n_layer]), DECIMALS), 0.0)
+
+
+def route_capacity(pieces: Sequence[Piece], n_layer: int) -> Capacities:
+    """By layer, the tokens/s of the pieces that lie on a complete route (a chain from 0 to ``n_layer``).
+
+    A route's hops meet at their boundaries: a piece that no chain reaches from the first
+    layer, or that leads to none reaching the last, serves no route, whatever it holds.
     """
-    values = np.round(np.asarray(capacity, np.float64), DECIMALS)
-    n = int(values.size)
-    if n == 0 or size <= 0:
-        raise ValueError("a window needs layers and a positive size")
-    size = min(size, n)
-    if size == n:
-        return 0, n
-    weak = values <= values.min()
-    # a start whose window holds a weakest layer: a prefix count of them over each window
-    seen = np.concatenate(([0], np.cumsum(weak)))
-    starts = np.flatnonzero(seen[size:] - seen[: n - size + 1] > 0)
-    windows = np.lib.stride_tricks.sliding_window_view(values, size)
-    kept = min(KEPT, size)
-    keys = np.empty((starts.size, kept))
-    for at in range(0, starts.size, CHUNK):
-        rows = windows[starts[at : at + CHUNK]]
-        keys[at : at + CHUNK] = np.sort(np.partition(rows, kept - 1, axis=1)[:, :kept], axis=1)
-    running = np.concatenate(([0.0], np.cumsum(values)))
-    totals = np.round(running[starts + size] - running[starts], DECIMALS)
-    # np.lexsort sorts by its last key first
-    order = np.lexsort((starts, totals, *keys.T[::-1]))
-    start = int(starts[order[0]])
-    return start, start + size
+    pieces = _merged(pieces, n_layer)
+    reach = _closure(pieces, n_layer)
+    on_route = np.array([reach[0, p.start] and reach[p.end, n_layer] for p in pieces], np.bool_)
+    return _capacity(pieces, on_route, n_layer)
+
+
+def _least(capacity: npt.NDArray[np.float64]) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """By row: the least capacity, and how many layers have it."""
+    least = capacity.min(axis=1)
+    return least, (capacity <= least[:, None]).sum(axis=1)
+
+
+def choose(pieces: Sequence[Piece], n_layer: int, size: int, tokens_per_s: float) -> Choice:
+    """The range a node of ``size`` layers and ``tokens_per_s`` should take among ``pieces``.
+
+    Every window that starts where a chain from layer 0 ends (it can be a route's next hop)
+    and ends at a boundary within ``size`` layers (where other pieces start, or the end of
+    the model), or ``size`` layers on, is tried; the one taken leaves, in order:
+    the largest least capacity over the layers of complete routes (so a window around the
+    weakest layer, uncovered ones first, and one that completes a first route above all),
+    the fewest layers at that least capacity, then the same two over the pieces that a
+    chain from layer 0 reaches (progress towards a route, or a bridge others will finish),
+    then the longest window, then the first.
+    """
+    if n_layer <= 0 or size <= 0:
+        raise ValueError("a model has layers, and a node holds at least one")
+    pieces = _merged(pieces, n_layer)
+    size = min(size, n_layer)
+    reach = _closure(pieces, n_layer)
+    to_end = reach[:, n_layer]
+    before = route_capacity(pieces, n_layer)
+    boundaries = sorted({0, n_layer, *(p.start for p in pieces), *(p.end for p in pieces)})
+    weakest_layers = np.flatnonzero(before <= before.min())
+    candidates: set[tuple[int, int]] = set()
+    for start in np.flatnonzero(reach[0, :n_layer]).tolist():
+        furthest = min(start + size, n_layer)
+        candidates.add((start, furthest))
+        candidates.update((start, b) for b in boundaries if start < b < furthest)
+    # a swarm of many distinct ranges has many windows: those nearest its weakest layer are kept
+    ranked = sorted(candidates, key=lambda w: (_distance(w, weakest_layers), w))[:MAX_CANDIDATES]
+    starts = np.array([p.start for p in pieces], np.int64)
+    ends = np.array([p.end for p in pieces], np.int64)
+    speeds = np.array([p.tokens_per_s for p in pieces])
+    keys = []
+    for at in range(0, len(ranked), CHUNK):
+        chunk = np.array(ranked[at : at + CHUNK], np.int64).reshape(-1, 2)
+        s, e = chunk[:, 0], chunk[:, 1]
+        # with the window s -> e: what a chain from 0 reaches, and which boundaries lead to the end
+        reached = reach[0][None, :] | reach[e]
+        leads = to_end[None, :] | (reach[:, s].T & to_end[e][:, None])
+        on_route = reached[:, starts] & leads[:, ends] if pieces else np.zeros((len(chunk), 0), np.bool_)
+        usable = reached[:, starts] if pieces else on_route
+        layer = np.arange(n_layer)
+        window = (layer[None, :] >= s[:, None]) & (layer[None, :] < e[:, None])
+        # the window counts on routes only where it leads to the end
+        own = np.where(to_end[e], tokens_per_s, 0.0)
+        route = _sum(on_route, starts, ends, speeds, n_layer) + np.where(window, own[:, None], 0.0)
+        prefix = _sum(usable, starts, ends, speeds, n_layer) + np.where(window, tokens_per_s, 0.0)
+        route_least, route_count = _least(np.round(route, DECIMALS))
+        prefix_least, prefix_count = _least(np.round(prefix, DECIMALS))
+        keys.append(np.stack([route_least, -route_count, prefix_least, -prefix_count, e - s, -s], axis=1))
+    table = np.concatenate(keys)
+    # np.lexsort sorts ascending by its last key first: the best window comes last
+    best = int(np.lexsort(table.T[::-1])[-1])
+    start, end = ranked[best]
+    weakest = start + int(before[start:end].argmin())
+    return Choice((start, end), weakest, float(before[weakest]))
+
+
+def _distance(window: tuple[int, int], layers: npt.NDArray[np.int64]) -> int:
+    """How far ``window`` lies from the nearest of ``layers`` (0: it holds one)."""
+    start, end = window
+    if ((layers >= start) & (layers < end)).any():
+        return 0
+    return int(np.min(np.where(layers < start, start - layers, layers - end + 1)))
+
+
+def _sum(
+    counted: npt.NDArray[np.bool_],
+    starts: npt.NDArray[np.int64],
+    ends: npt.NDArray[np.int64],
+    speeds: Capacities,
+    n_layer: int,
+) -> npt.NDArray[np.float64]:
+    """By row of ``counted`` (which pieces count), the capacity of each layer."""
+    change = np.zeros((counted.shape[0], n_layer + 1))
+    weights = counted * speeds[None, :]
+    np.add.at(change.T, starts, weights.T)
+    np.add.at(change.T, ends, -weights.T)
+    return np.cumsum(change[:, :n_layer], axis=1)
 
 
 class Placement:
@@ -109,18 +234,25 @@ class Placement:
         self.reservation_seconds = reservation_seconds
         self.reservations: dict[bytes, Reservation] = {}
 
-    def capacity(self, artifact: str, n_layer: int, now: float, *, exclude: bytes | None = None) -> Capacities:
-        """By layer, the tokens/s of the nodes that serve it or are loading it (``exclude`` not counted)."""
+    def pieces(self, artifact: str, n_layer: int, now: float, *, exclude: bytes | None = None) -> list[Piece]:
+        """What the nodes of ``artifact`` serve or are loading (``exclude`` not counted)."""
         self.expire(now)
-        change = np.zeros(n_layer + 1)
         budget = self.state.step_budget_ms
-        for record in self.state.nodes_of(artifact):
-            if record.node_id != exclude and record.n_layer == n_layer and counted(record):
-                _add(change, record.layers, record.tokens_per_s(budget))
-        for held in self.reservations.values():
-            if held.node_id != exclude and held.artifact == artifact and held.n_layer == n_layer:
-                _add(change, held.layers, held.tokens_per_s)
-        return np.maximum(np.round(np.cumsum(change[:n_layer]), DECIMALS), 0.0)
+        served = [
+            Piece(*r.layers, r.tokens_per_s(budget))
+            for r in self.state.nodes_of(artifact)
+            if r.node_id != exclude and r.n_layer == n_layer and counted(r)
+        ]
+        loading = [
+            Piece(*held.layers, held.tokens_per_s)
+            for held in self.reservations.values()
+            if held.node_id != exclude and held.artifact == artifact and held.n_layer == n_layer
+        ]
+        return served + loading
+
+    def capacity(self, artifact: str, n_layer: int, now: float, *, exclude: bytes | None = None) -> Capacities:
+        """By layer, the tokens/s of the routes its nodes (and those loading) form (see :func:`route_capacity`)."""
+        return route_capacity(self.pieces(artifact, n_layer, now, exclude=exclude), n_layer)
 
     def assign(
         self,
@@ -132,8 +264,8 @@ class Placement:
         *,
         tokens_per_s: float | None = None,
     ) -> Assignment:
-        """Give ``node_id`` the range it should load, and reserve it; :class:`PlacementError` when the
-        request contradicts the swarm.
+        """Give ``node_id`` the range it should load (see :func:`choose`), and reserve it;
+        :class:`PlacementError` when the request contradicts the swarm.
 
         ``max_layers``: how many layers it can hold (more than the model has: all of them);
         ``tokens_per_s``: its expected decode throughput, else its peers' median. A node that
@@ -147,18 +279,16 @@ class Placement:
                 f"artifact {artifact[:16]}… has {layer_count(present)} layers by its nodes, not {n_layer}"
             )
         self.reservations.pop(node_id, None)
-        capacity = self.capacity(artifact, n_layer, now, exclude=node_id)
-        start, end = best_window(capacity, max_layers)
-        weakest = start + int(capacity[start:end].argmin())
         if tokens_per_s is None or not tokens_per_s > 0:
             budget = self.state.step_budget_ms
             peers = [r.tokens_per_s(budget) for r in present if r.n_layer == n_layer and counted(r)]
             tokens_per_s = statistics.median(peers) if peers else DEFAULT_TOKENS_PER_S
+        choice = choose(self.pieces(artifact, n_layer, now, exclude=node_id), n_layer, max_layers, tokens_per_s)
         expires = now + self.reservation_seconds
         if len(self.reservations) >= MAX_RESERVATIONS:
             del self.reservations[min(self.reservations.values(), key=lambda r: r.expires).node_id]
-        self.reservations[node_id] = Reservation(node_id, artifact, n_layer, (start, end), tokens_per_s, expires)
-        return Assignment((start, end), weakest, float(capacity[weakest]), expires)
+        self.reservations[node_id] = Reservation(node_id, artifact, n_layer, choice.layers, tokens_per_s, expires)
+        return Assignment(choice.layers, choice.weakest, choice.weakest_capacity, expires)
 
     def registered(self, node_id: bytes) -> None:
         """A node registered: its record counts now, in place of its reservation."""
@@ -176,19 +306,15 @@ class Placement:
         return gone
 
 
-def _add(change: Capacities, layers: tuple[int, int], tokens_per_s: float) -> None:
-    start, end = layers
-    if 0 <= start < end < change.size:
-        change[start] += tokens_per_s
-        change[end] -= tokens_per_s
-
-
 __all__ = [
     "RESERVATION_SECONDS",
     "Assignment",
+    "Choice",
+    "Piece",
     "Placement",
     "PlacementError",
     "Reservation",
-    "best_window",
+    "choose",
     "counted",
+    "route_capacity",
 ]
