@@ -204,6 +204,7 @@ TIERS = {
         "test_gate_f_served",
         "test_gateway",
         "test_httpserve",
+        "test_joining",
         "test_light_install",
         "test_lint",
         "test_logprobs",

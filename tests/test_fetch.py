@@ -431,3 +431,57 @@ def test_a_node_started_on_a_url_serves_the_range_it_fetched(
     assert filecmp.cmp(shard, demo.splits["20:30"], shallow=False)
     header, tensors = _share(demo.manifest, LayerRange(20, 30))
     assert server.sent <= 2 * header + tensors + SLACK  # the header read while finding the manifest
+
+
+def test_a_node_on_a_url_without_layers_is_placed_by_its_tracker_and_fetches_that_range_alone(
+    demo: Served, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    """``up --model URL --tracker`` sizes its shard from the header alone, asks where, and pulls only that range."""
+    from noderuntime.engine import memplan
+    from noderuntime.services import joining, noderun
+
+    sizing = noderun.NodeOptions(
+        demo.whole, None, None, tmp_path, (), threads=1, slots=1, ctx_per_session=256, memory_limit=1
+    )
+    recipe = noderun.node_recipe(sizing)
+    limit = memplan.needs(demo.whole, LayerRange(22, 30), recipe).host
+    # the last layers (with the output's compute) weigh more than the first: the last 8 bound it
+    held = joining.holdable(demo.whole, recipe, memplan.Budget(host=limit))
+    assert held == 8
+    server = serve(demo.root)
+    tracker = ManagedProcess(
+        "tracker",
+        [
+            "tracker",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            str(tmp_path / "t"),
+            "--manifest",
+            str(demo.manifest_path),
+        ],
+    )
+    node = ManagedProcess(
+        "node",
+        [
+            *("up", "--model", server.url(demo.name), "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "node")),
+            *("--threads", "1", "--slots", "1", "--ctx", "256", "--memory-limit", str(limit)),
+        ],
+    )
+    try:
+        url = ready.expect(tracker.start(), ready.TrackerReady).url
+        node.argv += ["--tracker", url, "--publisher-key", demo.manifest.publisher]
+        node_id = ready.expect(node.start(), ready.NodeReady).node_id
+        with urllib.request.urlopen(f"{url}/v1/nodes", timeout=10) as answer:
+            (registered,) = (n for n in json.load(answer)["nodes"] if n["node_id"] == node_id)
+    finally:
+        node.stop()
+        tracker.stop()
+    # the first node of a swarm starts the chain at layer 0
+    assert registered["artifact"] == demo.manifest.artifact and registered["layers"] == [0, held]
+    (shard,) = (tmp_path / "node" / "shards").glob("*.gguf")
+    assert artifacts.inspect(shard).layer_range == LayerRange(0, held)
+    header, tensors = _share(demo.manifest, LayerRange(0, held))
+    # the header read three times: sized, matched to its manifest, and read for the pull
+    assert server.sent <= 3 * header + tensors + SLACK
+    assert server.sent < demo.whole.stat().st_size - 30 * (1 << 20)  # not the other 22 layers

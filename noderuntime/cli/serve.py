@@ -29,6 +29,7 @@ from noderuntime.cli.args import (
 from noderuntime.engine.cores import machine_cores
 from noderuntime.models import catalogue as models
 from noderuntime.models import fetch, manifest
+from noderuntime.models.artifacts import LayerRange
 
 API_KEYS_ENV = "NODERUNTIME_API_KEYS"  # comma-separated; keys in argv show in `ps`
 # set in the environment of a node re-executed on its device's backend: it must not do so again
@@ -114,11 +115,20 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if not args.issuer_key and not args.tracker:
         raise CliError("give the route issuer's public key with --issuer-key, or a --tracker to take it from")
     expected = None
+    # without --layers, a node with a tracker asks it where to serve (see services.joining)
+    placed = args.layers is None and args.tracker is not None and args.backend == "llama.cpp"
     if fetch.is_url(args.model):
-        pulled = _pull_range(args)
+        layers = args.layers
+        if placed:
+            header = fetch.header_copy(args.model, Path(args.data_dir) / "headers")
+            layers = _place(args, header)
+        pulled = _pull_range(args, layers)
         model, expected = pulled.path, pulled.artifact
     else:
         model = resolve_model(args.model)
+        layers = args.layers
+        if placed and model.is_file() and _whole(model):
+            layers = _place(args, model)
     if args.backend == "transformers":
         if not model.is_dir():
             raise CliError(f"--backend transformers takes a safetensors model directory; {model} is a file")
@@ -134,7 +144,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         tls_cert, tls_key = files.cert, files.key
     opts = noderun.NodeOptions(
         model=model,
-        layers=args.layers,
+        layers=layers,
         listen=args.listen,
         data_dir=Path(args.data_dir),
         issuer_keys=tuple(args.issuer_key),
@@ -164,10 +174,57 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return noderun.main_node(opts)
 
 
-def _pull_range(args: argparse.Namespace) -> fetch.PulledShard:
-    """The shard file of ``--layers`` of the model at the URL ``--model``, fetched (once) into the data dir."""
-    if args.layers is None:
-        raise CliError("--model URL fetches one layer range of the model: give it with --layers A:B")
+def _whole(model: Path) -> bool:
+    """Whether ``model`` holds every layer of its model (a shard file serves its own range, placed or not)."""
+    from noderuntime.models import artifacts
+
+    info = artifacts.inspect(model, verify=False)
+    return info.layer_range == artifacts.LayerRange(0, info.n_layer)
+
+
+def _place(args: argparse.Namespace, model: Path) -> LayerRange:
+    """The range the tracker gives this node, sized against its memory by ``model`` (the whole file, or a
+    copy of its header); CliError when it cannot hold a layer or the tracker refuses."""
+    from noderuntime.access import identity
+    from noderuntime.services import joining, noderun
+
+    sizing = noderun.NodeOptions(
+        model=model,
+        layers=None,
+        listen=None,
+        data_dir=Path(args.data_dir),
+        issuer_keys=(),
+        threads=args.threads,
+        slots=args.slots,
+        ctx_per_session=args.ctx,
+        batch=args.batch,
+        flash_attn=args.flash_attn,
+        memory_limit=args.memory_limit,
+        mmap=args.mmap,
+        device=args.device,
+        gpu_layers=args.gpu_layers,
+    )
+    me = identity.load_or_create(args.data_dir)
+    try:
+        return joining.place(
+            model,
+            noderun.node_recipe(sizing),
+            args.tracker,
+            me,
+            memory_limit=args.memory_limit,
+            prefix_cache=args.prefix_cache,
+        )
+    except joining.JoinError as exc:
+        raise CliError(f"{exc} (or give this node its range with --layers A:B)") from None
+
+
+def _pull_range(args: argparse.Namespace, layers: LayerRange | None) -> fetch.PulledShard:
+    """The shard file of ``layers`` of the model at the URL ``--model``, fetched (once) into the data dir."""
+    if layers is None:
+        raise CliError(
+            "--model URL fetches one layer range of the model: give it with --layers A:B, "
+            "or give a --tracker that places this node"
+        )
     source = args.manifest or args.tracker
     if source is None:
         raise CliError(
@@ -176,7 +233,7 @@ def _pull_range(args: argparse.Namespace) -> fetch.PulledShard:
         )
     return fetch.pull_layers(
         args.model,
-        args.layers,
+        layers,
         source,
         Path(args.data_dir) / "shards",
         publisher=args.publisher_key,
@@ -361,7 +418,12 @@ def _add_up(sub: Any) -> None:
         action="store_true",
         help="run the whole system here for --model: tracker, relay, two shard nodes, gateway",
     )
-    p.add_argument("--layers", type=layers, help="layer range A:B this node serves (default: all of the file)")
+    p.add_argument(
+        "--layers",
+        type=layers,
+        help="layer range A:B this node serves (default: with --tracker, the range the tracker gives it for as "
+        "many layers as fit --memory-limit or the memory free now; without, all of the file)",
+    )
     p.add_argument(
         "--listen",
         type=listen_address,

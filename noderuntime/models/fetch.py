@@ -421,6 +421,33 @@ def pull_layers(
         return _Pull(source, layers, target, ranges, progress).run(manifest_source, publisher)
 
 
+def header_copy(url: str, out_dir: str | os.PathLike[str], *, timeout: float = 30.0) -> Path:
+    """A sparse copy of the model at ``url``: its GGUF header read by range, the rest a hole of the file's size.
+
+    What sizing a shard needs (the memory planner's dry run reads the header only) and what
+    names its artifact (the fingerprint covers metadata and tensor index, not the bytes),
+    without fetching the weights. A model stored as parts is not copied (its layers span files).
+    """
+    if not is_url(url):
+        raise FetchError(f"{url!r} is not an http:// or https:// URL")
+    source = _Source.of(url)
+    if source.count > 1:
+        raise FetchError(f"{url} is part 1 of {source.count}: size a split model's range by hand, with --layers")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / f"{source.stem}.header.gguf"
+    with httpx.Client(follow_redirects=True, timeout=httpx.Timeout(timeout)) as client:
+        ranges = _Ranges(client, retries=2, backoff=0.5)
+        _gguf, header = ranges.header(url, None)
+        size = ranges.sizes[url]
+    partial = target.with_name(target.name + ".part")
+    with open(partial, "wb") as f:
+        f.write(header)
+        f.truncate(size)
+    partial.replace(target)
+    return target
+
+
 def _reuse(
     target: Path, source: _Source, layers: LayerRange, manifest_source: str, publisher: bytes | None, ranges: _Ranges
 ) -> PulledShard | None:

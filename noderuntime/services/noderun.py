@@ -280,19 +280,7 @@ async def _load_engine(
         # ggml asks the driver (for CUDA, the first call sets up its context): off the trio thread
         described = await trio.to_thread.run_sync(check_device, opts.device)
         log.info("layers %s on %s: %s", layers, opts.device, described)
-    recipe = Recipe(
-        n_threads=opts.threads,
-        n_ctx_per_seq=opts.ctx_per_session,
-        n_seq_max=opts.slots,
-        n_batch=opts.batch,
-        n_ubatch=opts.batch,
-        flash_attn=flash_attn_choice(opts.flash_attn, opts.device),
-        use_mmap=opts.mmap,
-        device=opts.device,
-        gpu_layers=opts.gpu_layers,
-    )
-    if opts.memory_limit is not None:
-        recipe = memplan.capped(recipe)
+    recipe = node_recipe(opts)
     # a shard on a GPU is always planned against the memory its device has free
     budget = await trio.to_thread.run_sync(memplan.device_budget, recipe, opts.memory_limit)
     prefix_cache = await trio.to_thread.run_sync(
@@ -309,6 +297,22 @@ async def _load_engine(
         lambda: ShardEngine(opts.model, recipe, layers, expected_fingerprint=opts.expected_fingerprint, cores=cores)
     )
     return info, recipe, layers, engine, prefix_cache
+
+
+def node_recipe(opts: NodeOptions) -> Recipe:
+    """The llama.cpp recipe a node of ``opts`` runs (weights read, not mapped, under a memory limit)."""
+    recipe = Recipe(
+        n_threads=opts.threads,
+        n_ctx_per_seq=opts.ctx_per_session,
+        n_seq_max=opts.slots,
+        n_batch=opts.batch,
+        n_ubatch=opts.batch,
+        flash_attn=flash_attn_choice(opts.flash_attn, opts.device),
+        use_mmap=opts.mmap,
+        device=opts.device,
+        gpu_layers=opts.gpu_layers,
+    )
+    return memplan.capped(recipe) if opts.memory_limit is not None else recipe
 
 
 def check_device(device: str) -> str:

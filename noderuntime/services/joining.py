@@ -1,0 +1,151 @@
+"""A node that starts without a layer range: how many layers it can hold, and the range the tracker gives it.
+
+``noderuntime up --model M --tracker URL`` without ``--layers`` sizes its shard with the
+memory planner's dry run (:mod:`noderuntime.engine.memplan`): the most layers ``k`` such
+that both the first ``k`` (with the token embedding) and the last ``k`` (with the output
+head and its compute) fit its budget, so that any range of ``k`` layers does, with KV for
+its slots and context. The budget is ``--memory-limit``, or a share of the memory free
+now, and on a GPU the memory the device has free. It then asks the tracker where to serve
+(:mod:`noderuntime.tracker.placement`) and runs as if it had been given that range.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import httpx
+import psutil
+import trio
+
+from noderuntime.access.identity import Identity
+from noderuntime.engine import memplan
+from noderuntime.engine.llama import Recipe
+from noderuntime.models.artifacts import LayerRange, inspect
+from noderuntime.tracker.client import TrackerError, request_placement
+from noderuntime.tracker.messages import MAX_LAYERS, PlacementReply, PlacementRequest
+
+log = logging.getLogger(__name__)
+
+FREE_SHARE = 0.8  # of the memory free now, what a node without a limit plans to hold: the rest for others
+TRACKER_PATIENCE = 60.0  # seconds a joining node waits for an unreachable tracker
+
+
+class JoinError(Exception):
+    """A node cannot be placed: it holds no layer, or the tracker refused or never answered."""
+
+
+def budget(recipe: Recipe, memory_limit: int | None) -> memplan.Budget:
+    """What a joining node may hold: ``memory_limit``, else :data:`FREE_SHARE` of the host memory free
+    now; on a GPU also the memory the device has free."""
+    host = memory_limit if memory_limit is not None else int(psutil.virtual_memory().available * FREE_SHARE)
+    return memplan.device_budget(recipe, host)
+
+
+def holdable(model: str | os.PathLike[str], recipe: Recipe, limit: memplan.Budget, prefix_cache: int = 0) -> int:
+    """How many layers of the whole model ``model`` any range of which fits ``limit`` (0: not even one).
+
+    The widest range from the first layer (it holds the token embedding), then the widest of
+    at most that many ending at the last (the output head and the logits' compute buffer):
+    a range between holds neither, and needs no more than these.
+    """
+    n = inspect(model, verify=False).n_layer
+    head = memplan.widest_fit(model, 0, n, recipe, limit, prefix_cache)
+    if head is None:
+        return 0
+    lo, hi = 0, len(head)  # the last lo layers fit; the last hi + 1 are more than the head's
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if limit.admits(memplan.needs(model, LayerRange(n - mid, n), recipe, prefix_cache)):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def describe(limit: memplan.Budget, device: str) -> str:
+    """The budget in words, for messages."""
+    parts = [f"{memplan.human(limit.host)} of host memory"] if limit.host is not None else []
+    if limit.device is not None:
+        parts.append(f"{memplan.human(limit.device)} free on {device}")
+    return " and ".join(parts) or "no limit"
+
+
+async def ask(
+    url: str,
+    me: Identity,
+    artifact: str,
+    n_layer: int,
+    max_layers: int,
+    *,
+    tokens_per_s: float | None = None,
+    patience: float = TRACKER_PATIENCE,
+) -> PlacementReply:
+    """The range the tracker at ``url`` gives this node; an unreachable tracker is waited for ``patience``
+    seconds. :class:`JoinError` when it refuses or never answers."""
+    asked = PlacementRequest(
+        node_id=me.node_id.hex(),
+        artifact=artifact,
+        n_layer=n_layer,
+        max_layers=min(max_layers, MAX_LAYERS),
+        tokens_per_s=tokens_per_s,
+    )
+    deadline = trio.current_time() + patience
+    async with httpx.AsyncClient() as client:
+        while True:
+            try:
+                return await request_placement(client, url, me, asked)
+            except TrackerError as exc:
+                if exc.status != 0 or trio.current_time() >= deadline:
+                    raise JoinError(str(exc)) from None
+                log.warning("waiting for the tracker at %s to place this node: %s", url, exc)
+            await trio.sleep(1.0)
+
+
+def place(
+    model: str | os.PathLike[str],
+    recipe: Recipe,
+    tracker: str,
+    me: Identity,
+    *,
+    memory_limit: int | None,
+    prefix_cache: int | None,
+    patience: float = TRACKER_PATIENCE,
+) -> LayerRange:
+    """The range a node of ``recipe`` should serve of the whole model ``model``, as ``tracker`` gives it.
+
+    ``model`` may be a copy of the model's header alone (its tensors' bytes are not read).
+    ``prefix_cache``: the bytes the operator gave the prefix cache (None: the default, which
+    under a memory limit takes only what the shard leaves).
+    """
+    info = inspect(model, verify=False)
+    if info.layer_range != LayerRange(0, info.n_layer):
+        raise JoinError(f"{model} is a shard file of layers {info.layer_range}: it serves those, with --layers or not")
+    limit = budget(recipe, memory_limit)
+    cache = (
+        prefix_cache if prefix_cache is not None else 0 if memory_limit is not None else memplan.DEFAULT_PREFIX_CACHE
+    )
+    if limit.host is not None:
+        # the planner counts the cache against the host only
+        limit = memplan.Budget(host=max(1, limit.host - cache), device=limit.device)
+    most = holdable(model, recipe, limit)
+    if most == 0:
+        raise JoinError(
+            f"not even one layer of {info.name} fits {describe(limit, recipe.device)} with {recipe.n_seq_max} "
+            f"slots of {recipe.n_ctx_per_seq} tokens: lower --slots or --ctx, or raise --memory-limit"
+        )
+    log.info(
+        "this node can hold %d of the %d layers of %s within %s; asking the tracker where",
+        most,
+        info.n_layer,
+        info.name,
+        describe(limit, recipe.device),
+    )
+    reply = trio.run(lambda: ask(tracker, me, info.fingerprint, info.n_layer, most, patience=patience))
+    start, end = reply.layers
+    capacity = "nobody served it" if reply.weakest_capacity == 0 else f"{reply.weakest_capacity:.1f} tokens/s"
+    log.info("the tracker placed this node on layers %d:%d, around layer %d (%s)", start, end, reply.weakest, capacity)
+    return LayerRange(start, end)
+
+
+__all__ = ["JoinError", "ask", "budget", "holdable", "place"]

@@ -1,0 +1,139 @@
+"""Nodes started without ``--layers``: each sizes what it can hold, the tracker places it, and together they
+serve a model none of them can hold (real processes on loopback, real llama.cpp)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from noderuntime.engine import memplan
+from noderuntime.engine.llama import Recipe
+from noderuntime.models.artifacts import LayerRange
+from noderuntime.services import localsystem
+from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
+from noderuntime.services.joining import holdable
+from noderuntime.services.ready import GatewayReady, NodeReady, TrackerReady, expect
+
+SLOTS, CTX = 2, 512
+
+
+def _recipe() -> Recipe:
+    return memplan.capped(Recipe(n_threads=1, n_ctx_per_seq=CTX, n_seq_max=SLOTS, n_batch=512, n_ubatch=512))
+
+
+def _limits(model: Path) -> list[int]:
+    """Three memory limits between what the last layer alone and the whole model need."""
+    recipe = _recipe()
+    tail = memplan.needs(model, LayerRange(29, 30), recipe).host
+    whole = memplan.needs(model, LayerRange(0, 30), recipe).host
+    return [int(tail + (whole - tail) * share) for share in (0.3, 0.55, 0.8)]
+
+
+def test_what_a_node_can_hold_is_the_widest_range_that_fits_at_either_end(smollm2: Path) -> None:
+    recipe = _recipe()
+    limits = _limits(smollm2)
+    held = [holdable(smollm2, recipe, memplan.Budget(host=limit)) for limit in limits]
+    assert 0 < held[0] < held[1] < held[2] < 30
+    budget, k = memplan.Budget(host=limits[0]), held[0]
+    for layers in (LayerRange(0, k), LayerRange(10, 10 + k), LayerRange(30 - k, 30)):
+        assert budget.admits(memplan.needs(smollm2, layers, recipe))
+    assert not budget.admits(memplan.needs(smollm2, LayerRange(29 - k, 30), recipe))  # one more is too many
+    assert holdable(smollm2, recipe, memplan.Budget(host=100 << 20)) == 0
+    assert holdable(smollm2, recipe, memplan.Budget(host=4 << 30)) == 30
+
+
+def test_nodes_without_layers_cover_a_model_none_can_hold_and_serve_it(smollm2: Path, tmp_path: Path) -> None:
+    processes: list[ManagedProcess] = []
+    try:
+        tracker = ManagedProcess("tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t")])
+        processes.append(tracker)
+        tracker_url = expect(tracker.start(), TrackerReady).url
+        nodes = [
+            ManagedProcess(
+                f"node{i}",
+                [
+                    "up",
+                    "--model",
+                    str(smollm2),
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--tracker",
+                    tracker_url,
+                    "--data-dir",
+                    str(tmp_path / f"n{i}"),
+                    "--memory-limit",
+                    str(limit),
+                    "--slots",
+                    str(SLOTS),
+                    "--ctx",
+                    str(CTX),
+                    "--threads",
+                    "1",
+                ],
+            )
+            for i, limit in enumerate(_limits(smollm2))
+        ]
+        processes += nodes
+        # started together: the tracker counts the ones still loading, so they take different gaps
+        ready = [expect(info, NodeReady) for info in start_all(nodes, timeout=60)]
+        ranges = sorted(tuple(r.layers) for r in ready)
+        assert all(end - start < 30 for start, end in ranges), ranges
+        covered = set().union(*(range(start, end) for start, end in ranges))
+        assert covered == set(range(30)), ranges
+        localsystem._wait_routable(tracker_url, ready[0].artifact)
+        gateway = ManagedProcess(
+            "gateway",
+            ["gateway", "--tracker", tracker_url, "--listen", "127.0.0.1:0", "--model", f"smol={smollm2}"],
+        )
+        processes.append(gateway)
+        url = expect(gateway.start(), GatewayReady).url
+        body = {"model": "smol", "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8}
+        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"]
+        assert reply.json()["usage"]["completion_tokens"] > 0
+    finally:
+        stop_all(processes)
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    """A tracker that refuses every placement, as one that does not know the model's layer count would."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", "0")))
+        body = json.dumps({"detail": "artifact 0123… has 32 layers by its nodes, not 30"}).encode()
+        self.send_response(409)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("memory", "message"),
+    [("100MiB", "not even one layer of"), ("4GiB", "the tracker refused to place this node: artifact 0123")],
+    ids=["no-layer-fits", "the-tracker-refuses"],
+)
+def test_a_node_that_cannot_be_placed_says_why(smollm2: Path, tmp_path: Path, memory: str, message: str) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        argv = ["up", "--model", str(smollm2), "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "n")]
+        argv += ["--tracker", f"http://127.0.0.1:{server.server_address[1]}", "--memory-limit", memory]
+        done = subprocess.run([sys.executable, "-m", "noderuntime", *argv], capture_output=True, text=True, timeout=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert message in done.stderr and "--layers" in done.stderr
+    assert "Traceback" not in done.stderr
