@@ -32,7 +32,7 @@ def _run_quick(name: str, out: Path, timeout: float = 900, prefix: Sequence[str]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["codec", "fuzz_frames", "engine", "suite_cpu_share"])
+@pytest.mark.parametrize("name", ["codec", "fuzz_frames", "engine", "suite_cpu_share", "swarm"])
 def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
     out = tmp_path / f"{name}.json"
     done = subprocess.run(
@@ -47,6 +47,18 @@ def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
     assert doc["benchmark"] == name and doc["quick"] is True
     assert doc["figures"] and doc["machine"]["logical_cpus"]
     assert "wrote" in done.stdout
+
+
+def test_a_simulated_swarm_placed_node_by_node_covers_its_model_near_the_best_plan(tmp_path: Path) -> None:
+    figures = _run_quick("swarm", tmp_path / "swarm.json", timeout=300)["50"]
+    joined = figures["after_joins"]
+    assert joined["nodes"] == 50 and joined["coverage"] == 1.0
+    # the hand plan places the same nodes, so neither beats the bound
+    assert 0 < joined["bottleneck_tokens_per_s"] <= joined["bound_tokens_per_s"]
+    assert joined["hand_plan"]["bottleneck_tokens_per_s"] <= joined["bound_tokens_per_s"]
+    assert joined["ratio_to_hand_plan"] >= 0.8
+    # a fifth left, as many joined: the newcomers covered whatever the leavers left bare
+    assert figures["left"] == 10 and figures["after_new_joins"]["coverage"] == 1.0
 
 
 @pytest.mark.slow

@@ -1,0 +1,206 @@
+"""Placement at swarm scale: simulated nodes join through the tracker's placement, some leave, others join.
+
+    python -m benchmarks.swarm [--quick] [--out PATH]
+
+On the tracker's own state (``TrackerState`` and ``tracker.placement``, no I/O), N nodes
+(50, 200 and 1,000; 50 with ``--quick``) of one 80-layer model join one at a time: each
+holds a random number of layers (its memory: 4 to 24) and has a random speed (its layer
+throughput ``r``, log-normal: a node serving ``k`` layers gives them ``r / k`` decode
+tokens/s, as a node whose step time grows with its layers does). Each asks the placement
+for a range, as a node started without ``--layers`` does, and registers with it at the
+throughput that range gives it. Then a fifth of them, drawn at random, leave, and as many
+new ones join.
+
+Figures, after the joins, after the leaves and after the new joins: coverage (the share of
+layers that some complete route holds), the bottleneck (the least capacity of any layer,
+in tokens/s, counting only nodes on complete routes), and the bottleneck against the best
+any plan could reach for the same nodes: no assignment of contiguous ranges gives every
+layer more than ``sum(r) / n_layer`` (each node adds ``r`` layer-tokens/s wherever it
+sits): the best plan reaches at most this bound, so the ratio to it is a floor on the
+ratio to the best. A hand plan that exists is compared too: the same nodes placed with all
+of them known, in the best of a few join orders (most memory first, fastest first, eight
+shuffles), which the best plan reaches at least. Also the time one placement takes (p50,
+p99; timing only: nothing asserts it). Goal: at least 0.9 of the best plan.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import numpy as np
+
+from benchmarks import _common
+from noderuntime.tracker.placement import Placement
+from noderuntime.tracker.state import NodeRecord, TrackerState
+
+NAME = "swarm"
+N_LAYER = 80
+SIZES = (50, 200, 1000)
+QUICK_SIZES = (50,)
+MEMORY_LAYERS = (4, 24)  # what a node can hold, uniform
+SPEED_MEDIAN = 2000.0  # layer-tokens/s: a node of 20 layers at 100 tokens/s
+SPEED_SIGMA = 0.6  # log-normal spread of node speeds
+LEAVING = 0.2  # the share of nodes that leave, and of new ones that join after
+SLOTS = 4
+ARTIFACT = "ab" * 32
+SEED = 7
+HAND_ORDERS = 8  # shuffled join orders the hand plan tries besides the two sorted ones
+
+
+class Swarm:
+    """Simulated nodes on a tracker's state, joining through its placement."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.state = TrackerState(expire_after=1e12)
+        self.placement = Placement(self.state)
+        self.speed: dict[bytes, float] = {}  # layer-tokens/s of each present node
+        self.placed_ms: list[float] = []
+        self.now = 0.0
+        self.count = 0
+
+    def draw(self) -> tuple[int, float]:
+        """A new node's memory (layers it can hold) and speed (layer-tokens/s), at random."""
+        return self.rng.randint(*MEMORY_LAYERS), SPEED_MEDIAN * float(np.exp(self.rng.gauss(0.0, SPEED_SIGMA)))
+
+    def join(self, memory: int, speed: float) -> None:
+        """One new node: placed, loaded, registered."""
+        self.count += 1
+        node_id = self.count.to_bytes(32, "big")
+        self.now += 1.0
+        began = time.perf_counter()
+        given = self.placement.assign(node_id, ARTIFACT, N_LAYER, memory, self.now, tokens_per_s=speed / memory)
+        self.placed_ms.append((time.perf_counter() - began) * 1e3)
+        start, end = given.layers
+        tokens_per_s = speed / (end - start)
+        record = NodeRecord(
+            node_id=node_id,
+            artifact=ARTIFACT,
+            n_layer=N_LAYER,
+            layers=(start, end),
+            recipe="0" * 16,
+            address=f"10.0.0.1:{self.count}",
+            relay="",
+            tls_cert_sha256=b"",
+            slots=SLOTS,
+            ctx_per_session=2048,
+            step_ms=SLOTS * 1000.0 / tokens_per_s,  # a node that measured nothing gives slots * 1000 / step
+        )
+        self.state.register(record, self.now)
+        self.placement.registered(node_id)
+        self.speed[node_id] = speed
+
+    def leave(self, share: float) -> int:
+        """A random ``share`` of the nodes leave; how many."""
+        gone = self.rng.sample(sorted(self.speed), int(share * len(self.speed)))
+        for node_id in gone:
+            self.state.leave(node_id, self.now)
+            self.placement.forget(node_id)
+            del self.speed[node_id]
+        return len(gone)
+
+    def figures(self) -> dict[str, Any]:
+        """Coverage, bottleneck and bound now."""
+        capacity = self.placement.capacity(ARTIFACT, N_LAYER, self.now)
+        bound = sum(self.speed.values()) / N_LAYER
+        bottleneck = float(capacity.min())
+        return {
+            "nodes": len(self.speed),
+            "coverage": round(float((capacity > 0).mean()), 4),
+            "bottleneck_tokens_per_s": round(bottleneck, 2),
+            "bound_tokens_per_s": round(bound, 2),
+            "ratio": round(bottleneck / bound, 4) if bound else None,
+            "distinct_ranges": len({r.layers for r in self.state.nodes.values()}),
+        }
+
+
+def hand_plan(nodes: list[tuple[int, float]], seed: int) -> dict[str, Any]:
+    """The best bottleneck the same placement reaches for ``nodes`` joining in an order chosen with all of them
+    known: largest first, fastest first, or one of ``HAND_ORDERS`` shuffles."""
+    rng = random.Random(seed)
+    orders = {
+        "most_memory_first": sorted(nodes, key=lambda node: -node[0]),
+        "fastest_first": sorted(nodes, key=lambda node: -node[1]),
+        **{f"shuffle{k}": rng.sample(nodes, len(nodes)) for k in range(HAND_ORDERS)},
+    }
+    best_name, best = "", -1.0
+    for name, order in orders.items():
+        swarm = Swarm(random.Random(seed))
+        for memory, speed in order:
+            swarm.join(memory, speed)
+        bottleneck = float(swarm.placement.capacity(ARTIFACT, N_LAYER, swarm.now).min())
+        if bottleneck > best:
+            best_name, best = name, bottleneck
+    return {"order": best_name, "bottleneck_tokens_per_s": round(best, 2)}
+
+
+def run(n: int, seed: int) -> dict[str, Any]:
+    """N nodes join, a fifth leave, as many join: the figures at each stage."""
+    swarm = Swarm(random.Random(seed))
+    nodes = [swarm.draw() for _ in range(n)]
+    for memory, speed in nodes:
+        swarm.join(memory, speed)
+    joined = swarm.figures()
+    hand = hand_plan(nodes, seed)
+    joined["hand_plan"] = hand
+    joined["ratio_to_hand_plan"] = round(joined["bottleneck_tokens_per_s"] / hand["bottleneck_tokens_per_s"], 4)
+    left = swarm.leave(LEAVING)
+    after_leaves = swarm.figures()
+    for _ in range(left):
+        swarm.join(*swarm.draw())
+    rejoined = swarm.figures()
+    placed = swarm.placed_ms
+    return {
+        "after_joins": joined,
+        "after_leaves": after_leaves,
+        "after_new_joins": rejoined,
+        "left": left,
+        "placement_ms_p50": round(_common.percentile(placed, 50), 3),
+        "placement_ms_p99": round(_common.percentile(placed, 99), 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _common.parser(NAME, __doc__ or "")
+    args = parser.parse_args(argv)
+    sizes = QUICK_SIZES if args.quick else SIZES
+    figures = {str(n): run(n, SEED + n) for n in sizes}
+    recipe = {
+        "n_layer": N_LAYER,
+        "sizes": list(sizes),
+        "memory_layers": list(MEMORY_LAYERS),
+        "speed": f"layer-tokens/s log-normal, median {SPEED_MEDIAN}, sigma {SPEED_SIGMA}; r / k tokens/s on k layers",
+        "leaving_share": LEAVING,
+        "seed": SEED,
+        "bound": "sum of layer throughputs / n_layer: no plan of contiguous ranges gives every layer more",
+    }
+    out = _common.out_path(NAME, args)
+    _common.write(out, NAME, args, recipe, figures)
+    rows = [
+        [
+            n,
+            stage,
+            f["nodes"],
+            f["coverage"],
+            f["bottleneck_tokens_per_s"],
+            f["bound_tokens_per_s"],
+            f["ratio"],
+            f["hand_plan"]["bottleneck_tokens_per_s"] if "hand_plan" in f else "",
+            f.get("ratio_to_hand_plan", ""),
+        ]
+        for n, result in figures.items()
+        for stage in ("after_joins", "after_leaves", "after_new_joins")
+        for f in (result[stage],)
+    ]
+    headers = ["N", "stage", "nodes", "coverage", "bottleneck", "bound", "ratio", "hand plan", "ratio to it"]
+    print(_common.table(headers, rows))
+    times = [[n, r["placement_ms_p50"], r["placement_ms_p99"]] for n, r in figures.items()]
+    print(_common.table(["N", "placement p50 ms", "p99 ms"], times))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
