@@ -14,7 +14,7 @@ import urllib.parse
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, field_validator
 
 from noderuntime.access import untrusted
 from noderuntime.access.tickets import MAX_TICKET_BYTES
@@ -25,6 +25,17 @@ MAX_LAYERS = 4096
 MAX_PEERS = 32  # round trips one heartbeat may report
 MAX_ROUND_TRIP_MS = 60_000.0
 DEVICE = r"^(cpu|(vulkan|cuda|hip|metal):[0-9]{1,4})$"  # engine.backends.parse_device, bounded
+
+
+def _layer_span(value: tuple[int, int]) -> tuple[int, int]:
+    start, end = value
+    if not 0 <= start < end <= MAX_LAYERS:
+        raise ValueError(f"layers must be [start, end] with 0 <= start < end <= {MAX_LAYERS}")
+    return value
+
+
+# a layer range another party names: what a route hop runs, what a placement gives
+LayerSpan = Annotated[tuple[int, int], AfterValidator(_layer_span)]
 
 
 class Registration(BaseModel):
@@ -122,19 +133,11 @@ class PlacementRequest(BaseModel):
 class PlacementReply(BaseModel):
     """The range the tracker gives a joining node, reserved for it for ``reserved_seconds``."""
 
-    layers: tuple[int, int]
+    layers: LayerSpan
     n_layer: int = Field(gt=0, le=MAX_LAYERS)
     weakest: int = Field(ge=0, lt=MAX_LAYERS)  # the layer it was placed around
     weakest_capacity: float = Field(ge=0, allow_inf_nan=False)  # that layer's tokens/s before it: 0 uncovered
     reserved_seconds: float = Field(ge=0, allow_inf_nan=False)
-
-    @field_validator("layers")
-    @classmethod
-    def _layers(cls, value: tuple[int, int]) -> tuple[int, int]:
-        start, end = value
-        if not 0 <= start < end <= MAX_LAYERS:
-            raise ValueError(f"layers must be [start, end] with 0 <= start < end <= {MAX_LAYERS}")
-        return value
 
 
 class ProbeReply(BaseModel):
@@ -180,20 +183,12 @@ class RouteHop(BaseModel):
     """One hop of a route: a node, the layers it runs for the route, and how to reach it."""
 
     node_id: str = Field(pattern=HEX32)
-    layers: tuple[int, int]
+    layers: LayerSpan
     address: str = Field(default="", max_length=300)  # HOST:PORT, or none: through the relay only
     relay: str = Field(default="", max_length=300)
     tls_cert_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
     # on a route that mixes recipes (certified), the one this hop runs; "" on any other route
     recipe: str = Field(default="", pattern=r"^([0-9a-f]{16})?$")
-
-    @field_validator("layers")
-    @classmethod
-    def _layers(cls, value: tuple[int, int]) -> tuple[int, int]:
-        start, end = value
-        if not 0 <= start < end <= MAX_LAYERS:
-            raise ValueError(f"layers must be [start, end] with 0 <= start < end <= {MAX_LAYERS}")
-        return value
 
     @classmethod
     def of(cls, hop: Hop) -> RouteHop:
