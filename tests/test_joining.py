@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -137,3 +138,24 @@ def test_a_node_that_cannot_be_placed_says_why(smollm2: Path, tmp_path: Path, me
     assert done.returncode == 1, done.stderr[-2000:]
     assert message in done.stderr and "--layers" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_node_that_stops_before_it_registers_frees_its_range_at_once(smollm2: Path, tmp_path: Path) -> None:
+    tracker = ManagedProcess("tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t")])
+    try:
+        url = expect(tracker.start(), TrackerReady).url
+        placed = []
+        for name in ("first", "second"):
+            # placed, then unable to start: its certificate files are not there
+            argv = ["up", "--model", str(smollm2), "--listen", "127.0.0.1:0", "--tracker", url]
+            argv += ["--data-dir", str(tmp_path / name), "--memory-limit", str(_limits(smollm2)[0])]
+            argv += ["--tls-cert", str(tmp_path / "none.pem"), "--tls-key", str(tmp_path / "none.key")]
+            done = subprocess.run(
+                [sys.executable, "-m", "noderuntime", *argv], capture_output=True, text=True, timeout=60
+            )
+            assert done.returncode == 1, done.stderr[-2000:]
+            placed.append(re.findall(r"placed this node on layers (\d+:\d+)", done.stderr))
+        # the second was given the range the first gave up, not the gap after it
+        assert placed[0] == placed[1] and len(placed[0]) == 1 and placed[0][0].startswith("0:")
+    finally:
+        tracker.stop()

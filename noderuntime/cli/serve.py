@@ -102,8 +102,6 @@ def _cmd_up(args: argparse.Namespace) -> int:
     kind = _check_device(args)
     if kind != "cpu":
         _run_on_backend(kind, args)
-    from noderuntime.services import noderun
-
     if args.model is None or args.local:
         from noderuntime.services import localsystem
 
@@ -114,21 +112,35 @@ def _cmd_up(args: argparse.Namespace) -> int:
         raise CliError("--tls-cert and --tls-key go together")
     if not args.issuer_key and not args.tracker:
         raise CliError("give the route issuer's public key with --issuer-key, or a --tracker to take it from")
-    expected = None
     # without --layers, a node with a tracker asks it where to serve (see services.joining)
     placed = args.layers is None and args.tracker is not None and args.backend == "llama.cpp"
-    if fetch.is_url(args.model):
-        layers = args.layers
-        if placed:
-            header = fetch.header_copy(args.model, Path(args.data_dir) / "headers")
-            layers = _place(args, header)
+    local = None if fetch.is_url(args.model) else resolve_model(args.model)
+    sizing = None
+    if placed and local is None:
+        sizing = fetch.header_copy(args.model, Path(args.data_dir) / "headers")
+    elif placed and local is not None and local.is_file() and _whole(local):
+        sizing = local
+    if sizing is None:
+        return _serve(args, args.layers, local)
+    layers = _place(args, sizing)
+    try:
+        return _serve(args, layers, local)
+    finally:
+        # the tracker holds the range for this node until it registers or leaves: one that stops
+        # before it registered frees it now (one that registered has left already)
+        _release(args)
+
+
+def _serve(args: argparse.Namespace, layers: LayerRange | None, local: Path | None) -> int:
+    """Run the node of ``args`` on ``layers`` of the model: the file ``local``, or fetched from the URL ``--model``."""
+    from noderuntime.services import noderun
+
+    expected = None
+    if local is None:
         pulled = _pull_range(args, layers)
         model, expected = pulled.path, pulled.artifact
     else:
-        model = resolve_model(args.model)
-        layers = args.layers
-        if placed and model.is_file() and _whole(model):
-            layers = _place(args, model)
+        model = local
     if args.backend == "transformers":
         if not model.is_dir():
             raise CliError(f"--backend transformers takes a safetensors model directory; {model} is a file")
@@ -216,6 +228,14 @@ def _place(args: argparse.Namespace, model: Path) -> LayerRange:
         )
     except joining.JoinError as exc:
         raise CliError(f"{exc} (or give this node its range with --layers A:B)") from None
+
+
+def _release(args: argparse.Namespace) -> None:
+    """Tell the tracker this node leaves (briefly: a tracker that does not answer lets the reservation lapse)."""
+    from noderuntime.access import identity
+    from noderuntime.services import joining
+
+    joining.release(args.tracker, identity.load_or_create(args.data_dir))
 
 
 def _pull_range(args: argparse.Namespace, layers: LayerRange | None) -> fetch.PulledShard:

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import httpx
 import psutil
 import trio
 
 from noderuntime.access.identity import Identity
+from noderuntime.access.signing import sign
 from noderuntime.engine import memplan
 from noderuntime.engine.llama import Recipe
 from noderuntime.models.artifacts import LayerRange, inspect
-from noderuntime.tracker.client import TrackerError, request_placement
-from noderuntime.tracker.messages import MAX_LAYERS, PlacementReply, PlacementRequest
+from noderuntime.tracker.client import LEAVE_SECONDS, TrackerError, request_placement
+from noderuntime.tracker.messages import MAX_LAYERS, Leave, PlacementReply, PlacementRequest
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,26 @@ async def ask(
             await trio.sleep(1.0)
 
 
+def release(url: str, me: Identity) -> None:
+    """Tell the tracker at ``url`` that this node leaves, so that the range it was given is free at once.
+
+    Bounded (:data:`LEAVE_SECONDS`) and quiet: a tracker that does not hear it lets the reservation lapse.
+    """
+
+    async def leave() -> None:
+        path = "/v1/nodes/leave"
+        data = Leave(node_id=me.node_id.hex()).model_dump_json().encode()
+        headers = {"content-type": "application/json", **sign(me, "POST", path, data, int(time.time() * 1000))}
+        with trio.move_on_after(LEAVE_SECONDS):
+            async with httpx.AsyncClient() as client:
+                try:
+                    await client.post(url.rstrip("/") + path, content=data, headers=headers, timeout=LEAVE_SECONDS)
+                except httpx.HTTPError as exc:
+                    log.info("could not tell the tracker %s that this node leaves: %s", url, exc)
+
+    trio.run(leave)
+
+
 def place(
     model: str | os.PathLike[str],
     recipe: Recipe,
@@ -148,4 +170,4 @@ def place(
     return LayerRange(start, end)
 
 
-__all__ = ["JoinError", "ask", "budget", "holdable", "place"]
+__all__ = ["JoinError", "ask", "budget", "holdable", "place", "release"]
