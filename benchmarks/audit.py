@@ -113,6 +113,7 @@ class Swarm:
 
     def __init__(self, root: Path, audit_rate: float) -> None:
         self.root = root
+        root.mkdir(parents=True, exist_ok=True)
         self.model = synth.write_model(root / "tiny-q8.gguf", SHAPE, quant="Q8_0", seed=5)
         tracker = ManagedProcess("tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(root / "t")])
         self.processes = [tracker]
@@ -140,6 +141,8 @@ class Swarm:
             ],
         )
         self.processes.append(gateway)
+        self.gateway_process = gateway
+        self.audit_rate = audit_rate
         self.gateway = expect(gateway.start(60), GatewayReady).url
 
     def node_args(self, name: str, layers: str) -> list[str]:
@@ -176,9 +179,10 @@ class Swarm:
 
     def set_audit_rate(self, rate: float) -> None:
         # the gateway's rate is a start flag: restart it with the new one (nothing else changes)
-        gateway = self.processes[-1]
+        gateway = self.gateway_process
         gateway.stop()
         gateway.argv[gateway.argv.index("--audit-rate") + 1] = str(rate)
+        self.audit_rate = rate
         self.gateway = expect(gateway.restart(60), GatewayReady).url
 
     def stop(self) -> None:
@@ -186,7 +190,12 @@ class Swarm:
 
 
 def detection_trial(swarm: Swarm, audit_rate: float, cheat_rate: float, trial: int, cap: int) -> dict[str, Any]:
-    """Start a cheater, ask until the tracker excludes it (or ``cap`` requests): what it took."""
+    """Start a cheater, ask until the tracker excludes it, or it served ``cap`` sessions: what it took.
+
+    The tracker routes by cost, so a cheater that measured itself slow at start (a busy
+    machine) is seldom chosen: after ``20 * cap`` requests the trial ends all the same, and
+    says how many sessions the cheater served (a node nobody routes to cheats nobody).
+    """
     name = f"cheat-{audit_rate}-{cheat_rate}-{trial}"
     cheater = ManagedProcess(name, [f"share={cheat_rate}", *swarm.node_args(name, FIRST)], module="tests.cheating_node")
     swarm.processes.append(cheater)
@@ -204,16 +213,17 @@ def detection_trial(swarm: Swarm, audit_rate: float, cheat_rate: float, trial: i
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     served_by_it = requests = 0
-    last_served_end = 0.0
+    first_served_end = None
     with httpx.Client() as client:
-        while not excluded_at and requests < cap:
+        while not excluded_at and served_by_it < cap and requests < 20 * cap:
             reply = swarm.ask(client, rng)
             requests += 1
             if any(hop["node_id"].startswith(node_id[:16]) for hop in reply.get("route", [])):
                 served_by_it += 1
-                last_served_end = time.monotonic()
+                if first_served_end is None:
+                    first_served_end = time.monotonic()
     deadline = time.monotonic() + 30
-    while not excluded_at and requests < cap and time.monotonic() < deadline:
+    while not excluded_at and time.monotonic() < deadline:
         time.sleep(0.1)  # the last audit may still run
     stop.set()
     watcher.join()
@@ -224,7 +234,10 @@ def detection_trial(swarm: Swarm, audit_rate: float, cheat_rate: float, trial: i
         "requests": requests,
         "sessions_served_by_cheater": served_by_it,
         "excluded": bool(excluded_at),
-        "seconds_from_its_last_session_to_exclusion": (excluded_at[0] - last_served_end) if excluded_at else None,
+        # requests go on while an audit runs: the time from the end of the first session it served
+        "seconds_from_its_first_session_to_exclusion": (
+            excluded_at[0] - first_served_end if excluded_at and first_served_end is not None else None
+        ),
     }
 
 
@@ -252,7 +265,7 @@ def honest_soak(swarm: Swarm, sessions: int, clients: int) -> dict[str, Any]:
     while True:  # the audit queue drains
         audits = _get(swarm.gateway + "/status")["audits"]
         if time.monotonic() - started > 3600 or audits["chosen"] <= sum(
-            audits[k] for k in ("audited", "skipped_queue_full", "skipped_no_auditors", "skipped_error")
+            audits[k] for k in ("audited", "skipped_queue_full", "skipped_no_auditors", "skipped_busy", "skipped_error")
         ):
             break
         time.sleep(0.5)
@@ -264,7 +277,9 @@ def honest_soak(swarm: Swarm, sessions: int, clients: int) -> dict[str, Any]:
         "sessions": sessions,
         "seconds": time.monotonic() - started,
         "audited": audits["audited"],
-        "skipped": {k: audits[k] for k in ("skipped_queue_full", "skipped_no_auditors", "skipped_error")},
+        "skipped": {
+            k: audits[k] for k in ("skipped_queue_full", "skipped_no_auditors", "skipped_busy", "skipped_error")
+        },
         "honest_nodes_failed": sum(1 for n in nodes.values() if n["audit_failed"]),
         "honest_hops_passed": sum(n["audits"]["passed"] for n in nodes.values()),
         "suspicions": sum(n["audits"]["suspected"] for n in nodes.values()),
@@ -298,17 +313,21 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rows = []
             for audit_rate, cheat_rate in grid:
-                if audit_rate != float(swarm.processes[-1].argv[swarm.processes[-1].argv.index("--audit-rate") + 1]):
+                if audit_rate != swarm.audit_rate:
                     swarm.set_audit_rate(audit_rate)
-                runs = [detection_trial(swarm, audit_rate, cheat_rate, t, cap=400) for t in range(trials)]
+                runs = [detection_trial(swarm, audit_rate, cheat_rate, t, cap=60) for t in range(trials)]
                 caught = [r["sessions_served_by_cheater"] for r in runs if r["excluded"]]
-                latencies = [r["seconds_from_its_last_session_to_exclusion"] for r in runs if r["excluded"]]
+                latencies = [r["seconds_from_its_first_session_to_exclusion"] for r in runs if r["excluded"]]
                 rows.append(
                     {
                         "audit_rate": audit_rate,
                         "cheat_rate": cheat_rate,
                         "trials": runs,
                         "excluded": len(caught),
+                        # trials the tracker seldom routed through the cheater: ended by requests, not caught
+                        "seldom_routed": sum(
+                            1 for r in runs if not r["excluded"] and r["sessions_served_by_cheater"] < 60
+                        ),
                         "mean_cheater_sessions_to_exclusion": statistics.mean(caught) if caught else None,
                         "closed_form_mean": 1 / (audit_rate * cheat_rate),
                         "p_detect_within_10_sessions_closed_form": 1 - (1 - audit_rate * cheat_rate) ** 10,
@@ -323,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     first = figures["commitments"]
     figures["goals"] = {
         "commitments_at_most_1pct_of_a_1b_decode_step": first[1]["commit_share_of_decode_step"] <= 0.01,
-        "every_cheater_excluded": all(r["excluded"] == len(r["trials"]) for r in figures["detection"]),
+        "every_cheater_routed_60_times_excluded": all(
+            r["excluded"] + r["seldom_routed"] == len(r["trials"]) for r in figures["detection"]
+        ),
         "no_honest_node_flagged": figures["honest"]["honest_nodes_failed"] == 0,
         "audits_at_most_the_rate_share_of_compute": (figures["honest"]["audit_compute_over_served"] or 0) <= 1.0,
     }
@@ -359,12 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         _common.table(
-            ["audit rate", "cheat rate", "caught", "mean sessions", "closed form", "s to exclusion"],
+            ["audit rate", "cheat rate", "caught", "seldom routed", "mean sessions", "closed form", "s to exclusion"],
             [
                 [
                     r["audit_rate"],
                     r["cheat_rate"],
                     f"{r['excluded']}/{len(r['trials'])}",
+                    r["seldom_routed"],
                     r["mean_cheater_sessions_to_exclusion"],
                     r["closed_form_mean"],
                     r["seconds_to_exclusion_p50"],

@@ -251,7 +251,9 @@ def open_route_event(header: Header, m: Any, limits: Limits) -> OpenRoute:
         top_logprobs=_at_most(s.top_logprobs, MAX_TOP_LOGPROBS, "top_logprobs"),
         prompt_logprobs=s.prompt_logprobs,
     )
-    if m.prompt_length and not 0 < m.prompt_length < len(m.prompt_tokens):
+    # a resumed session has generated tokens after its prompt; an audit of a one-token reply has none
+    last = len(m.prompt_tokens) if m.audit else len(m.prompt_tokens) - 1
+    if m.prompt_length and not 0 < m.prompt_length <= last:
         raise RemoteProtocolError(
             f"prompt_length {m.prompt_length} must lie inside the {len(m.prompt_tokens)} prompt tokens"
         )

@@ -70,9 +70,15 @@ class Swarm:
         with urllib.request.urlopen(self.tracker + "/v1/nodes", timeout=10) as response:
             return {n["node_id"]: n for n in json.loads(response.read())["nodes"]}
 
-    def ask(self, rng: random.Random, length: int = 24) -> int:
+    def ask(self, rng: random.Random, length: int = 24, max_tokens: int = 12) -> int:
         prompt = [rng.randrange(3, SHAPE.n_vocab) for _ in range(length)]
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0.8, "seed": rng.randrange(1000)}
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.8,
+            "seed": rng.randrange(1000),
+        }
         return httpx.post(self.gateway + "/v1/completions", json=body, timeout=60).status_code
 
 
@@ -114,6 +120,26 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
         stop_all(processes)
 
 
+def _audits(swarm: Swarm) -> dict[str, Any]:
+    with urllib.request.urlopen(swarm.gateway + "/status", timeout=10) as response:
+        audits: dict[str, Any] = json.loads(response.read())["audits"]
+        return audits
+
+
+def test_honest_replies_of_any_length_pass_their_audits(swarm: Swarm) -> None:
+    """A one-token reply too: its audit is the prompt alone, with nothing teacher-forced after it."""
+    before = _audits(swarm)
+    rng = random.Random("lengths")
+    for max_tokens in (1, 2, 1, 5):
+        assert swarm.ask(rng, max_tokens=max_tokens) == 200
+    deadline = time.monotonic() + 30
+    while (after := _audits(swarm))["audited"] - before["audited"] < 4:
+        assert after["skipped_error"] == before["skipped_error"], after
+        assert time.monotonic() < deadline, after
+        time.sleep(0.1)
+    assert after["passed"] - before["passed"] == 8 and after["failed"] == before["failed"], after
+
+
 @pytest.mark.parametrize("cheat", ["quant", "skip", "noise", "replay"])
 def test_a_cheating_node_is_caught_by_audits_and_excluded(swarm: Swarm, cheat: str) -> None:
     how = f"quant={swarm.cheaper}" if cheat == "quant" else cheat
@@ -142,8 +168,6 @@ def test_a_cheating_node_is_caught_by_audits_and_excluded(swarm: Swarm, cheat: s
         assert not standing["audit_failed"] and standing["audits"]["failed"] == 0, standing
     # it stays out, and the swarm serves on without it
     assert [swarm.ask(rng) for _ in range(3)] == [200] * 3
-    with urllib.request.urlopen(swarm.gateway + "/status", timeout=10) as response:
-        audits = json.loads(response.read())["audits"]
-    assert node_id in audits["excluded"]
+    assert node_id in _audits(swarm)["excluded"]
     print(f"{cheat}: caught after {asked} requests, {time.monotonic() - started:.1f} s")
     cheater.stop()

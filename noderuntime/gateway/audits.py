@@ -38,7 +38,7 @@ from noderuntime.seams.client import GenerationRequest, RouteError, open_route_g
 from noderuntime.tracker.audits import AuditError, commitments
 from noderuntime.tracker.client import RequestSigner, RouteGrant, TrackerError, report_audit, request_audit
 from noderuntime.tracker.messages import AuditReport, AuditRequest, AuditVerdict, RecordJSON
-from protocol import UsageRecord
+from protocol import StatusCode, UsageRecord
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,7 @@ class Audits:
             "failed": 0,
             "skipped_queue_full": 0,
             "skipped_no_auditors": 0,
+            "skipped_busy": 0,
             "skipped_error": 0,
         }
         self.failed_nodes: dict[str, str] = {}  # node id (hex) -> why the tracker excluded it
@@ -155,11 +156,12 @@ class Audits:
                     await self.audit(served)
                 except (TrackerError, RouteError, AuditError, httpx.HTTPError) as exc:
                     # the swarm could not audit it now (no auditors, a failed route): counted, not judged
-                    key = (
-                        "skipped_no_auditors"
-                        if isinstance(exc, TrackerError) and exc.status == 503
-                        else "skipped_error"
-                    )
+                    if isinstance(exc, TrackerError) and exc.status == 503:
+                        key = "skipped_no_auditors"
+                    elif isinstance(exc, RouteError) and exc.code == StatusCode.RESOURCE_EXHAUSTED:
+                        key = "skipped_busy"  # an auditor filled its slots after the tracker last heard
+                    else:
+                        key = "skipped_error"
                     self.counters[key] += 1
                     log.info("could not audit request %s: %s", served.request_id, exc)
 
