@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import random
 import time
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -260,3 +262,71 @@ async def test_a_placement_the_node_cannot_serve_is_a_tracker_error() -> None:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
             with pytest.raises(TrackerError, match=message):
                 await request_placement(client, "http://tracker", me, asked)
+
+
+def _move(placement: Placement, name: str, layers: tuple[int, int], now: float) -> None:
+    """What a node that moved does: it registers with its new range (its old one drains)."""
+    old = placement.state.nodes[_id(name)]
+    held = old.layers[1] - old.layers[0]
+    step = old.step_ms * (layers[1] - layers[0]) / held  # its step time grows with its layers
+    placement.state.register(attrs.evolve(old, layers=layers, step_ms=step), now)
+    placement.registered(_id(name))
+
+
+def test_a_serving_node_moves_to_the_weakest_stretch_only_when_the_least_capacity_grows_by_the_margin() -> None:
+    # two nodes on the fast half, one slow one on the other: one of the first pair should move
+    placement = placement_with(
+        node("a", (0, 15), step=10.0), node("c", (0, 15), step=10.0), node("b", (15, 30), step=100.0)
+    )
+    assert placement.capacity(ARTIFACT, 30, 0.0).min() == 40.0
+    moved = placement.reconsider(_id("c"), 15, 1.0)
+    assert moved is not None and moved.layers == (15, 30)
+    assert moved.least_before == 40.0 and moved.least_after == 400.0  # a alone on 0:15 now
+    # make before break: its new range counts while it loads, its old one while it drains
+    assert placement.capacity(ARTIFACT, 30, 1.0).tolist() == [800.0] * 15 + [440.0] * 15
+    _move(placement, "c", moved.layers, 2.0)
+    assert placement.capacity(ARTIFACT, 30, 2.0).tolist() == [400.0] * 15 + [440.0] * 15
+    assert not placement.reservations
+    # now neither may move: each is the only fast node of its half, and a move would uncover it
+    for name in ("a", "b", "c"):
+        assert placement.reconsider(_id(name), 15, 3.0) is None
+    # a gain under the margin is no reason to move
+    close = placement_with(node("a", (0, 15), step=10.0), node("c", (0, 15), step=80.0), node("b", (15, 30), step=20.0))
+    assert close.reconsider(_id("c"), 15, 0.0) is None
+    assert close.reconsider(_id("c"), 15, 0.0, margin=1.0) is not None
+    # an unknown node, or one the swarm does not count, is not moved
+    assert placement.reconsider(_id("nobody"), 15, 0.0) is None
+
+
+def test_rebalancing_a_random_swarm_converges_raises_the_least_capacity_and_never_uncovers() -> None:
+    rng = random.Random(5)
+    placement = placement_with()
+    sizes: dict[str, int] = {}
+    for k in range(40):
+        name = f"n{k}"
+        sizes[name] = rng.randint(4, 20)
+        given = placement.assign(_id(name), ARTIFACT, 60, sizes[name], float(k), tokens_per_s=rng.uniform(20, 400))
+        placement.state.register(node(name, given.layers, n_layer=60, step=rng.uniform(5, 100)), float(k))
+        placement.registered(_id(name))
+    for name in rng.sample(sorted(sizes), 12):  # a third leave
+        placement.state.leave(_id(name), 50.0)
+        del sizes[name]
+    least = placement.capacity(ARTIFACT, 60, 50.0).min()
+    assert least > 0
+    moves, rounds = 0, 0
+    while True:
+        rounds += 1
+        assert rounds <= 20, "rebalancing does not settle"
+        moved_now = 0
+        for name in rng.sample(sorted(sizes), len(sizes)):
+            move = placement.reconsider(_id(name), sizes[name], 60.0 + rounds)
+            if move is not None:
+                assert move.least_after > move.least_before * 1.33 and move.least_after > 0
+                _move(placement, name, move.layers, 60.0 + rounds)
+                now = placement.capacity(ARTIFACT, 60, 60.0 + rounds).min()
+                assert now >= least  # every move keeps every layer on a route, and raises the least
+                least, moved_now = now, moved_now + 1
+        moves += moved_now
+        if not moved_now:
+            break
+    assert moves > 0  # the leaves left a stretch thin enough to move for

@@ -36,6 +36,9 @@ from noderuntime.tracker.state import NodeRecord, TrackerState, layer_count
 
 RESERVATION_SECONDS = 600.0  # long enough to fetch and load a shard of a large model
 MAX_RESERVATIONS = 4096  # reservations kept at once; beyond, the soonest to expire goes first
+# a serving node moves only when the swarm's least capacity grows by more than this factor
+# (and by 1/MOVE_MARGIN at once: each move raises it that much, so moves cannot cycle)
+MOVE_MARGIN = 1 / 0.75
 DEFAULT_TOKENS_PER_S = 100.0  # a joiner's throughput when neither it nor any peer measured one
 MAX_CANDIDATES = 4096  # windows weighed for one answer (the nearest the weakest layer, where there are more)
 CHUNK = 256  # windows weighed at once: bounds the memory of one answer on a model of many layers
@@ -68,6 +71,15 @@ class Assignment:
     weakest: int
     weakest_capacity: float  # tokens/s before this node: 0 for a layer nobody served
     expires: float  # when the reservation lapses unless the node registers first
+
+
+@attrs.frozen
+class Move:
+    """A serving node's better range, and the least capacity of the routes before and after it moves."""
+
+    layers: tuple[int, int]
+    least_before: float
+    least_after: float
 
 
 def counted(record: NodeRecord) -> bool:
@@ -290,6 +302,38 @@ class Placement:
         self.reservations[node_id] = Reservation(node_id, artifact, n_layer, choice.layers, tokens_per_s, expires)
         return Assignment(choice.layers, choice.weakest, choice.weakest_capacity, expires)
 
+    def reconsider(self, node_id: bytes, max_layers: int, now: float, *, margin: float = MOVE_MARGIN) -> Move | None:
+        """Whether a serving node should move, and where: None when it should stay.
+
+        It moves only where the least capacity of the routes (:func:`route_capacity`) grows
+        by more than ``margin`` times, counted with it moved: where it leaves, the others
+        still serve what they did, so a move that uncovered a layer would leave the least
+        at 0 and is never taken. Its throughput on the new range is its measured one scaled
+        by the layers (a step's time grows with the layers a node runs). The node loads the
+        new range before it leaves the old one: its reservation counts the new range meanwhile.
+        """
+        record = self.state.nodes.get(node_id)
+        if record is None or not counted(record) or max_layers <= 0:
+            return None
+        n_layer = record.n_layer
+        served = record.tokens_per_s(self.state.step_budget_ms)
+        others = self.pieces(record.artifact, n_layer, now, exclude=node_id)
+        before = float(route_capacity([*others, Piece(*record.layers, served)], n_layer).min())
+        held = record.layers[1] - record.layers[0]
+        choice = choose(others, n_layer, max_layers, served)
+        start, end = choice.layers
+        if (start, end) == record.layers:
+            return None
+        speed = served * held / (end - start)
+        after = float(route_capacity([*others, Piece(start, end, speed)], n_layer).min())
+        if not (after > margin * before if before > 0 else after > 0):
+            return None
+        reservation = Reservation(
+            node_id, record.artifact, n_layer, (start, end), speed, now + self.reservation_seconds
+        )
+        self.reservations[node_id] = reservation
+        return Move((start, end), before, after)
+
     def registered(self, node_id: bytes) -> None:
         """A node registered: its record counts now, in place of its reservation."""
         self.reservations.pop(node_id, None)
@@ -310,6 +354,7 @@ __all__ = [
     "RESERVATION_SECONDS",
     "Assignment",
     "Choice",
+    "Move",
     "Piece",
     "Placement",
     "PlacementError",
