@@ -330,3 +330,14 @@ def test_rebalancing_a_random_swarm_converges_raises_the_least_capacity_and_neve
         if not moved_now:
             break
     assert moves > 0  # the leaves left a stretch thin enough to move for
+
+
+def test_of_many_windows_those_nearest_the_weakest_layer_are_weighed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one-layer pieces chain over the model: every layer a boundary, a window from each
+    pieces = [Piece(k, k + 1, 100.0) for k in range(40)] + [Piece(0, 40, 100.0)]
+    pieces[31] = Piece(31, 32, 10.0)  # the weakest layer
+    expected = choose(pieces, 40, 3, 50.0)
+    assert expected.weakest == 31
+    monkeypatch.setattr(placement_module, "MAX_CANDIDATES", 4)
+    narrowed = choose(pieces, 40, 3, 50.0)
+    assert narrowed == expected

@@ -25,8 +25,10 @@ its gap for ever.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -40,7 +42,9 @@ MAX_RESERVATIONS = 4096  # reservations kept at once; beyond, the soonest to exp
 # (and by 1/MOVE_MARGIN at once: each move raises it that much, so moves cannot cycle)
 MOVE_MARGIN = 1 / 0.75
 DEFAULT_TOKENS_PER_S = 100.0  # a joiner's throughput when neither it nor any peer measured one
-MAX_CANDIDATES = 4096  # windows weighed for one answer (the nearest the weakest layer, where there are more)
+# windows weighed for one answer (the nearest the weakest layer, where there are more): each costs
+# work in proportion to the distinct ranges served, so this bounds an answer in a swarm of many
+MAX_CANDIDATES = 512
 CHUNK = 256  # windows weighed at once: bounds the memory of one answer on a model of many layers
 DECIMALS = 6  # capacities are rounded here: sums of floats must see an uncovered layer as exactly 0
 
@@ -178,14 +182,13 @@ def choose(pieces: Sequence[Piece], n_layer: int, size: int, tokens_per_s: float
     to_end = reach[:, n_layer]
     before = route_capacity(pieces, n_layer)
     boundaries = sorted({0, n_layer, *(p.start for p in pieces), *(p.end for p in pieces)})
-    weakest_layers = np.flatnonzero(before <= before.min())
     candidates: set[tuple[int, int]] = set()
     for start in np.flatnonzero(reach[0, :n_layer]).tolist():
         furthest = min(start + size, n_layer)
         candidates.add((start, furthest))
-        candidates.update((start, b) for b in boundaries if start < b < furthest)
-    # a swarm of many distinct ranges has many windows: those nearest its weakest layer are kept
-    ranked = sorted(candidates, key=lambda w: (_distance(w, weakest_layers), w))[:MAX_CANDIDATES]
+        inside = boundaries[bisect.bisect_right(boundaries, start) : bisect.bisect_left(boundaries, furthest)]
+        candidates.update((start, b) for b in inside)
+    ranked = _nearest(sorted(candidates), before)
     starts = np.array([p.start for p in pieces], np.int64)
     ends = np.array([p.end for p in pieces], np.int64)
     speeds = np.array([p.tokens_per_s for p in pieces])
@@ -215,12 +218,23 @@ def choose(pieces: Sequence[Piece], n_layer: int, size: int, tokens_per_s: float
     return Choice((start, end), weakest, float(before[weakest]))
 
 
-def _distance(window: tuple[int, int], layers: npt.NDArray[np.int64]) -> int:
-    """How far ``window`` lies from the nearest of ``layers`` (0: it holds one)."""
-    start, end = window
-    if ((layers >= start) & (layers < end)).any():
-        return 0
-    return int(np.min(np.where(layers < start, start - layers, layers - end + 1)))
+def _nearest(windows: list[tuple[int, int]], capacity: Capacities) -> list[tuple[int, int]]:
+    """At most :data:`MAX_CANDIDATES` of ``windows``, those nearest a weakest layer of ``capacity`` (a swarm of
+    many distinct ranges has many windows: weighing them all would cost every answer dearly)."""
+    if len(windows) <= MAX_CANDIDATES:
+        return windows
+    weak = np.flatnonzero(capacity <= capacity.min())
+    spans = np.array(windows, np.int64)
+    start, end = spans[:, 0], spans[:, 1]
+    below = np.searchsorted(weak, start)  # the weak layers before each window's start
+    inside = np.searchsorted(weak, end) > below
+    far = 1 << 30
+    gap_below = np.where(below > 0, start - weak[np.maximum(below - 1, 0)], far)
+    after = np.searchsorted(weak, end)
+    gap_above = np.where(after < weak.size, weak[np.minimum(after, weak.size - 1)] - end + 1, far)
+    distance = np.where(inside, 0, np.minimum(gap_below, gap_above))
+    keep = np.lexsort((end, start, distance))[:MAX_CANDIDATES]
+    return [windows[k] for k in keep.tolist()]
 
 
 def _sum(
@@ -230,12 +244,24 @@ def _sum(
     speeds: Capacities,
     n_layer: int,
 ) -> npt.NDArray[np.float64]:
-    """By row of ``counted`` (which pieces count), the capacity of each layer."""
-    change = np.zeros((counted.shape[0], n_layer + 1))
-    weights = counted * speeds[None, :]
-    np.add.at(change.T, starts, weights.T)
-    np.add.at(change.T, ends, -weights.T)
-    return np.cumsum(change[:, :n_layer], axis=1)
+    """By row of ``counted`` (which pieces count), the capacity of each layer.
+
+    What the pieces add where they start and take where they end, summed per boundary
+    (``reduceat`` over the pieces in order), then run over the layers. A layer no piece
+    covers is exactly 0 (counted apart, in integers: a float running sum need not return to 0).
+    """
+
+    def run(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        change = np.zeros((values.shape[0], n_layer + 1), values.dtype)
+        for points, sign in ((starts, 1), (ends, -1)):
+            order = np.argsort(points, kind="stable")
+            at, first = np.unique(points[order], return_index=True)
+            if at.size:
+                change[:, at] += sign * np.add.reduceat(values[:, order], first, axis=1)
+        return np.cumsum(change[:, :n_layer], axis=1)
+
+    covering = run(counted.astype(np.int64))
+    return np.where(covering > 0, run(counted * speeds[None, :]), 0.0)
 
 
 class Placement:
