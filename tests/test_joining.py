@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -50,45 +51,40 @@ def test_what_a_node_can_hold_is_the_widest_range_that_fits_at_either_end(smollm
     assert holdable(smollm2, recipe, memplan.Budget(host=4 << 30)) == 30
 
 
-def test_nodes_without_layers_cover_a_model_none_can_hold_and_serve_it(smollm2: Path, tmp_path: Path) -> None:
+def _routable(tracker_url: str, artifact: str) -> bool:
+    artifacts = httpx.get(tracker_url + "/v1/artifacts", timeout=10).json()["artifacts"]
+    return bool(artifacts.get(artifact, {}).get("routable"))
+
+
+def test_nodes_without_layers_cover_a_model_none_can_hold_serve_it_and_a_newcomer_fills_a_hole(
+    smollm2: Path, tmp_path: Path
+) -> None:
     processes: list[ManagedProcess] = []
+
+    def node(name: str, limit: int) -> ManagedProcess:
+        flags = ["--memory-limit", str(limit), "--slots", str(SLOTS), "--ctx", str(CTX), "--threads", "1"]
+        argv = ["up", "--model", str(smollm2), "--listen", "127.0.0.1:0", "--tracker", tracker_url, *flags]
+        process = ManagedProcess(name, [*argv, "--data-dir", str(tmp_path / name)])
+        processes.append(process)
+        return process
+
     try:
-        tracker = ManagedProcess("tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t")])
+        tracker = ManagedProcess(
+            "tracker",
+            ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t"), "--expire-after", "2"],
+        )
         processes.append(tracker)
         tracker_url = expect(tracker.start(), TrackerReady).url
-        nodes = [
-            ManagedProcess(
-                f"node{i}",
-                [
-                    "up",
-                    "--model",
-                    str(smollm2),
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--tracker",
-                    tracker_url,
-                    "--data-dir",
-                    str(tmp_path / f"n{i}"),
-                    "--memory-limit",
-                    str(limit),
-                    "--slots",
-                    str(SLOTS),
-                    "--ctx",
-                    str(CTX),
-                    "--threads",
-                    "1",
-                ],
-            )
-            for i, limit in enumerate(_limits(smollm2))
-        ]
-        processes += nodes
+        limits = _limits(smollm2)
+        nodes = [node(f"node{i}", limit) for i, limit in enumerate(limits)]
         # started together: the tracker counts the ones still loading, so they take different gaps
         ready = [expect(info, NodeReady) for info in start_all(nodes, timeout=60)]
-        ranges = sorted(tuple(r.layers) for r in ready)
+        ranges = [tuple(r.layers) for r in ready]
         assert all(end - start < 30 for start, end in ranges), ranges
         covered = set().union(*(range(start, end) for start, end in ranges))
         assert covered == set(range(30)), ranges
-        localsystem._wait_routable(tracker_url, ready[0].artifact)
+        artifact = ready[0].artifact
+        localsystem._wait_routable(tracker_url, artifact)
         gateway = ManagedProcess(
             "gateway",
             ["gateway", "--tracker", tracker_url, "--listen", "127.0.0.1:0", "--model", f"smol={smollm2}"],
@@ -100,6 +96,26 @@ def test_nodes_without_layers_cover_a_model_none_can_hold_and_serve_it(smollm2: 
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"]
         assert reply.json()["usage"]["completion_tokens"] > 0
+
+        # one that no other covers dies without a word: once the tracker drops it, a newcomer
+        # of the same memory, started without --layers, is given the hole it left
+        only = {
+            k: set(range(start, end)) - set().union(*(range(a, b) for j, (a, b) in enumerate(ranges) if j != k))
+            for k, (start, end) in enumerate(ranges)
+        }
+        lost = next((k for k, layers in only.items() if layers), None)
+        assert lost is not None, ranges  # the first layer's node at least: joiners chain from it
+        nodes[lost].kill()
+        deadline = time.monotonic() + 20
+        while _routable(tracker_url, artifact):
+            assert time.monotonic() < deadline, "the tracker kept a dead node"
+            time.sleep(0.2)
+        newcomer = expect(node("newcomer", limits[lost]).start(60), NodeReady)
+        start, end = newcomer.layers
+        assert only[lost] <= set(range(start, end)), (ranges, lost, newcomer.layers)
+        localsystem._wait_routable(tracker_url, artifact)
+        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
     finally:
         stop_all(processes)
 
