@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -169,5 +171,17 @@ def test_a_cheating_node_is_caught_by_audits_and_excluded(swarm: Swarm, cheat: s
     # it stays out, and the swarm serves on without it
     assert [swarm.ask(rng) for _ in range(3)] == [200] * 3
     assert node_id in _audits(swarm)["excluded"]
+    # the swarm map's node list and `noderuntime status` say why it is out
+    with urllib.request.urlopen(swarm.tracker + "/v1/status/nodes?state=all&limit=200", timeout=10) as response:
+        listed = {n["node_id"]: n for n in json.loads(response.read())["nodes"]}
+    assert "auditors" in listed[node_id]["audit_failed"] and not listed[node_id]["admitted"]
+    shown = subprocess.run(
+        [sys.executable, "-m", "noderuntime", "status", "--tracker", swarm.tracker],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert f"{node_id[:12]} is excluded from routes by audits" in shown, shown
     print(f"{cheat}: caught after {asked} requests, {time.monotonic() - started:.1f} s")
     cheater.stop()

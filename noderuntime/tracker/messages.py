@@ -358,6 +358,7 @@ class NodeView(BaseModel):
     tokens_per_s: float
     probe: ProbeState
     probe_detail: str
+    audit_failed: str  # why audits excluded it from routes; "" when they did not
     admitted: bool
     slow: bool  # slower per layer than twice the median of its model's nodes (tails against tails)
     stale: bool  # not heard from for more than two heartbeats

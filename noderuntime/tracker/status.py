@@ -56,6 +56,7 @@ def _record(node: dict[str, Any]) -> NodeRecord:
         measured=Capability.from_json(node["capability"]) if node.get("capability") else None,
         probe_required=bool(node.get("probe_required")),
         probe_passed=node.get("probe_passed"),
+        audit_failed=str(node.get("audit_failed") or ""),
     )
 
 
@@ -74,6 +75,8 @@ def _prefill(node: dict[str, Any]) -> str:
 
 
 def _probe(node: dict[str, Any]) -> str:
+    if node.get("audit_failed"):
+        return "AUDIT"
     passed = node.get("probe_passed")
     if passed is True:
         return "ok"
@@ -147,6 +150,9 @@ def show(tracker: str, *, as_json: bool = False, status_key: str | None = None) 
             f"{n.get('capacity', n['slots']):>4} {_decode(n):>16} {_prefill(n):>11} {n['estimated_step_ms']:>7.1f} "
             f"{_probe(n):>7} {n['seconds_since_heartbeat']:>5.1f}s"
         )
+    for n in nodes:
+        if n.get("audit_failed"):
+            print(f"  {n['node_id'][:12]} is excluded from routes by audits: {n['audit_failed']}")
     print(f"\n{len(found)} complete route(s)")
     for artifact, route, cost in found[:20]:
         chain = " -> ".join(f"{r.node_id.hex()[:8]}[{r.layers[0]}:{r.layers[1]}]" for r in route)

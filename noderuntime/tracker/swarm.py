@@ -272,6 +272,7 @@ def _view(record: NodeRecord, slow: bool, stale: bool, now: float, budget: float
         tokens_per_s=round(record.tokens_per_s(budget), 1),
         probe=probe_state(record),
         probe_detail=record.probe_detail,
+        audit_failed=record.audit_failed,
         admitted=record.admitted,
         slow=slow,
         stale=stale,

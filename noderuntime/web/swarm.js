@@ -353,7 +353,13 @@ function nodeRow(node) {
       node.slow ? el("span", { class: "badge bad" }, "slow") : null,
     ),
     el("td", {}, `${figure(node.tokens_per_s)} tok/s`),
-    el("td", { class: `probe-${node.probe}`, title: node.probe_detail || null }, probe),
+    el(
+      "td",
+      { class: `probe-${node.probe}`, title: node.probe_detail || null },
+      probe,
+      // the reason is data from the tracker: a title and a text node, never markup
+      node.audit_failed ? el("span", { class: "badge bad", title: node.audit_failed }, "excluded by audits") : null,
+    ),
     el("td", {}, ago(node.seconds_since_heartbeat), node.stale ? el("span", { class: "badge bad" }, "late") : null),
   );
 }
