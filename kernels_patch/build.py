@@ -114,19 +114,46 @@ class BuildError(RuntimeError):
 # a NamedTuple, not a dataclass: tests load this file by path, outside sys.modules, where a
 # dataclass with postponed annotations cannot be made
 class Target(NamedTuple):
-    """What a build is for: the ggml backend and, for CUDA and HIP, the GPU architectures."""
+    """What a build is for: the ggml backend, for CUDA and HIP the GPU architectures, and
+    for the CPU the instruction sets its kernels use (``native``: this machine's own)."""
 
     backend: str = "cpu"
     cuda_arch: str = DEFAULT_CUDA_ARCH
     hip_targets: str = DEFAULT_HIP_TARGETS
+    cpu_isa: str = "native"
 
     @property
     def is_cpu(self) -> bool:
         """The default build, installed into the environment itself."""
-        return self.backend == "cpu"
+        return self.backend == "cpu" and self.cpu_isa == "native"
+
+    @property
+    def label(self) -> str:
+        """The build's name beside the CPU wheel's: ``vulkan``, ``cpu-avx2``."""
+        return self.backend if self.backend != "cpu" else f"cpu-{self.cpu_isa}"
 
 
 CPU = Target()
+
+# CPU builds other than GGML_NATIVE's, by the instruction sets their kernels may use: the
+# same sources compiled for an older CPU, which sums in other orders (a drift class of its
+# own), for measuring what a node built on another machine computes
+CPU_ISAS: dict[str, list[str]] = {
+    "native": [],
+    "avx2": [
+        "-DGGML_NATIVE=OFF",
+        "-DGGML_AVX=ON",
+        "-DGGML_AVX2=ON",
+        "-DGGML_FMA=ON",
+        "-DGGML_F16C=ON",
+        "-DGGML_BMI2=ON",
+        "-DGGML_AVX_VNNI=OFF",
+        "-DGGML_AVX512=OFF",
+        "-DGGML_AVX512_VBMI=OFF",
+        "-DGGML_AVX512_VNNI=OFF",
+        "-DGGML_AVX512_BF16=OFF",
+    ],
+}
 
 
 def patch_files(target: Target = CPU) -> list[Path]:
@@ -155,13 +182,17 @@ def patch_hash(target: Target = CPU) -> str:
 def local_version(target: Target = CPU) -> str:
     """The version the patched wheel carries: ``0.3.36+nr.1a2b3c4d5e6f``, ``...+nr.<hash>.vulkan``."""
     label = f"{SDIST_VERSION}+nr.{patch_hash(target)}"
-    return label if target.is_cpu else f"{label}.{target.backend}"
+    return label if target.is_cpu else f"{label}.{target.label}"
 
 
 def cmake_args(target: Target = CPU) -> list[str]:
     """The CMake flags of a build: the CPU wheel's, with the backend's switch on and its architectures."""
     if target.is_cpu:
         return list(CMAKE_ARGS)
+    if target.backend == "cpu":
+        if target.cpu_isa not in CPU_ISAS:
+            raise BuildError(f"unknown CPU instruction sets {target.cpu_isa!r}; choose one of {', '.join(CPU_ISAS)}")
+        return [arg for arg in CMAKE_ARGS if arg != "-DGGML_NATIVE=ON"] + CPU_ISAS[target.cpu_isa]
     if target.backend not in _SWITCH:
         raise BuildError(f"unknown backend {target.backend!r}; choose one of {', '.join(BACKENDS)}")
     switch = _SWITCH[target.backend]
@@ -264,7 +295,7 @@ def cache_key(target: Target = CPU) -> str:
     """Everything that changes the built binary: sdist, patches, flags, CPU (and backend)."""
     parts = [SDIST_SHA256, patch_hash(target), " ".join(cmake_args(target)), cpu_features()]
     if not target.is_cpu:  # the CPU key stays what it was before backends existed: its caches stay valid
-        parts.append(f"backend={target.backend}")
+        parts.append(f"backend={target.backend}" if target.backend != "cpu" else f"cpu_isa={target.cpu_isa}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -362,8 +393,10 @@ def marker(target: Target = CPU) -> dict[str, object]:
         "cmake_args": cmake_args(target),
         "cpu_features": cpu_features(),
     }
-    if not target.is_cpu:
+    if target.backend != "cpu":
         found["backend"] = target.backend
+    elif not target.is_cpu:
+        found["cpu_isa"] = target.cpu_isa
     return found
 
 
@@ -621,10 +654,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda-arch", default=DEFAULT_CUDA_ARCH, help="CMAKE_CUDA_ARCHITECTURES for --backend cuda")
     parser.add_argument("--hip-targets", default=DEFAULT_HIP_TARGETS, help="GPU_TARGETS for --backend hip")
     parser.add_argument(
+        "--cpu-isa",
+        choices=CPU_ISAS,
+        default="native",
+        help="for --backend cpu: the instruction sets of its kernels; other than native, installed as a GPU "
+        "backend's is (a drift class of its own, for comparing builds)",
+    )
+    parser.add_argument(
         "--locate", action="store_true", help="print where the build is cached (JSON) and what its toolchain lacks"
     )
     args = parser.parse_args(argv)
-    target = Target(args.backend, cuda_arch=args.cuda_arch, hip_targets=args.hip_targets)
+    if args.cpu_isa != "native" and args.backend != "cpu":
+        parser.error("--cpu-isa goes with --backend cpu")
+    target = Target(args.backend, cuda_arch=args.cuda_arch, hip_targets=args.hip_targets, cpu_isa=args.cpu_isa)
     if args.print_version:
         print(local_version(target))
         return 0
@@ -642,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
         if not target.is_cpu and args.install:
             site = install_site(args.python, target)
             print(f"kernels_patch: llama-cpp-python {local_version(target)} in {site}")
-            print(f"kernels_patch: a process serves on {target.backend} with PYTHONPATH={site}")
+            print(f"kernels_patch: a process runs this build with PYTHONPATH={site}")
             return 0
         wheel = cached_wheel(args.python, target)
         print(f"kernels_patch: wheel {wheel}")

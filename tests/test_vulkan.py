@@ -46,6 +46,22 @@ def test_the_vulkan_build_has_its_own_patches_key_and_version() -> None:
     assert "-DGPU_TARGETS=gfx1100" in build.cmake_args(build.Target("hip", hip_targets="gfx1100"))
 
 
+def test_a_cpu_build_for_other_instruction_sets_is_kept_apart() -> None:
+    build = buildscript.load()
+    avx2 = build.Target("cpu", cpu_isa="avx2")
+    assert not avx2.is_cpu and build.Target("cpu").is_cpu  # installed apart, as a GPU backend's build
+    assert build.patch_files(avx2) == build.patch_files()  # the same sources and patches
+    flags = build.cmake_args(avx2)
+    assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AVX2=ON" in flags and "-DGGML_AVX512=OFF" in flags
+    assert "-DGGML_NATIVE=ON" not in flags and "-DGGML_NATIVE=ON" in build.cmake_args()
+    assert build.cache_key(avx2) not in (build.cache_key(), build.cache_key(build.Target("vulkan")))
+    assert build.local_version(avx2) == f"0.3.36+nr.{build.patch_hash()}.cpu-avx2"
+    # a CPU build to the engine (no backend named), which says which instruction sets it has
+    assert "backend" not in build.marker(avx2) and build.marker(avx2)["cpu_isa"] == "avx2"
+    with pytest.raises(build.BuildError, match="instruction sets"):
+        build.cmake_args(build.Target("cpu", cpu_isa="avx9"))
+
+
 def test_the_device_is_part_of_the_recipe_and_its_fingerprint() -> None:
     cpu, gpu = Recipe(), Recipe(device="vulkan:0")
     assert cpu.describe("Q4_1")["device"] == "cpu" and gpu.describe("Q4_1")["gpu_layers"] == "all"
