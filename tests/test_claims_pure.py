@@ -285,12 +285,25 @@ def test_sessions_routed_since_the_last_heartbeat_count_where_a_nodes_measured_c
     assert costs[1] > costs[0]
     with pytest.raises(NoRoute) as full:  # 8 free slots reported, 2 sessions its measurements allow
         state.choose("ab" * 32, 100)
-    assert full.value.full and state.nodes[b"a".ljust(32, b".")].free_slots == 8
-    # a node whose measurements allow all its slots is held by the free slots it reports alone
+    assert full.value.full and state.nodes[b"a".ljust(32, b".")].free_slots == 6
+
+
+def test_a_routed_session_takes_a_free_slot_until_the_next_heartbeat_says_otherwise() -> None:
+    """state.note_session: routes between two heartbeats do not all go to the same free slots."""
+    node_id = b"a".ljust(32, b".")
     roomy = TrackerState()
-    roomy.register(_record(2, None), 0.0)
-    for _ in range(5):
+    roomy.register(_record(2, None), 0.0)  # measurements allow all its slots: the free slots bind
+    for _ in range(2):
         roomy.note_session(n.node_id for n in roomy.choose("ab" * 32, 100).nodes)
+    assert roomy.nodes[node_id].free_slots == 0
+    with pytest.raises(NoRoute) as full:
+        roomy.choose("ab" * 32, 100)
+    assert full.value.full
+    # the node's word wins: one of the two sessions ended
+    roomy.heartbeat(node_id, 1.0, active_sessions=1, free_slots=1, queue_depth=0, step_ms=9)
+    roomy.note_session(n.node_id for n in roomy.choose("ab" * 32, 100).nodes)
+    with pytest.raises(NoRoute):
+        roomy.choose("ab" * 32, 100)
 
 
 def test_the_tracker_probes_at_registration_again_when_unanswered_and_every_interval() -> None:

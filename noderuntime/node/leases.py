@@ -10,6 +10,7 @@ share cells.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import attrs
 
@@ -72,6 +73,8 @@ class LeaseManager:
         self._reserved = 0
         self._refused = 0
         self._leased = 0  # slots in SlotState.LEASED
+        # called when a slot can be leased again (the node's tracker link reports it)
+        self.on_free: list[Callable[[], None]] = []
 
     def acquire(self, tokens: int) -> Lease | None:
         """A lease for a session that will hold up to ``tokens`` positions, or None if full."""
@@ -109,6 +112,8 @@ class LeaseManager:
             lease = self._leases.pop(seq_id)
             self._reserved -= lease.tokens
             self._state[seq_id] = SlotState.FREE
+            for hook in self.on_free:
+                hook()
 
     def state(self, seq_id: int) -> SlotState:
         """The state of one slot."""

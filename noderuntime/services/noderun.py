@@ -235,6 +235,7 @@ async def run_node(
                 link = TrackerLink(opts.tracker, me, registration, load, on_probe=answer_probe)
                 await nursery.start(link.run)
                 node.on_leave.append(link.leave)
+                node.leases.on_free.append(link.slot_freed)
             if on_node is not None:
                 on_node(node)
             pid_file = opts.data_dir / PID_FILE
@@ -369,6 +370,7 @@ def node_load(node: Node, round_trips: RoundTrips | None = None) -> Callable[[],
             queue_depth=stats.batcher.waiting,
             step_ms=round(stats.batcher.recent_tick_seconds * 1e3, 3),
             round_trips=round_trips.snapshot() if round_trips is not None else {},
+            sessions_opened=stats.sessions_opened,
         )
 
     return load

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 
 LEAVE_SECONDS = 1.0  # how long a leaving node gives the tracker to hear it
+EARLY_HEARTBEAT_GATHER_SECONDS = 0.02  # an early heartbeat waits this long for other slots freeing with it
 
 
 class TrackerError(Exception):
@@ -75,6 +76,8 @@ class NodeLoad:
     step_ms: float
     # smoothed round trips to the peers it talks to (ms, by node id; see tracker.roundtrips)
     round_trips: Mapping[bytes, float] = attrs.field(factory=dict)
+    # sessions it ever opened: not reported, the link compares it with the tracker's count (slot_freed)
+    sessions_opened: int = 0
 
     def heartbeat(self, node_id: bytes) -> Heartbeat:
         """The heartbeat that reports this load for ``node_id``."""
@@ -113,6 +116,24 @@ class TrackerLink:
         self._on_probe = on_probe
         self.probes_answered = 0
         self.probe_verdicts: list[dict[str, Any]] = []
+        self._reported: NodeLoad | None = None  # what the last heartbeat said
+        self._soon = trio.Event()  # set: heartbeat now, not at the interval
+        self.early_heartbeats = 0
+
+    def slot_freed(self) -> None:
+        """A sequence slot of this node freed: heartbeat at once if the tracker may count the node full.
+
+        The tracker takes a free slot off its count for each session it routes here and
+        learns of slots freed only from heartbeats (``TrackerState.note_session``): without
+        this, a node it counted full would sit idle until the next heartbeat. Only a node
+        the tracker may count full reports early, so heartbeats stay few in a large swarm.
+        """
+        last = self._reported
+        if last is None or self._soon.is_set():
+            return
+        routed_since = self._load().sessions_opened - last.sessions_opened
+        if last.free_slots - routed_since <= 0:
+            self._soon.set()
 
     async def _post(self, client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> httpx.Response:
         data = json.dumps(body).encode()
@@ -207,7 +228,8 @@ class TrackerLink:
                         started = True
                         task_status.started()
                 else:
-                    beat = self._load().heartbeat(self.identity.node_id)
+                    load = self._load()
+                    beat = load.heartbeat(self.identity.node_id)
                     response = await self._post(client, "/v1/nodes/heartbeat", beat.model_dump(mode="json"))
                     if response.status_code == 404:
                         log.info("the tracker forgot this node (restarted?): registering again")
@@ -216,6 +238,7 @@ class TrackerLink:
                     if response.status_code != 200:
                         raise TrackerError(f"heartbeat refused: {response.text[:200]}", response.status_code)
                     self.heartbeats += 1
+                    self._reported = load
                     await self._answer_probe(client, _answer(response, "heartbeat"))
             except (httpx.HTTPError, TrackerError) as exc:
                 if self.registered:
@@ -223,7 +246,12 @@ class TrackerLink:
                 self.registered = self.registered and not isinstance(exc, TrackerError)
                 await trio.sleep(self._retry)
                 continue
-            await trio.sleep(interval)
+            with trio.move_on_after(interval):
+                await self._soon.wait()
+                self.early_heartbeats += 1
+                # a moment for the slots that free together (a batch's sessions ending) to share one beat
+                await trio.sleep(EARLY_HEARTBEAT_GATHER_SECONDS)
+            self._soon = trio.Event()
 
 
 async def request_placement(

@@ -566,14 +566,23 @@ class TrackerState:
         """Count a routed session in its nodes' load until their next heartbeat reports the truth.
 
         The cost sees it, and so does the capacity of a node whose measured step time allows
-        fewer sessions than its slots (see :meth:`NodeRecord.has_room`). The free slots stay
-        those the node reports: most sessions end between two heartbeats, and a node that is
-        really full refuses at once (the gateway then asks for another route).
+        fewer sessions than its slots (see :meth:`NodeRecord.has_room`). Its free slots
+        lose one each: left at what the last heartbeat said, every route asked for between
+        two heartbeats went to the same "free" slots, and a burst of twice a node's slots
+        met refusals at the node (a third of 48 streams, with 16 clients on 8 slots). Slots
+        freed before the next heartbeat are not seen until it comes, and a node counted
+        full heartbeats as soon as one frees (``TrackerLink.slot_freed``).
         """
         for nid in node_ids:
             record = self.nodes.get(nid)
             if record is not None:
-                self._store(attrs.evolve(record, active_sessions=record.active_sessions + 1))
+                self._store(
+                    attrs.evolve(
+                        record,
+                        active_sessions=record.active_sessions + 1,
+                        free_slots=max(0, record.free_slots - 1),
+                    )
+                )
 
     def _store(self, record: NodeRecord) -> None:
         old = self.nodes.get(record.node_id)
