@@ -174,6 +174,7 @@ TIERS = {
         "test_batcher",
         "test_claims_memory",
         "test_enginethread",
+        "test_line",
         "test_node_pure",
         "test_placement",
         "test_sessions",
