@@ -216,6 +216,7 @@ TIERS = {
         "test_pages",
         "test_parity",
         "test_prefix_route",
+        "test_queueing",
         "test_relay_e2e",
         "test_repair",
         "test_structured_output",

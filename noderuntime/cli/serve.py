@@ -370,6 +370,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         ctx=args.ctx,
         queue_timeout=args.queue_timeout,
+        queue_limit=args.queue_limit,
+        queue_per_key=args.queue_per_key,
         ledger=Path(args.ledger),
         audit_rate=args.audit_rate,
     )
@@ -617,7 +619,22 @@ def _add_gateway(sub: Any) -> None:
     p.add_argument("--request-timeout", type=seconds, default=600.0, help="seconds a request may take")
     p.add_argument("--ctx", type=positive_int, help="context per session the nodes offer (default: the model's)")
     p.add_argument(
-        "--queue-timeout", type=seconds, default=10.0, help="seconds a request waits for a free route before 429"
+        "--queue-timeout",
+        type=seconds,
+        default=10.0,
+        help="seconds a request waits in line for a free slot when every route is full, before 429",
+    )
+    p.add_argument(
+        "--queue-limit",
+        type=non_negative_int,
+        default=256,
+        help="requests that may wait in line for a slot; one more is refused at once (429; 0: none wait)",
+    )
+    p.add_argument(
+        "--queue-per-key",
+        type=non_negative_int,
+        default=64,
+        help="of the requests waiting in line, how many under one API key (turns go round the keys)",
     )
     p.add_argument(
         "--audit-rate",

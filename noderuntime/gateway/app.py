@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from noderuntime.control.ledger import CheckedRecord, Ledger, check
 from noderuntime.gateway.audits import Audits, Served, commitment_problems
 from noderuntime.gateway.auth import ApiKeys
 from noderuntime.gateway.errors import RETRY_AFTER_SECONDS, ApiError, error_response
+from noderuntime.gateway.line import LineFull, Waiter, WaitLine
 from noderuntime.gateway.routing import (
     DEADLINE_GRACE_SECONDS,
     MAX_ATTEMPTS,
@@ -89,6 +91,22 @@ DEFAULT_MAX_TOKENS = 256
 MAX_SCORED_PROMPT = 32768
 
 
+@attrs.frozen
+class Client:
+    """Who asks: the line a request waits in when every route is full, and what ends its wait early."""
+
+    key: str = ""  # a digest of its API key ("" without one): turns in line go round the keys
+    watch: Request | None = None  # the connection to watch while it waits (None: someone else does)
+
+    @staticmethod
+    def of(request: Request, *, watch: bool) -> Client:
+        """The client of ``request``; ``watch``: its wait in line ends when its connection closes."""
+        auth = request.headers.get("authorization", "")
+        # a digest, not the key itself: the line's bookkeeping holds no secrets
+        key = hashlib.sha256(auth.encode()).hexdigest()[:16] if auth else ""
+        return Client(key, request if watch else None)
+
+
 class Gateway:
     """Serves OpenAI requests for its models over the network of nodes."""
 
@@ -103,6 +121,8 @@ class Gateway:
         tracker_key: str | None = None,
         request_timeout: float = 600.0,
         queue_timeout: float = 10.0,
+        queue_limit: int = 256,
+        queue_per_key: int = 64,
         ledger: Ledger | None = None,
         identity: Identity | None = None,
         audit_rate: float = 0.0,
@@ -110,7 +130,11 @@ class Gateway:
         """``identity``: the key ``connector`` proves on relayed seams, which route tickets name and
         which signs the gateway's route repairs and audits (a fresh one when None). ``audit_rate``:
         the share of sessions audited after they end (:mod:`noderuntime.gateway.audits`; run by
-        :meth:`Audits.run`, which the caller starts)."""
+        :meth:`Audits.run`, which the caller starts).
+
+        When every route is full a request waits in line (:mod:`noderuntime.gateway.line`) up to
+        ``queue_timeout`` seconds; at most ``queue_limit`` requests wait, ``queue_per_key`` of them
+        under one API key."""
         if any(not key for key in api_keys):
             raise ValueError("an API key must not be empty: it would let in every request that sends none")
         self.models = {m.model_id: m for m in models}
@@ -121,6 +145,7 @@ class Gateway:
         self.tracker_key = tracker_key
         self.request_timeout = request_timeout
         self.queue_timeout = queue_timeout
+        self.line = WaitLine(limit=queue_limit, per_key=queue_per_key)
         self.ledger = ledger
         self.identity = identity or Identity.generate()
         self.signer = RequestSigner(self.identity)
@@ -281,6 +306,7 @@ class Gateway:
         open_ended: bool = False,
         repairing: RouteGrant | None = None,
         exclude: Sequence[bytes] = (),
+        client: Client | None = None,
     ) -> AsyncIterator[tuple[Any, Tokens, RouteGrant, GenerationRequest]]:
         """A route session that produced its first tokens, and the request it runs.
 
@@ -288,9 +314,11 @@ class Gateway:
         granted route holds, not only the tokens asked of the tracker.
 
         A route that fails before its first token is left for another one (up to
-        ``MAX_ATTEMPTS``). When every route is full, the request waits up to
-        ``queue_timeout`` for a slot: the tracker's view of free slots is a heartbeat old,
-        and sessions end all the time.
+        ``MAX_ATTEMPTS``). When every route is full (the tracker says so, or a node refuses
+        for want of slots), the request waits in line for a slot, up to ``queue_timeout``
+        (:mod:`noderuntime.gateway.line`); a new request also waits behind those already in
+        line. ``client``: whose line it waits in, and, where no one else watches, the
+        connection whose close ends the wait.
 
         ``repairing``: the grant of a session whose route failed mid-generation; ``request``
         then resumes it (:meth:`GenerationRequest.resumed`), on a whole new route under the
@@ -299,74 +327,129 @@ class Gateway:
         exclude = list(exclude)
         failures = 0
         queue_until = trio.current_time() + self.queue_timeout
-        backoff = 0.05
         positions = (request.prompt_length or len(request.prompt_tokens)) + request.max_tokens
-        while True:
-            try:
-                timeline.mark("gateway.granting")
-                if repairing is None:
-                    prompt = request.prompt_tokens if request.reuse_prefix else ()
-                    grant = await self._grant(model, positions, exclude, prompt)
-                else:
-                    grant = await self._repair_grant(repairing, positions, exclude)
-                timeline.mark("gateway.granted")
-            except ApiError as exc:
-                if exc.status == 429 and trio.current_time() + backoff < queue_until:
-                    await trio.sleep(backoff)
-                    backoff = min(backoff * 2, 0.5)
-                    continue
-                raise
-            session_request = request
-            if open_ended and grant.ctx_per_session and repairing is None:
-                room = min(model.n_ctx, grant.ctx_per_session) - len(request.prompt_tokens)
-                session_request = attrs.evolve(request, max_tokens=max(request.max_tokens, room))
-            async with contextlib.AsyncExitStack() as stack:
+        client = client or Client()
+        waiter: Waiter | None = None
+        if self.line.waiting and repairing is None:
+            waiter = self._join_line(client)  # others wait already: behind them, not ahead
+        try:
+            while True:
+                if waiter is not None:
+                    await self._wait_turn(waiter, client, queue_until)
                 try:
-                    gen = await stack.enter_async_context(
-                        open_route_generation(
-                            self.connector,
-                            grant.hops,
-                            session_request,
-                            artifact=bytes.fromhex(model.artifact),
-                            recipe=grant.recipe,
-                            ticket=grant.ticket,
-                            session_id=grant.session_id,
-                            epoch=grant.epoch,
-                        )
-                    )
-                    timeline.mark("gateway.opened")
-                    with trio.fail_after(time_left(request)):
-                        first = await gen.next()
-                    timeline.mark("gateway.first_tokens")
-                except trio.TooSlowError:
-                    raise silent_route() from None
-                except RouteError as exc:
-                    error = route_error(exc)
-                    if exc.code == StatusCode.DEADLINE_EXCEEDED and time_left(request) <= DEADLINE_GRACE_SECONDS + 1:
-                        # the request's own time is (all but) up, by this clock or a node's running ahead
-                        raise error from None
-                    self.counters["retries"] += 1
-                    self.metrics.route_retries.labels(exc.code.name).inc()
-                    if exc.code == StatusCode.RESOURCE_EXHAUSTED:
-                        # a full node is busy, not broken: wait for a slot, and when the wait is
-                        # over say so (429); excluding it would turn "busy" into "no route" (503)
-                        if trio.current_time() + backoff >= queue_until:
-                            raise error from None
-                        log.info("a node on the route is full; waiting for a slot")
-                        await trio.sleep(backoff)
-                        backoff = min(backoff * 2, 0.5)
-                        continue
-                    failures += 1
-                    if failures >= MAX_ATTEMPTS:
-                        raise error from None
-                    exclude += to_exclude(grant, exc)
-                    if repairing is not None:
-                        repairing = grant  # its ticket is the session's newest: the next epoch follows it
-                    log.info("route attempt failed before the first token (%s); trying another", exc)
+                    timeline.mark("gateway.granting")
+                    if repairing is None:
+                        prompt = request.prompt_tokens if request.reuse_prefix else ()
+                        grant = await self._grant(model, positions, exclude, prompt)
+                    else:
+                        grant = await self._repair_grant(repairing, positions, exclude)
+                    timeline.mark("gateway.granted")
+                except ApiError as exc:
+                    if exc.status != 429:
+                        raise
+                    waiter = waiter or self._join_line(client)
                     continue
-                assert first is not None
-                yield gen, first, grant, session_request
-                return
+                session_request = request
+                if open_ended and grant.ctx_per_session and repairing is None:
+                    room = min(model.n_ctx, grant.ctx_per_session) - len(request.prompt_tokens)
+                    session_request = attrs.evolve(request, max_tokens=max(request.max_tokens, room))
+                opened = False
+                try:
+                    async with contextlib.AsyncExitStack() as stack:
+                        try:
+                            gen = await stack.enter_async_context(
+                                open_route_generation(
+                                    self.connector,
+                                    grant.hops,
+                                    session_request,
+                                    artifact=bytes.fromhex(model.artifact),
+                                    recipe=grant.recipe,
+                                    ticket=grant.ticket,
+                                    session_id=grant.session_id,
+                                    epoch=grant.epoch,
+                                )
+                            )
+                            timeline.mark("gateway.opened")
+                            with trio.fail_after(time_left(request)):
+                                first = await gen.next()
+                            opened = True  # it holds a slot on every hop (a full node refuses before this)
+                            timeline.mark("gateway.first_tokens")
+                        except trio.TooSlowError:
+                            raise silent_route() from None
+                        except RouteError as exc:
+                            error = route_error(exc)
+                            if (
+                                exc.code == StatusCode.DEADLINE_EXCEEDED
+                                and time_left(request) <= DEADLINE_GRACE_SECONDS + 1
+                            ):
+                                # the request's own time is (all but) up, by this clock or a node's running ahead
+                                raise error from None
+                            self.counters["retries"] += 1
+                            self.metrics.route_retries.labels(exc.code.name).inc()
+                            if exc.code == StatusCode.RESOURCE_EXHAUSTED:
+                                # a full node is busy, not broken: wait in line for a slot; excluding
+                                # it would turn "busy" into "no route" (503)
+                                log.info("a node on the route is full; waiting in line for a slot")
+                                waiter = waiter or self._join_line(client)
+                                continue
+                            failures += 1
+                            if failures >= MAX_ATTEMPTS:
+                                raise error from None
+                            exclude += to_exclude(grant, exc)
+                            if repairing is not None:
+                                repairing = grant  # its ticket is the session's newest: the next epoch follows it
+                            log.info("route attempt failed before the first token (%s); trying another", exc)
+                            continue
+                        assert first is not None
+                        if waiter is not None:
+                            self.line.leave(waiter, served=True)
+                            waiter = None
+                        yield gen, first, grant, session_request
+                        return
+                finally:
+                    if opened:
+                        # the session has ended (its slot released or its seam closed): the
+                        # request heading the line may take that slot now
+                        self.line.slot_freed()
+        finally:
+            if waiter is not None:
+                self.line.leave(waiter, served=False)
+
+    def _join_line(self, client: Client) -> Waiter:
+        """A place in line for a request that found every route full; 429 at once if the line is full."""
+        try:
+            return self.line.join_nowait(client.key)
+        except LineFull as exc:
+            raise ApiError(
+                429, f"every route is busy and the line is full: {exc}", "rate_limit_error", "queue_full"
+            ) from None
+
+    async def _wait_turn(self, waiter: Waiter, client: Client, until: float) -> None:
+        """Wait for ``waiter``'s turn to try for a slot; a 429 at ``until``, a 499 if its client leaves first."""
+        gone = False
+
+        async def watch(request: Request, scope: trio.CancelScope) -> None:
+            nonlocal gone
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            scope.cancel()
+
+        with trio.move_on_at(until) as timer:
+            async with trio.open_nursery() as nursery:
+                if client.watch is not None:
+                    nursery.start_soon(watch, client.watch, nursery.cancel_scope)
+                await self.line.wait_turn(waiter)
+                nursery.cancel_scope.cancel()
+        if gone:
+            raise ApiError(499, "the client left while its request waited for a slot", "client_closed", "client_closed")
+        if timer.cancelled_caught:
+            raise ApiError(
+                429,
+                f"every route is busy: no slot freed in the {self.queue_timeout:g} s the request waited in line",
+                "rate_limit_error",
+                "routes_full",
+            )
 
     async def _repair_grant(self, failed: RouteGrant, positions: int, exclude: Sequence[bytes]) -> RouteGrant:
         """A whole new route for a session whose route ``failed``, under its next epoch."""
@@ -389,7 +472,13 @@ class Gateway:
             ) from None
 
     async def _generate(
-        self, model: ServedModel, request: GenerationRequest, stop: Sequence[str], *, open_ended: bool
+        self,
+        model: ServedModel,
+        request: GenerationRequest,
+        stop: Sequence[str],
+        *,
+        open_ended: bool,
+        client: Client | None = None,
     ) -> AsyncIterator[Emitted]:
         """What may be shown while generating, then an item with ``done`` set once finished.
 
@@ -410,7 +499,8 @@ class Gateway:
         prompt_logprobs: tuple[TokenLogprob, ...] = ()
         cached = 0
         tail_done = False
-        opening = self._route_session(model, request, open_ended=open_ended)
+        client = client or Client()
+        opening = self._route_session(model, request, open_ended=open_ended, client=client)
         failed_at: float | None = None
         while True:
             failure: RouteError | None = None
@@ -478,7 +568,10 @@ class Gateway:
                     "replayed_tokens": len(resumed.prompt_tokens),
                 }
             )
-            opening = self._route_session(model, resumed, repairing=grant, exclude=avoid)
+            # its own client has left once tokens flow, and the reply's reader watches the connection
+            opening = self._route_session(
+                model, resumed, repairing=grant, exclude=avoid, client=attrs.evolve(client, watch=None)
+            )
         # the session was released on leaving the block: every hop's signed usage is here, and
         # its nodes keep its prefix
         records = [check(r, request_id=request.request_id, hops=grant.hops) for r in gen.usage or ()]
@@ -616,6 +709,7 @@ class Gateway:
         async def status() -> dict[str, Any]:
             return {
                 "counters": dict(self.counters),
+                "line": attrs.asdict(self.line.statistics()),
                 "audits": {**self.audits.counters, "rate": self.audits.rate, "excluded": self.audits.failed_nodes},
                 "models": list(self.models),
                 "tasks": trio_tasks(),
@@ -784,7 +878,9 @@ class Gateway:
         if not body.stream:
             return await self._whole(model, generations, shapes, request, stop_strings, open_ended, started)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await self._streamed(model, generations, shapes, stop_strings, open_ended, started, include_usage)
+        return await self._streamed(
+            model, generations, shapes, stop_strings, open_ended, started, include_usage, Client.of(request, watch=True)
+        )
 
     async def _whole(
         self,
@@ -807,7 +903,11 @@ class Gateway:
             nonlocal fingerprint, failed
             awaiting_first = i == 0  # the first choice's first token is the request's
             try:
-                async for item in self._generate(model, generations[i], stop_strings, open_ended=open_ended):
+                # the watcher below ends a wait in line too, when the client leaves
+                client = Client.of(request, watch=False)
+                async for item in self._generate(
+                    model, generations[i], stop_strings, open_ended=open_ended, client=client
+                ):
                     fingerprint = item.fingerprint
                     if awaiting_first:
                         self.metrics.ttft.observe(time.perf_counter() - started)
@@ -860,21 +960,26 @@ class Gateway:
         open_ended: bool,
         started: float,
         include_usage: bool,
+        client: Client,
     ) -> Any:
         """A streamed reply, once every choice has its route and first tokens.
 
         Found before answering 200, so that "no route" and "all full" are still proper
-        HTTP errors.
+        HTTP errors. ``client``: whose connection, closed while a choice waits in line, ends the wait.
         """
-        streams = [self._generate(model, g, stop_strings, open_ended=open_ended) for g in generations]
+        streams = [self._generate(model, g, stop_strings, open_ended=open_ended, client=client) for g in generations]
         firsts = []
         try:
             # one after another: each generator's route session must live in this one task
             for stream in streams:
                 firsts.append(await stream.__anext__())
         except ApiError as exc:
-            self.counters["errors"] += 1
-            self.metrics.errors.labels(exc.code or exc.kind).inc()
+            if exc.status == 499:  # its client left while it waited in line
+                self.counters["cancelled"] += 1
+                self.metrics.cancelled.inc()
+            else:
+                self.counters["errors"] += 1
+                self.metrics.errors.labels(exc.code or exc.kind).inc()
             for stream in streams:
                 await _aclose(stream)
             raise

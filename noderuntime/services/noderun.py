@@ -471,6 +471,8 @@ class GatewayOptions:
     request_timeout: float = 600.0
     ctx: int | None = None
     queue_timeout: float = 10.0
+    queue_limit: int = 256  # requests waiting for a slot, in all (gateway/line.py)
+    queue_per_key: int = 64  # of them, under one API key
     ledger: Path | None = None
     audit_rate: float = 0.0  # the share of sessions audited after they end (gateway/audits.py)
 
@@ -510,6 +512,8 @@ async def run_gateway(
             tracker_key=opts.tracker_key,
             request_timeout=opts.request_timeout,
             queue_timeout=opts.queue_timeout,
+            queue_limit=opts.queue_limit,
+            queue_per_key=opts.queue_per_key,
             ledger=Ledger(opts.ledger) if opts.ledger else None,
             identity=me,
             audit_rate=opts.audit_rate,
