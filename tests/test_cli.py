@@ -143,6 +143,17 @@ def test_a_seconds_flag_takes_a_positive_finite_number(argv: tuple[str, ...], va
     assert f"{argv[-1]}: expected a" in err.getvalue().splitlines()[-1]
 
 
+@pytest.mark.parametrize("flag", ["--queue-limit", "--queue-per-key"])
+@pytest.mark.parametrize("value", ["-1", "1.5", "many"])
+def test_the_gateways_line_bounds_are_counts(flag: str, value: str) -> None:
+    """The line's bounds: 0 or more requests (0: none wait), nothing else."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
+        main(["gateway", "--model", "m.gguf", "--tracker", "http://t", flag, value])
+    assert exited.value.code == 2
+    assert f"{flag}: expected an integer >= 0" in err.getvalue().splitlines()[-1]
+
+
 def test_a_refused_flag_ends_the_process_with_status_2_and_one_line(python: str, cli_env: dict[str, str]) -> None:
     """The process around ``main``: argparse's refusal is its exit status, with no traceback."""
     done = _run_process(python, cli_env, "tracker", "--expire-after", "nan")
