@@ -636,36 +636,36 @@ async def test_nodes_register_again_after_a_tracker_restart() -> None:
 
 
 async def test_a_node_the_tracker_counts_full_heartbeats_as_soon_as_a_slot_frees() -> None:
-    """TrackerLink.slot_freed: the tracker takes a slot off per route it grants, so a node it counts
-    full says at once when one frees; a node it counts with room waits for the interval."""
+    """TrackerLink.slot_freed: the tracker takes a slot off per route it grants, so a node it may count
+    full (one route on its way allowed for) says at once when one frees; one with room waits."""
     me = Identity.generate()
     tracker = Tracker(Identity.generate())
-    load = {"free_slots": 2, "sessions_opened": 0}
+    load = {"free_slots": 4, "sessions_opened": 0}
     async with trio.open_nursery() as nursery:
         url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
         link = TrackerLink(
             url,
             me,
-            Registration(**_registration(me)),
-            lambda: NodeLoad(active_sessions=2 - load["free_slots"], queue_depth=0, step_ms=1.0, **load),
+            Registration(**{**_registration(me), "slots": 4}),
+            lambda: NodeLoad(active_sessions=4 - load["free_slots"], queue_depth=0, step_ms=1.0, **load),
         )
         await nursery.start(link.run)
         with trio.fail_after(10):
-            while link.heartbeats < 1:  # the tracker heard "2 free"
+            while link.heartbeats < 1:  # the tracker heard "4 free"
                 await trio.sleep(0.02)
-        link.slot_freed()  # nothing routed here since: the tracker counts 2 free, no hurry
-        load.update(free_slots=1, sessions_opened=1)
-        link.slot_freed()  # 1 routed since: the tracker still counts one free
+        link.slot_freed()  # nothing routed here since: the tracker counts 4 free, no hurry
+        load.update(free_slots=3, sessions_opened=2)  # two routed since, one of them over
+        link.slot_freed()  # the tracker counts 2 free: still no hurry
         await trio.sleep(0.1)
         assert link.early_heartbeats == 0 and link.heartbeats == 1
-        for _ in range(2):  # two routes granted (the tracker takes a slot off each time), two sessions opened
+        for _ in range(4):  # four routes granted (a slot off each time); three sessions opened, one on its way
             tracker.state.note_session([me.node_id])
-        load.update(free_slots=0, sessions_opened=2)
+        load.update(free_slots=1, sessions_opened=3)
         assert tracker.state.nodes[me.node_id].free_slots == 0
-        load.update(free_slots=1)  # one of them ends
+        load.update(free_slots=2)  # one more ends
         link.slot_freed()
         with trio.fail_after(1.0):  # well inside the 2 s interval
-            while tracker.state.nodes[me.node_id].free_slots != 1:
+            while tracker.state.nodes[me.node_id].free_slots != 2:
                 await trio.sleep(0.01)
         assert link.early_heartbeats == 1
         nursery.cancel_scope.cancel()
