@@ -2,7 +2,8 @@
 
 Three times the slots in concurrent streams all complete; a request beyond the line's
 bound, or one whose wait outlasts ``--queue-timeout``, gets a 429 with ``Retry-After``;
-a client that leaves while it waits leaves nothing behind, on the gateway or the node.
+a client that leaves while it waits leaves nothing behind, on the gateway or the node;
+turns in line go round the API keys.
 """
 
 from __future__ import annotations
@@ -187,5 +188,56 @@ def test_beyond_the_lines_bound_or_its_timeout_a_request_gets_429_with_retry_aft
         assert json.loads(waited["events"][0])["error"]["code"] == "routes_full"
         assert 1.5 < waited["total_s"] < 10.0
         print(f"\nthe line's timeout of 2 s answered 429 after {waited['total_s']:.2f} s")
+    finally:
+        stop_all([gateway])
+
+
+def test_turns_in_line_go_round_the_api_keys(system: localsystem.LocalSystem, smollm2: Path) -> None:
+    """One key's burst does not keep another key's request waiting behind all of it."""
+    _wait_for(lambda: _idle(system), "idle")
+    gateway = ManagedProcess(
+        "gateway-keys",
+        [
+            "gateway",
+            "--tracker",
+            system.tracker_url,
+            "--listen",
+            "127.0.0.1:0",
+            "--model",
+            f"{system.model_id}={smollm2}",
+            "--ctx",
+            "1024",
+            "--queue-timeout",
+            "120",
+            "--api-key",
+            "sk-burst",
+            "--api-key",
+            "sk-one",
+        ],
+    )
+    try:
+        url = expect(gateway.start(), GatewayReady).url
+        body = {"model": system.model_id, "prompt": "1, 2, 3, 4,", "max_tokens": 32, "temperature": 0, "stream": True}
+
+        def ask(key: str) -> dict[str, Any]:
+            started = time.monotonic()
+            with httpx.stream(
+                "POST", url + "/v1/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=300
+            ) as response:
+                first = time.monotonic()
+                assert response.status_code == 200
+                list(response.iter_lines())
+            return {"key": key, "started": started, "first": first}
+
+        status = {"authorization": "Bearer sk-one"}
+        with ThreadPoolExecutor(2 * SLOTS + 1) as pool:
+            burst = [pool.submit(ask, "sk-burst") for _ in range(2 * SLOTS)]  # two take the slots, two wait
+            _wait_for(lambda: httpx.get(url + "/status", headers=status).json()["line"]["waiting"] == SLOTS, "waiting")
+            one = pool.submit(ask, "sk-one")  # after the burst's two in line
+            results = [f.result() for f in (*burst, one)]
+        order = [r["key"] for r in sorted(results, key=lambda r: r["first"])]
+        # the burst's first two, then turns: the burst's third and the other key's one, then the burst's last
+        assert order.index("sk-one") < len(order) - 1, order
+        print(f"\nfirst tokens in the order {order}")
     finally:
         stop_all([gateway])
