@@ -24,12 +24,28 @@ of them known, in the best of a few join orders (most memory first, fastest firs
 shuffles), which the best plan reaches at least. Also the time one placement takes (p50,
 p99; timing only: nothing asserts it), and the rebalancing's moves and rounds (settled:
 a last round moved none). Goal: at least 0.9 of the best plan.
+
+And a real swarm (not with ``--quick``): a tracker and five nodes of the demo model
+(SmolLM2-135M, 30 layers), real processes on loopback, each started without ``--layers``
+and with a ``--memory-limit`` that holds between a third and four fifths of the model;
+a gateway serves chat completions through them. Then the node that alone serves some
+layers (where every layer is held twice: the first node) is killed; once the tracker drops
+it, a newcomer of the same memory is started without ``--layers``, and the gateway serves
+again. Figures: the ranges placed, the time
+from start to a complete route, the requests served, the time from the kill to a
+complete route again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
+import tempfile
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -38,6 +54,11 @@ import numpy as np
 from benchmarks import _common
 from noderuntime.tracker.placement import Placement
 from noderuntime.tracker.state import NodeRecord, TrackerState
+
+# the real swarm: shares of the way from what the last layer alone needs to the whole model
+REAL_SHARES = (0.3, 0.4, 0.55, 0.7, 0.8)
+REAL_SLOTS, REAL_CTX = 2, 512
+REAL_REQUESTS = 8
 
 NAME = "swarm"
 N_LAYER = 80
@@ -197,11 +218,115 @@ def run(n: int, seed: int) -> dict[str, Any]:
     }
 
 
+def real_swarm(root: Path) -> dict[str, Any]:
+    """Five real nodes without ``--layers`` cover the demo model; one dies and a newcomer covers its hole."""
+    from noderuntime.engine import memplan
+    from noderuntime.engine.llama import Recipe
+    from noderuntime.models import catalogue as models
+    from noderuntime.models.artifacts import LayerRange
+    from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
+    from noderuntime.services.localsystem import _wait_routable
+    from noderuntime.services.ready import GatewayReady, NodeReady, TrackerReady, expect
+
+    model = models.pull(models.DEMO_MODEL, progress=False)
+    recipe = memplan.capped(Recipe(n_threads=1, n_ctx_per_seq=REAL_CTX, n_seq_max=REAL_SLOTS))
+    tail = memplan.needs(model, LayerRange(29, 30), recipe).host
+    whole = memplan.needs(model, LayerRange(0, 30), recipe).host
+    limits = [int(tail + (whole - tail) * share) for share in REAL_SHARES]
+    processes: list[ManagedProcess] = []
+
+    def node(name: str, limit: int) -> ManagedProcess:
+        flags = ["--memory-limit", str(limit), "--slots", str(REAL_SLOTS), "--ctx", str(REAL_CTX), "--threads", "1"]
+        argv = ["up", "--model", str(model), "--listen", "127.0.0.1:0", "--tracker", tracker_url, *flags]
+        process = ManagedProcess(name, [*argv, "--data-dir", str(root / name)])
+        processes.append(process)
+        return process
+
+    def routable() -> bool:
+        with urllib.request.urlopen(tracker_url + "/v1/artifacts", timeout=10) as response:
+            return bool(json.loads(response.read())["artifacts"].get(artifact, {}).get("routable"))
+
+    def listed() -> set[str]:
+        with urllib.request.urlopen(tracker_url + "/v1/nodes", timeout=10) as response:
+            return {n["node_id"] for n in json.loads(response.read())["nodes"]}
+
+    def serve(count: int) -> int:
+        body = {"model": "smol", "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 16}
+        served = 0
+        for _ in range(count):
+            request = urllib.request.Request(
+                gateway_url + "/v1/chat/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+            )
+            with contextlib.suppress(urllib.error.HTTPError), urllib.request.urlopen(request, timeout=120) as answer:
+                served += bool(json.loads(answer.read())["choices"][0]["message"]["content"])
+        return served
+
+    try:
+        tracker = ManagedProcess(
+            "tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(root / "t"), "--expire-after", "2"]
+        )
+        processes.append(tracker)
+        tracker_url = expect(tracker.start(), TrackerReady).url
+        nodes = [node(f"node{i}", limit) for i, limit in enumerate(limits)]
+        started = time.monotonic()
+        ready = [expect(info, NodeReady) for info in start_all(nodes, timeout=120)]
+        artifact = ready[0].artifact
+        _wait_routable(tracker_url, artifact)
+        to_route = time.monotonic() - started
+        ranges = [tuple(r.layers) for r in ready]
+        covered = set().union(*(range(a, b) for a, b in ranges))
+        gateway = ManagedProcess(
+            "gateway", ["gateway", "--tracker", tracker_url, "--listen", "127.0.0.1:0", "--model", f"smol={model}"]
+        )
+        processes.append(gateway)
+        gateway_url = expect(gateway.start(), GatewayReady).url
+        served_before = serve(REAL_REQUESTS)
+        only = {
+            k: set(range(a, b)) - set().union(*(range(c, d) for j, (c, d) in enumerate(ranges) if j != k))
+            for k, (a, b) in enumerate(ranges)
+        }
+        # the one that alone serves some layers, if any; else (every layer held twice) the first
+        lost = next((k for k, layers in only.items() if layers), 0)
+        killed = time.monotonic()
+        nodes[lost].kill()
+        while ready[lost].node_id in listed():
+            time.sleep(0.1)
+        dropped = time.monotonic() - killed
+        routable_without_it = routable()
+        newcomer = expect(node("newcomer", limits[lost]).start(120), NodeReady)
+        _wait_routable(tracker_url, artifact)
+        recovered = time.monotonic() - killed
+        return {
+            "model": models.DEMO_MODEL,
+            "n_layer": 30,
+            "memory_limits_bytes": limits,
+            "whole_model_needs_bytes": whole,
+            "ranges": [list(r) for r in ranges],
+            "largest_range": max(b - a for a, b in ranges),
+            "coverage": len(covered) / 30,
+            "seconds_from_start_to_a_route": to_route,
+            "requests": REAL_REQUESTS,
+            "served_before": served_before,
+            "killed": {"range": list(ranges[lost]), "layers_only_it_served": sorted(only[lost])},
+            "seconds_until_the_tracker_dropped_it": dropped,
+            "routable_without_it": routable_without_it,
+            "newcomer_range": list(newcomer.layers),
+            "newcomer_covers_the_hole": only[lost] <= set(range(*newcomer.layers)),
+            "seconds_from_the_kill_to_a_route_again": recovered,
+            "served_after": serve(REAL_REQUESTS),
+        }
+    finally:
+        stop_all(processes)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _common.parser(NAME, __doc__ or "")
     args = parser.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else SIZES
-    figures = {str(n): run(n, SEED + n) for n in sizes}
+    figures: dict[str, Any] = {str(n): run(n, SEED + n) for n in sizes}
+    if not args.quick:
+        with tempfile.TemporaryDirectory(prefix="swarm-") as tmp:
+            figures["real"] = real_swarm(Path(tmp))
     recipe = {
         "n_layer": N_LAYER,
         "sizes": list(sizes),
@@ -226,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             f.get("ratio_to_hand_plan", ""),
         ]
         for n, result in figures.items()
+        if n != "real"
         for stage in ("after_joins", "after_leaves", "after_rebalancing", "after_new_joins")
         for f in (result[stage],)
     ]
@@ -234,8 +360,17 @@ def main(argv: list[str] | None = None) -> int:
     times = [
         [n, r["placement_ms_p50"], r["placement_ms_p99"], *(r["after_rebalancing"][k] for k in ("moves", "rounds"))]
         for n, r in figures.items()
+        if n != "real"
     ]
     print(_common.table(["N", "placement p50 ms", "p99 ms", "moves", "rounds"], times))
+    if "real" in figures:
+        real = figures["real"]
+        print(
+            f"real swarm: ranges {real['ranges']} (coverage {real['coverage']:.2f}), a route after "
+            f"{real['seconds_from_start_to_a_route']:.1f} s, {real['served_before']}/{real['requests']} served; "
+            f"killed {real['killed']['range']}, newcomer {real['newcomer_range']}, a route again after "
+            f"{real['seconds_from_the_kill_to_a_route_again']:.1f} s, {real['served_after']}/{real['requests']} served"
+        )
     print(f"wrote {out}")
     return 0
 
