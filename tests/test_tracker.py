@@ -381,6 +381,30 @@ def test_a_seam_across_a_slow_link_is_avoided_when_an_equal_route_is_not() -> No
     assert tails() == {"a b", "a c"}
 
 
+def test_a_new_node_among_fast_measured_seams_is_routed() -> None:
+    """On one LAN (round trips of 0.1 ms) a seam nobody measured yet costs what the measured ones do,
+    so a node that just joined gets sessions (and so its seams measured) instead of none."""
+    state = state_with(node("a", (0, 15)), node("b", (15, 30)), seed=2)
+
+    def beat(name: str, round_trips: dict[str, float]) -> None:
+        state.heartbeat(
+            _id(name),
+            0.0,
+            active_sessions=0,
+            free_slots=4,
+            queue_depth=0,
+            step_ms=0.05,
+            round_trips={_id(peer): ms for peer, ms in round_trips.items()},
+        )
+
+    beat("a", {"b": 0.1})
+    beat("b", {"a": 0.1})
+    state.register(node("c", (15, 30)), 0.0)
+    beat("c", {})
+    assert state.seam_ms(state.nodes[_id("a")], state.nodes[_id("c")]) == pytest.approx(0.1)
+    assert {_names(state.choose(ARTIFACT, 10).nodes) for _ in range(50)} == {"a b", "a c"}
+
+
 def test_what_a_node_reports_of_its_peers_is_bounded() -> None:
     """The message refuses a huge map, negative, infinite or NaN round trips and malformed ids; the state
     ignores them from any other caller too."""

@@ -186,6 +186,7 @@ class _Columns:
         self.size = 0  # rows ever used (present or vacant)
         self._layout: _Layout | None = None
         self._seams: _SeamLayout | None = None
+        self._unmeasured: float | None = None
         self.present = np.zeros(0, np.bool_)
         self.admitted = np.zeros(0, np.bool_)
         self.room = np.zeros(0, np.bool_)
@@ -246,6 +247,7 @@ class _Columns:
                 self.start[row] = self.end[row] = self.n_layer[row] = 0
             self.recipe[row] = code
             self._layout = self._seams = None
+            self._unmeasured = None
         self.records[row] = record
         self.present[row] = True
         self.admitted[row] = record.admitted and self.n_layer[row] > 0
@@ -267,7 +269,7 @@ class _Columns:
         self.seams_from[row] = -1
         self.seams_count[row] = 0
         self.vacant.append(row)
-        self._layout = self._seams = None
+        self._layout = self._seams = self._unmeasured = None
 
     def _uncount(self, record: NodeRecord) -> None:
         self.layer_counts[record.n_layer] -= 1
@@ -283,7 +285,24 @@ class _Columns:
             self.seams_from[row, : len(kept)] = [previous for previous, _ in kept]
             self.seams_ms[row, : len(kept)] = [ms for _, ms in kept]
         self.seams_count[row] = len(kept)
-        self._seams = None
+        self._seams = self._unmeasured = None
+
+    def unmeasured_scale(self) -> float:
+        """What the constants for seams nobody measured are scaled by: the median measured round
+        trip of these nodes over ``DIRECT_SEAM_MS``, at most 1 (1 where none is measured yet).
+
+        With the constants alone a swarm on one LAN (round trips of 0.1 ms) never routed a new
+        node, whose seams cost the 1 ms constant until a session through it measured them. A
+        seam nobody measured costs what a typical measured one does, or the constant where
+        that is less: across continents a new node is tried (and so measured) rather than
+        priced as the slowest link.
+        """
+        if self._unmeasured is None:
+            used = np.flatnonzero(self.present[: self.size])
+            counts = self.seams_count[used]
+            kept = self.seams_ms[used][np.arange(SEAMS_KEPT)[None, :] < counts[:, None]]
+            self._unmeasured = min(1.0, float(np.median(kept)) / DIRECT_SEAM_MS) if kept.size else 1.0
+        return self._unmeasured
 
     def layer_count(self) -> int:
         """The layer count most of these nodes report (see :func:`layer_count`)."""
@@ -616,7 +635,9 @@ class TrackerState:
             measured = self._seams_kept.get(node.node_id, {}).get(previous.node_id)
             if measured is not None:
                 return measured
-        return node.seam_ms()
+        # scaled to what the artifact's nodes measure (_Columns.unmeasured_scale)
+        columns = self._columns.get(node.artifact)
+        return node.seam_ms() * (columns.unmeasured_scale() if columns is not None else 1.0)
 
     def route_cost(self, route: Sequence[NodeRecord]) -> float:
         """Estimated milliseconds per decode step along ``route``, its measured seams counted."""
@@ -858,7 +879,7 @@ class TrackerState:
         if bonus is not None:
             own = own - bonus
         measured = columns.seam_layout().round_trip + own[:, None]
-        return EdgeCosts(own + columns.seam[rows], measured)
+        return EdgeCosts(own + columns.seam[rows] * columns.unmeasured_scale(), measured)
 
     def _cheapest(
         self, columns: _Columns, usable: Mask, recipe: str | None, start: int, n_layer: int, costs: EdgeCosts
