@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 import httpx
 import trio
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from noderuntime.access import untrusted
 from noderuntime.access.identity import Identity
@@ -361,44 +361,36 @@ async def request_repair(
 
     :class:`TrackerError` with 503 (no replacement) or 429 (all full), as :func:`request_route`.
     """
-    path = "/v1/routes/repair"
-    data = repair.model_dump_json().encode()
-    headers = {"content-type": "application/json", **signer.headers("POST", path, data)}
-    try:
-        response = await client.post(url.rstrip("/") + path, content=data, headers=headers, timeout=10)
-    except httpx.HTTPError as exc:
-        raise TrackerError(f"the tracker {url} is unreachable: {exc}") from None
-    return _grant(response, url)
+    return _grant(await _signed_post(client, url, "/v1/routes/repair", signer, repair), url)
 
 
 async def request_audit(client: httpx.AsyncClient, url: str, signer: RequestSigner, audit: AuditRequest) -> RouteGrant:
     """An audit route for a session this client was granted (see :class:`AuditRequest`); :class:`TrackerError`
     with 503 when some hop has no auditor."""
-    path = "/v1/audits"
-    data = audit.model_dump_json().encode()
-    headers = {"content-type": "application/json", **signer.headers("POST", path, data)}
-    try:
-        response = await client.post(url.rstrip("/") + path, content=data, headers=headers, timeout=10)
-    except httpx.HTTPError as exc:
-        raise TrackerError(f"the tracker {url} is unreachable: {exc}") from None
-    return _grant(response, url)
+    return _grant(await _signed_post(client, url, "/v1/audits", signer, audit), url)
 
 
 async def report_audit(client: httpx.AsyncClient, url: str, signer: RequestSigner, report: AuditReport) -> AuditVerdict:
     """Tell the tracker what an audit found; its verdict, or :class:`TrackerError`."""
-    path = "/v1/audits/report"
-    data = report.model_dump_json().encode()
-    headers = {"content-type": "application/json", **signer.headers("POST", path, data)}
-    try:
-        response = await client.post(url.rstrip("/") + path, content=data, headers=headers, timeout=10)
-    except httpx.HTTPError as exc:
-        raise TrackerError(f"the tracker {url} is unreachable: {exc}") from None
+    response = await _signed_post(client, url, "/v1/audits/report", signer, report)
     if response.status_code != 200:
         raise TrackerError(f"the tracker refused the audit report: {response.text[:300]}", response.status_code)
     try:
         return AuditVerdict.model_validate_json(response.content)
     except ValidationError:
         raise TrackerError(f"the tracker {url} sent a malformed audit verdict", response.status_code) from None
+
+
+async def _signed_post(
+    client: httpx.AsyncClient, url: str, path: str, signer: RequestSigner, body: BaseModel
+) -> httpx.Response:
+    """POST ``body`` as JSON to the tracker at ``url``, signed by ``signer``; :class:`TrackerError` if unreachable."""
+    data = body.model_dump_json().encode()
+    headers = {"content-type": "application/json", **signer.headers("POST", path, data)}
+    try:
+        return await client.post(url.rstrip("/") + path, content=data, headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        raise TrackerError(f"the tracker {url} is unreachable: {exc}") from None
 
 
 def _grant(response: httpx.Response, url: str) -> RouteGrant:
