@@ -91,6 +91,10 @@ HOSTILE_OPENINGS = (
     "penalty_window",
 )
 REPLY_SECONDS = 3.0
+# a relayed seam that took a broken record must close it: on a loaded machine (the test
+# suite beside it) one tail's close took longer than REPLY_SECONDS; later than this, it is
+# counted as left open
+SEAM_REPLY_SECONDS = 10.0
 GRPC_PARALLEL = 12  # seam streams in flight at once
 
 
@@ -359,7 +363,7 @@ async def _fuzz_relayed_seam(
                             broken = (rng.randbytes(rng.randint(1, 3000)), _mutate(rng, sealed))[i % 2]
                             for message in (sealed, sealed) if rng.random() < 0.2 else (broken,):
                                 await ws.send_message(message)
-                    with trio.move_on_after(REPLY_SECONDS):
+                    with trio.move_on_after(SEAM_REPLY_SECONDS) as waited:
                         while True:
                             answer = await ws.get_message()
                             if channel is not None and isinstance(answer, bytes):
@@ -371,8 +375,10 @@ async def _fuzz_relayed_seam(
                                 except ChannelError:
                                     outcomes["reply_unopenable"] += 1
                                     break
-                        else:
-                            outcomes["open_after_3s"] += 1
+                    # (a `while True` has no `else` to run: a seam still open when the wait ran
+                    # out went uncounted, and the inputs' outcomes summed to fewer than the inputs)
+                    if waited.cancelled_caught:
+                        outcomes["still_open"] += 1
             except ConnectionClosed as exc:
                 code = exc.reason.code if exc.reason is not None else 0
                 status = code - relay_messages.CLOSE_STATUS_BASE if relay_messages.is_status_close(code) else None
@@ -598,7 +604,7 @@ def main() -> int:
         "grpc_undecodable_replies": entries["grpc_seam"]["outcomes"].get("reply_undecodable", 0),
         # a relayed seam that a broken message left open, or answered with what does not open
         "relayed_seam_untyped": sum(
-            n for k, n in entries["relayed_seam"]["outcomes"].items() if k in ("open_after_3s", "reply_unopenable")
+            n for k, n in entries["relayed_seam"]["outcomes"].items() if k in ("still_open", "reply_unopenable")
         ),
     }
     leaks: dict[str, Any] = {
