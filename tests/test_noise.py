@@ -120,7 +120,9 @@ def test_frames_of_every_size_pass_sealed_both_ways(size: int) -> None:
     frame = os.urandom(size)
     message = dialer.seal(frame)
     assert len(message) == sealed_size(size)
-    assert frame not in message or size == 0
+    # the plaintext does not show in the message (a frame of a few random bytes could, by chance:
+    # one byte is somewhere in a 40-byte ciphertext one time in seven)
+    assert frame not in message or size < 16
     assert acceptor.open(message) == frame
     assert dialer.open(acceptor.seal(frame)) == frame
 
