@@ -602,7 +602,10 @@ class RouteSession:
         if decode and len(positions) != 1:
             await self._protocol_failure_up(RemoteProtocolError(f"a decode step of {len(positions)} positions"))
             return False
-        assert self._in_commit is not None  # the prefix is settled before any Activations come
+        if self._in_commit is None:
+            # rows before the hops agreed on the prefix: nothing says where this hop's computing starts
+            await self._protocol_failure_up(RemoteProtocolError("Activations before the route agreed on its prefix"))
+            return False
         self._in_commit.add_rows(positions.start, hidden)
         sample = self._rows_to_sample(positions.start, len(positions)) if self.is_tail else 0
         result = await self._step(positions.start, hidden=hidden, sample=sample, decode=decode)
