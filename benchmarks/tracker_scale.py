@@ -22,8 +22,9 @@ affinity (8 ``near`` nodes), and a heartbeat's cost in the state.
 The HTTP API, through the real tracker app in its own process on one core (the load on
 the other): N simulated nodes (1,000 and 10,000; ``--quick``: 1,000) register with real
 signed requests (an Ed25519 key each), then heartbeat at the interval the tracker gives
-real nodes (``HEARTBEAT_SECONDS``), signed and checked, with their round trips, while
-route requests arrive at 100/s. Latency of each (p50, p99; from the moment it was due,
+them (in its answer to each registration and heartbeat, as real nodes do: it grows with
+the swarm, ``TrackerState.heartbeat_seconds``), signed and checked, with their round
+trips, while route requests arrive at 100/s. Latency of each (p50, p99; from the moment it was due,
 so a tracker that falls behind shows it), what was served of what was offered, the
 tracker's CPU share (its process, over the window) and memory. The baseline lane runs
 the tracker of ``--baseline-commit`` (from git history) under the same load.
@@ -40,6 +41,7 @@ import math
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,10 +58,10 @@ from benchmarks import _common
 from noderuntime.access.identity import Identity
 from noderuntime.access.signing import sign
 from noderuntime.control.admission import Capability, capability_record
-from noderuntime.tracker.app import HEARTBEAT_SECONDS
 from noderuntime.tracker.state import (
     COST_CEILING_MS,
     DIRECT_SEAM_MS,
+    HEARTBEAT_SECONDS,
     NEAR_EQUAL,
     RELAY_SEAM_MS,
     NodeRecord,
@@ -409,6 +411,8 @@ class _Load:
     service: dict[str, list[float]] = attrs.Factory(lambda: collections.defaultdict(list))  # ms from sent
     statuses: dict[str, collections.Counter[int]] = attrs.Factory(lambda: collections.defaultdict(collections.Counter))
     offered: collections.Counter[str] = attrs.Factory(collections.Counter)
+    # each node's heartbeat interval, as the tracker's last answer to it gave it
+    intervals: list[float] = attrs.Factory(list)
     window: tuple[float, float] = (math.inf, math.inf)  # trio clock: the measured stretch
     backlog_at_start: int = 0  # heartbeats due and not yet sent when the window began
 
@@ -434,8 +438,8 @@ class _Connection:
         self.stream = stream
         self.buffer = b""
 
-    async def exchange(self, request: bytes) -> int:
-        """Send ``request``; the status of its answer (the body is read and dropped)."""
+    async def exchange(self, request: bytes) -> tuple[int, bytes]:
+        """Send ``request``; the status and body of its answer."""
         await self.stream.send_all(request)
         while b"\r\n\r\n" not in self.buffer:
             self.buffer += await self._more()
@@ -445,8 +449,8 @@ class _Connection:
         length = next((int(line.split(b":")[1]) for line in lines if line.lower().startswith(b"content-length:")), 0)
         while len(self.buffer) < length:
             self.buffer += await self._more()
-        self.buffer = self.buffer[length:]
-        return status
+        body, self.buffer = self.buffer[:length], self.buffer[length:]
+        return status, body
 
     async def _more(self) -> bytes:
         data = await self.stream.receive_some(1 << 16)
@@ -455,19 +459,31 @@ class _Connection:
         return data
 
 
-async def _serve_requests(
-    url: str, requests: trio.MemoryReceiveChannel[tuple[str, float, Callable[[], bytes]]], load: _Load
-) -> None:
+def _told_interval(body: bytes, current: float) -> float:
+    """The heartbeat interval in a tracker's answer (the baseline's heartbeat answers give none)."""
+    try:
+        interval = json.loads(body).get("heartbeat_seconds", current)
+    except (ValueError, AttributeError):
+        return current
+    return float(interval)
+
+
+Request = tuple[str, float, int, Callable[[], bytes]]  # kind, when due, the node it is from (-1: none), build it
+
+
+async def _serve_requests(url: str, requests: trio.MemoryReceiveChannel[Request], load: _Load) -> None:
     """Take due requests off ``requests`` and send them, one at a time, on one connection."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     connection = _Connection(await trio.open_tcp_stream(host, int(port)))
-    async for kind, due, build in requests:
+    async for kind, due, node, build in requests:
         sent = trio.current_time()
         try:
-            status = await connection.exchange(build())
+            status, body = await connection.exchange(build())
         except (ConnectionError, trio.BrokenResourceError):
             status = 0
             connection = _Connection(await trio.open_tcp_stream(host, int(port)))
+        if status == 200 and node >= 0:
+            load.intervals[node] = _told_interval(body, load.intervals[node])
         done = trio.current_time()
         if load.window[0] <= due < load.window[1]:
             load.statuses[kind][status] += 1
@@ -491,7 +507,7 @@ def _prepare(nodes: Sequence[SimNode], seams: Sequence[dict[int, float]]) -> _Lo
             "round_trips": {ids[p]: ms for p, ms in seams[i].items()},
         }
         bodies.append(json.dumps(beat).encode())
-    return _Load(identities, bodies)
+    return _Load(identities, bodies, intervals=[HEARTBEAT_SECONDS] * len(nodes))
 
 
 def _registration(i: int, node: SimNode, me: Identity) -> bytes:
@@ -522,8 +538,8 @@ async def _drive(
     Returns the seconds registration took; ``windowed`` is set once ``load.window`` is.
     """
     count = len(nodes)
-    heartbeat_send, heartbeat_receive = trio.open_memory_channel[tuple[str, float, Callable[[], bytes]]](math.inf)
-    route_send, route_receive = trio.open_memory_channel[tuple[str, float, Callable[[], bytes]]](math.inf)
+    heartbeat_send, heartbeat_receive = trio.open_memory_channel[Request](math.inf)
+    route_send, route_receive = trio.open_memory_channel[Request](math.inf)
     beats: list[tuple[float, int]] = []  # a heap: (due, node)
     route_body = json.dumps({"artifact": ARTIFACT, "tokens": TOKENS}).encode()
 
@@ -535,10 +551,11 @@ async def _drive(
         connection = _Connection(await trio.open_tcp_stream(host, int(port)))
         for i in indices:
             body = _registration(i, nodes[i], load.identities[i])
-            status = await connection.exchange(_signed_request("/v1/nodes/register", body, load.identities[i]))
+            status, answer = await connection.exchange(_signed_request("/v1/nodes/register", body, load.identities[i]))
             load.statuses["register"][status] += 1
+            load.intervals[i] = _told_interval(answer, load.intervals[i])
             # its beats start once it is known, at a random phase, as a node's would
-            heapq.heappush(beats, (trio.current_time() + random.uniform(0, HEARTBEAT_SECONDS), i))
+            heapq.heappush(beats, (trio.current_time() + random.uniform(0, load.intervals[i]), i))
 
     async def beat_clock() -> None:
         while True:
@@ -550,10 +567,11 @@ async def _drive(
                 await trio.sleep_until(min(due, trio.current_time() + 0.01))
                 continue
             heapq.heappop(beats)
-            heapq.heappush(beats, (due + HEARTBEAT_SECONDS, i))
+            # at the interval its last answer gave, with a node's jitter (TrackerLink)
+            heapq.heappush(beats, (due + load.intervals[i] * random.uniform(0.9, 1.1), i))
             if due < load.window[1]:
                 load.offered["heartbeat"] += load.window[0] <= due
-                heartbeat_send.send_nowait(("heartbeat", due, heartbeat(i)))
+                heartbeat_send.send_nowait(("heartbeat", due, i, heartbeat(i)))
 
     async def route_clock() -> None:
         await windowed.wait()
@@ -561,7 +579,7 @@ async def _drive(
         while due < load.window[1]:
             await trio.sleep_until(due)
             load.offered["route"] += 1
-            route_send.send_nowait(("route", due, lambda: _plain_request("/v1/routes", route_body)))
+            route_send.send_nowait(("route", due, -1, lambda: _plain_request("/v1/routes", route_body)))
             due += 1.0 / ROUTES_PER_S
 
     began = trio.current_time()
@@ -577,7 +595,7 @@ async def _drive(
         registration_s = trio.current_time() - began
         # a beat interval for the last registered to settle into their rhythm, and the beats
         # that queued up behind the registrations to be answered (a while at most), then the window
-        await trio.sleep(HEARTBEAT_SECONDS)
+        await trio.sleep(max(load.intervals))
         with trio.move_on_after(SETTLE_SECONDS):
             # a memory channel has no event for its buffer running low: look now and then
             while heartbeat_send.statistics().current_buffer_used > connections:  # noqa: ASYNC110
@@ -649,6 +667,12 @@ def http_lane(count: int, window_s: float, tree: Path | None, seed: int) -> dict
         "tracker_rss_bytes": rss,
         "tracker_peak_rss_bytes": peak,
         "heartbeats_queued_at_window_start": load.backlog_at_start,
+        # what the tracker told the nodes last (the baseline: a fixed HEARTBEAT_SECONDS)
+        "heartbeat_interval_seconds": {
+            "min": min(load.intervals),
+            "median": statistics.median(load.intervals),
+            "max": max(load.intervals),
+        },
         # other work on this machine takes cores from both sides
         "load_average_1min": load_average,
     }
@@ -666,6 +690,7 @@ def http_lane(count: int, window_s: float, tree: Path | None, seed: int) -> dict
     figures["keeps_up"] = (
         heartbeats["served_share"] >= 0.99
         and figures["route"]["served_share"] >= 0.99
+        # however long the interval, a beat answered a small swarm's interval late is a tracker behind
         and heartbeats["from_due"]["p99_ms"] < 1000 * HEARTBEAT_SECONDS
     )
     return figures

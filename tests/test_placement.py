@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import time
@@ -18,8 +19,8 @@ from noderuntime.control.admission import Capability, capability_record
 from noderuntime.operations.httpserve import serve_http
 from noderuntime.tracker import placement as placement_module
 from noderuntime.tracker.app import Tracker
-from noderuntime.tracker.client import TrackerError, request_placement
-from noderuntime.tracker.messages import PlacementRequest
+from noderuntime.tracker.client import TrackerError, request_placement, request_reconsider
+from noderuntime.tracker.messages import PlacementRequest, RebalanceRequest
 from noderuntime.tracker.placement import (
     RESERVATION_SECONDS,
     Piece,
@@ -174,7 +175,7 @@ def test_joiners_one_by_one_cover_a_model_none_of_them_can_hold() -> None:
     assert placement.capacity(ARTIFACT, 40, 10.0).min() > 0
 
 
-def _registration(me: Identity, layers: tuple[int, int]) -> dict[str, Any]:
+def _registration(me: Identity, layers: tuple[int, int], decode_ms: float = 10.0) -> dict[str, Any]:
     return {
         "node_id": me.node_id.hex(),
         "artifact": ARTIFACT,
@@ -189,7 +190,7 @@ def _registration(me: Identity, layers: tuple[int, int]) -> dict[str, Any]:
             artifact=ARTIFACT,
             layers=layers,
             recipe="0123456789abcdef",
-            capability=Capability(2.0, ((1, 10.0), (2, 12.0)), 1, 1, 1, 2),
+            capability=Capability(2.0, ((1, decode_ms), (2, decode_ms * 1.2)), 1, 1, 1, 2),
         ),
     }
 
@@ -341,3 +342,103 @@ def test_of_many_windows_those_nearest_the_weakest_layer_are_weighed(monkeypatch
     monkeypatch.setattr(placement_module, "MAX_CANDIDATES", 4)
     narrowed = choose(pieces, 40, 3, 50.0)
     assert narrowed == expected
+
+
+def _drift(placement: Placement, steps: dict[str, float], now: float) -> None:
+    """The nodes' measured step times change (another load on their hosts, a thermal limit)."""
+    for name, step in steps.items():
+        placement.state.register(attrs.evolve(placement.state.nodes[_id(name)], step_ms=step), now)
+
+
+def test_a_node_told_to_move_is_not_told_again_within_the_hold_down_however_the_swarm_drifts() -> None:
+    def moves(hold_down: float) -> list[tuple[float, tuple[int, int]]]:
+        """Where c went, asking every minute for an hour while the halves' speeds swap every minute."""
+        placement = placement_with(node("a", (0, 15)), node("c", (0, 15)), node("b", (15, 30), step=100.0))
+        placement.hold_down_seconds = hold_down
+        went = []
+        for minute in range(60):
+            now = 60.0 * minute
+            # a and b swap speeds: whichever half c does not serve is, by turns, the thin one
+            slow, fast = ("b", "a") if minute % 2 == 0 else ("a", "b")
+            _drift(placement, {slow: 100.0, fast: 10.0}, now)
+            move = placement.reconsider(_id("c"), 15, now)
+            if move is not None:
+                went.append((now, move.layers))
+                _move(placement, "c", move.layers, now)
+        return went
+
+    # without a hold-down this swarm flaps: c crosses over at every swap
+    assert len(moves(0.0)) == 60
+    held = moves(600.0)
+    # with one, c moves at most once in each hold-down, and never sooner than it allows
+    assert 1 < len(held) <= 6
+    assert all(later - earlier >= 600.0 for (earlier, _), (later, _) in itertools.pairwise(held))
+
+
+def test_the_hold_down_ends_and_is_forgotten_with_it() -> None:
+    placement = placement_with(node("a", (0, 15)), node("c", (0, 15)), node("b", (15, 30), step=100.0))
+    assert placement.held_down(_id("c"), 0.0) == 0.0
+    move = placement.reconsider(_id("c"), 15, 0.0)
+    assert move is not None
+    assert placement.held_down(_id("c"), 100.0) == placement.hold_down_seconds - 100.0
+    placement.expire(placement.hold_down_seconds)
+    assert not placement.moved
+
+
+async def test_the_tracker_tells_a_signed_serving_node_to_stay_or_move_and_holds_it_down() -> None:
+    tracker = Tracker(Identity.generate(), move_hold_down=300.0)
+    a, b, c, other = (Identity.generate() for _ in range(4))
+    async with trio.open_nursery() as nursery, httpx.AsyncClient() as client:
+        url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
+        stamps = iter(range(int(time.time() * 1000), 1 << 62))
+
+        async def post(path: str, body: dict[str, Any], signer: Identity) -> httpx.Response:
+            data = json.dumps(body).encode()
+            headers = {**sign(signer, "POST", path, data, next(stamps)), "content-type": "application/json"}
+            return await client.post(url + path, content=data, headers=headers)
+
+        def asked(me: Identity, max_layers: int = 15) -> RebalanceRequest:
+            return RebalanceRequest(node_id=me.node_id.hex(), max_layers=max_layers)
+
+        # only a registered node may ask
+        with pytest.raises(TrackerError) as unknown:
+            await request_reconsider(client, url, a, asked(a))
+        assert unknown.value.status == 404
+        for me, layers, decode_ms in ((a, (0, 15), 10.0), (c, (0, 15), 10.0), (b, (15, 30), 100.0)):
+            assert (await post("/v1/nodes/register", _registration(me, layers, decode_ms), me)).status_code == 200
+        # a and c fast on the first half, b slow and alone on the second
+        stay = await request_reconsider(client, url, b, asked(b))
+        assert stay.layers is None and stay.hold_seconds == 0.0
+        move = await request_reconsider(client, url, c, asked(c))
+        assert move.layers == (15, 30) and move.least_after > move.least_before * 1.33
+        assert move.hold_seconds == 300.0 and move.reserved_seconds == RESERVATION_SECONDS
+        assert tracker.placement.reservations[c.node_id].layers == (15, 30)
+        # asked again at once it is held down, even where the swarm would gain
+        again = await request_reconsider(client, url, c, asked(c))
+        assert again.layers is None and 0 < again.hold_seconds <= 300.0
+        # it leaves its old range to load the new one: the new one stays reserved for it
+        left = await post("/v1/nodes/leave", {"node_id": c.node_id.hex(), "moving": True}, c)
+        assert left.status_code == 200 and c.node_id in tracker.placement.reservations
+        # unsigned, signed by another, or malformed: refused, and the tracker serves on
+        body = {"node_id": a.node_id.hex(), "max_layers": 15}
+        assert (await client.post(url + "/v1/placement/reconsider", json=body)).status_code == 401
+        assert (await post("/v1/placement/reconsider", body, other)).status_code == 403
+        for bad in ({**body, "max_layers": 0}, {**body, "max_layers": "15"}, {**body, "spare": 1}, {}):
+            assert (await post("/v1/placement/reconsider", bad, a)).status_code == 422, bad
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_move_the_node_cannot_hold_is_a_tracker_error() -> None:
+    me = Identity.generate()
+
+    async def too_wide(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"layers": [0, 25], "least_before": 1.0, "least_after": 2.0})
+
+    async def garbled(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"\xff\x00")
+
+    asked = RebalanceRequest(node_id=me.node_id.hex(), max_layers=20)
+    for handler, message in ((too_wide, "more than the 20"), (garbled, "malformed")):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            with pytest.raises(TrackerError, match=message):
+                await request_reconsider(client, "http://tracker", me, asked)

@@ -50,7 +50,7 @@ def test_the_swarm_status_cuts_the_layers_where_ranges_meet_and_marks_the_thinne
     failed = attrs.evolve(node("d", (10, 30)), probe_required=True, probe_passed=False)
     state = state_with(node("a", (0, 10)), node("b", (10, 30), relay=True), slow, failed, node("e", (0, 30)))
     state.leave(b"e".ljust(32, b"."), 3.0)
-    status = swarm.swarm_status(state, 4.0, routes_issued=7, heartbeat_seconds=2.0)
+    status = swarm.swarm_status(state, 4.0, routes_issued=7)
     (model,) = status.models
     assert (model.n_layer, model.nodes, model.admitted, model.routable) == (30, 4, 3, True)
     strip = [(s.start, s.end, s.nodes, s.admitted, s.tokens_per_s, s.thin) for s in model.segments]
@@ -72,7 +72,7 @@ def test_a_thousand_nodes_make_a_status_of_bounded_size_and_come_a_page_at_a_tim
         start = rng.randrange(0, 29)
         records.append(node(f"n{i}", (start, rng.randrange(start + 1, 31)), step=rng.uniform(5, 50), relay=i % 3 == 0))
     state = state_with(*records)
-    status = swarm.swarm_status(state, 1.0, routes_issued=0, heartbeat_seconds=2.0)
+    status = swarm.swarm_status(state, 1.0, routes_issued=0)
     (model,) = status.models
     # no list in it grows with the nodes
     assert len(model.segments) <= 30 and len(model.bands) == swarm.BANDS_SHOWN and len(model.routes) == 5
@@ -81,18 +81,18 @@ def test_a_thousand_nodes_make_a_status_of_bounded_size_and_come_a_page_at_a_tim
     assert [s.nodes for s in model.segments] == [
         sum(r.layers[0] <= s.start < r.layers[1] for r in records) for s in model.segments
     ]
-    page = swarm.node_page(state, NodeQuery(), 1.0, heartbeat_seconds=2.0)
+    page = swarm.node_page(state, NodeQuery(), 1.0)
     assert page.total == 1000 and len(page.nodes) == 25
     assert [n.layers for n in page.nodes] == sorted(n.layers for n in page.nodes)
-    holding = swarm.node_page(state, NodeQuery(layer=29, state="relay", limit=200), 1.0, heartbeat_seconds=2.0)
+    holding = swarm.node_page(state, NodeQuery(layer=29, state="relay", limit=200), 1.0)
     expected = [r for r in records if r.layers[1] == 30 and r.relay]
     assert holding.total == len(expected) and {n.node_id for n in holding.nodes} == {r.node_id.hex() for r in expected}
-    found = swarm.node_page(state, NodeQuery(q=records[7].node_id.hex()[:6].upper()), 1.0, heartbeat_seconds=2.0)
+    found = swarm.node_page(state, NodeQuery(q=records[7].node_id.hex()[:6].upper()), 1.0)
     assert found.total >= 1 and records[7].node_id.hex() in {n.node_id for n in found.nodes}
-    slowest = swarm.node_page(state, NodeQuery(sort="step", limit=1), 1.0, heartbeat_seconds=2.0).nodes[0]
+    slowest = swarm.node_page(state, NodeQuery(sort="step", limit=1), 1.0).nodes[0]
     per_layer = max(records, key=lambda r: r.estimated_step_ms() / (r.layers[1] - r.layers[0]))
     assert slowest.slow and slowest.node_id == per_layer.node_id.hex()
-    beyond = swarm.node_page(state, NodeQuery(offset=1000), 1.0, heartbeat_seconds=2.0)
+    beyond = swarm.node_page(state, NodeQuery(offset=1000), 1.0)
     assert beyond.total == 1000 and beyond.nodes == []
 
 

@@ -693,3 +693,62 @@ async def test_a_node_the_tracker_counts_full_heartbeats_as_soon_as_a_slot_frees
                 await trio.sleep(0.01)
         assert link.early_heartbeats == 1
         nursery.cancel_scope.cancel()
+
+
+def test_the_heartbeat_interval_grows_with_the_swarm_and_expiry_with_each_nodes_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A swarm of N nodes beats every N / HEARTBEATS_PER_SECOND seconds (within its bounds); a node is
+    dropped after EXPIRE_HEARTBEATS of the interval it was told, and never sooner than expire_after."""
+    monkeypatch.setattr(tracker_state, "HEARTBEATS_PER_SECOND", 2.0)  # 10 nodes: 5 s
+    state = TrackerState(expire_after=10.0)
+    assert state.heartbeat_seconds == tracker_state.HEARTBEAT_SECONDS
+    state.register(node("first", (0, 30)), 0.0)
+    assert state.nodes[_id("first")].beat_seconds == tracker_state.HEARTBEAT_SECONDS
+    for i in range(9):
+        state.register(node(f"n{i}", (0, 30)), 0.0)
+    assert state.heartbeat_seconds == 5.0
+    for i in range(9):  # each heartbeat's answer tells the interval of the swarm now
+        state.heartbeat(_id(f"n{i}"), 1.0, active_sessions=0, free_slots=4, queue_depth=0, step_ms=9)
+        assert state.nodes[_id(f"n{i}")].beat_seconds == 5.0
+    # the first, told 2 s, goes once silent past expire_after; those told 5 s once silent 3 beats
+    assert state.expire(10.5) == [_id("first")]
+    assert state.expire(15.9) == []
+    assert len(state.expire(16.1)) == 9
+    for i in range(400):
+        state.register(node(f"m{i}", (0, 30)), 20.0)
+    # 200 s at 2 a second: bounded, or a vanished node would linger ten minutes
+    assert state.heartbeat_seconds == tracker_state.MAX_HEARTBEAT_SECONDS
+    state.heartbeat(_id("m0"), 21.0, active_sessions=0, free_slots=4, queue_depth=0, step_ms=9)
+    assert state.nodes[_id("m0")].beat_seconds == tracker_state.MAX_HEARTBEAT_SECONDS
+    assert _id("m0") not in state.expire(21.0 + 3 * 60.0 - 1)
+    assert _id("m0") in state.expire(21.0 + 3 * 60.0 + 1)
+
+
+async def test_a_node_beats_at_the_interval_the_trackers_latest_answer_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interval is in every heartbeat's answer: a node registered in a small swarm slows its beats
+    when the swarm grows, and the tracker expires it by the interval it told it."""
+    monkeypatch.setattr(tracker_state, "HEARTBEAT_SECONDS", 0.2)
+    monkeypatch.setattr(tracker_state, "HEARTBEATS_PER_SECOND", 10.0)
+    tracker = Tracker(Identity.generate(), expire_after=0.5)
+    me = Identity.generate()
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
+        link = TrackerLink(
+            url,
+            me,
+            Registration(**_registration(me)),
+            lambda: NodeLoad(active_sessions=0, free_slots=2, queue_depth=0, step_ms=1.0),
+        )
+        await nursery.start(link.run)
+        assert link.interval == 0.2
+        for i in range(14):  # others join: 15 nodes at 10 beats a second is a beat every 1.5 s
+            tracker.state.register(node(f"n{i}", (0, 30)), time.time() + 3600)
+        with trio.fail_after(10):
+            while link.interval != 1.5:
+                await trio.sleep(0.05)
+        beats = link.heartbeats
+        await trio.sleep(1.0)
+        assert link.heartbeats - beats <= 1  # at 0.2 s it would have sent five
+        assert me.node_id in tracker.state.nodes  # silent 1 s, beyond expire_after: told 1.5 s, kept
+        nursery.cancel_scope.cancel()

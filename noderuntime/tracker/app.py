@@ -13,6 +13,9 @@
 - ``POST /v1/placement``: a node with no layer range yet asks for one (signed): the window
   of as many layers as it can hold around the least served layer, reserved for it while it
   loads (see :mod:`noderuntime.tracker.placement`); 409 when the request contradicts the swarm.
+- ``POST /v1/placement/reconsider``: a serving node that was placed asks whether it should
+  move (signed): stay, or a range that raises the swarm's least capacity by the margin
+  (:meth:`Placement.reconsider`), reserved for it; 404 when it is not registered.
 - ``POST /v1/routes``: a route for a session and its signed ticket (optionally behind a
   bearer key): 503 when no route exists, 429 when every route is full.
 - ``GET  /metrics``: Prometheus metrics.
@@ -63,19 +66,20 @@ from noderuntime.tracker.messages import (
     PlacementReply,
     PlacementRequest,
     ProbeReply,
+    RebalanceReply,
+    RebalanceRequest,
     Registration,
     RepairRequest,
     RouteHop,
     RouteReply,
     RouteRequest,
 )
-from noderuntime.tracker.placement import Placement, PlacementError
+from noderuntime.tracker.placement import HOLD_DOWN_SECONDS, Placement, PlacementError
 from noderuntime.tracker.state import STEP_BUDGET_MS, NodeRecord, NoRoute, TrackerState
 from noderuntime.verify.certificates import CoveredPair
 from noderuntime.web import add_pages, file_response
 from protocol import Hop, Span, route_recipe
 
-HEARTBEAT_SECONDS = 2.0
 MAX_BODY = 64 << 10
 PROBE_ANSWER_SECONDS = 60.0  # a challenge unanswered this long is sent again
 # the swarm's status is computed at most this often, however many pages poll it
@@ -101,10 +105,12 @@ class Tracker:
         mixes: Iterable[CoveredPair] = (),
         manifests: Iterable[Manifest] = (),  # served to nodes that fetch only their layers
         status_key: str | None = None,
+        move_hold_down: float = HOLD_DOWN_SECONDS,
     ) -> None:
         """``references`` let the tracker probe shards; ``require_probe`` admits no shard it cannot probe;
         ``mixes`` are the pairs of recipes that certificates let share a route; ``status_key``, when
-        given, is needed to read the swarm map and the node lists."""
+        given, is needed to read the swarm map and the node lists; ``move_hold_down``: seconds a node
+        told to move is not told again."""
         if status_key is not None and not status_key:
             raise ValueError("a status key must not be empty: it would let in every request that sends none")
         self.status_key = status_key
@@ -116,7 +122,7 @@ class Tracker:
         for pair in self.mixes:
             by_artifact.setdefault(pair.artifact, set()).add(pair.recipes)
         self.state = TrackerState(expire_after=expire_after, step_budget_ms=step_budget_ms, mixes=by_artifact)
-        self.placement = Placement(self.state)
+        self.placement = Placement(self.state, hold_down_seconds=move_hold_down)
         self.signatures = SignatureChecker()
         self.api_key = api_key
         self.references = references or ProbeReferences()
@@ -186,6 +192,7 @@ class Tracker:
         app.post("/v1/nodes/leave")(self._leave)
         app.post("/v1/nodes/probe")(self._probe)
         app.post("/v1/placement")(self._place)
+        app.post("/v1/placement/reconsider")(self._reconsider)
         app.get("/v1/nodes")(self._nodes)
         app.get("/v1/status")(self._swarm)
         app.get("/v1/status/nodes")(self._swarm_nodes)
@@ -219,8 +226,8 @@ class Tracker:
     async def _info(self) -> dict[str, Any]:
         return {
             "issuer_key": self.identity.node_id.hex(),
-            "heartbeat_seconds": HEARTBEAT_SECONDS,
-            "expire_after_seconds": self.state.expire_after,
+            "heartbeat_seconds": self.state.heartbeat_seconds,
+            "expire_after_seconds": self.state.expires_after(self.state.heartbeat_seconds),
         }
 
     async def _register(self, body: Registration, request: Request) -> dict[str, Any]:
@@ -263,9 +270,10 @@ class Tracker:
         self.metrics.registrations.inc()
         self.challenges.pop(node_id, None)
         self.last_probed.pop(node_id, None)
+        beat = self.state.nodes[node_id].beat_seconds
         answer: dict[str, Any] = {
-            "heartbeat_seconds": HEARTBEAT_SECONDS,
-            "expire_after_seconds": self.state.expire_after,
+            "heartbeat_seconds": beat,
+            "expire_after_seconds": self.state.expires_after(beat),
         }
         challenge = self._challenge(self.state.nodes[node_id], now)
         if challenge is not None:
@@ -288,7 +296,8 @@ class Tracker:
         if not known:
             raise HTTPException(404, "unknown node: register again")
         self.metrics.heartbeats.inc()
-        answer: dict[str, Any] = {"ok": True}
+        # the interval grows and shrinks with the swarm: each answer says the one to keep now
+        answer: dict[str, Any] = {"ok": True, "heartbeat_seconds": self.state.nodes[node_id].beat_seconds}
         challenge = self._challenge(self.state.nodes[node_id], time.time())
         if challenge is not None:
             answer["probe"] = challenge
@@ -297,10 +306,38 @@ class Tracker:
     async def _leave(self, body: Leave, request: Request) -> dict[str, Any]:
         node_id = await self._authenticated(request, body.node_id)
         known = self.state.leave(node_id, time.time())
-        self.placement.forget(node_id)
+        if not body.moving:  # a moving node loads the range reserved for it next
+            self.placement.forget(node_id)
         self.challenges.pop(node_id, None)
         log.info("node %s left%s", node_id.hex()[:12], "" if known else " (it was not registered)")
         return {"ok": True, "was_registered": known}
+
+    async def _reconsider(self, body: RebalanceRequest, request: Request) -> JSONResponse:
+        """Whether a serving node should move, and where: see :meth:`Placement.reconsider`."""
+        node_id = await self._authenticated(request, body.node_id)
+        if node_id not in self.state.nodes:
+            raise HTTPException(404, "unknown node: register first")
+        now = time.time()
+        move = self.placement.reconsider(node_id, body.max_layers, now)
+        held = self.placement.held_down(node_id, now)
+        if move is None:
+            return JSONResponse(RebalanceReply(hold_seconds=held).model_dump(mode="json"))
+        log.info(
+            "node %s moves from layers %d:%d to %d:%d: the least capacity grows from %.1f to %.1f tokens/s",
+            node_id.hex()[:12],
+            *self.state.nodes[node_id].layers,
+            *move.layers,
+            move.least_before,
+            move.least_after,
+        )
+        reply = RebalanceReply(
+            layers=move.layers,
+            least_before=move.least_before,
+            least_after=move.least_after,
+            hold_seconds=held,
+            reserved_seconds=self.placement.reservation_seconds,
+        )
+        return JSONResponse(reply.model_dump(mode="json"))
 
     async def _place(self, body: PlacementRequest, request: Request) -> JSONResponse:
         """The range a node without one should load: see :mod:`noderuntime.tracker.placement`."""
@@ -385,16 +422,14 @@ class Tracker:
         self._check_status_key(request)
         now = time.time()
         if self._swarm_cache is None or now - self._swarm_cache[0] >= SWARM_CACHE_SECONDS:
-            status = swarm.swarm_status(
-                self.state, now, routes_issued=self.routes_issued, heartbeat_seconds=HEARTBEAT_SECONDS
-            )
+            status = swarm.swarm_status(self.state, now, routes_issued=self.routes_issued)
             self._swarm_cache = (now, status.model_dump(mode="json"))
         return JSONResponse(self._swarm_cache[1])
 
     async def _swarm_nodes(self, query: Annotated[NodeQuery, Query()], request: Request) -> JSONResponse:
         """One page of the nodes ``query`` selects, for the map's node list."""
         self._check_status_key(request)
-        page = swarm.node_page(self.state, query, time.time(), heartbeat_seconds=HEARTBEAT_SECONDS)
+        page = swarm.node_page(self.state, query, time.time())
         return JSONResponse(page.model_dump(mode="json"))
 
     async def _nodes(self, request: Request) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -25,6 +26,8 @@ from noderuntime.tracker.messages import (
     PlacementReply,
     PlacementRequest,
     ProbeReply,
+    RebalanceReply,
+    RebalanceRequest,
     Registration,
     RepairRequest,
     RouteReply,
@@ -123,6 +126,8 @@ class TrackerLink:
         self._reported: NodeLoad | None = None  # what the last heartbeat said
         self._soon = trio.Event()  # set: heartbeat now, not at the interval
         self.early_heartbeats = 0
+        # seconds between heartbeats, as the tracker last said (it grows with the swarm)
+        self.interval = 2.0
 
     def slot_freed(self) -> None:
         """A sequence slot of this node freed: heartbeat at once if the tracker may count the node full.
@@ -213,7 +218,6 @@ class TrackerLink:
 
     async def _run(self, client: httpx.AsyncClient, task_status: trio.TaskStatus[None]) -> None:
         started = False
-        interval = 2.0
         while True:
             try:
                 if not self.registered:
@@ -222,9 +226,7 @@ class TrackerLink:
                     if response.status_code != 200:
                         raise TrackerError(f"registration refused: {response.text[:200]}", response.status_code)
                     body = _answer(response, "registration")
-                    interval = body.get("heartbeat_seconds", 2.0)
-                    if isinstance(interval, bool) or not isinstance(interval, int | float) or not 0 < interval < 3600:
-                        raise TrackerError("the tracker's heartbeat interval is not a number of seconds", 200)
+                    self.interval = _interval(body, 2.0)
                     self.registered = True
                     self.registrations += 1
                     log.info("registered with the tracker %s", self.url)
@@ -244,19 +246,30 @@ class TrackerLink:
                         raise TrackerError(f"heartbeat refused: {response.text[:200]}", response.status_code)
                     self.heartbeats += 1
                     self._reported = load
-                    await self._answer_probe(client, _answer(response, "heartbeat"))
+                    body = _answer(response, "heartbeat")
+                    self.interval = _interval(body, self.interval)
+                    await self._answer_probe(client, body)
             except (httpx.HTTPError, TrackerError) as exc:
                 if self.registered:
                     log.warning("tracker %s unreachable (%s); retrying", self.url, exc)
                 self.registered = self.registered and not isinstance(exc, TrackerError)
                 await trio.sleep(self._retry)
                 continue
-            with trio.move_on_after(interval):
+            # a jitter of a tenth keeps nodes that registered together from beating together
+            with trio.move_on_after(self.interval * random.uniform(0.9, 1.1)):
                 await self._soon.wait()
                 self.early_heartbeats += 1
                 # a moment for the slots that free together (a batch's sessions ending) to share one beat
                 await trio.sleep(EARLY_HEARTBEAT_GATHER_SECONDS)
             self._soon = trio.Event()
+
+
+def _interval(answer: Mapping[str, Any], current: float) -> float:
+    """The heartbeat interval a tracker's answer gives (it grows with the swarm), or ``current`` if it gives none."""
+    interval = answer.get("heartbeat_seconds", current)
+    if isinstance(interval, bool) or not isinstance(interval, int | float) or not 0 < interval < 3600:
+        raise TrackerError("the tracker's heartbeat interval is not a number of seconds", 200)
+    return float(interval)
 
 
 async def request_placement(
@@ -290,6 +303,36 @@ async def request_placement(
         raise TrackerError(
             f"the tracker {url} placed this node on layers {start}:{end} of {reply.n_layer}, which it cannot "
             f"serve ({asked.max_layers} of {asked.n_layer} layers at most)",
+            response.status_code,
+        )
+    return reply
+
+
+async def request_reconsider(
+    client: httpx.AsyncClient, url: str, identity: Identity, asked: RebalanceRequest
+) -> RebalanceReply:
+    """Whether the tracker would move this serving node, and where (see :meth:`Placement.reconsider`).
+
+    :class:`TrackerError` when it is unreachable, refuses (its status: 404 for a node it does
+    not know), or answers a range of more than ``asked.max_layers`` layers.
+    """
+    path = "/v1/placement/reconsider"
+    data = asked.model_dump_json().encode()
+    headers = {"content-type": "application/json", **sign(identity, "POST", path, data, int(time.time() * 1000))}
+    try:
+        response = await client.post(url.rstrip("/") + path, content=data, headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        raise TrackerError(f"the tracker {url} is unreachable: {exc}") from None
+    if response.status_code != 200:
+        raise TrackerError(f"the tracker refused to reconsider this node: {response.text[:300]}", response.status_code)
+    try:
+        reply = RebalanceReply.model_validate_json(response.content)
+    except ValidationError:
+        raise TrackerError(f"the tracker {url} sent a malformed rebalancing", response.status_code) from None
+    if reply.layers is not None and reply.layers[1] - reply.layers[0] > asked.max_layers:
+        start, end = reply.layers
+        raise TrackerError(
+            f"the tracker {url} moved this node to layers {start}:{end}, more than the {asked.max_layers} it can hold",
             response.status_code,
         )
     return reply

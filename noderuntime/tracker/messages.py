@@ -109,9 +109,14 @@ class Heartbeat(BaseModel):
 
 
 class Leave(BaseModel):
-    """A node leaving (SIGTERM, ``noderuntime down``): routes stop naming it at once."""
+    """A node leaving (SIGTERM, ``noderuntime down``): routes stop naming it at once.
+
+    ``moving``: it leaves its range only to load the one the tracker moved it to, which
+    stays reserved for it (see :class:`RebalanceReply`).
+    """
 
     node_id: str = Field(pattern=HEX32)
+    moving: bool = False
 
 
 class PlacementRequest(BaseModel):
@@ -138,6 +143,33 @@ class PlacementReply(BaseModel):
     weakest: int = Field(ge=0, lt=MAX_LAYERS)  # the layer it was placed around
     weakest_capacity: float = Field(ge=0, allow_inf_nan=False)  # that layer's tokens/s before it: 0 uncovered
     reserved_seconds: float = Field(ge=0, allow_inf_nan=False)
+
+
+class RebalanceRequest(BaseModel):
+    """A serving node the tracker placed asks whether it should move (``POST /v1/placement/reconsider``, signed).
+
+    ``max_layers``: how many layers of the model it can hold, as it told the tracker when placed.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    node_id: str = Field(pattern=HEX32)
+    max_layers: int = Field(gt=0, le=MAX_LAYERS, strict=True)
+
+
+class RebalanceReply(BaseModel):
+    """Stay (``layers`` None), or move to ``layers``, reserved for the node for ``reserved_seconds``.
+
+    ``least_before`` and ``least_after``: the least tokens/s of the swarm's routes with the
+    node where it is and where it would go; ``hold_seconds``: how long the tracker will not
+    tell it to move again (after a move, its hold-down).
+    """
+
+    layers: LayerSpan | None = None
+    least_before: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    least_after: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    hold_seconds: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    reserved_seconds: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
 
 class ProbeReply(BaseModel):

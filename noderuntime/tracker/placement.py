@@ -21,11 +21,18 @@ A reservation lasts until its node registers (then its record counts instead, wh
 range it registered with), leaves, asks again, or :data:`RESERVATION_SECONDS` pass: so two
 nodes that ask at once are given different gaps, and one that never comes does not hold
 its gap for ever.
+
+Rebalancing (:meth:`Placement.reconsider`): a serving node that was placed asks now and
+then whether it should move. It moves only when the least capacity of the routes grows by
+more than :data:`MOVE_MARGIN` with it moved, never where a layer would be left uncovered,
+and a node that was told to move is not told again for :data:`HOLD_DOWN_SECONDS`: measured
+step times drift, and a swarm whose nodes chased every drift would flap.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +48,9 @@ MAX_RESERVATIONS = 4096  # reservations kept at once; beyond, the soonest to exp
 # a serving node moves only when the swarm's least capacity grows by more than this factor
 # (and by 1/MOVE_MARGIN at once: each move raises it that much, so moves cannot cycle)
 MOVE_MARGIN = 1 / 0.75
+# after a move, the node is not moved again this long: it has its new range's weights to
+# fetch and load, and its step times need a while to be measured on the new range
+HOLD_DOWN_SECONDS = 600.0
 DEFAULT_TOKENS_PER_S = 100.0  # a joiner's throughput when neither it nor any peer measured one
 # windows weighed for one answer (the nearest the weakest layer, where there are more): each costs
 # work in proportion to the distinct ranges served, so this bounds an answer in a swarm of many
@@ -267,10 +277,19 @@ def _sum(
 class Placement:
     """The reservations of nodes still loading, and the answers to joiners, over ``state``."""
 
-    def __init__(self, state: TrackerState, *, reservation_seconds: float = RESERVATION_SECONDS) -> None:
+    def __init__(
+        self,
+        state: TrackerState,
+        *,
+        reservation_seconds: float = RESERVATION_SECONDS,
+        hold_down_seconds: float = HOLD_DOWN_SECONDS,
+    ) -> None:
+        """``hold_down_seconds``: how long a node told to move is not told again (see :meth:`reconsider`)."""
         self.state = state
         self.reservation_seconds = reservation_seconds
+        self.hold_down_seconds = hold_down_seconds
         self.reservations: dict[bytes, Reservation] = {}
+        self.moved: dict[bytes, float] = {}  # node id -> when it was last told to move
 
     def pieces(self, artifact: str, n_layer: int, now: float, *, exclude: bytes | None = None) -> list[Piece]:
         """What the nodes of ``artifact`` serve or are loading (``exclude`` not counted)."""
@@ -337,9 +356,12 @@ class Placement:
         at 0 and is never taken. Its throughput on the new range is its measured one scaled
         by the layers (a step's time grows with the layers a node runs). The node loads the
         new range before it leaves the old one: its reservation counts the new range meanwhile.
+        A node told to move is not told again for :attr:`hold_down_seconds` (whatever it did).
         """
         record = self.state.nodes.get(node_id)
         if record is None or not counted(record) or max_layers <= 0:
+            return None
+        if now - self.moved.get(node_id, -math.inf) < self.hold_down_seconds:
             return None
         n_layer = record.n_layer
         served = record.tokens_per_s(self.state.step_budget_ms)
@@ -358,7 +380,13 @@ class Placement:
             node_id, record.artifact, n_layer, (start, end), speed, now + self.reservation_seconds
         )
         self.reservations[node_id] = reservation
+        # one entry per registered node at most, dropped when its hold-down ends (expire)
+        self.moved[node_id] = now
         return Move((start, end), before, after)
+
+    def held_down(self, node_id: bytes, now: float) -> float:
+        """Seconds until ``node_id`` may be told to move again (0: it may now)."""
+        return max(0.0, self.moved.get(node_id, -math.inf) + self.hold_down_seconds - now)
 
     def registered(self, node_id: bytes) -> None:
         """A node registered: its record counts now, in place of its reservation."""
@@ -369,14 +397,18 @@ class Placement:
         self.reservations.pop(node_id, None)
 
     def expire(self, now: float) -> list[bytes]:
-        """Drop the reservations that lapsed; their node ids."""
+        """Drop the reservations that lapsed, and the hold-downs that ended; the reservations' node ids."""
         gone = [r.node_id for r in self.reservations.values() if r.expires <= now]
         for node_id in gone:
             del self.reservations[node_id]
+        for node_id in [n for n, at in self.moved.items() if at + self.hold_down_seconds <= now]:
+            del self.moved[node_id]
         return gone
 
 
 __all__ = [
+    "HOLD_DOWN_SECONDS",
+    "MOVE_MARGIN",
     "RESERVATION_SECONDS",
     "Assignment",
     "Choice",

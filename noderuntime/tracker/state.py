@@ -50,6 +50,17 @@ SEAMS_KEPT = 8  # measured seams into one node that routes read: its slowest one
 COST_CEILING_MS = 1e9  # a node's cost is clipped here, so that sums over routes stay finite
 LAYERS_CEILING = 1 << 15  # layer numbers route choice takes (int16)
 ROUND_TRIP_SLACK = 0.1  # a reported round trip that moved less than this share (or 0.2 ms) is kept as it was
+# Heartbeats: a small swarm's nodes beat every HEARTBEAT_SECONDS; a large one's less often, so
+# that all of them together send about HEARTBEATS_PER_SECOND. A heartbeat costs the tracker
+# about 1.4 ms of CPU through its HTTP stack (85 % of it the framework, 9 % the signature:
+# benchmarks.tracker_scale), so 200 a second take under a third of a core and leave the
+# rest to route requests. At 10,000 nodes that is a beat every 50 s (Petals announces every
+# 60 s); past MAX_HEARTBEAT_SECONDS the interval stops growing and the budget is exceeded.
+HEARTBEAT_SECONDS = 2.0
+HEARTBEATS_PER_SECOND = 200.0
+MAX_HEARTBEAT_SECONDS = 60.0
+# a node is dropped after this many of its intervals without a word (and never sooner than expire_after)
+EXPIRE_HEARTBEATS = 3.0
 
 
 @attrs.frozen
@@ -81,6 +92,7 @@ class NodeRecord:
     probe_required: bool = False
     probe_passed: bool | None = None
     probe_detail: str = ""
+    beat_seconds: float = HEARTBEAT_SECONDS  # the heartbeat interval the tracker last told it
     # why audits excluded it (two auditors agreed against it: tracker/audits.py); "" when they did not
     audit_failed: str = ""
 
@@ -499,7 +511,9 @@ class TrackerState:
         rng: random.Random | None = None,
         mixes: Mapping[str, Collection[frozenset[str]]] | None = None,
     ) -> None:
-        """``mixes``: by artifact, the pairs of recipes that may share a route (certified)."""
+        """``mixes``: by artifact, the pairs of recipes that may share a route (certified);
+        ``expire_after``: seconds of silence after which a node is dropped, at the least (a
+        large swarm's nodes beat less often, and are given ``EXPIRE_HEARTBEATS`` of their intervals)."""
         self.expire_after = expire_after
         self.step_budget_ms = step_budget_ms
         self.mixes: dict[str, frozenset[frozenset[str]]] = {a: frozenset(p) for a, p in (mixes or {}).items()}
@@ -518,10 +532,23 @@ class TrackerState:
 
     # --- the registry
 
+    @property
+    def heartbeat_seconds(self) -> float:
+        """The interval nodes are told to heartbeat at now: longer as the swarm grows (see HEARTBEATS_PER_SECOND)."""
+        return min(MAX_HEARTBEAT_SECONDS, max(HEARTBEAT_SECONDS, len(self.nodes) / HEARTBEATS_PER_SECOND))
+
+    def expires_after(self, beat_seconds: float) -> float:
+        """Seconds of silence after which a node told to beat every ``beat_seconds`` is dropped."""
+        return max(self.expire_after, EXPIRE_HEARTBEATS * beat_seconds)
+
     def register(self, record: NodeRecord, now: float) -> None:
-        """Add or replace a node; a re-registration starts afresh (it may run other weights now)."""
+        """Add or replace a node; a re-registration starts afresh (it may run other weights now).
+
+        Its ``beat_seconds`` is the interval to tell it (:attr:`heartbeat_seconds`).
+        """
         self._forget_seams(record.node_id)
-        self._store(attrs.evolve(record, last_seen=now, free_slots=record.slots))
+        beat = self.heartbeat_seconds
+        self._store(attrs.evolve(record, last_seen=now, free_slots=record.slots, beat_seconds=beat))
         # what its neighbours measured of it still holds: it is the same host
         touched: set[bytes] = set()
         for reporter in self._named_by.get(record.node_id, ()):
@@ -541,6 +568,7 @@ class TrackerState:
     ) -> bool:
         """Update a node's load; False if the node is unknown (it must register again).
 
+        Its ``beat_seconds`` becomes the interval to tell it now (:attr:`heartbeat_seconds`).
         ``round_trips``: by peer node id, the smoothed round trip in ms to the peers it talks to;
         they replace what it reported before (None: leave those as they are).
         """
@@ -555,6 +583,7 @@ class TrackerState:
                 queue_depth=queue_depth,
                 step_ms=step_ms,
                 last_seen=now,
+                beat_seconds=self.heartbeat_seconds,
             )
         )
         if round_trips is not None:
@@ -568,8 +597,8 @@ class TrackerState:
             self._store(attrs.evolve(record, **changes))  # type: ignore[arg-type]
 
     def expire(self, now: float) -> list[bytes]:
-        """Drop nodes silent for too long; returns their ids."""
-        gone = [nid for nid, r in self.nodes.items() if now - r.last_seen > self.expire_after]
+        """Drop nodes silent for longer than their interval allows (:meth:`expires_after`); returns their ids."""
+        gone = [nid for nid, r in self.nodes.items() if now - r.last_seen > self.expires_after(r.beat_seconds)]
         for nid in gone:
             self.departed.append((self._drop(nid), now, "expired"))
         return gone

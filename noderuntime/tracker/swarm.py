@@ -65,14 +65,18 @@ def _slow_limits(records: Iterable[NodeRecord]) -> dict[tuple[str, bool], float]
     return {group: SLOW_FACTOR * statistics.median_low(times) for group, times in per_layer.items()}
 
 
-def swarm_status(state: TrackerState, now: float, *, routes_issued: int, heartbeat_seconds: float) -> SwarmStatus:
+def is_stale(record: NodeRecord, now: float) -> bool:
+    """Silent for longer than ``STALE_HEARTBEATS`` of the intervals it was told (a large swarm's are longer)."""
+    return now - record.last_seen > STALE_HEARTBEATS * record.beat_seconds
+
+
+def swarm_status(state: TrackerState, now: float, *, routes_issued: int) -> SwarmStatus:
     """The swarm at a glance: every model's coverage, and the nodes that left lately (newest first)."""
     by_artifact: dict[str, list[NodeRecord]] = collections.defaultdict(list)
     for record in state.nodes.values():
         by_artifact[record.artifact].append(record)
     limits = _slow_limits(state.nodes.values())
-    stale_after = STALE_HEARTBEATS * heartbeat_seconds
-    models = [_model(state, artifact, nodes, limits, now - stale_after) for artifact, nodes in by_artifact.items()]
+    models = [_model(state, artifact, nodes, limits, now) for artifact, nodes in by_artifact.items()]
     models.sort(key=lambda m: (m.name.casefold(), m.artifact))
     departed = [
         DepartedView(
@@ -87,8 +91,8 @@ def swarm_status(state: TrackerState, now: float, *, routes_issued: int, heartbe
     ]
     return SwarmStatus(
         generated_unix=round(now, 3),
-        heartbeat_seconds=heartbeat_seconds,
-        expire_after_seconds=state.expire_after,
+        heartbeat_seconds=state.heartbeat_seconds,
+        expire_after_seconds=state.expires_after(state.heartbeat_seconds),
         nodes=len(state.nodes),
         routes_issued=routes_issued,
         models=models,
@@ -101,7 +105,7 @@ def _model(
     artifact: str,
     nodes: Sequence[NodeRecord],
     slow_limits: dict[tuple[str, bool], float],
-    seen_since: float,
+    now: float,
 ) -> ModelView:
     n_layer = layer_count(nodes)
     budget = state.step_budget_ms
@@ -145,7 +149,7 @@ def _model(
         reachability=dict(collections.Counter(r.reachability for r in nodes).most_common()),
         probes=dict(collections.Counter(probe_state(r) for r in nodes).most_common()),
         slow=sum(_ms_per_layer(r) > slow_limits[_peers(r)] for r in nodes),
-        stale=sum(r.last_seen < seen_since for r in nodes),
+        stale=sum(is_stale(r, now) for r in nodes),
     )
 
 
@@ -217,10 +221,9 @@ _FILTERS: dict[str, Callable[[NodeRecord, bool, bool], bool]] = {
 }
 
 
-def node_page(state: TrackerState, query: NodeQuery, now: float, *, heartbeat_seconds: float) -> NodePage:
+def node_page(state: TrackerState, query: NodeQuery, now: float) -> NodePage:
     """The nodes ``query`` selects, in its order: the page it asks for, and how many there are in all."""
     limits = _slow_limits(state.nodes.values())
-    stale_after = STALE_HEARTBEATS * heartbeat_seconds
     wanted = _FILTERS[query.state]
     needle = query.q.strip().casefold()
     selected: list[tuple[NodeRecord, bool, bool]] = []
@@ -231,7 +234,7 @@ def node_page(state: TrackerState, query: NodeQuery, now: float, *, heartbeat_se
             continue
         if needle and not any(needle in text.casefold() for text in _searched(r)):
             continue
-        slow, stale = _ms_per_layer(r) > limits[_peers(r)], now - r.last_seen > stale_after
+        slow, stale = _ms_per_layer(r) > limits[_peers(r)], is_stale(r, now)
         if wanted(r, slow, stale):
             selected.append((r, slow, stale))
     orders: dict[str, Callable[[tuple[NodeRecord, bool, bool]], tuple[object, ...]]] = {

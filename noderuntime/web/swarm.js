@@ -53,7 +53,8 @@ async function refresh() {
   }
   try {
     const [status, page] = await Promise.all([read("v1/status"), read(nodeQuery())]);
-    pollSeconds = Math.max(1, status.heartbeat_seconds || 2);
+    // with the nodes, but a large swarm's interval (a minute) is too slow for a page
+    pollSeconds = Math.min(5, Math.max(1, status.heartbeat_seconds || 2));
     drawStatus(status);
     drawNodes(page);
     document.getElementById("problem").hidden = true;
