@@ -145,6 +145,13 @@ class TrackerLink:
         if last.free_slots - routed_since <= ROUTES_IN_FLIGHT:
             self._soon.set()
 
+    def register_again(self, registration: Registration) -> None:
+        """Register anew, at once, with ``registration`` (a node that moved to other layers): the tracker
+        replaces its record. :attr:`registered` is False until it has."""
+        self.registration = registration
+        self.registered = False
+        self._soon.set()
+
     async def _post(self, client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> httpx.Response:
         data = json.dumps(body).encode()
         headers = {
