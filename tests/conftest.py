@@ -180,6 +180,7 @@ TIERS = {
         "test_sessions",
         "test_swarm",
         "test_tracker",
+        "test_trackers",
     ),
     "engine": (  # real llama.cpp in this process, on real GGUF files
         "test_batch_invariance",

@@ -356,6 +356,8 @@ class RouteGrant:
     recipe: bytes
     ctx_per_session: int = 0  # positions a session may fill on every hop; 0 when the tracker did not say
     exact: bool = True  # a repair's route: it runs the session's recipe (bit-exact continuation)
+    # the tracker that granted it, the only one that reads its ticket: its repairs and audits go there
+    tracker: str = ""
 
 
 class RequestSigner:
@@ -467,4 +469,5 @@ def _grant(response: httpx.Response, url: str) -> RouteGrant:
         bytes.fromhex(reply.recipe),
         reply.ctx_per_session,
         reply.exact,
+        url.rstrip("/"),
     )
