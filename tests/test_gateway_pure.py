@@ -6,7 +6,7 @@ import json
 import re
 import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from noderuntime.models.chat import ChatTemplate
 from noderuntime.seams.client import RouteError
 from noderuntime.seams.connection import SeamConnection
 from noderuntime.transport import FrameStream, memory_stream_pair
-from protocol import Direction, Error, OpenRoute, Phase, SeamEndpoint, Span, StatusCode, Tokens
+from protocol import Direction, Error, OpenRoute, Phase, Release, SeamEndpoint, Span, StatusCode, Tokens, Usage
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -429,11 +429,18 @@ async def test_the_key_check_lets_lifespan_events_through() -> None:
 
 @asynccontextmanager
 async def _gateway_over(
-    vocab: Vocab, head: Callable[[FrameStream, Span], Awaitable[None]], *, request_timeout: float = 600.0
+    vocab: Vocab,
+    head: Callable[[FrameStream, Span], Awaitable[None]],
+    *,
+    request_timeout: float = 600.0,
+    trackers: Sequence[trio.CancelScope] | None = None,
+    nodes: int = 1,
 ) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient]]:
     """A gateway whose real tracker grants a route to one registered node; its head is ``head``.
 
     Each seam the gateway opens to the head runs ``head(stream, layers)`` as a task.
+    ``trackers``: one tracker is served under each of these scopes (cancel one to stop its
+    tracker), given to the gateway in that order; ``nodes``: how many nodes register with each.
     """
     from noderuntime.access.identity import Identity
     from noderuntime.access.signing import sign
@@ -442,7 +449,7 @@ async def _gateway_over(
 
     from .test_tracker import ARTIFACT, _registration
 
-    tracker, node = Tracker(Identity.generate(), expire_after=60.0), Identity.generate()
+    members = [Identity.generate() for _ in range(nodes)]
     async with trio.open_nursery() as nursery, httpx.AsyncClient() as http:
 
         class Head:
@@ -451,15 +458,23 @@ async def _gateway_over(
                 nursery.start_soon(head, theirs, hop.layers)
                 return ours
 
-        url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
-        body = json.dumps(_registration(node)).encode()
-        headers = {
-            **sign(node, "POST", "/v1/nodes/register", body, int(time.time() * 1000)),
-            "content-type": "application/json",
-        }
-        assert (await http.post(url + "/v1/nodes/register", content=body, headers=headers)).status_code == 200
+        async def serve(tracker: Tracker, scope: trio.CancelScope, task_status: trio.TaskStatus[str]) -> None:
+            with scope:
+                await serve_http(tracker.app, "127.0.0.1:0", task_status=task_status)
+
+        urls = []
+        for scope in trackers or [trio.CancelScope()]:
+            url = await nursery.start(serve, Tracker(Identity.generate(), expire_after=60.0), scope)
+            urls.append(url)
+            for node in members:
+                body = json.dumps(_registration(node)).encode()
+                headers = {
+                    **sign(node, "POST", "/v1/nodes/register", body, int(time.time() * 1000)),
+                    "content-type": "application/json",
+                }
+                assert (await http.post(url + "/v1/nodes/register", content=body, headers=headers)).status_code == 200
         served = ServedModel("m", ARTIFACT, vocab, ChatTemplate(vocab.chat_template or ""), 0, 2048)
-        gw = Gateway([served], url, Head(), request_timeout=request_timeout)
+        gw = Gateway([served], urls, Head(), request_timeout=request_timeout)
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(gw.app), base_url="http://gw") as client:
                 yield gw, client
@@ -518,6 +533,51 @@ async def test_a_route_that_fails_mid_stream_is_counted_once_as_an_error(vocab: 
     assert json.loads(events[0])["choices"][0]["text"] == " hello"
     assert "error" in json.loads(events[-2]), events
     assert (gw.counters["errors"], gw.counters["cancelled"], gw.counters["completed"]) == (1, 0, 0)
+
+
+async def test_a_route_that_fails_after_its_tracker_died_goes_on_under_a_session_of_another(vocab: Vocab) -> None:
+    """Only the tracker that signed a session's ticket can repair it: when it is gone, the gateway
+    asks the next tracker for a new route, and the reply goes on where it stopped."""
+    tokens = vocab.tokenize(" hello world", add_special=False)
+    first, second = trio.CancelScope(), trio.CancelScope()
+    openings: list[OpenRoute] = []
+    tracker_gone = trio.Event()
+
+    async def head(stream: FrameStream, layers: Span) -> None:
+        conn, endpoint, opening = await _open_as_head(stream, layers)
+        openings.append(opening)
+        n = len(opening.prompt_tokens)
+        if len(openings) == 1:
+            await conn.send(Tokens(endpoint.header(Phase.DECODE, Span(n, n + 1)), (tokens[0],)))
+            first.cancel()  # the tracker that granted this session dies...
+            tracker_gone.set()
+            await trio.sleep(0.1)
+            # ...and then the route fails
+            await conn.send(Error(endpoint.header(Phase.DECODE), StatusCode.UNAVAILABLE, "the next hop is gone"))
+            return
+        await conn.send(Tokens(endpoint.header(Phase.DECODE, Span(n, n + 1)), (tokens[1],), True, "length"))
+        assert isinstance(await conn.receive(), Release)
+        await conn.send(Usage(endpoint.header(Phase.RELEASE), ()))
+
+    async with _gateway_over(vocab, head, trackers=[first, second], nodes=2) as (gw, client):
+        with trio.fail_after(30):
+            request = {"model": "m", "prompt": "hi", "max_tokens": 2, "stream": True}
+            answer = await client.post("/v1/completions", json=request)
+        first_url, second_url = gw.trackers.urls
+    events = [line.removeprefix("data: ") for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert answer.status_code == 200 and events[-1] == "[DONE]", answer.text
+    assert not any("error" in json.loads(e) for e in events[:-1]), events
+    text = "".join(c["text"] for e in events[:-1] for c in json.loads(e).get("choices", []))
+    assert text == vocab.detokenize(tokens[:2])
+    assert tracker_gone.is_set() and len(openings) == 2
+    resumed, original = openings[1], openings[0]
+    # a new session of the second tracker's, which replays the prompt and the token so far
+    assert resumed.header.identity.session_id != original.header.identity.session_id
+    assert resumed.header.identity.epoch == 0
+    assert resumed.prompt_tokens == (*original.prompt_tokens, tokens[0])
+    assert (gw.counters["repairs"], gw.counters["repairs_failed"], gw.counters["completed"]) == (1, 0, 1)
+    standing = {s.url: s for s in gw.trackers.statistics()}
+    assert standing[first_url].failed == 1 and standing[second_url].answered == 1
 
 
 @pytest.mark.parametrize(("request_timeout", "retried"), [(30.0, True), (0.5, False)])

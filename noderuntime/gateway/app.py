@@ -74,6 +74,7 @@ from noderuntime.operations.telemetry import GatewayMetrics, exposition, trio_ta
 from noderuntime.seams.client import GenerationRequest, RouteError, open_route_generation
 from noderuntime.tracker.client import RequestSigner, RouteGrant, TrackerError, request_repair, request_route
 from noderuntime.tracker.messages import RepairRequest
+from noderuntime.tracker.trackers import Trackers, unanswered
 from noderuntime.web import add_pages
 from protocol import Sampling, StatusCode, TokenLogprob, Tokens
 
@@ -113,7 +114,7 @@ class Gateway:
     def __init__(
         self,
         models: Sequence[ServedModel],
-        tracker_url: str,
+        trackers: str | Sequence[str] | Trackers,
         connector: Any,
         *,
         api_keys: Sequence[str] = (),
@@ -127,8 +128,10 @@ class Gateway:
         identity: Identity | None = None,
         audit_rate: float = 0.0,
     ) -> None:
-        """``identity``: the key ``connector`` proves on relayed seams, which route tickets name and
-        which signs the gateway's route repairs and audits (a fresh one when None). ``audit_rate``:
+        """``trackers``: the tracker's URL, or several in order of preference (each request goes
+        to the first that answers: :class:`Trackers`). ``identity``: the key ``connector`` proves
+        on relayed seams, which route tickets name and which signs the gateway's route repairs
+        and audits (a fresh one when None). ``audit_rate``:
         the share of sessions audited after they end (:mod:`noderuntime.gateway.audits`; run by
         :meth:`Audits.run`, which the caller starts).
 
@@ -138,7 +141,7 @@ class Gateway:
         if any(not key for key in api_keys):
             raise ValueError("an API key must not be empty: it would let in every request that sends none")
         self.models = {m.model_id: m for m in models}
-        self.tracker_url = tracker_url
+        self.trackers = trackers if isinstance(trackers, Trackers) else Trackers(trackers)
         self.connector = connector
         self.api_keys = set(api_keys)
         self.cors_origins = tuple(cors_origins)
@@ -158,7 +161,7 @@ class Gateway:
             audit_rate,
             connector=connector,
             http=self.http,
-            tracker_url=tracker_url,
+            trackers=self.trackers,
             signer=self.signer,
             on_dispute=self._dispute,
         )
@@ -275,19 +278,28 @@ class Gateway:
             self._served_prefixes.popitem(last=False)
 
     async def _grant(
-        self, model: ServedModel, tokens: int, exclude: list[bytes], prompt: Sequence[int] = ()
+        self,
+        model: ServedModel,
+        tokens: int,
+        exclude: Sequence[bytes],
+        prompt: Sequence[int] = (),
+        among: Sequence[str] | None = None,
     ) -> RouteGrant:
+        """A route from the first tracker (of ``among``, default all) that answers; :class:`ApiError` if none
+        grants one."""
+        prefer = [n for n in self._prefix_holders(prompt) if n not in exclude]
+        route = functools.partial(
+            request_route,
+            self.http,
+            artifact=model.artifact,
+            tokens=tokens,
+            exclude=list(exclude),
+            api_key=self.tracker_key,
+            client_id=self.identity.node_id,
+            prefer=prefer,
+        )
         try:
-            return await request_route(
-                self.http,
-                self.tracker_url,
-                model.artifact,
-                tokens,
-                exclude=exclude,
-                api_key=self.tracker_key,
-                client_id=self.identity.node_id,
-                prefer=[n for n in self._prefix_holders(prompt) if n not in exclude],
-            )
+            return await self.trackers.ask(lambda url: route(url=url), among=among)
         except TrackerError as exc:
             if exc.status == 429:
                 raise ApiError(429, f"every route is busy: {exc}", "rate_limit_error", "routes_full") from None
@@ -342,7 +354,7 @@ class Gateway:
                         prompt = request.prompt_tokens if request.reuse_prefix else ()
                         grant = await self._grant(model, positions, exclude, prompt)
                     else:
-                        grant = await self._repair_grant(repairing, positions, exclude)
+                        grant = await self._repair_grant(model, repairing, positions, exclude)
                     timeline.mark("gateway.granted")
                 except ApiError as exc:
                     if exc.status != 429:
@@ -451,8 +463,16 @@ class Gateway:
                 "routes_full",
             )
 
-    async def _repair_grant(self, failed: RouteGrant, positions: int, exclude: Sequence[bytes]) -> RouteGrant:
-        """A whole new route for a session whose route ``failed``, under its next epoch."""
+    async def _repair_grant(
+        self, model: ServedModel, failed: RouteGrant, positions: int, exclude: Sequence[bytes]
+    ) -> RouteGrant:
+        """A whole new route for a session whose route ``failed``, under its next epoch.
+
+        Only the tracker that issued the session's ticket can read it, so the repair is asked
+        of that one. When it does not answer (it is gone) or knows no route, another tracker
+        grants a route to go on under a new session of its own: the reply still goes on where
+        it stopped, bit-exact when that route runs the session's recipe (``exact`` says so).
+        """
         repair = RepairRequest(
             ticket=failed.ticket.hex(),
             keep=0,
@@ -461,15 +481,47 @@ class Gateway:
             exclude=[n.hex() for n in exclude],
             ttl_seconds=self.request_timeout,
         )
+        issuer = failed.tracker or self.trackers.first
+        others = [url for url in self.trackers.urls if url != issuer]
         try:
-            return await request_repair(self.http, self.tracker_url, self.signer, repair)
+            return await self.trackers.ask(
+                lambda url: request_repair(self.http, url, self.signer, repair), among=[issuer], past_no_route=False
+            )
         except TrackerError as exc:
+            if not others or not (unanswered(exc) or exc.status == 503):
+                self.counters["repairs_failed"] += 1
+                if exc.status == 429:
+                    raise ApiError(429, f"every route is busy: {exc}", "rate_limit_error", "routes_full") from None
+                raise ApiError(
+                    503,
+                    f"the route failed and none can take the session over: {exc}",
+                    "service_unavailable",
+                    "no_route",
+                ) from None
+            log.warning("the tracker %s cannot repair the session (%s): another grants a new one", issuer, exc)
+        try:
+            grant = await self._grant(model, positions, exclude, among=others)
+        except ApiError:
             self.counters["repairs_failed"] += 1
-            if exc.status == 429:
-                raise ApiError(429, f"every route is busy: {exc}", "rate_limit_error", "routes_full") from None
-            raise ApiError(
-                503, f"the route failed and none can take the session over: {exc}", "service_unavailable", "no_route"
-            ) from None
+            raise
+        return attrs.evolve(grant, exact=grant.recipe == failed.recipe)
+
+    async def _artifacts(self, url: str) -> dict[str, Any]:
+        """What the tracker at ``url`` can route (its ``/v1/artifacts``); :class:`TrackerError` if it does not
+        answer."""
+        try:
+            response = await self.http.get(url + "/v1/artifacts", timeout=5.0)
+        except httpx.HTTPError as exc:
+            raise TrackerError(f"the tracker {url} is unreachable: {exc}") from None
+        if response.status_code != 200:
+            raise TrackerError(f"the tracker {url} answered {response.status_code}", response.status_code)
+        try:
+            known = response.json()["artifacts"]
+        except (ValueError, KeyError, TypeError):
+            known = None
+        if not isinstance(known, dict):
+            raise TrackerError(f"the tracker {url} sent a malformed artifact list", response.status_code)
+        return known
 
     async def _generate(
         self,
@@ -711,6 +763,7 @@ class Gateway:
                 "counters": dict(self.counters),
                 "line": attrs.asdict(self.line.statistics()),
                 "audits": {**self.audits.counters, "rate": self.audits.rate, "excluded": self.audits.failed_nodes},
+                "trackers": [attrs.asdict(standing) for standing in self.trackers.statistics()],
                 "models": list(self.models),
                 "tasks": trio_tasks(),
             }
@@ -719,11 +772,9 @@ class Gateway:
         async def health() -> JSONResponse:
             # 200 only while the tracker knows a complete route for every model served here
             try:
-                response = await self.http.get(self.tracker_url + "/v1/artifacts", timeout=5.0)
-                response.raise_for_status()
-                known = response.json()["artifacts"]
+                known = await self.trackers.ask(self._artifacts)
                 routable = {m.model_id: bool(known.get(m.artifact, {}).get("routable")) for m in self.models.values()}
-            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            except (TrackerError, ValueError, KeyError, TypeError, AttributeError):
                 body = {"status": "tracker_unavailable", "models": dict.fromkeys(self.models, False)}
                 return JSONResponse(body, 503, headers={"retry-after": str(RETRY_AFTER_SECONDS)})
             if all(routable.values()):

@@ -38,6 +38,7 @@ from noderuntime.seams.client import GenerationRequest, RouteError, open_route_g
 from noderuntime.tracker.audits import AuditError, commitments
 from noderuntime.tracker.client import RequestSigner, RouteGrant, TrackerError, report_audit, request_audit
 from noderuntime.tracker.messages import AuditReport, AuditRequest, AuditVerdict, RecordJSON
+from noderuntime.tracker.trackers import Trackers
 from protocol import StatusCode, UsageRecord
 
 log = logging.getLogger(__name__)
@@ -108,18 +109,22 @@ class Audits:
         *,
         connector: Any,
         http: httpx.AsyncClient,
-        tracker_url: str,
+        trackers: Trackers,
         signer: RequestSigner,
         on_dispute: Callable[[str, bytes, str], Awaitable[None]] | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        """``on_dispute(request id, node id, why)``: a node the tracker excluded on an audit of that request."""
+        """``on_dispute(request id, node id, why)``: a node the tracker excluded on an audit of that request.
+
+        A session is audited by the tracker (of ``trackers``) that issued its ticket, the only
+        one that can read it, and the audit is reported to that one; while it does not
+        answer, its sessions are not audited (counted in ``skipped_error``)."""
         if not 0.0 <= rate <= 1.0:
             raise ValueError("an audit rate is a share of sessions, between 0 and 1")
         self.rate = rate
         self.connector = connector
         self.http = http
-        self.tracker_url = tracker_url
+        self.trackers = trackers
         self.signer = signer
         self._rng = rng or random.SystemRandom()
         self._send, self._receive = trio.open_memory_channel[Served](QUEUE)
@@ -179,7 +184,11 @@ class Audits:
             audited=[RecordJSON.of(r) for r in served.records],
             audits={grant.session_id.hex(): [RecordJSON.of(r) for r in records] for grant, records in audits},
         )
-        verdict = await report_audit(self.http, self.tracker_url, self.signer, report)
+        verdict = await self.trackers.ask(
+            lambda url: report_audit(self.http, url, self.signer, report),
+            among=[self._issuer(first_grant)],
+            past_no_route=False,
+        )
         self.counters["audited"] += 1
         self.counters["passed"] += len(verdict.passed)
         self.counters["suspected"] += len(verdict.suspected)
@@ -196,7 +205,11 @@ class Audits:
     ) -> tuple[RouteGrant, tuple[UsageRecord, ...]]:
         """Run ``served`` again, teacher-forced, on an audit route without ``exclude``: its grant and records."""
         request = AuditRequest(ticket=served.grant.ticket.hex(), exclude=[n.hex() for n in exclude])
-        grant = await request_audit(self.http, self.tracker_url, self.signer, request)
+        grant = await self.trackers.ask(
+            lambda url: request_audit(self.http, url, self.signer, request),
+            among=[self._issuer(served.grant)],
+            past_no_route=False,
+        )
         original = served.request
         tokens = (*original.prompt_tokens, *served.generated)
         start = _digest_from(served.records)
@@ -221,6 +234,10 @@ class Audits:
             while await gen.next() is not None:
                 pass
         return grant, tuple(gen.usage or ())
+
+    def _issuer(self, grant: RouteGrant) -> str:
+        """The tracker that issued ``grant``'s ticket."""
+        return grant.tracker or self.trackers.first
 
     @staticmethod
     def _differs(served: Served, audit_records: Sequence[UsageRecord]) -> bool:
