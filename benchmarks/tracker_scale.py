@@ -480,8 +480,14 @@ async def _serve_requests(url: str, requests: trio.MemoryReceiveChannel[Request]
         try:
             status, body = await connection.exchange(build())
         except (ConnectionError, trio.BrokenResourceError):
-            status = 0
+            # a connection idle past the server's keep-alive (the route connections wait out the
+            # registrations) is closed under it: sent again on a new one, as HTTP clients do
             connection = _Connection(await trio.open_tcp_stream(host, int(port)))
+            try:
+                status, body = await connection.exchange(build())
+            except (ConnectionError, trio.BrokenResourceError):
+                status, body = 0, b""
+                connection = _Connection(await trio.open_tcp_stream(host, int(port)))
         if status == 200 and node >= 0:
             load.intervals[node] = _told_interval(body, load.intervals[node])
         done = trio.current_time()
