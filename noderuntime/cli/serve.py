@@ -113,7 +113,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if not args.issuer_key and not args.tracker:
         raise CliError("give the route issuer's public key with --issuer-key, or a --tracker to take it from")
     # without --layers, a node with a tracker asks it where to serve (see services.joining)
-    placed = args.layers is None and args.tracker is not None and args.backend == "llama.cpp"
+    placed = args.layers is None and bool(args.tracker) and args.backend == "llama.cpp"
     local = None if fetch.is_url(args.model) else resolve_model(args.model)
     sizing = None
     if placed and local is None:
@@ -175,7 +175,7 @@ def _serve(args: argparse.Namespace, layers: LayerRange | None, local: Path | No
         drain_timeout=args.drain_timeout,
         prefix_cache=args.prefix_cache,
         http=args.http,
-        tracker=args.tracker,
+        trackers=tuple(args.tracker),
         memory_limit=args.memory_limit,
         mmap=args.mmap,
         backend=args.backend,
@@ -245,7 +245,7 @@ def _pull_range(args: argparse.Namespace, layers: LayerRange | None) -> fetch.Pu
             "--model URL fetches one layer range of the model: give it with --layers A:B, "
             "or give a --tracker that places this node"
         )
-    source = args.manifest or args.tracker
+    source = args.manifest or (args.tracker[0] if args.tracker else None)
     if source is None:
         raise CliError(
             "--model URL: the range fetched is checked against the model's signed manifest; give --manifest "
@@ -361,7 +361,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
             model_id = path.stem
         served.append((model_id, path))
     opts = noderun.GatewayOptions(
-        tracker=args.tracker,
+        trackers=tuple(args.tracker),
         listen=args.listen,
         models=tuple(served),
         api_keys=gateway_keys(args),
@@ -459,7 +459,8 @@ def _add_up(sub: Any) -> None:
         type=public_key,
         action="append",
         default=[],
-        help="public key (hex or file) whose session tickets this node accepts; repeatable",
+        help="public key (hex or file) whose session tickets this node accepts; repeatable (given, the node trusts "
+        "these keys alone, not the ones its --trackers name)",
     )
     p.add_argument(
         "--threads",
@@ -504,7 +505,15 @@ def _add_up(sub: Any) -> None:
         help="seconds a next hop may send nothing, not even a heartbeat, before it counts as hung",
     )
     p.add_argument("--http", type=listen_address, default="127.0.0.1:0", help="HOST:PORT of /status (port 0: any)")
-    p.add_argument("--tracker", type=url, help="register with this tracker (and trust its session tickets)")
+    p.add_argument(
+        "--tracker",
+        type=url,
+        action="append",
+        default=[],
+        help="register with this tracker and trust its session tickets; repeatable: the node registers and "
+        "heartbeats with each (one that is down does not stop it starting with the others), and a node "
+        "without --layers asks the first that answers where to serve",
+    )
     p.add_argument(
         "--memory-limit",
         type=size,
@@ -593,7 +602,14 @@ def _add_tracker(sub: Any) -> None:
 
 def _add_gateway(sub: Any) -> None:
     p = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
-    p.add_argument("--tracker", type=url, required=True)
+    p.add_argument(
+        "--tracker",
+        type=url,
+        action="append",
+        required=True,
+        help="the tracker to ask for routes; repeatable, in order of preference: each request goes to the first "
+        "that answers, and one that does not is passed over for a back-off (1 s, doubling to 30 s)",
+    )
     p.add_argument("--listen", type=listen_address, required=True, help="HOST:PORT (port 0: any)")
     p.add_argument(
         "--model",
@@ -615,7 +631,7 @@ def _add_gateway(sub: Any) -> None:
         default=[],
         help="an origin browsers may call the API from (e.g. https://app.example); repeatable, '*' for any",
     )
-    p.add_argument("--tracker-key", help="bearer key for the tracker's route requests")
+    p.add_argument("--tracker-key", help="bearer key for route requests to the trackers (the same for each)")
     p.add_argument("--request-timeout", type=seconds, default=600.0, help="seconds a request may take")
     p.add_argument("--ctx", type=positive_int, help="context per session the nodes offer (default: the model's)")
     p.add_argument(

@@ -6,7 +6,8 @@ that both the first ``k`` (with the token embedding) and the last ``k`` (with th
 head and its compute) fit its budget, so that any range of ``k`` layers does, with KV for
 its slots and context. The budget is ``--memory-limit``, or a share of the memory free
 now, and on a GPU the memory the device has free. It then asks the tracker where to serve
-(:mod:`noderuntime.tracker.placement`) and runs as if it had been given that range.
+(:mod:`noderuntime.tracker.placement`; of several ``--tracker``, the first that answers) and
+runs as if it had been given that range.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 
 import httpx
 import psutil
@@ -26,6 +28,7 @@ from noderuntime.engine.llama import Recipe
 from noderuntime.models.artifacts import LayerRange, inspect
 from noderuntime.tracker.client import LEAVE_SECONDS, TrackerError, request_placement
 from noderuntime.tracker.messages import MAX_LAYERS, Leave, PlacementReply, PlacementRequest
+from noderuntime.tracker.trackers import tracker_urls, unanswered
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +77,7 @@ def describe(limit: memplan.Budget, device: str) -> str:
 
 
 async def ask(
-    url: str,
+    trackers: str | Sequence[str],
     me: Identity,
     artifact: str,
     n_layer: int,
@@ -83,8 +86,11 @@ async def ask(
     tokens_per_s: float | None = None,
     patience: float = TRACKER_PATIENCE,
 ) -> PlacementReply:
-    """The range the tracker at ``url`` gives this node; an unreachable tracker is waited for ``patience``
-    seconds. :class:`JoinError` when it refuses or never answers."""
+    """The range the first of ``trackers`` (one URL, or several in order) that answers gives this node.
+
+    While none answers they are tried again for ``patience`` seconds. :class:`JoinError` when the
+    one that answers refuses, or none ever answers.
+    """
     asked = PlacementRequest(
         node_id=me.node_id.hex(),
         artifact=artifact,
@@ -93,24 +99,29 @@ async def ask(
         tokens_per_s=tokens_per_s,
     )
     deadline = trio.current_time() + patience
+    failure = ""
     async with httpx.AsyncClient() as client:
         while True:
-            try:
-                return await request_placement(client, url, me, asked)
-            except TrackerError as exc:
-                if exc.status != 0 or trio.current_time() >= deadline:
-                    raise JoinError(str(exc)) from None
-                log.warning("waiting for the tracker at %s to place this node: %s", url, exc)
+            for url in tracker_urls(trackers):
+                try:
+                    return await request_placement(client, url, me, asked)
+                except TrackerError as exc:
+                    if not unanswered(exc):
+                        raise JoinError(str(exc)) from None
+                    failure = str(exc)
+                    log.warning("the tracker at %s cannot place this node now: %s", url, exc)
+            if trio.current_time() >= deadline:
+                raise JoinError(failure)
             await trio.sleep(1.0)
 
 
-def release(url: str, me: Identity) -> None:
-    """Tell the tracker at ``url`` that this node leaves, so that the range it was given is free at once.
+def release(trackers: str | Sequence[str], me: Identity) -> None:
+    """Tell the ``trackers`` (each, at once) that this node leaves, so that the range one gave it is free at once.
 
     Bounded (:data:`LEAVE_SECONDS`) and quiet: a tracker that does not hear it lets the reservation lapse.
     """
 
-    async def leave() -> None:
+    async def leave(url: str) -> None:
         path = "/v1/nodes/leave"
         data = Leave(node_id=me.node_id.hex()).model_dump_json().encode()
         headers = {"content-type": "application/json", **sign(me, "POST", path, data, int(time.time() * 1000))}
@@ -121,20 +132,26 @@ def release(url: str, me: Identity) -> None:
                 except httpx.HTTPError as exc:
                     log.info("could not tell the tracker %s that this node leaves: %s", url, exc)
 
-    trio.run(leave)
+    async def leave_all() -> None:
+        async with trio.open_nursery() as nursery:
+            for url in tracker_urls(trackers):
+                nursery.start_soon(leave, url)
+
+    trio.run(leave_all)
 
 
 def place(
     model: str | os.PathLike[str],
     recipe: Recipe,
-    tracker: str,
+    trackers: str | Sequence[str],
     me: Identity,
     *,
     memory_limit: int | None,
     prefix_cache: int | None,
     patience: float = TRACKER_PATIENCE,
 ) -> LayerRange:
-    """The range a node of ``recipe`` should serve of the whole model ``model``, as ``tracker`` gives it.
+    """The range a node of ``recipe`` should serve of the whole model ``model``, as the first of ``trackers``
+    that answers gives it.
 
     ``model`` may be a copy of the model's header alone (its tensors' bytes are not read).
     ``prefix_cache``: the bytes the operator gave the prefix cache (None: the default, which
@@ -163,7 +180,7 @@ def place(
         info.name,
         describe(limit, recipe.device),
     )
-    reply = trio.run(lambda: ask(tracker, me, info.fingerprint, info.n_layer, most, patience=patience))
+    reply = trio.run(lambda: ask(trackers, me, info.fingerprint, info.n_layer, most, patience=patience))
     start, end = reply.layers
     capacity = "nobody served it" if reply.weakest_capacity == 0 else f"{reply.weakest_capacity:.1f} tokens/s"
     log.info("the tracker placed this node on layers %d:%d, around layer %d (%s)", start, end, reply.weakest, capacity)

@@ -43,9 +43,10 @@ from noderuntime.operations.telemetry import trio_tasks
 from noderuntime.seams.network import NetworkConnector, ticket_check
 from noderuntime.services.ready import GatewayReady, NodeReady
 from noderuntime.services.running import run_main, server_tls
-from noderuntime.tracker.client import NodeLoad, TrackerError, TrackerLink, fetch_info
+from noderuntime.tracker.client import NodeLoad
 from noderuntime.tracker.messages import Registration
 from noderuntime.tracker.roundtrips import RoundTrips, measure_round_trips
+from noderuntime.tracker.trackers import TrackerLinks, first_issuer_keys
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer, parse_address
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from protocol import Hop, Limits, Span
@@ -80,13 +81,19 @@ class NodeOptions:
     # bytes of finished sessions' KV kept for sessions that begin alike; None: memplan.prefix_cache_size decides
     prefix_cache: int | None = None
     expected_fingerprint: str | None = None
-    tracker: str | None = None  # register with this tracker and take its issuer key
+    # register with each of these trackers, and trust their issuer keys unless issuer_keys were given
+    trackers: tuple[str, ...] = ()
     http: str | None = "127.0.0.1:0"  # status (and metrics) endpoint
     memory_limit: int | None = None  # bytes: refuse a shard that would not fit, load weights unmapped
     mmap: bool = True  # map the model file (pages shared with the page cache) or read the shard's weights
     backend: str = "llama.cpp"  # or "transformers": a safetensors directory run by torchengine
     device: str = "cpu"  # where the layers and KV live: "cpu", "vulkan:0", "cuda:1", ... (Recipe.device)
     gpu_layers: int | None = None  # on a GPU, how many local layers it holds (None: all)
+
+    @property
+    def tracker(self) -> str | None:
+        """The first of the trackers, the one asked first (None without any)."""
+        return self.trackers[0] if self.trackers else None
 
 
 async def run_node(
@@ -105,8 +112,11 @@ async def run_node(
         raise ValueError("a node needs --listen, --relay, or both")
     me = identity.load_or_create(opts.data_dir)
     issuer_keys = opts.issuer_keys
-    if opts.tracker and not issuer_keys:
-        issuer_keys = (await _tracker_issuer_key(opts.tracker),)
+    tracker_keys: dict[str, bytes] = {}
+    if opts.trackers and not issuer_keys:
+        # the keys of those that answer now (one at least); the others' once they answer (TrackerLinks)
+        tracker_keys = await first_issuer_keys(opts.trackers)
+        issuer_keys = tuple(dict.fromkeys(tracker_keys.values()))
     # bad certificate files fail here, before the model loads
     tls = server_tls(opts.tls_cert, opts.tls_key) if opts.tls_cert and opts.tls_key else None
     pin = identity.TlsFiles(opts.tls_cert, opts.tls_key).cert_sha256 if opts.tls_cert and opts.tls_key else b""
@@ -201,7 +211,7 @@ async def run_node(
                 capability=capability.to_json(),
                 device=opts.device,
             )
-            if opts.tracker is not None:
+            if opts.trackers:
                 record = admission.capability_record(
                     me,
                     artifact=info.fingerprint,
@@ -232,10 +242,18 @@ async def run_node(
                 round_trips = RoundTrips()
                 nursery.start_soon(measure_round_trips, round_trips, functools.partial(next_hops, node))
                 load = node_load(node, round_trips)
-                link = TrackerLink(opts.tracker, me, registration, load, on_probe=answer_probe)
-                await nursery.start(link.run)
-                node.on_leave.append(link.leave)
-                node.leases.on_free.append(link.slot_freed)
+                links = TrackerLinks(
+                    opts.trackers,
+                    me,
+                    registration,
+                    load,
+                    on_probe=answer_probe,
+                    verifier=None if opts.issuer_keys else verifier,
+                    trusted=tracker_keys,
+                )
+                await nursery.start(links.run)  # registered with one tracker; the others' links keep trying
+                node.on_leave.append(links.leave)
+                node.leases.on_free.append(links.slot_freed)
             if on_node is not None:
                 on_node(node)
             pid_file = opts.data_dir / PID_FILE
@@ -344,21 +362,6 @@ def _torch_engine(opts: NodeOptions) -> tuple[artifacts.ArtifactInfo, Any, Any]:
     return engine.info, recipe, engine
 
 
-async def _tracker_issuer_key(url: str) -> bytes:
-    import httpx
-
-    async with httpx.AsyncClient() as client:
-        while True:
-            try:
-                info = await fetch_info(client, url)
-                key = bytes.fromhex(info["issuer_key"])
-                log.info("trusting session tickets from the tracker's key %s", key.hex())
-                return key
-            except (TrackerError, KeyError, ValueError) as exc:
-                log.warning("waiting for the tracker at %s: %s", url, exc)
-                await trio.sleep(1.0)
-
-
 def node_load(node: Node, round_trips: RoundTrips | None = None) -> Callable[[], NodeLoad]:
     """What a node reports in its heartbeats (``round_trips``: those it measured to its peers)."""
 
@@ -462,7 +465,7 @@ __all__ = ["GatewayOptions", "NodeOptions", "main_node", "run_gateway", "run_nod
 class GatewayOptions:
     """What ``noderuntime gateway`` needs."""
 
-    tracker: str
+    trackers: tuple[str, ...]  # in order of preference: each request goes to the first that answers
     listen: str
     models: tuple[tuple[str, Path], ...]  # (model id, GGUF file holding its vocabulary)
     api_keys: tuple[str, ...] = ()
@@ -505,7 +508,7 @@ async def run_gateway(
     async with open_dialer(identity=me) as dialer, trio.open_nursery() as nursery:
         gateway = Gateway(
             served,
-            opts.tracker,
+            opts.trackers,
             dialer,
             api_keys=opts.api_keys,
             cors_origins=opts.cors_origins,
