@@ -567,7 +567,11 @@ def _add_tracker(sub: Any) -> None:
         "/v1/nodes): Authorization: Bearer KEY, or ?key=KEY (default: they are open, and hold nothing secret)",
     )
     p.add_argument(
-        "--expire-after", type=seconds, default=10.0, help="seconds without heartbeat before a node is dropped"
+        "--expire-after",
+        type=seconds,
+        default=10.0,
+        help="seconds without a heartbeat before a node is dropped, at the least (a large swarm's nodes beat less "
+        "often and are dropped after three of their intervals)",
     )
     p.add_argument(
         "--probe-references",
