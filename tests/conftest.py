@@ -224,6 +224,7 @@ TIERS = {
         "test_timeline",
         "test_tools",
         "test_torchengine",
+        "test_tracker_failover",
         "test_transports",
         "test_vulkan",
     ),
