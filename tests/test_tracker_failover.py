@@ -12,10 +12,8 @@ accepted the tickets of both.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -26,24 +24,13 @@ from noderuntime.services import localsystem
 from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
 from noderuntime.services.ready import GatewayReady, NodeReady, TrackerReady, expect
 
+from .test_faults import _free_port, _get
+
 pytestmark = pytest.mark.slow
 
 CLIENTS = 3
 BEFORE, AFTER = 2, 3  # replies each client completes before the kill, and after it
 MESSAGES = [{"role": "user", "content": "Name a colour and a fruit."}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _get(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        data: dict[str, Any] = json.loads(response.read())
-        return data
 
 
 class Client(threading.Thread):

@@ -7,7 +7,6 @@ of them down when the node starts and one stopped while it serves.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -16,7 +15,6 @@ import trio
 
 from noderuntime.access.identity import Identity
 from noderuntime.access.tickets import TicketVerifier
-from noderuntime.control.admission import Capability, capability_record
 from noderuntime.operations.httpserve import serve_http
 from noderuntime.tracker.app import Tracker
 from noderuntime.tracker.client import NodeLoad, RouteGrant, TrackerError, request_route
@@ -30,8 +28,10 @@ from noderuntime.tracker.trackers import (
     unanswered,
 )
 
+from .test_faults import _free_port
+from .test_tracker import ARTIFACT, _registration
+
 A, B, C = "http://a", "http://b", "http://c"
-ARTIFACT = "ab" * 32
 
 
 class Clock:
@@ -168,33 +168,6 @@ async def test_refusals_are_answers_and_no_route_is_asked_of_the_next() -> None:
     assert asked == [B]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _registration(me: Identity) -> Registration:
-    capability = Capability(2.0, ((1, 10.0), (2, 12.0)), 1, 1, 1, 2)
-    return Registration(
-        node_id=me.node_id.hex(),
-        artifact=ARTIFACT,
-        model_name="m",
-        n_layer=30,
-        layers=(0, 30),
-        recipe="0123456789abcdef",
-        address="127.0.0.1:1",
-        relay="",
-        tls_cert_sha256="",
-        slots=2,
-        ctx_per_session=512,
-        capability=capability_record(
-            me, artifact=ARTIFACT, layers=(0, 30), recipe="0123456789abcdef", capability=capability
-        ),
-    )
-
-
 def _check(verifier: TicketVerifier, grant: RouteGrant, node: bytes) -> None:
     verifier.check(
         grant.ticket,
@@ -230,7 +203,9 @@ async def test_a_node_links_to_each_tracker_trusts_each_and_a_client_fails_over(
             keys = await first_issuer_keys([first_url, second_url])  # the second refuses: not waited for
         assert keys == {first_url: first.identity.node_id}
         verifier = TicketVerifier(keys.values())
-        links = TrackerLinks([first_url, second_url], me, _registration(me), load, verifier=verifier, trusted=keys)
+        links = TrackerLinks(
+            [first_url, second_url], me, Registration(**_registration(me)), load, verifier=verifier, trusted=keys
+        )
 
         async def run_links(task_status: trio.TaskStatus[None]) -> None:
             with links_scope:
