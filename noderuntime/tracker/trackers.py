@@ -197,11 +197,14 @@ async def issuer_key(client: httpx.AsyncClient, url: str) -> bytes:
 
 async def wait_issuer_key(client: httpx.AsyncClient, url: str) -> bytes:
     """The ticket-issuer key of the tracker at ``url``, waiting as long as it does not answer."""
+    level = logging.WARNING
     while True:
         try:
             return await issuer_key(client, url)
         except TrackerError as exc:
-            log.warning("waiting for the tracker at %s: %s", url, exc)
+            # said once: a tracker that stays down must not fill the node's log, a line a second
+            log.log(level, "waiting for the tracker at %s: %s", url, exc)
+            level = logging.DEBUG
             await trio.sleep(KEY_RETRY_SECONDS)
 
 
