@@ -218,6 +218,7 @@ TIERS = {
         "test_parity",
         "test_prefix_route",
         "test_queueing",
+        "test_rebalancing",
         "test_relay_e2e",
         "test_repair",
         "test_structured_output",

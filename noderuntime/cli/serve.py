@@ -122,17 +122,18 @@ def _cmd_up(args: argparse.Namespace) -> int:
         sizing = local
     if sizing is None:
         return _serve(args, args.layers, local)
-    layers = _place(args, sizing)
+    placed_on = _place(args, sizing)
     try:
-        return _serve(args, layers, local)
+        return _serve(args, placed_on.layers, local, rebalancing=_rebalancing(args, placed_on.max_layers, local))
     finally:
         # the tracker holds the range for this node until it registers or leaves: one that stops
         # before it registered frees it now (one that registered has left already)
         _release(args)
 
 
-def _serve(args: argparse.Namespace, layers: LayerRange | None, local: Path | None) -> int:
-    """Run the node of ``args`` on ``layers`` of the model: the file ``local``, or fetched from the URL ``--model``."""
+def _serve(args: argparse.Namespace, layers: LayerRange | None, local: Path | None, *, rebalancing: Any = None) -> int:
+    """Run the node of ``args`` on ``layers`` of the model: the file ``local``, or fetched from the URL ``--model``;
+    ``rebalancing``: how a node the tracker placed re-plans (services.rebalancing), None for a pinned one."""
     from noderuntime.services import noderun
 
     expected = None
@@ -182,6 +183,7 @@ def _serve(args: argparse.Namespace, layers: LayerRange | None, local: Path | No
         device=args.device,
         gpu_layers=args.gpu_layers,
         expected_fingerprint=expected,
+        rebalancing=rebalancing,
     )
     return noderun.main_node(opts)
 
@@ -194,7 +196,30 @@ def _whole(model: Path) -> bool:
     return info.layer_range == artifacts.LayerRange(0, info.n_layer)
 
 
-def _place(args: argparse.Namespace, model: Path) -> LayerRange:
+def _seconds_or_never(text: str) -> float:
+    """A positive number of seconds, or 0 for never."""
+    return 0.0 if text.strip() in ("0", "0.0") else seconds(text)
+
+
+def _rebalancing(args: argparse.Namespace, max_layers: int, local: Path | None) -> Any:
+    """How a placed node re-plans (None: --rebalance-every 0, it stays where it was placed)."""
+    from noderuntime.models.artifacts import ArtifactError
+    from noderuntime.services.rebalancing import MoveError, Rebalancing
+
+    if not args.rebalance_every:
+        return None
+
+    def fetch(layers: LayerRange) -> tuple[Path, str | None]:
+        try:
+            pulled = _pull_range(args, layers)
+        except (CliError, ArtifactError, OSError) as exc:  # a failed download: the node stays where it is
+            raise MoveError(f"fetching them failed: {exc}") from None
+        return pulled.path, pulled.artifact
+
+    return Rebalancing(max_layers, every=args.rebalance_every, fetch=None if local is not None else fetch)
+
+
+def _place(args: argparse.Namespace, model: Path) -> Any:
     """The range the tracker gives this node, sized against its memory by ``model`` (the whole file, or a
     copy of its header); CliError when it cannot hold a layer or the tracker refuses."""
     from noderuntime.access import identity
@@ -225,6 +250,7 @@ def _place(args: argparse.Namespace, model: Path) -> LayerRange:
             me,
             memory_limit=args.memory_limit,
             prefix_cache=args.prefix_cache,
+            max_layers=args.max_layers,
         )
     except joining.JoinError as exc:
         raise CliError(f"{exc} (or give this node its range with --layers A:B)") from None
@@ -513,6 +539,19 @@ def _add_up(sub: Any) -> None:
         help="register with this tracker and trust its session tickets; repeatable: the node registers and "
         "heartbeats with each (one that is down does not stop it starting with the others), and a node "
         "without --layers asks the first that answers where to serve",
+    )
+    p.add_argument(
+        "--max-layers",
+        type=positive_int,
+        help="without --layers: hold at most this many layers, however many fit (default: as many as fit)",
+    )
+    p.add_argument(
+        "--rebalance-every",
+        type=_seconds_or_never,
+        default=60.0,
+        help="without --layers: seconds between asking the tracker whether to move to layers that serve the "
+        "swarm better (with a fifth of jitter; 0: never). A move loads the new layers beside the old, serves "
+        "them, then drains the old; the tracker moves a node only for a gain of its margin, then not for its hold-down",
     )
     p.add_argument(
         "--memory-limit",

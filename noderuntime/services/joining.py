@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Sequence
 
+import attrs
 import httpx
 import psutil
 import trio
@@ -34,6 +35,14 @@ log = logging.getLogger(__name__)
 
 FREE_SHARE = 0.8  # of the memory free now, what a node without a limit plans to hold: the rest for others
 TRACKER_PATIENCE = 60.0  # seconds a joining node waits for an unreachable tracker
+
+
+@attrs.frozen
+class Placed:
+    """The range the tracker gave a node, and how many layers it can hold (what it asks to move with)."""
+
+    layers: LayerRange
+    max_layers: int
 
 
 class JoinError(Exception):
@@ -149,13 +158,15 @@ def place(
     memory_limit: int | None,
     prefix_cache: int | None,
     patience: float = TRACKER_PATIENCE,
-) -> LayerRange:
+    max_layers: int | None = None,
+) -> Placed:
     """The range a node of ``recipe`` should serve of the whole model ``model``, as the first of ``trackers``
     that answers gives it.
 
     ``model`` may be a copy of the model's header alone (its tensors' bytes are not read).
     ``prefix_cache``: the bytes the operator gave the prefix cache (None: the default, which
-    under a memory limit takes only what the shard leaves).
+    under a memory limit takes only what the shard leaves); ``max_layers``: at most this many,
+    whatever fits. With the range comes the count it was sized to, which a move asks with.
     """
     info = inspect(model, verify=False)
     if info.layer_range != LayerRange(0, info.n_layer):
@@ -168,6 +179,8 @@ def place(
         # the planner counts the cache against the host only
         limit = memplan.Budget(host=max(1, limit.host - cache), device=limit.device)
     most = holdable(model, recipe, limit)
+    if max_layers is not None:  # the operator's cap (--max-layers)
+        most = min(most, max_layers)
     if most == 0:
         raise JoinError(
             f"not even one layer of {info.name} fits {describe(limit, recipe.device)} with {recipe.n_seq_max} "
@@ -184,7 +197,7 @@ def place(
     start, end = reply.layers
     capacity = "nobody served it" if reply.weakest_capacity == 0 else f"{reply.weakest_capacity:.1f} tokens/s"
     log.info("the tracker placed this node on layers %d:%d, around layer %d (%s)", start, end, reply.weakest, capacity)
-    return LayerRange(start, end)
+    return Placed(LayerRange(start, end), most)
 
 
-__all__ = ["JoinError", "ask", "budget", "holdable", "place", "release"]
+__all__ = ["JoinError", "Placed", "ask", "budget", "holdable", "place", "release"]

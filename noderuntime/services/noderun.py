@@ -42,6 +42,7 @@ from noderuntime.operations.httpserve import Routes, json_handler, serve_http
 from noderuntime.operations.telemetry import trio_tasks
 from noderuntime.seams.network import NetworkConnector, ticket_check
 from noderuntime.services.ready import GatewayReady, NodeReady
+from noderuntime.services.rebalancing import Mover, NodeSwitch, Rebalancing, serving
 from noderuntime.services.running import run_main, server_tls
 from noderuntime.tracker.client import NodeLoad
 from noderuntime.tracker.messages import Registration
@@ -86,6 +87,7 @@ class NodeOptions:
     http: str | None = "127.0.0.1:0"  # status (and metrics) endpoint
     memory_limit: int | None = None  # bytes: refuse a shard that would not fit, load weights unmapped
     mmap: bool = True  # map the model file (pages shared with the page cache) or read the shard's weights
+    rebalancing: Rebalancing | None = None  # a node the tracker placed: how it re-plans (None: pinned)
     backend: str = "llama.cpp"  # or "transformers": a safetensors directory run by torchengine
     device: str = "cpu"  # where the layers and KV live: "cpu", "vulkan:0", "cuda:1", ... (Recipe.device)
     gpu_layers: int | None = None  # on a GPU, how many local layers it holds (None: all)
@@ -148,6 +150,7 @@ async def run_node(
     runtime = AsyncioThread()
     grpc_connector = GrpcConnector(runtime, max_frame_bytes=limits.max_frame_bytes)
     server: GrpcServer | None = None
+    switch: NodeSwitch | None = None
     try:
         async with trio.open_nursery() as nursery:
             verifier = TicketVerifier(issuer_keys)
@@ -175,23 +178,24 @@ async def run_node(
                 engine_thread=engine_thread,
             )
             node.capability = capability.to_json()
-            await nursery.start(node.run)
+            switch = NodeSwitch(node, engine)  # a move (services.rebalancing) gives it another node
+            await nursery.start(switch.serve, node)
             address = ""
             if opts.listen is not None:
                 host, port = parse_address(opts.listen, listen=True)
-                server = GrpcServer(runtime, node.accept, max_frame_bytes=limits.max_frame_bytes)
+                server = GrpcServer(runtime, switch.accept, max_frame_bytes=limits.max_frame_bytes)
                 bound = await server.start(host, port, tls)
                 address = opts.advertise or f"{host}:{bound}"
             listener: RelayListener | None = None
             if opts.relay is not None:
-                listener = RelayListener(opts.relay, me, node.accept)
+                listener = RelayListener(opts.relay, me, switch.accept)
                 await nursery.start(listener.run)
             http_url = ""
             if opts.http is not None:
-                status = node_status(node, me.node_id, listener, node.connector, device=opts.device)
+                status = node_status(switch, me.node_id, listener, node.connector, device=opts.device)
                 routes = Routes(
                     {"/status": json_handler(status), "/metrics": node.metrics_exposition},
-                    {"/probe": probe_handler(node)},
+                    {"/probe": probe_handler(switch)},
                 )
                 http_url = await nursery.start(serve_http, routes, opts.http)
             # what the tracker and the ready line are told of this node
@@ -240,8 +244,8 @@ async def run_node(
                     return (await node.probe(seed)).to_json()
 
                 round_trips = RoundTrips()
-                nursery.start_soon(measure_round_trips, round_trips, functools.partial(next_hops, node))
-                load = node_load(node, round_trips)
+                nursery.start_soon(measure_round_trips, round_trips, functools.partial(next_hops, switch))
+                load = node_load(switch, round_trips)
                 links = TrackerLinks(
                     opts.trackers,
                     me,
@@ -267,18 +271,45 @@ async def run_node(
                 address or "(no direct address)",
                 f" and through {opts.relay}" if opts.relay else "",
             )
+            if opts.rebalancing is not None and opts.trackers:
+                mover = Mover(
+                    opts.rebalancing,
+                    me,
+                    switch,
+                    links.links,
+                    load=functools.partial(_load_range, opts, engine_thread),
+                    model=opts.model,
+                    expected=opts.expected_fingerprint,
+                    recipe=recipe,
+                    engine_thread=engine_thread,
+                    nursery=nursery,
+                    memory_limit=opts.memory_limit,
+                    drain_timeout=opts.drain_timeout,
+                    on_node=on_node,
+                )
+                nursery.start_soon(mover.run)
     finally:
         with trio.CancelScope(shield=True):
             if server is not None:
                 await server.close()
             await grpc_connector.close()
         runtime.close()
+        if switch is not None:
+            switch.close()  # the engines moves loaded
         engine.close()
         engine_thread.close()
         (opts.data_dir / PID_FILE).unlink(missing_ok=True)
 
 
 PID_FILE = "node.pid"  # in the data directory while the node runs: `noderuntime down` reads it
+
+
+async def _load_range(
+    opts: NodeOptions, engine_thread: EngineThread, layers: LayerRange, model: Path, expected: str | None
+) -> tuple[artifacts.ArtifactInfo, Any, Any, Any, int]:
+    """What :func:`_load_engine` loads for ``layers`` of ``model``: a placed node's move (services.rebalancing)."""
+    moved = attrs.evolve(opts, layers=layers, model=model, expected_fingerprint=expected)
+    return await _load_engine(moved, engine_thread)
 
 
 async def _load_engine(
@@ -362,11 +393,11 @@ def _torch_engine(opts: NodeOptions) -> tuple[artifacts.ArtifactInfo, Any, Any]:
     return engine.info, recipe, engine
 
 
-def node_load(node: Node, round_trips: RoundTrips | None = None) -> Callable[[], NodeLoad]:
+def node_load(node: Node | NodeSwitch, round_trips: RoundTrips | None = None) -> Callable[[], NodeLoad]:
     """What a node reports in its heartbeats (``round_trips``: those it measured to its peers)."""
 
     def load() -> NodeLoad:
-        stats = node.statistics()
+        stats = serving(node).statistics()
         return NodeLoad(
             active_sessions=stats.active_sessions,
             free_slots=stats.leases.slots_free,
@@ -379,18 +410,18 @@ def node_load(node: Node, round_trips: RoundTrips | None = None) -> Callable[[],
     return load
 
 
-def next_hops(node: Node) -> list[Hop]:
+def next_hops(node: Node | NodeSwitch) -> list[Hop]:
     """The next hops of the node's route sessions now: the peers whose round trips it measures."""
-    return [session.next_hop for session in list(node.sessions.values()) if session.next_hop is not None]
+    return [session.next_hop for session in list(serving(node).sessions.values()) if session.next_hop is not None]
 
 
-def probe_handler(node: Node) -> Any:
+def probe_handler(node: Node | NodeSwitch) -> Any:
     """``GET /probe?seed=N``: any peer may check this shard against a reference it holds."""
 
     async def handle(query: dict[str, str]) -> tuple[int, str, bytes]:
         try:
             seed = int(query.get("seed", ""))
-            answer = await node.probe(seed, patience=5.0)
+            answer = await serving(node).probe(seed, patience=5.0)
         except ValueError as exc:  # AdmissionError too
             return 400, "application/json", json.dumps({"error": str(exc) or "seed must be an integer"}).encode()
         return 200, "application/json", json.dumps(answer.to_json()).encode()
@@ -399,13 +430,14 @@ def probe_handler(node: Node) -> Any:
 
 
 def node_status(
-    node: Node, node_id: bytes, listener: RelayListener | None, connector: Any, *, device: str = "cpu"
+    switch: Node | NodeSwitch, node_id: bytes, listener: RelayListener | None, connector: Any, *, device: str = "cpu"
 ) -> Any:
     """The producer of a node's ``/status`` document."""
 
     grpc = getattr(connector, "grpc", None)  # a relay-only node has none
 
     async def status() -> dict[str, Any]:
+        node = serving(switch)
         stats = node.statistics()
         return {
             "node_id": node_id.hex(),
@@ -453,7 +485,7 @@ def main_node(opts: NodeOptions) -> int:
     async def drain() -> None:
         with trio.move_on_after(opts.drain_timeout):
             if running:
-                await running[0].drain()
+                await running[-1].drain()  # the node serving now: a move adds one
 
     return run_main(functools.partial(run_node, opts, on_node=running.append), drain=drain)
 
