@@ -20,6 +20,7 @@ from noderuntime.access.identity import Identity
 from noderuntime.access.signing import sign
 from noderuntime.access.tickets import TicketVerifier
 from noderuntime.control.admission import Capability, capability_record
+from noderuntime.node.leases import LeaseManager
 from noderuntime.operations.httpserve import serve_http
 from noderuntime.tracker import state as tracker_state
 from noderuntime.tracker.app import Tracker
@@ -751,4 +752,39 @@ async def test_a_node_beats_at_the_interval_the_trackers_latest_answer_gives(mon
         await trio.sleep(1.0)
         assert link.heartbeats - beats <= 1  # at 0.2 s it would have sent five
         assert me.node_id in tracker.state.nodes  # silent 1 s, beyond expire_after: told 1.5 s, kept
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_node_that_refuses_for_want_of_a_slot_tells_the_tracker_at_once_and_only_once() -> None:
+    """TrackerLink.slot_refused: slots another tracker's routes took are news to this one; a node whose
+    last heartbeat said it was full sends no more for each refusal."""
+    me = Identity.generate()
+    tracker = Tracker(Identity.generate())
+    load = {"free_slots": 4, "sessions_opened": 0}
+    leases = LeaseManager(4, 64)
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
+        link = TrackerLink(
+            url,
+            me,
+            Registration(**{**_registration(me), "slots": 4}),
+            lambda: NodeLoad(active_sessions=4 - load["free_slots"], queue_depth=0, step_ms=1.0, **load),
+        )
+        leases.on_refused.append(link.slot_refused)
+        await nursery.start(link.run)
+        with trio.fail_after(10):
+            while link.heartbeats < 1:  # the tracker heard "4 free"
+                await trio.sleep(0.02)
+        held = [leases.acquire(16) for _ in range(4)]  # another tracker's sessions fill the node
+        load.update(free_slots=0, sessions_opened=4)
+        assert all(held) and tracker.state.nodes[me.node_id].free_slots == 4
+        assert leases.acquire(16) is None  # refused: this tracker's count is 4 too many
+        with trio.fail_after(1.0):  # well inside the 2 s interval
+            while tracker.state.nodes[me.node_id].free_slots != 0:
+                await trio.sleep(0.01)
+        assert link.early_heartbeats == 1
+        for _ in range(20):  # a flood of refusals: the tracker already knows
+            assert leases.acquire(16) is None
+        await trio.sleep(0.2)
+        assert link.early_heartbeats == 1 and link.heartbeats == 2
         nursery.cancel_scope.cancel()

@@ -75,11 +75,16 @@ class LeaseManager:
         self._leased = 0  # slots in SlotState.LEASED
         # called when a slot can be leased again (the node's tracker link reports it)
         self.on_free: list[Callable[[], None]] = []
+        # called when a session is refused for want of a slot or of KV room (the tracker hears at once)
+        self.on_refused: list[Callable[[], None]] = []
 
     def acquire(self, tokens: int) -> Lease | None:
         """A lease for a session that will hold up to ``tokens`` positions, or None if full."""
-        if tokens <= 0 or tokens > self.max_tokens_per_sequence or self._reserved + tokens > self.kv_budget_tokens:
+        if tokens <= 0 or tokens > self.max_tokens_per_sequence:
             self._refused += 1
+            return None  # no slot would ever hold it: nothing the tracker's count could change
+        if self._reserved + tokens > self.kv_budget_tokens:
+            self._refuse()
             return None
         for seq_id, state in enumerate(self._state):
             if state is SlotState.FREE:
@@ -89,8 +94,13 @@ class LeaseManager:
                 self._leases[seq_id] = lease
                 self._reserved += tokens
                 return lease
-        self._refused += 1
+        self._refuse()
         return None
+
+    def _refuse(self) -> None:
+        self._refused += 1
+        for hook in self.on_refused:
+            hook()
 
     @property
     def leased(self) -> int:

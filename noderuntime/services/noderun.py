@@ -258,6 +258,7 @@ async def run_node(
                 await nursery.start(links.run)  # registered with one tracker; the others' links keep trying
                 node.on_leave.append(links.leave)
                 node.leases.on_free.append(links.slot_freed)
+                node.leases.on_refused.append(links.slot_refused)
             if on_node is not None:
                 on_node(node)
             pid_file = opts.data_dir / PID_FILE

@@ -291,6 +291,7 @@ class Mover:
         # the old node's hooks (telling the trackers it leaves, its freed slots) are the new one's now
         node.on_leave.extend(old.on_leave)
         node.leases.on_free.extend(old.leases.on_free)
+        node.leases.on_refused.extend(old.leases.on_refused)
         old.on_leave.clear()
         self.switch.current = node
         self.switch.moves += 1

@@ -152,6 +152,21 @@ class TrackerLink:
         self.registered = False
         self._soon.set()
 
+    def slot_refused(self) -> None:
+        """The node refused a session for want of a slot: heartbeat at once unless the last one said it was full.
+
+        A tracker takes a slot off its count for each route it grants, so its count errs
+        where others (another tracker's grants, a route never opened) filled the node: left
+        to the next heartbeat, up to a minute away in a large swarm, its routes would go on
+        meeting a full node. Once a heartbeat has said the node is full, refusals send no
+        more until one says a slot is free again, so a flood of them costs each tracker one.
+        """
+        last = self._reported
+        if last is None or self._soon.is_set():
+            return
+        if last.free_slots > 0:
+            self._soon.set()
+
     async def _post(self, client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> httpx.Response:
         data = json.dumps(body).encode()
         headers = {

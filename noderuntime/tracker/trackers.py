@@ -297,6 +297,11 @@ class TrackerLinks:
         for link in self.links:
             link.slot_freed()
 
+    def slot_refused(self) -> None:
+        """The node refused a session for want of a slot (see :meth:`TrackerLink.slot_refused`), for each tracker."""
+        for link in self.links:
+            link.slot_refused()
+
     async def leave(self) -> None:
         """Tell every tracker the node leaves, all at once (each bounded; see :meth:`TrackerLink.leave`)."""
         async with trio.open_nursery() as nursery:
