@@ -269,3 +269,25 @@ def test_the_tail_stops_at_a_stop_token_max_tokens_or_its_reservation() -> None:
     assert stop_reason(7, generated=4, position=5, **rule) == "length"  # type: ignore[arg-type]
     assert stop_reason(7, generated=1, position=19, **rule) == "length"  # type: ignore[arg-type]
     assert stop_reason(7, generated=1, position=18, **rule) == ""  # type: ignore[arg-type]
+
+
+async def test_senders_waiting_their_turn_on_a_seam_each_take_the_next_step() -> None:
+    """A session's tokens and its heartbeats go up one seam from two tasks: a header made before the
+    sender's turn took a step id another waiting sender took too (a node failed the session on it)."""
+    ours, theirs = memory_stream_pair(buffer=0)  # every send waits for the peer to read it
+    identity = Identity("req", b"s" * 16, 0, b"a" * 32, b"r" * 8, Span())
+    client = SeamConnection(ours, SeamEndpoint(identity, Direction.DOWNSTREAM, peer_shard=LAYERS))
+    assert client.endpoint is not None
+    hops = (Hop(b"n" * 32, LAYERS),)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.send, OpenRoute(client.endpoint.header(Phase.PREFILL), hops, Sampling(), (1, 2), 4))
+        upstream = SeamConnection(theirs)
+        opening = await upstream.receive()
+        endpoint = SeamEndpoint(attrs.evolve(identity, shard=LAYERS), Direction.UPSTREAM, peer_shard=Span())
+        endpoint.receive(opening)
+        upstream.endpoint = endpoint
+        for _ in range(3):  # the first holds the turn until read; the other two wait for it together
+            nursery.start_soon(upstream.send_next, lambda: Credit(endpoint.header(Phase.DECODE), 0))
+        await trio.testing.wait_all_tasks_blocked()
+        steps = [(await client.receive()).header.step_id for _ in range(3)]
+    assert steps == [0, 1, 2]

@@ -20,6 +20,7 @@ Roles follow from the hop's place in the route plan:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -326,7 +327,7 @@ class RouteSession:
         self.usage.cached_tokens = agreed
         self._commit_from(agreed)
         self._settled.set()
-        return await self._send_up(Prefix(self._up_header(Phase.PREFILL), agreed))
+        return await self._send_up(lambda: Prefix(self._up_header(Phase.PREFILL), agreed))
 
     # --- the work
 
@@ -408,7 +409,7 @@ class RouteSession:
             self._last_sent_up = trio.current_time()
             with trio.move_on_after(every):  # a previous hop that does not read: its own watchdog sees to it
                 try:
-                    if not await self._send_up(Credit(self._up_header(Phase.DECODE), 0)):
+                    if not await self._send_up(lambda: Credit(self._up_header(Phase.DECODE), 0)):
                         return
                 except ProtocolError:
                     return  # its last word (usage, an error) went up while this one waited its turn
@@ -500,7 +501,7 @@ class RouteSession:
                     with contextlib.suppress(trio.BrokenResourceError):  # the driver stopped: nothing to feed
                         await self._tokens_in.send(event)
                 # on up with our header, and with whatever else it carries (logprobs)
-                await self._send_up(attrs.evolve(event, header=self._up_header(Phase.DECODE, event.header.positions)))
+                await self._send_up(functools.partial(self._restamped_up, event))
             elif isinstance(event, Usage):
                 await self._kept.wait()
                 await self._send_usage(list(event.records))
@@ -696,14 +697,21 @@ class RouteSession:
             reserved=self.lease.tokens,
             stop_tokens=route.stop_token_ids,
         )
-        header = self._up_header(Phase.DECODE, Span(position, position + 1))
         logprobs = (self._logprob,) if self._logprob is not None else ()
         prompt_logprobs = tuple(self._prompt_logprobs)
         self._prompt_logprobs = []  # they travel in the first Tokens frame alone
-        event = Tokens(header, (token,), bool(reason), reason, logprobs, prompt_logprobs)
         if reason:
             self.context.last_step(self.lease.seq_id)
-        await self._send_up(event)
+        await self._send_up(
+            lambda: Tokens(
+                self._up_header(Phase.DECODE, Span(position, position + 1)),
+                (token,),
+                bool(reason),
+                reason,
+                logprobs,
+                prompt_logprobs,
+            )
+        )
         return bool(reason)
 
     async def _emit_drawn(self) -> bool:
@@ -715,8 +723,8 @@ class RouteSession:
         self.generated += len(drawn)
         self._seen += drawn
         self.context.last_step(self.lease.seq_id)
-        header = self._up_header(Phase.DECODE, Span(first + 1, first + 1 + len(drawn)))
-        await self._send_up(Tokens(header, tuple(drawn), True, "length"))
+        span = Span(first + 1, first + 1 + len(drawn))
+        await self._send_up(lambda: Tokens(self._up_header(Phase.DECODE, span), tuple(drawn), True, "length"))
         return True
 
     async def _send_usage(self, records: list[UsageRecord]) -> None:
@@ -743,9 +751,13 @@ class RouteSession:
             output_digest=self._out_commit.hexdigest() if self._out_commit else "",
         ).encode()
         own = UsageRecord(body, self.context.node_id, self.context.sign(body))
-        await self._send_up(Usage(self._up_header(Phase.RELEASE), (*records, own)))
+        await self._send_up(lambda: Usage(self._up_header(Phase.RELEASE), (*records, own)))
 
     # --- sending helpers
+
+    def _restamped_up(self, event: Tokens) -> Tokens:
+        """``event`` from downstream, with our header (the next step id upstream) and what else it carries."""
+        return attrs.evolve(event, header=self._up_header(Phase.DECODE, event.header.positions))
 
     def _up_header(self, phase: Phase, positions: Span = Span()) -> Any:
         assert self.upstream.endpoint is not None
@@ -755,11 +767,12 @@ class RouteSession:
         assert self.downstream is not None and self.downstream.endpoint is not None
         return self.downstream.endpoint
 
-    async def _send_up(self, event: Event) -> bool:
+    async def _send_up(self, build: Callable[[], Event]) -> bool:
+        """Send upstream the event ``build`` makes when its turn comes (its header takes the next step id)."""
         self._sends_up += 1
         self._last_sent_up = trio.current_time()
         try:
-            await self.upstream.send(event)
+            await self.upstream.send_next(build)
             return True
         except ProtocolError:
             if self.end is None:

@@ -69,12 +69,21 @@ class SeamConnection:
 
     async def send(self, event: Event) -> None:
         """Check ``event`` against the state machine, encode it and send its frames."""
+        await self.send_next(lambda: event)
+
+    async def send_next(self, build: Callable[[], Event]) -> None:
+        """Send the event ``build`` makes once it is this sender's turn.
+
+        An event's header takes the next step id (``SeamEndpoint.header``): made before the
+        turn, two senders waiting for it (a session's tokens and its heartbeat) took the
+        same one, and the second was refused as a step sent twice.
+        """
         try:  # uncontended, taking the turn costs no checkpoint
             self._sending.acquire_nowait()
         except trio.WouldBlock:
             await self._sending.acquire()
         try:
-            await self._send(event)
+            await self._send(build())
         finally:
             self._sending.release()
 
