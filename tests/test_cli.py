@@ -5,8 +5,11 @@ from __future__ import annotations
 import contextlib
 import http.server
 import io
+import json
+import socket
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -179,19 +182,9 @@ def test_sizes_that_llama_cpp_would_truncate_are_refused(
     assert message in line, line
 
 
-@pytest.mark.parametrize(
-    ("body", "message"),
-    [
-        (b"[" * 5000, "did not answer /v1/nodes with a node list"),
-        (b'{"nodes": {"a": 1}}', "did not answer /v1/nodes with a node list"),
-        (b'{"nodes": [{"node_id": 5}]}', "the tracker's node list is not what this version reads"),
-    ],
-    ids=["deep", "not a list", "not a node"],
-)
-def test_status_reports_a_tracker_answer_it_cannot_read_in_one_line(
-    body: bytes, message: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A tracker is a peer: whatever it answers, `status` says so in one line."""
+@contextlib.contextmanager
+def _answering(body: bytes) -> Iterator[str]:
+    """A real HTTP server on loopback that answers every GET with ``body`` as JSON; its URL."""
 
     class Answer(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -206,8 +199,28 @@ def test_status_reports_a_tracker_answer_it_cannot_read_in_one_line(
 
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        status = main(["status", "--tracker", f"http://127.0.0.1:{server.server_address[1]}"])
-        server.shutdown()
+        try:
+            yield f"http://127.0.0.1:{server.server_address[1]}"
+        finally:
+            server.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"[" * 5000, "did not answer /v1/nodes with a node list"),
+        (b'{"nodes": {"a": 1}}', "did not answer /v1/nodes with a node list"),
+        (b'{"nodes": [{"node_id": 5}]}', "the tracker's node list is not what this version reads"),
+    ],
+    ids=["deep", "not a list", "not a node"],
+)
+def test_status_reports_a_tracker_answer_it_cannot_read_in_one_line(
+    body: bytes, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tracker is a peer: whatever it answers, `status` says so in one line."""
+
+    with _answering(body) as tracker:
+        status = main(["status", "--tracker", tracker])
     captured = capsys.readouterr()
     output = (captured.out + captured.err).strip().splitlines()
     assert status == 1
@@ -223,3 +236,17 @@ def test_parity_on_a_shard_file_is_a_clear_error(
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("noderuntime: error: shard 2:4 failed to load") and "holds layers 0:2" in line, line
+
+
+def test_status_reads_the_first_tracker_that_answers(capsys: pytest.CaptureFixture[str]) -> None:
+    """`status --tracker A --tracker B`: A down, B's view is shown, and A's line says why it was passed over."""
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    with _answering(b'{"nodes": [], "mixes": []}') as up:
+        status = main(["status", "--tracker", down, "--tracker", up, "--json"])
+        both_down = main(["status", "--tracker", down, "--tracker", down])
+    captured = capsys.readouterr()
+    assert status == 0 and both_down == 1
+    assert json.loads(captured.out) == {"nodes": [], "routes": [], "unmixed": []}
+    assert captured.err.count(f"cannot read {down}/v1/nodes") == 3, captured.err

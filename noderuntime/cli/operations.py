@@ -76,7 +76,11 @@ def _cmd_probe_check(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from noderuntime.tracker.status import show
 
-    return show(args.tracker, as_json=args.json, status_key=args.status_key)
+    # each tracker's view is its own (what its nodes told it): the first that answers, as a gateway asks
+    for tracker in args.tracker:
+        if show(tracker, as_json=args.json, status_key=args.status_key) == 0:
+            return 0
+    return 1
 
 
 def _cmd_bench_verify(args: argparse.Namespace) -> int:
@@ -136,7 +140,13 @@ def add_commands(sub: Any) -> None:
     p.set_defaults(func=_cmd_usage)
 
     p = sub.add_parser("status", help="nodes, ranges, load and routes known to a tracker")
-    p.add_argument("--tracker", type=url, required=True)
+    p.add_argument(
+        "--tracker",
+        type=url,
+        action="append",
+        required=True,
+        help="the tracker to read; repeatable: the first that answers is shown (each says why it did not)",
+    )
     p.add_argument("--status-key", type=api_key, help="the tracker's status key, if it has one")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_status)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Collection, Mapping
@@ -113,7 +114,7 @@ def show(tracker: str, *, as_json: bool = False, status_key: str | None = None) 
     try:
         nodes, mixes = fetch(tracker, status_key)
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        print(f"noderuntime: error: cannot read {tracker}/v1/nodes: {exc}")
+        print(f"noderuntime: error: cannot read {tracker}/v1/nodes: {exc}", file=sys.stderr)
         return 1
     found = routes(nodes, mixes)
     apart = unmixed(_records(nodes), mixes)
