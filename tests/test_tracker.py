@@ -786,5 +786,5 @@ async def test_a_node_that_refuses_for_want_of_a_slot_tells_the_tracker_at_once_
         for _ in range(20):  # a flood of refusals: the tracker already knows
             assert leases.acquire(16) is None
         await trio.sleep(0.2)
-        assert link.early_heartbeats == 1 and link.heartbeats == 2
+        assert link.early_heartbeats == 1  # (a beat at the interval may come meanwhile: it is not early)
         nursery.cancel_scope.cancel()

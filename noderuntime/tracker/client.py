@@ -123,7 +123,7 @@ class TrackerLink:
         self._on_probe = on_probe
         self.probes_answered = 0
         self.probe_verdicts: list[dict[str, Any]] = []
-        self._reported: NodeLoad | None = None  # what the last heartbeat said
+        self._reported: NodeLoad | None = None  # what the last heartbeat said (or the one on its way)
         self._soon = trio.Event()  # set: heartbeat now, not at the interval
         self.early_heartbeats = 0
         # seconds between heartbeats, as the tracker last said (it grows with the swarm)
@@ -259,6 +259,9 @@ class TrackerLink:
                 else:
                     load = self._load()
                     beat = load.heartbeat(self.identity.node_id)
+                    # what the tracker is being told from now: a slot freed or a session refused
+                    # while this beat is on its way is weighed against it, not the one before
+                    self._reported = load
                     response = await self._post(client, "/v1/nodes/heartbeat", beat.model_dump(mode="json"))
                     if response.status_code == 404:
                         log.info("the tracker forgot this node (restarted?): registering again")
@@ -267,7 +270,6 @@ class TrackerLink:
                     if response.status_code != 200:
                         raise TrackerError(f"heartbeat refused: {response.text[:200]}", response.status_code)
                     self.heartbeats += 1
-                    self._reported = load
                     body = _answer(response, "heartbeat")
                     self.interval = _interval(body, self.interval)
                     await self._answer_probe(client, body)
