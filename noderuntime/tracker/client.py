@@ -7,7 +7,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import httpx
@@ -296,6 +296,37 @@ def _interval(answer: Mapping[str, Any], current: float) -> float:
     return float(interval)
 
 
+_Reply = TypeVar("_Reply", bound=BaseModel)
+
+
+async def _signed_answer(
+    client: httpx.AsyncClient,
+    url: str,
+    identity: Identity,
+    path: str,
+    asked: BaseModel,
+    reply_type: type[_Reply],
+    what: str,
+) -> tuple[_Reply, int]:
+    """POST ``asked`` to ``path``, signed by ``identity``; the tracker's answer as ``reply_type``, and its status.
+
+    :class:`TrackerError` when it is unreachable, refuses (its status, with the reason it gave
+    for it: "the tracker refused to ``what``"), or answers what ``reply_type`` does not read.
+    """
+    response = await _signed_post(client, url, path, RequestSigner(identity), asked)
+    if response.status_code != 200:
+        try:
+            detail = untrusted.json_object(response.content, "the tracker's answer").get("detail")
+        except ValueError:
+            detail = None
+        message = detail if isinstance(detail, str) else response.text[:300]
+        raise TrackerError(f"the tracker refused to {what}: {message}", response.status_code)
+    try:
+        return reply_type.model_validate_json(response.content), response.status_code
+    except ValidationError:
+        raise TrackerError(f"the tracker {url} sent a malformed answer", response.status_code) from None
+
+
 async def request_placement(
     client: httpx.AsyncClient, url: str, identity: Identity, asked: PlacementRequest
 ) -> PlacementReply:
@@ -304,30 +335,15 @@ async def request_placement(
     :class:`TrackerError` when it is unreachable, refuses (its status), or answers a range that
     is not one of ``asked.n_layer`` layers of at most ``asked.max_layers``.
     """
-    path = "/v1/placement"
-    data = asked.model_dump_json().encode()
-    headers = {"content-type": "application/json", **sign(identity, "POST", path, data, int(time.time() * 1000))}
-    try:
-        response = await client.post(url.rstrip("/") + path, content=data, headers=headers, timeout=10)
-    except httpx.HTTPError as exc:
-        raise TrackerError(f"the tracker {url} is unreachable: {exc}") from None
-    if response.status_code != 200:
-        try:
-            detail = untrusted.json_object(response.content, "the tracker's answer").get("detail")
-        except ValueError:
-            detail = None
-        message = detail if isinstance(detail, str) else response.text[:300]
-        raise TrackerError(f"the tracker refused to place this node: {message}", response.status_code)
-    try:
-        reply = PlacementReply.model_validate_json(response.content)
-    except ValidationError:
-        raise TrackerError(f"the tracker {url} sent a malformed placement", response.status_code) from None
+    reply, status = await _signed_answer(
+        client, url, identity, "/v1/placement", asked, PlacementReply, "place this node"
+    )
     start, end = reply.layers
     if reply.n_layer != asked.n_layer or end > asked.n_layer or end - start > asked.max_layers:
         raise TrackerError(
             f"the tracker {url} placed this node on layers {start}:{end} of {reply.n_layer}, which it cannot "
             f"serve ({asked.max_layers} of {asked.n_layer} layers at most)",
-            response.status_code,
+            status,
         )
     return reply
 
@@ -340,24 +356,14 @@ async def request_reconsider(
     :class:`TrackerError` when it is unreachable, refuses (its status: 404 for a node it does
     not know), or answers a range of more than ``asked.max_layers`` layers.
     """
-    path = "/v1/placement/reconsider"
-    data = asked.model_dump_json().encode()
-    headers = {"content-type": "application/json", **sign(identity, "POST", path, data, int(time.time() * 1000))}
-    try:
-        response = await client.post(url.rstrip("/") + path, content=data, headers=headers, timeout=10)
-    except httpx.HTTPError as exc:
-        raise TrackerError(f"the tracker {url} is unreachable: {exc}") from None
-    if response.status_code != 200:
-        raise TrackerError(f"the tracker refused to reconsider this node: {response.text[:300]}", response.status_code)
-    try:
-        reply = RebalanceReply.model_validate_json(response.content)
-    except ValidationError:
-        raise TrackerError(f"the tracker {url} sent a malformed rebalancing", response.status_code) from None
+    reply, status = await _signed_answer(
+        client, url, identity, "/v1/placement/reconsider", asked, RebalanceReply, "reconsider this node"
+    )
     if reply.layers is not None and reply.layers[1] - reply.layers[0] > asked.max_layers:
         start, end = reply.layers
         raise TrackerError(
             f"the tracker {url} moved this node to layers {start}:{end}, more than the {asked.max_layers} it can hold",
-            response.status_code,
+            status,
         )
     return reply
 
