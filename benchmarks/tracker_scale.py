@@ -166,17 +166,24 @@ def tracker_state(nodes: Sequence[SimNode], seams: Sequence[dict[int, float]] | 
     state = TrackerState(rng=random.Random(seed))
     for i, node in enumerate(nodes):
         state.register(record(i, node), 0.0)
+    _beat_all(state, nodes, seams, 0.0)
+    return state
+
+
+def _beat_all(
+    state: TrackerState, nodes: Sequence[SimNode], seams: Sequence[dict[int, float]] | None, now: float
+) -> None:
+    """Every node's heartbeat into the state: its load, and (when given) its round trips."""
     for i, node in enumerate(nodes):
         state.heartbeat(
             node_id(i),
-            0.0,
+            now,
             active_sessions=node.active,
             free_slots=SLOTS - node.active,
             queue_depth=0,
             step_ms=node.capability.step_ms(max(1, node.active)),
             round_trips=None if seams is None else {node_id(p): ms for p, ms in seams[i].items()},
         )
-    return state
 
 
 # --- the oracle: the cheapest route that exists, exactly
@@ -335,16 +342,7 @@ def _choices(
 def _heartbeat_us(state: TrackerState, nodes: Sequence[SimNode], seams: Sequence[dict[int, float]] | None) -> float:
     """Microseconds per heartbeat into the state (steady: the same load and round trips again)."""
     began = time.perf_counter()
-    for i, node in enumerate(nodes):
-        state.heartbeat(
-            node_id(i),
-            1.0,
-            active_sessions=node.active,
-            free_slots=SLOTS - node.active,
-            queue_depth=0,
-            step_ms=node.capability.step_ms(max(1, node.active)),
-            round_trips=None if seams is None else {node_id(p): ms for p, ms in seams[i].items()},
-        )
+    _beat_all(state, nodes, seams, 1.0)
     return (time.perf_counter() - began) / len(nodes) * 1e6
 
 

@@ -342,20 +342,25 @@ def test_near_equal_routes_are_all_taken_and_a_dearer_one_never() -> None:
     assert min(taken.values()) >= 10
 
 
+def _report(state: TrackerState, name: str, round_trips: dict[str, float], *, step_ms: float) -> None:
+    """An idle node's heartbeat with the round trips it measured to its peers (by name)."""
+    state.heartbeat(
+        _id(name),
+        0.0,
+        active_sessions=0,
+        free_slots=4,
+        queue_depth=0,
+        step_ms=step_ms,
+        round_trips={_id(peer): ms for peer, ms in round_trips.items()},
+    )
+
+
 def test_a_seam_across_a_slow_link_is_avoided_when_an_equal_route_is_not() -> None:
     """Heartbeats report round trips to peers; the seam between two nodes costs what either end measured."""
     state = state_with(node("a", (0, 15)), node("b", (15, 30)), node("c", (15, 30)), seed=1)
 
     def report(name: str, round_trips: dict[str, float]) -> None:
-        state.heartbeat(
-            _id(name),
-            0.0,
-            active_sessions=0,
-            free_slots=4,
-            queue_depth=0,
-            step_ms=10.0,
-            round_trips={_id(peer): ms for peer, ms in round_trips.items()},
-        )
+        _report(state, name, round_trips, step_ms=10.0)
 
     def tails() -> set[str]:
         return {_names(state.choose(ARTIFACT, 10).nodes) for _ in range(50)}
@@ -388,15 +393,7 @@ def test_a_new_node_among_fast_measured_seams_is_routed() -> None:
     state = state_with(node("a", (0, 15)), node("b", (15, 30)), seed=2)
 
     def beat(name: str, round_trips: dict[str, float]) -> None:
-        state.heartbeat(
-            _id(name),
-            0.0,
-            active_sessions=0,
-            free_slots=4,
-            queue_depth=0,
-            step_ms=0.05,
-            round_trips={_id(peer): ms for peer, ms in round_trips.items()},
-        )
+        _report(state, name, round_trips, step_ms=0.05)
 
     beat("a", {"b": 0.1})
     beat("b", {"a": 0.1})
