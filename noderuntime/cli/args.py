@@ -52,6 +52,11 @@ def seconds(text: str) -> float:
     return value
 
 
+def seconds_or_never(text: str) -> float:
+    """A positive number of seconds, or 0 for never."""
+    return 0.0 if text.strip() in ("0", "0.0") else seconds(text)
+
+
 def share(text: str) -> float:
     """A share between 0 and 1 (``0.03``, ``3%``)."""
     try:

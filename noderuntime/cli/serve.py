@@ -7,7 +7,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from noderuntime.cli.args import (
     CliError,
@@ -22,6 +22,7 @@ from noderuntime.cli.args import (
     relay_url,
     resolve_model,
     seconds,
+    seconds_or_never,
     share,
     size,
     url,
@@ -29,7 +30,9 @@ from noderuntime.cli.args import (
 from noderuntime.engine.cores import machine_cores
 from noderuntime.models import catalogue as models
 from noderuntime.models import fetch, manifest
-from noderuntime.models.artifacts import LayerRange
+
+if TYPE_CHECKING:  # the node's services load the engine: not for a light install's commands
+    from noderuntime.services.noderun import NodeOptions
 
 API_KEYS_ENV = "NODERUNTIME_API_KEYS"  # comma-separated; keys in argv show in `ps`
 # set in the environment of a node re-executed on its device's backend: it must not do so again
@@ -112,54 +115,40 @@ def _cmd_up(args: argparse.Namespace) -> int:
         raise CliError("--tls-cert and --tls-key go together")
     if not args.issuer_key and not args.tracker:
         raise CliError("give the route issuer's public key with --issuer-key, or a --tracker to take it from")
+    from noderuntime.services import joining
+
     # without --layers, a node with a tracker asks it where to serve (see services.joining)
-    placed = args.layers is None and bool(args.tracker) and args.backend == "llama.cpp"
-    local = None if fetch.is_url(args.model) else resolve_model(args.model)
-    sizing = None
-    if placed and local is None:
-        sizing = fetch.header_copy(args.model, Path(args.data_dir) / "headers")
-    elif placed and local is not None and local.is_file() and _whole(local):
-        sizing = local
-    if sizing is None:
-        return _serve(args, args.layers, local)
-    placed_on = _place(args, sizing)
+    opts = joining.JoinOptions(
+        node=node_options(args),
+        url=args.model if fetch.is_url(args.model) else None,
+        manifest=args.manifest,
+        publisher_key=args.publisher_key,
+        max_layers=args.max_layers,
+        rebalance_every=args.rebalance_every,
+        tls_self_signed=args.tls_self_signed,
+    )
     try:
-        return _serve(args, placed_on.layers, local, rebalancing=_rebalancing(args, placed_on.max_layers, local))
-    finally:
-        # the tracker holds the range for this node until it registers or leaves: one that stops
-        # before it registered frees it now (one that registered has left already)
-        _release(args)
+        return joining.main(opts)
+    except joining.JoinError as exc:
+        raise CliError(f"{exc} (or give this node its range with --layers A:B)") from None
+    except joining.OptionsError as exc:
+        raise CliError(str(exc)) from None
 
 
-def _serve(args: argparse.Namespace, layers: LayerRange | None, local: Path | None, *, rebalancing: Any = None) -> int:
-    """Run the node of ``args`` on ``layers`` of the model: the file ``local``, or fetched from the URL ``--model``;
-    ``rebalancing``: how a node the tracker placed re-plans (services.rebalancing), None for a pinned one."""
+def node_options(args: argparse.Namespace) -> NodeOptions:
+    """The shard node ``noderuntime up --model`` runs, as its flags give it.
+
+    A known model's name is pulled (once) here; for a model by URL, ``model`` is the folder
+    its ranges are fetched into (see :class:`~noderuntime.services.joining.JoinOptions`).
+    """
     from noderuntime.services import noderun
 
-    expected = None
-    if local is None:
-        pulled = _pull_range(args, layers)
-        model, expected = pulled.path, pulled.artifact
-    else:
-        model = local
-    if args.backend == "transformers":
-        if not model.is_dir():
-            raise CliError(f"--backend transformers takes a safetensors model directory; {model} is a file")
-        if args.memory_limit is not None:
-            raise CliError("--memory-limit plans llama.cpp's buffers; the transformers backend does not take it")
-    elif model.is_dir():
-        raise CliError(f"{model} is a directory; give a GGUF file, or --backend transformers for safetensors")
-    tls_cert, tls_key = args.tls_cert, args.tls_key
-    if args.tls_self_signed:
-        from noderuntime.access.identity import self_signed
-
-        files = self_signed(Path(args.data_dir))
-        tls_cert, tls_key = files.cert, files.key
-    opts = noderun.NodeOptions(
-        model=model,
-        layers=layers,
+    data_dir = Path(args.data_dir)
+    return noderun.NodeOptions(
+        model=data_dir / "shards" if fetch.is_url(args.model) else resolve_model(args.model),
+        layers=args.layers,
         listen=args.listen,
-        data_dir=Path(args.data_dir),
+        data_dir=data_dir,
         issuer_keys=tuple(args.issuer_key),
         advertise=args.advertise,
         relay=args.relay,
@@ -169,8 +158,8 @@ def _serve(args: argparse.Namespace, layers: LayerRange | None, local: Path | No
         ctx_per_session=args.ctx,
         batch=args.batch,
         flash_attn=args.flash_attn,
-        tls_cert=tls_cert,
-        tls_key=tls_key,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
         idle_timeout=args.idle_timeout,
         hang_timeout=args.hang_timeout,
         drain_timeout=args.drain_timeout,
@@ -182,108 +171,6 @@ def _serve(args: argparse.Namespace, layers: LayerRange | None, local: Path | No
         backend=args.backend,
         device=args.device,
         gpu_layers=args.gpu_layers,
-        expected_fingerprint=expected,
-        rebalancing=rebalancing,
-    )
-    return noderun.main_node(opts)
-
-
-def _whole(model: Path) -> bool:
-    """Whether ``model`` holds every layer of its model (a shard file serves its own range, placed or not)."""
-    from noderuntime.models import artifacts
-
-    info = artifacts.inspect(model, verify=False)
-    return info.layer_range == artifacts.LayerRange(0, info.n_layer)
-
-
-def _seconds_or_never(text: str) -> float:
-    """A positive number of seconds, or 0 for never."""
-    return 0.0 if text.strip() in ("0", "0.0") else seconds(text)
-
-
-def _rebalancing(args: argparse.Namespace, max_layers: int, local: Path | None) -> Any:
-    """How a placed node re-plans (None: --rebalance-every 0, it stays where it was placed)."""
-    from noderuntime.models.artifacts import ArtifactError
-    from noderuntime.services.rebalancing import MoveError, Rebalancing
-
-    if not args.rebalance_every:
-        return None
-
-    def fetch(layers: LayerRange) -> tuple[Path, str | None]:
-        try:
-            pulled = _pull_range(args, layers)
-        except (CliError, ArtifactError, OSError) as exc:  # a failed download: the node stays where it is
-            raise MoveError(f"fetching them failed: {exc}") from None
-        return pulled.path, pulled.artifact
-
-    return Rebalancing(max_layers, every=args.rebalance_every, fetch=None if local is not None else fetch)
-
-
-def _place(args: argparse.Namespace, model: Path) -> Any:
-    """The range the tracker gives this node, sized against its memory by ``model`` (the whole file, or a
-    copy of its header); CliError when it cannot hold a layer or the tracker refuses."""
-    from noderuntime.access import identity
-    from noderuntime.services import joining, noderun
-
-    sizing = noderun.NodeOptions(
-        model=model,
-        layers=None,
-        listen=None,
-        data_dir=Path(args.data_dir),
-        issuer_keys=(),
-        threads=args.threads,
-        slots=args.slots,
-        ctx_per_session=args.ctx,
-        batch=args.batch,
-        flash_attn=args.flash_attn,
-        memory_limit=args.memory_limit,
-        mmap=args.mmap,
-        device=args.device,
-        gpu_layers=args.gpu_layers,
-    )
-    me = identity.load_or_create(args.data_dir)
-    try:
-        return joining.place(
-            model,
-            noderun.node_recipe(sizing),
-            args.tracker,
-            me,
-            memory_limit=args.memory_limit,
-            prefix_cache=args.prefix_cache,
-            max_layers=args.max_layers,
-        )
-    except joining.JoinError as exc:
-        raise CliError(f"{exc} (or give this node its range with --layers A:B)") from None
-
-
-def _release(args: argparse.Namespace) -> None:
-    """Tell the tracker this node leaves (briefly: a tracker that does not answer lets the reservation lapse)."""
-    from noderuntime.access import identity
-    from noderuntime.services import joining
-
-    joining.release(args.tracker, identity.load_or_create(args.data_dir))
-
-
-def _pull_range(args: argparse.Namespace, layers: LayerRange | None) -> fetch.PulledShard:
-    """The shard file of ``layers`` of the model at the URL ``--model``, fetched (once) into the data dir."""
-    if layers is None:
-        raise CliError(
-            "--model URL fetches one layer range of the model: give it with --layers A:B, "
-            "or give a --tracker that places this node"
-        )
-    source = args.manifest or (args.tracker[0] if args.tracker else None)
-    if source is None:
-        raise CliError(
-            "--model URL: the range fetched is checked against the model's signed manifest; give --manifest "
-            "(a file, a URL, or a tracker's URL), or a --tracker that serves it"
-        )
-    return fetch.pull_layers(
-        args.model,
-        layers,
-        source,
-        Path(args.data_dir) / "shards",
-        publisher=args.publisher_key,
-        progress=sys.stderr.isatty(),
     )
 
 
@@ -547,7 +434,7 @@ def _add_up(sub: Any) -> None:
     )
     p.add_argument(
         "--rebalance-every",
-        type=_seconds_or_never,
+        type=seconds_or_never,
         default=60.0,
         help="without --layers: seconds between asking the tracker whether to move to layers that serve the "
         "swarm better (with a fifth of jitter; 0: never). A move loads the new layers beside the old, serves "

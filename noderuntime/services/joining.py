@@ -1,32 +1,42 @@
-"""A node that starts without a layer range: how many layers it can hold, and the range the tracker gives it.
+"""How ``noderuntime up --model`` starts a shard node: where it serves, what it fetches, and leaving.
 
-``noderuntime up --model M --tracker URL`` without ``--layers`` sizes its shard with the
-memory planner's dry run (:mod:`noderuntime.engine.memplan`): the most layers ``k`` such
-that both the first ``k`` (with the token embedding) and the last ``k`` (with the output
-head and its compute) fit its budget, so that any range of ``k`` layers does, with KV for
-its slots and context. The budget is ``--memory-limit``, or a share of the memory free
-now, and on a GPU the memory the device has free. It then asks the tracker where to serve
-(:mod:`noderuntime.tracker.placement`; of several ``--tracker``, the first that answers) and
-runs as if it had been given that range.
+:func:`main` conducts a node's start from its :class:`JoinOptions`. A node given
+``--layers`` (or a shard file, or no tracker) serves that range. One with a tracker and
+none sizes its shard with the memory planner's dry run (:mod:`noderuntime.engine.memplan`):
+the most layers ``k`` such that both the first ``k`` (with the token embedding) and the
+last ``k`` (with the output head and its compute) fit its budget, so that any range of
+``k`` layers does, with KV for its slots and context. The budget is ``--memory-limit``, or
+a share of the memory free now, and on a GPU the memory the device has free. It then asks
+the tracker where to serve (:mod:`noderuntime.tracker.placement`; of several ``--tracker``,
+the first that answers), runs as if it had been given that range, re-plans now and then
+(:mod:`noderuntime.services.rebalancing`), and frees the range at the tracker when it stops.
+A model given by URL is sized from a copy of its header, and only the range served is
+fetched (:mod:`noderuntime.models.fetch`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import attrs
 import httpx
 import psutil
 import trio
 
-from noderuntime.access.identity import Identity
+from noderuntime.access.identity import Identity, load_or_create, self_signed
 from noderuntime.access.signing import sign
 from noderuntime.engine import memplan
 from noderuntime.engine.llama import Recipe
-from noderuntime.models.artifacts import LayerRange, inspect
+from noderuntime.models import fetch
+from noderuntime.models.artifacts import ArtifactError, LayerRange, inspect
+from noderuntime.services.noderun import NodeOptions, main_node, node_recipe
+from noderuntime.services.rebalancing import REBALANCE_SECONDS, MoveError, Rebalancing
 from noderuntime.tracker.client import LEAVE_SECONDS, TrackerError, request_placement
 from noderuntime.tracker.messages import MAX_LAYERS, Leave, PlacementReply, PlacementRequest
 from noderuntime.tracker.trackers import tracker_urls, unanswered
@@ -47,6 +57,33 @@ class Placed:
 
 class JoinError(Exception):
     """A node cannot be placed: it holds no layer, or the tracker refused or never answered."""
+
+
+class OptionsError(Exception):
+    """A node's options do not go together, or with its model: the message names the flag to change."""
+
+
+@attrs.frozen
+class JoinOptions:
+    """What ``noderuntime up --model`` starts a shard node with (:func:`main`).
+
+    ``node`` is the node as its flags give it; the join settles its layers (placed, when it
+    has none and a tracker), its model file (fetched, for a URL), its TLS files (made, for
+    ``tls_self_signed``) and how it re-plans. ``url``: the model's URL, of which only the
+    range served is fetched, checked against the signed manifest at ``manifest`` (a file, a
+    URL, or a tracker's URL; None: the node's first tracker), signed by ``publisher_key``
+    when given; ``node.model`` is then the folder the ranges are fetched into.
+    ``max_layers``: a placed node holds at most this many; ``rebalance_every``: seconds
+    between a placed node's questions whether to move (0: never).
+    """
+
+    node: NodeOptions
+    url: str | None = None
+    manifest: str | None = None
+    publisher_key: bytes | None = None
+    max_layers: int | None = None
+    rebalance_every: float = REBALANCE_SECONDS
+    tls_self_signed: bool = False
 
 
 def budget(recipe: Recipe, memory_limit: int | None) -> memplan.Budget:
@@ -200,4 +237,133 @@ def place(
     return Placed(LayerRange(start, end), most)
 
 
-__all__ = ["JoinError", "Placed", "ask", "budget", "holdable", "place", "release"]
+def main(opts: JoinOptions) -> int:
+    """Start the node of ``opts`` and serve until a signal; the exit status.
+
+    A node the tracker places frees its range there when it stops: the tracker holds it for
+    the node until it registers or leaves, and one that stops before it registered has not
+    left. :class:`JoinError` when it cannot be placed, :class:`OptionsError` for options that
+    cannot start it.
+    """
+    sizing = _sizing_file(opts)
+    if sizing is None:
+        return _serve(opts, opts.node.layers)
+    node = opts.node
+    placed = place(
+        sizing,
+        node_recipe(node),
+        node.trackers,
+        load_or_create(node.data_dir),
+        memory_limit=node.memory_limit,
+        prefix_cache=node.prefix_cache,
+        max_layers=opts.max_layers,
+    )
+    try:
+        return _serve(opts, placed.layers, rebalancing=_rebalancing(opts, placed.max_layers))
+    finally:
+        # briefly: a tracker that does not answer lets the reservation lapse
+        release(node.trackers, load_or_create(node.data_dir))
+
+
+def _sizing_file(opts: JoinOptions) -> Path | None:
+    """What a node the tracker places sizes its shard by: the whole model's file, or a copy of the header
+    of the model at its URL; None for a node that serves the range it was given (or its shard file's)."""
+    node = opts.node
+    if node.layers is not None or not node.trackers or node.backend != "llama.cpp":
+        return None
+    if opts.url is not None:
+        return fetch.header_copy(opts.url, node.data_dir / "headers")
+    return node.model if node.model.is_file() and _whole(node.model) else None
+
+
+def _whole(model: Path) -> bool:
+    """Whether ``model`` holds every layer of its model (a shard file serves its own range, placed or not)."""
+    info = inspect(model, verify=False)
+    return info.layer_range == LayerRange(0, info.n_layer)
+
+
+def _serve(opts: JoinOptions, layers: LayerRange | None, *, rebalancing: Rebalancing | None = None) -> int:
+    """Run the node of ``opts`` on ``layers`` of its model (fetched first, for a URL) until a signal;
+    ``rebalancing``: how a node the tracker placed re-plans, None for a pinned one."""
+    node = opts.node
+    model, expected = node.model, None
+    if opts.url is not None:
+        pulled = _pull_range(opts, opts.url, layers)
+        model, expected = pulled.path, pulled.artifact
+    if node.backend == "transformers":
+        if not model.is_dir():
+            raise OptionsError(f"--backend transformers takes a safetensors model directory; {model} is a file")
+        if node.memory_limit is not None:
+            raise OptionsError("--memory-limit plans llama.cpp's buffers; the transformers backend does not take it")
+    elif model.is_dir():
+        raise OptionsError(f"{model} is a directory; give a GGUF file, or --backend transformers for safetensors")
+    tls_cert, tls_key = node.tls_cert, node.tls_key
+    if opts.tls_self_signed:
+        files = self_signed(node.data_dir)
+        tls_cert, tls_key = files.cert, files.key
+    return main_node(
+        attrs.evolve(
+            node,
+            model=model,
+            layers=layers,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            expected_fingerprint=expected,
+            rebalancing=rebalancing,
+        )
+    )
+
+
+def _rebalancing(opts: JoinOptions, max_layers: int) -> Rebalancing | None:
+    """How a placed node re-plans (None: ``rebalance_every`` 0, it stays where it was placed)."""
+    if not opts.rebalance_every:
+        return None
+    fetch_range = None if opts.url is None else functools.partial(_fetch_for_move, opts, opts.url)
+    return Rebalancing(max_layers, every=opts.rebalance_every, fetch=fetch_range)
+
+
+def _fetch_for_move(opts: JoinOptions, url: str, layers: LayerRange) -> tuple[Path, str | None]:
+    """The shard file of ``layers`` a move loads, and the artifact to expect; :class:`MoveError` when
+    fetching it fails (the node stays where it is)."""
+    try:
+        pulled = _pull_range(opts, url, layers)
+    except (OptionsError, ArtifactError, OSError) as exc:
+        raise MoveError(f"fetching them failed: {exc}") from None
+    return pulled.path, pulled.artifact
+
+
+def _pull_range(opts: JoinOptions, url: str, layers: LayerRange | None) -> fetch.PulledShard:
+    """The shard file of ``layers`` of the model at ``url``, fetched (once) into the node's shards folder."""
+    if layers is None:
+        raise OptionsError(
+            "--model URL fetches one layer range of the model: give it with --layers A:B, "
+            "or give a --tracker that places this node"
+        )
+    source = opts.manifest or opts.node.tracker
+    if source is None:
+        raise OptionsError(
+            "--model URL: the range fetched is checked against the model's signed manifest; give --manifest "
+            "(a file, a URL, or a tracker's URL), or a --tracker that serves it"
+        )
+    return fetch.pull_layers(
+        url,
+        layers,
+        source,
+        opts.node.model,
+        publisher=opts.publisher_key,
+        progress=sys.stderr.isatty(),
+    )
+
+
+__all__ = [
+    "JoinError",
+    "JoinOptions",
+    "OptionsError",
+    "Placed",
+    "ask",
+    "budget",
+    "holdable",
+    "main",
+    "place",
+    "release",
+]
