@@ -88,10 +88,17 @@ def channel_keys(identity: Identity) -> ChannelKeys:
 
 def load_or_create(data_dir: str | os.PathLike[str]) -> Identity:
     """The identity in ``data_dir``, created (0600) on first use."""
-    directory = Path(data_dir)
-    path = directory / KEY_FILE
+    return load_or_create_key(Path(data_dir) / KEY_FILE)
+
+
+def load_or_create_key(path: str | os.PathLike[str]) -> Identity:
+    """The Ed25519 key in the PEM file ``path``, made there (mode 0600, with its folder) when missing.
+
+    A new key is written beside ``path`` and renamed into place, so a crash never leaves half a key.
+    """
+    path = Path(path)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
             try:
                 key = serialization.load_pem_private_key(path.read_bytes(), password=None)
@@ -107,7 +114,7 @@ def load_or_create(data_dir: str | os.PathLike[str]) -> Identity:
             f.write(identity.private_pem())
         os.replace(tmp, path)
     except OSError as exc:  # a file in the way, no permission, a full disk
-        raise IdentityError(f"cannot keep a key in {directory}: {exc}") from None
+        raise IdentityError(f"cannot keep a key in {path}: {exc}") from None
     return identity
 
 

@@ -25,11 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from noderuntime.access.identity import Identity, verify
+from noderuntime.access.identity import Identity, IdentityError, load_or_create_key, verify
 from noderuntime.models import artifacts
 from noderuntime.models import gguf as ggufio
 from noderuntime.models.artifacts import ArtifactError, TensorEntry
@@ -287,24 +285,10 @@ def _sha256_of(f: Any, offset: int, n_bytes: int, progress: Callable[[int], None
 
 def load_key(path: str | os.PathLike[str]) -> Identity:
     """The publisher's Ed25519 key in the PEM file ``path``, made there (mode 0600) when missing."""
-    path = Path(path)
     try:
-        if path.exists():
-            try:
-                key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-            except (ValueError, TypeError) as exc:
-                raise ManifestError(f"{path} is not a readable private key: {exc}") from None
-            if not isinstance(key, Ed25519PrivateKey):
-                raise ManifestError(f"{path} holds a {type(key).__name__}, not an Ed25519 key")
-            return Identity(key)
-        identity = Identity.generate()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(identity.private_pem())
-    except OSError as exc:
-        raise ManifestError(f"cannot keep a key in {path}: {exc}") from None
-    return identity
+        return load_or_create_key(path)
+    except IdentityError as exc:
+        raise ManifestError(str(exc)) from None
 
 
 __all__ = [
