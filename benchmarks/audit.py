@@ -26,13 +26,11 @@ Three parts:
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -42,18 +40,9 @@ import numpy as np
 from benchmarks import _common
 from noderuntime.control.commitments import Commitment
 from noderuntime.models import synth
-from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
-from noderuntime.services.ready import GatewayReady, NodeReady, TrackerReady, expect
+from noderuntime.testing.audits import FIRST, AuditSwarm, running_audit_swarm
 
 NAME = "audit"
-SHAPE = synth.TINY_SHAPES["qwen3"]
-FIRST, SECOND = "0:2", "2:4"
-
-
-def _get(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        data: dict[str, Any] = json.loads(response.read())
-        return data
 
 
 # --- commitments
@@ -105,91 +94,10 @@ def commitment_costs(model: Path, label: str) -> dict[str, Any]:
     }
 
 
-# --- a swarm
+# --- a swarm's audits
 
 
-class Swarm:
-    """A tracker, five honest nodes (two of the first range, three of the second) and an auditing gateway."""
-
-    def __init__(self, root: Path, audit_rate: float) -> None:
-        self.root = root
-        root.mkdir(parents=True, exist_ok=True)
-        self.model = synth.write_model(root / "tiny-q8.gguf", SHAPE, quant="Q8_0", seed=5)
-        tracker = ManagedProcess("tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(root / "t")])
-        self.processes = [tracker]
-        self.tracker = expect(tracker.start(60), TrackerReady).url
-        nodes = [ManagedProcess(f"h{i}", self.node_args(f"h{i}", FIRST if i < 2 else SECOND)) for i in range(5)]
-        self.processes += nodes
-        self.honest = [expect(line, NodeReady).node_id for line in start_all(nodes)]
-        self.ledger = root / "ledger.sqlite"
-        gateway = ManagedProcess(
-            "gateway",
-            [
-                "gateway",
-                "--tracker",
-                self.tracker,
-                "--listen",
-                "127.0.0.1:0",
-                "--model",
-                f"tiny={self.model}",
-                "--ctx",
-                "256",
-                "--audit-rate",
-                str(audit_rate),
-                "--ledger",
-                str(self.ledger),
-            ],
-        )
-        self.processes.append(gateway)
-        self.gateway_process = gateway
-        self.audit_rate = audit_rate
-        self.gateway = expect(gateway.start(60), GatewayReady).url
-
-    def node_args(self, name: str, layers: str) -> list[str]:
-        return [
-            "up",
-            "--model",
-            str(self.model),
-            "--layers",
-            layers,
-            "--listen",
-            "127.0.0.1:0",
-            "--tracker",
-            self.tracker,
-            "--data-dir",
-            str(self.root / name),
-            "--slots",
-            "8",
-            "--ctx",
-            "256",
-            "--threads",
-            "1",
-        ]
-
-    def ask(self, client: httpx.Client, rng: random.Random) -> dict[str, Any]:
-        prompt = [rng.randrange(3, SHAPE.n_vocab) for _ in range(24)]
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0.8, "seed": rng.randrange(1000)}
-        response = client.post(self.gateway + "/v1/completions", json=body, timeout=60)
-        response.raise_for_status()
-        reply: dict[str, Any] = response.json()
-        return reply
-
-    def nodes(self) -> dict[str, dict[str, Any]]:
-        return {n["node_id"]: n for n in _get(self.tracker + "/v1/nodes")["nodes"]}
-
-    def set_audit_rate(self, rate: float) -> None:
-        # the gateway's rate is a start flag: restart it with the new one (nothing else changes)
-        gateway = self.gateway_process
-        gateway.stop()
-        gateway.argv[gateway.argv.index("--audit-rate") + 1] = str(rate)
-        self.audit_rate = rate
-        self.gateway = expect(gateway.restart(60), GatewayReady).url
-
-    def stop(self) -> None:
-        stop_all(self.processes)
-
-
-def detection_trial(swarm: Swarm, audit_rate: float, cheat_rate: float, trial: int, cap: int) -> dict[str, Any]:
+def detection_trial(swarm: AuditSwarm, audit_rate: float, cheat_rate: float, trial: int, cap: int) -> dict[str, Any]:
     """Start a cheater, ask until the tracker excludes it, or it served ``cap`` sessions: what it took.
 
     The tracker routes by cost, so a cheater that measured itself slow at start (a busy
@@ -197,9 +105,7 @@ def detection_trial(swarm: Swarm, audit_rate: float, cheat_rate: float, trial: i
     says how many sessions the cheater served (a node nobody routes to cheats nobody).
     """
     name = f"cheat-{audit_rate}-{cheat_rate}-{trial}"
-    cheater = ManagedProcess(name, [f"share={cheat_rate}", *swarm.node_args(name, FIRST)], module="tests.cheating_node")
-    swarm.processes.append(cheater)
-    node_id = expect(cheater.start(60), NodeReady).node_id
+    cheater, node_id = swarm.start_node(name, FIRST, before=[f"share={cheat_rate}"], module="tests.cheating_node")
     rng = random.Random(name)
     excluded_at: list[float] = []
     stop = threading.Event()
@@ -216,7 +122,7 @@ def detection_trial(swarm: Swarm, audit_rate: float, cheat_rate: float, trial: i
     first_served_end = None
     with httpx.Client() as client:
         while not excluded_at and served_by_it < cap and requests < 20 * cap:
-            reply = swarm.ask(client, rng)
+            reply = swarm.ask(rng, client=client).raise_for_status().json()
             requests += 1
             if any(hop["node_id"].startswith(node_id[:16]) for hop in reply.get("route", [])):
                 served_by_it += 1
@@ -241,7 +147,7 @@ def detection_trial(swarm: Swarm, audit_rate: float, cheat_rate: float, trial: i
     }
 
 
-def honest_soak(swarm: Swarm, sessions: int, clients: int) -> dict[str, Any]:
+def honest_soak(swarm: AuditSwarm, sessions: int, clients: int) -> dict[str, Any]:
     """``sessions`` requests from ``clients`` clients, every one audited: what the audits said of honest nodes."""
     done = [0]
     lock = threading.Lock()
@@ -254,7 +160,7 @@ def honest_soak(swarm: Swarm, sessions: int, clients: int) -> dict[str, Any]:
                     if done[0] >= sessions:
                         return
                     done[0] += 1
-                swarm.ask(http, rng)
+                swarm.ask(rng, client=http).raise_for_status()
 
     started = time.monotonic()
     threads = [threading.Thread(target=client, args=(1000 + i,)) for i in range(clients)]
@@ -263,7 +169,7 @@ def honest_soak(swarm: Swarm, sessions: int, clients: int) -> dict[str, Any]:
     for thread in threads:
         thread.join()
     while True:  # the audit queue drains
-        audits = _get(swarm.gateway + "/status")["audits"]
+        audits = swarm.audits()
         if time.monotonic() - started > 3600 or audits["chosen"] <= sum(
             audits[k] for k in ("audited", "skipped_queue_full", "skipped_no_auditors", "skipped_busy", "skipped_error")
         ):
@@ -309,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         larger.unlink()
         grid = [(1.0, 1.0), (0.5, 1.0)] if args.quick else [(1.0, 1.0), (0.5, 1.0), (1.0, 0.5), (0.5, 0.5), (0.25, 1.0)]
         trials = 1 if args.quick else 4
-        swarm = Swarm(root / "swarm", grid[0][0])
-        try:
+        with running_audit_swarm(root / "swarm", audit_rate=grid[0][0], slots=8) as swarm:
             rows = []
             for audit_rate, cheat_rate in grid:
                 if audit_rate != swarm.audit_rate:
@@ -337,8 +242,6 @@ def main(argv: list[str] | None = None) -> int:
             figures["detection"] = rows
             swarm.set_audit_rate(1.0)
             figures["honest"] = honest_soak(swarm, 60 if args.quick else 3000, 4)
-        finally:
-            swarm.stop()
     first = figures["commitments"]
     figures["goals"] = {
         "commitments_at_most_1pct_of_a_1b_decode_step": first[1]["commit_share_of_decode_step"] <= 0.01,

@@ -2,5 +2,6 @@
 
 :mod:`noderuntime.testing.clusters` starts real node and relay processes; a
 :mod:`noderuntime.testing.seams` seam is a fresh pair of frame streams over memory,
-gRPC or the relay.
+gRPC or the relay; :mod:`noderuntime.testing.audits` runs a swarm whose gateway audits,
+for cheaters to join.
 """
