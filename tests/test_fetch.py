@@ -380,11 +380,11 @@ async def test_a_tracker_serves_its_manifests_and_a_pull_finds_the_one_of_its_fi
     assert filecmp.cmp(pulled.path, multi.splits["2:4"], shallow=False)
 
 
-def test_a_node_started_on_a_url_serves_the_range_it_fetched(
-    demo: Served, serve: Callable[[Path], RangeServer], tmp_path: Path
-) -> None:
-    """``up --model URL --layers`` pulls its range (the manifest from its tracker) and registers the artifact."""
-    server = serve(demo.root)
+def _registered_node(demo: Served, tmp_path: Path, node_args: list[str]) -> dict[str, Any]:
+    """Start a tracker serving ``demo``'s manifest and ``noderuntime *node_args`` with it: what it registered.
+
+    The node is given the tracker and the manifest's publisher; both stop before this returns.
+    """
     tracker = ManagedProcess(
         "tracker",
         [
@@ -397,26 +397,7 @@ def test_a_node_started_on_a_url_serves_the_range_it_fetched(
             str(demo.manifest_path),
         ],
     )
-    node = ManagedProcess(
-        "node",
-        [
-            "up",
-            "--model",
-            server.url(demo.name),
-            "--layers",
-            "20:30",
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            str(tmp_path / "node"),
-            "--threads",
-            "1",
-            "--slots",
-            "1",
-            "--ctx",
-            "256",
-        ],
-    )
+    node = ManagedProcess("node", node_args)
     try:
         url = ready.expect(tracker.start(), ready.TrackerReady).url
         node.argv += ["--tracker", url, "--publisher-key", demo.manifest.publisher]
@@ -426,6 +407,23 @@ def test_a_node_started_on_a_url_serves_the_range_it_fetched(
     finally:
         node.stop()
         tracker.stop()
+    registration: dict[str, Any] = registered
+    return registration
+
+
+def test_a_node_started_on_a_url_serves_the_range_it_fetched(
+    demo: Served, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    """``up --model URL --layers`` pulls its range (the manifest from its tracker) and registers the artifact."""
+    server = serve(demo.root)
+    registered = _registered_node(
+        demo,
+        tmp_path,
+        [
+            *("up", "--model", server.url(demo.name), "--layers", "20:30", "--listen", "127.0.0.1:0"),
+            *("--data-dir", str(tmp_path / "node"), "--threads", "1", "--slots", "1", "--ctx", "256"),
+        ],
+    )
     assert registered["artifact"] == demo.manifest.artifact and registered["layers"] == [20, 30]
     (shard,) = (tmp_path / "node" / "shards").glob("*.gguf")
     assert filecmp.cmp(shard, demo.splits["20:30"], shallow=False)
@@ -449,34 +447,14 @@ def test_a_node_on_a_url_without_layers_is_placed_by_its_tracker_and_fetches_tha
     held = joining.holdable(demo.whole, recipe, memplan.Budget(host=limit))
     assert held == 8
     server = serve(demo.root)
-    tracker = ManagedProcess(
-        "tracker",
-        [
-            "tracker",
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            str(tmp_path / "t"),
-            "--manifest",
-            str(demo.manifest_path),
-        ],
-    )
-    node = ManagedProcess(
-        "node",
+    registered = _registered_node(
+        demo,
+        tmp_path,
         [
             *("up", "--model", server.url(demo.name), "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "node")),
             *("--threads", "1", "--slots", "1", "--ctx", "256", "--memory-limit", str(limit)),
         ],
     )
-    try:
-        url = ready.expect(tracker.start(), ready.TrackerReady).url
-        node.argv += ["--tracker", url, "--publisher-key", demo.manifest.publisher]
-        node_id = ready.expect(node.start(), ready.NodeReady).node_id
-        with urllib.request.urlopen(f"{url}/v1/nodes", timeout=10) as answer:
-            (registered,) = (n for n in json.load(answer)["nodes"] if n["node_id"] == node_id)
-    finally:
-        node.stop()
-        tracker.stop()
     # the first node of a swarm starts the chain at layer 0
     assert registered["artifact"] == demo.manifest.artifact and registered["layers"] == [0, held]
     (shard,) = (tmp_path / "node" / "shards").glob("*.gguf")
