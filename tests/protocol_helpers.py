@@ -8,7 +8,9 @@ from typing import Any
 import numpy as np
 
 from protocol import (
+    SCHEMA_MAJOR,
     Activations,
+    Direction,
     Encoding,
     Header,
     Hop,
@@ -16,7 +18,9 @@ from protocol import (
     NamedTensor,
     OpenRoute,
     Phase,
+    RemoteProtocolError,
     Sampling,
+    SeamEndpoint,
     Span,
     Tokens,
 )
@@ -66,6 +70,20 @@ def open_route(ident: Identity | None = None) -> OpenRoute:
 
 def tokens(step: int = 1, ident: Identity | None = None) -> Tokens:
     return Tokens(header(step, Phase.DECODE, Span(10, 11), ident=ident), (42,), False, "")
+
+
+def older_peers_refusal(sampling: Sampling, minor: int) -> RemoteProtocolError | None:
+    """What a head says of the first Tokens of a tail speaking schema ``SCHEMA_MAJOR.minor``, in a session
+    opened with ``sampling``: its refusal, or None where it takes them."""
+    upstream = SeamEndpoint(identity(Span(0, 15)), Direction.DOWNSTREAM, peer_shard=Span(15, 30))
+    upstream.send(OpenRoute(upstream.header(Phase.PREFILL), (), sampling, (1, 2), 4, (), 0, b""))
+    reply = Tokens(Header(identity(Span(15, 30)), Phase.DECODE, 0, Span(), 0, SCHEMA_MAJOR, minor), (7,))
+    try:
+        taken = upstream.receive(reply)
+    except RemoteProtocolError as refusal:
+        return refusal
+    assert taken is reply
+    return None
 
 
 def reference_header(h: Header, crc: int) -> Any:

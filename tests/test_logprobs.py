@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import attrs
 import httpx
 import numpy as np
 import pytest
@@ -18,21 +17,8 @@ from openai import OpenAI
 
 from noderuntime.engine.base import LOGPROB_FLOOR, token_logprob
 from noderuntime.services import localsystem
-from protocol import (
-    SCHEMA_MAJOR,
-    Direction,
-    Header,
-    Identity,
-    OpenRoute,
-    Phase,
-    RemoteProtocolError,
-    Sampling,
-    SeamEndpoint,
-    Span,
-    StatusCode,
-    TokenLogprob,
-    Tokens,
-)
+from protocol import Sampling, StatusCode, TokenLogprob
+from tests.protocol_helpers import older_peers_refusal
 
 pytestmark = pytest.mark.slow
 
@@ -155,22 +141,16 @@ def test_bad_logprob_requests_are_400(
 
 
 def test_a_peer_that_predates_logprobs_is_refused_for_a_logprobs_session() -> None:
-    identity = Identity("r", b"s" * 16, 0, b"a" * 32, b"c" * 8, Span(0, 15))
     for sampling, refused in (
         (Sampling(logprobs=True), True),
         (Sampling(prompt_logprobs=True), True),
         (Sampling(), False),
     ):
-        upstream = SeamEndpoint(identity, Direction.DOWNSTREAM, peer_shard=Span(15, 30))
-        upstream.send(OpenRoute(upstream.header(Phase.PREFILL), (), sampling, (1, 2), 4, (), 0, b""))
-        old = Header(attrs.evolve(identity, shard=Span(15, 30)), Phase.DECODE, 0, Span(), 0, SCHEMA_MAJOR, 1)
-        reply = Tokens(old, (7,))
+        refusal = older_peers_refusal(sampling, minor=1)
         if refused:
-            with pytest.raises(RemoteProtocolError) as raised:
-                upstream.receive(reply)
-            assert raised.value.code is StatusCode.UNIMPLEMENTED and "1.2" in raised.value.message
+            assert refusal is not None and refusal.code is StatusCode.UNIMPLEMENTED and "1.2" in refusal.message
         else:
-            assert upstream.receive(reply) is reply
+            assert refusal is None
 
 
 def test_token_logprob_is_the_log_softmax_of_the_logits() -> None:

@@ -18,20 +18,8 @@ import pytest
 from openai import OpenAI
 
 from noderuntime.services import localsystem
-from protocol import (
-    SCHEMA_MAJOR,
-    Direction,
-    Header,
-    Identity,
-    OpenRoute,
-    Phase,
-    RemoteProtocolError,
-    Sampling,
-    SeamEndpoint,
-    Span,
-    StatusCode,
-    Tokens,
-)
+from protocol import Sampling, StatusCode
+from tests.protocol_helpers import older_peers_refusal
 
 pytestmark = pytest.mark.slow
 
@@ -234,26 +222,17 @@ def test_a_string_in_a_schema_admits_no_raw_control_character(client: OpenAI, sy
 # --- the seam: a peer below schema 1.1 would ignore a grammar, so it is refused
 
 
-def _identity(shard: Span) -> Identity:
-    return Identity("r", b"s" * 16, 0, b"a" * 32, b"c" * 8, shard)
-
-
 def test_a_peer_that_predates_grammars_is_refused_for_a_grammar_session() -> None:
     for sampling, refused in (
         (Sampling(grammar='root ::= "a"'), True),
         (Sampling(logit_bias=((7, -100.0),)), True),
         (Sampling(), False),
     ):
-        upstream = SeamEndpoint(_identity(Span(0, 15)), Direction.DOWNSTREAM, peer_shard=Span(15, 30))
-        upstream.send(OpenRoute(upstream.header(Phase.PREFILL), (), sampling, (1, 2), 4, (), 0, b""))
-        old = Header(_identity(Span(15, 30)), Phase.DECODE, 0, Span(), 0, SCHEMA_MAJOR, 0)
-        reply = Tokens(old, (7,))
+        refusal = older_peers_refusal(sampling, minor=0)
         if refused:
-            with pytest.raises(RemoteProtocolError) as raised:
-                upstream.receive(reply)
-            assert raised.value.code is StatusCode.UNIMPLEMENTED and "1.1" in raised.value.message
+            assert refusal is not None and refusal.code is StatusCode.UNIMPLEMENTED and "1.1" in refusal.message
         else:
-            assert upstream.receive(reply) is reply
+            assert refusal is None
 
 
 def test_a_grammar_session_cancelled_mid_reply_frees_its_grammar(system: localsystem.LocalSystem) -> None:
