@@ -3,8 +3,10 @@ tiny random-weight models written with the ``gguf`` package."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,9 @@ from noderuntime.engine import backends
 from noderuntime.engine.backends import BackendRuntime
 from noderuntime.models import catalogue as models
 from noderuntime.models import synth
-from noderuntime.services import localsystem
+from noderuntime.services import cluster, localsystem
+from noderuntime.services.cluster import ManagedProcess, ProcessError
+from noderuntime.services.ready import GatewayReady, SystemReady
 
 TINY_SHAPE = synth.ModelShape(n_layer=4, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_vocab=320, context_length=1024)
 TINY_SHAPES = synth.TINY_SHAPES
@@ -137,19 +141,117 @@ def smol_system(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     yield from local_system(tmp_path_factory.mktemp("smol-system"), slots=16, ctx=1024)
 
 
-@pytest.fixture(autouse=True)
-def _no_session_defects(request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    """Fail a test whose in-process node ended a session on a defect of ours, unless it expects one.
+class _Watch:
+    """Every process the tests launch through :class:`ManagedProcess`: the defects each printed, and the
+    route repairs each gateway counted (read from its ``/status`` while it runs, and before it is stopped).
 
-    A node serves on after a defect (the session is failed, typed, to its peers), so a test
-    that only looks at what its client got would pass over one.
+    A node serves on after a defect: it fails the session, typed, and the gateway repairs the
+    route on other nodes, so a test that only reads replies passes over both.
     """
+
+    def __init__(self) -> None:
+        self.processes: dict[int, ManagedProcess] = {}  # by id(), launched and not yet seen to have exited
+        self._stopped_repairs: dict[int, int] = {}  # by id(): what each stopped gateway had counted
+        self.seen: dict[int, int] = {}  # by id(): the defects of each already reported or forgiven
+
+    def launched(self, process: ManagedProcess) -> None:
+        self.processes[id(process)] = process
+
+    def stopping(self, process: ManagedProcess) -> None:
+        counted = _gateway_repairs(process)
+        if counted is not None:
+            self._stopped_repairs[id(process)] = self._stopped_repairs.get(id(process), 0) + counted
+
+    def repairs(self) -> dict[int, tuple[str, int]]:
+        """Every watched gateway's name and repairs so far (over each time it ran), by id()."""
+        counts = {}
+        for key, process in self.processes.items():
+            counted = _gateway_repairs(process) if process.alive() else None
+            if counted is not None or key in self._stopped_repairs:
+                counts[key] = (process.name, self._stopped_repairs.get(key, 0) + (counted or 0))
+        return counts
+
+    def new_defects(self) -> list[tuple[str, list[str]]]:
+        """The defects printed since the last call: (process name, its lines); forgets processes that exited."""
+        found = []
+        for key, process in list(self.processes.items()):
+            defects = process.defects
+            found += [(process.name, lines) for lines in defects[self.seen.get(key, 0) :]]
+            self.seen[key] = len(defects)
+            if process.proc is not None and process.proc.poll() is not None:
+                del self.processes[key]  # launched again, it is watched again
+                self.seen.pop(key, None)
+                self._stopped_repairs.pop(key, None)
+        return found
+
+
+def _gateway_repairs(process: ManagedProcess) -> int | None:
+    """The route repairs a running gateway (or local system) counted, by its ``/status``; None for any other."""
+    try:
+        info = process.info
+    except ProcessError:
+        return None
+    if not isinstance(info, GatewayReady | SystemReady) or not process.alive():
+        return None
+    try:
+        with urllib.request.urlopen(info.url + "/status", timeout=10) as response:
+            return int(json.loads(response.read())["counters"]["repairs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # not answering (hung on purpose, or stopping): nothing to read
+
+
+_WATCH = _Watch()
+cluster.on_launch.append(_WATCH.launched)
+cluster.on_stop.append(_WATCH.stopping)
+
+
+def _report(defects: list[tuple[str, list[str]]], when: str) -> str:
+    name, lines = defects[0]
+    more = f" (and {len(defects) - 1} more)" if len(defects) > 1 else ""
+    return f"{name} logged a defect {when}{more}:\n" + "\n".join(lines)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_defects_after_the_last_test() -> Iterator[None]:
+    """The processes of the last module's fixtures print their last lines as they stop: read them too."""
     yield
-    if request.node.get_closest_marker("defects_expected") is not None:
-        return
-    defects = [r.getMessage() for r in caplog.get_records("call") if "failed on a defect" in r.getMessage()]
+    defects = _WATCH.new_defects()
     if defects:
-        pytest.fail(f"a node met a defect: {defects[0]} (mark the test defects_expected if that is the point)")
+        pytest.fail(_report(defects, "after the last test, as the processes stopped"))
+
+
+@pytest.fixture(autouse=True)
+def _no_defects(request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Fail a test whose nodes, in its process or in processes it started, met a defect of ours, or whose
+    gateways repaired a route, unless it expects that (``defects_expected``, ``repairs_expected``).
+
+    Defects printed between tests (a module's processes starting or stopping) fail the next test.
+    """
+    between = _WATCH.new_defects()
+    if between:
+        pytest.fail(_report(between, "before this test began (a fixture's processes starting or stopping)"))
+    repairs_before = _WATCH.repairs()
+    yield
+    repairs_after = _WATCH.repairs()  # before new_defects() forgets the gateways that stopped
+    defects = _WATCH.new_defects()
+    if request.node.get_closest_marker("defects_expected") is None:
+        # a node in this process logs the same line when it fails a session on a defect
+        here = [r.getMessage() for r in caplog.get_records("call") if "failed on a defect" in r.getMessage()]
+        if here:
+            pytest.fail(f"a node met a defect: {here[0]} (mark the test defects_expected if that is the point)")
+        if defects:
+            pytest.fail(_report(defects, "during the test") + "\n(mark the test defects_expected if that is the point)")
+    if request.node.get_closest_marker("repairs_expected") is None:
+        repaired = {
+            name: count - repairs_before.get(key, (name, 0))[1]
+            for key, (name, count) in repairs_after.items()
+            if count > repairs_before.get(key, (name, 0))[1]
+        }
+        if repaired:
+            pytest.fail(
+                f"gateways repaired routes during the test: {repaired}; a node failed sessions it was serving "
+                "(mark the test repairs_expected if it stops, hangs or kills nodes mid-reply on purpose)"
+            )
 
 
 # Test tiers, from the cheapest: each module is in one (a module that mixes takes its

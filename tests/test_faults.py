@@ -306,6 +306,7 @@ def _reference(rig: Rig, max_tokens: int = 600) -> str:
     return stream.text
 
 
+@pytest.mark.repairs_expected
 def test_a_killed_shard_mid_decode_is_repaired(rig: Rig) -> None:
     _four_nodes(rig)
     reference = _reference(rig)
@@ -331,6 +332,7 @@ def test_a_killed_shard_mid_decode_is_repaired(rig: Rig) -> None:
     _note("shard_sigkill_mid_decode", served_after=f"{served.count(200)}/{len(served)} via the spare route")
 
 
+@pytest.mark.repairs_expected
 def test_a_hung_shard_is_repaired(rig: Rig) -> None:
     _four_nodes(rig)
     reference = _reference(rig)
@@ -361,6 +363,7 @@ def test_a_hung_shard_is_repaired(rig: Rig) -> None:
     assert rig.ask().status_code == 200
 
 
+@pytest.mark.repairs_expected
 def test_a_link_that_stalls_then_trickles(rig: Rig) -> None:
     proxy = LinkProxy(rate=300)
     proxy.start()
@@ -449,6 +452,7 @@ def test_a_link_that_stalls_then_trickles(rig: Rig) -> None:
         proxy.close()
 
 
+@pytest.mark.repairs_expected
 def test_the_relay_killed_and_restarted(rig: Rig) -> None:
     rig.tracker()
     port = _free_port()

@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import tomllib
 import urllib.request
 from pathlib import Path
@@ -31,6 +32,7 @@ from noderuntime.models.catalogue import make_once
 from noderuntime.seams.client import GenerationRequest
 from noderuntime.seams.dialer import open_dialer
 from noderuntime.services import ready
+from noderuntime.services.cluster import defects_in
 from noderuntime.services.ready import RelayReady, TrackerReady, expect
 from noderuntime.testing.clusters import running_cluster
 
@@ -94,22 +96,39 @@ def _settings(example: Path, **overrides: str) -> dict[str, str]:
     return {key: value for key, _, value in lines} | overrides
 
 
-def _start(venv: Path, args: list[str], cwd: Path) -> tuple[subprocess.Popen[str], ready.Ready]:
-    if args[0].startswith("/"):  # a unit's command: its installed path, here the light venv's
-        args = args[1:]
-    process = subprocess.Popen(
-        [str(venv / "bin" / "noderuntime"), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_env(),
-        cwd=cwd,
-    )
-    assert process.stdout is not None
-    for line in process.stdout:
-        if line.startswith(ready.PREFIX):
-            return process, ready.parse(line)
-    raise AssertionError(f"{args[0]} exited {process.wait()} without a ready line")
+class _Unit:
+    """A process of the light install started as its unit starts it; what it prints is kept, for its defects."""
+
+    def __init__(self, venv: Path, args: list[str], cwd: Path) -> None:
+        if args[0].startswith("/"):  # a unit's command: its installed path, here the light venv's
+            args = args[1:]
+        self.process = subprocess.Popen(
+            [str(venv / "bin" / "noderuntime"), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(),
+            cwd=cwd,
+        )
+        assert self.process.stdout is not None
+        self.printed: list[str] = []
+        for line in self.process.stdout:
+            self.printed.append(line)
+            if line.startswith(ready.PREFIX):
+                self.ready = ready.parse(line)
+                break
+        else:
+            raise AssertionError(f"{args[0]} exited {self.process.wait()} without a ready line")
+        # the rest as it comes: a pipe nobody reads would stall the process once full
+        self._reader = threading.Thread(target=self.printed.extend, args=(self.process.stdout,), daemon=True)
+        self._reader.start()
+
+    def stop(self) -> list[list[str]]:
+        """Stop it as systemd does (SIGTERM): a clean exit; the defects it printed (see ``cluster.DEFECT_MARKS``)."""
+        self.process.terminate()
+        assert self.process.wait(timeout=15) == 0, "".join(self.printed[-40:])
+        self._reader.join(5)
+        return defects_in(self.printed)
 
 
 def test_a_light_install_runs_a_relay_and_a_tracker_that_full_nodes_use(smollm2: Path, tmp_path: Path) -> None:
@@ -138,22 +157,18 @@ def test_a_light_install_runs_a_relay_and_a_tracker_that_full_nodes_use(smollm2:
         RELAY_STATUS="127.0.0.1:0",
         CREDENTIALS_DIRECTORY=str(credentials.parent),
     )
-    relay_process, relay_ready = _start(
-        venv, _unit_command(deploy / "noderuntime-relay.service", relay_settings), tmp_path
-    )
+    relay = _Unit(venv, _unit_command(deploy / "noderuntime-relay.service", relay_settings), tmp_path)
     tracker_settings = _settings(
         deploy / "tracker.env.example", TRACKER_LISTEN="127.0.0.1:0", STATE_DIRECTORY=str(tmp_path / "tracker")
     )
-    tracker_process, tracker_ready = _start(
-        venv, _unit_command(deploy / "noderuntime-tracker.service", tracker_settings), tmp_path
-    )
+    tracker = _Unit(venv, _unit_command(deploy / "noderuntime-tracker.service", tracker_settings), tmp_path)
     try:
         # the swarm map's files are package data: the installed package serves them
-        tracker_url = expect(tracker_ready, TrackerReady).url
+        tracker_url = expect(tracker.ready, TrackerReady).url
         for path, kind in (("/", "text/html"), ("/web/swarm.js", "text/javascript"), ("/web/pages.css", "text/css")):
             with urllib.request.urlopen(tracker_url + path, timeout=10) as response:
                 assert response.headers["content-type"].startswith(kind), path
-        url = expect(relay_ready, RelayReady).url
+        url = expect(relay.ready, RelayReady).url
         assert url.startswith("wss://")  # the unit serves TLS
         with running_cluster(
             smollm2,
@@ -171,9 +186,8 @@ def test_a_light_install_runs_a_relay_and_a_tracker_that_full_nodes_use(smollm2:
 
             assert len(trio.run(generate)) == 8
     finally:
-        for process in (relay_process, tracker_process):
-            process.terminate()
-            assert process.wait(timeout=15) == 0
+        defects = {unit.process.args[1]: unit.stop() for unit in (relay, tracker)}
+    assert defects == {"relay": [], "tracker": []}, defects
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed here")

@@ -208,6 +208,7 @@ def _same(reply: Reply, reference: Reply) -> None:
     assert len(reply.repairs) == 1 and reply.repairs[0]["bit_exact"], reply.repairs
 
 
+@pytest.mark.repairs_expected
 @pytest.mark.parametrize(
     ("case", "ranges"),
     [("greedy", "2"), ("seeded", "1"), ("grammar", "0"), ("logprobs", "2"), ("two_choices", "1")],
@@ -223,6 +224,7 @@ def test_a_killed_node_mid_reply_is_repaired_and_the_reply_is_unchanged(
         _same(reply, references[case])
 
 
+@pytest.mark.repairs_expected
 def test_a_hung_node_is_noticed_by_its_silence_and_repaired(
     system: localsystem.LocalSystem, references: dict[str, Reply]
 ) -> None:
@@ -231,6 +233,7 @@ def test_a_hung_node_is_noticed_by_its_silence_and_repaired(
     assert "not a heartbeat" in reply.repairs[0]["failed"]
 
 
+@pytest.mark.repairs_expected
 def test_a_node_that_leaves_politely_hands_its_sessions_over(
     system: localsystem.LocalSystem, references: dict[str, Reply]
 ) -> None:
@@ -252,6 +255,7 @@ def test_a_node_killed_during_prefill_costs_the_reply_nothing(
     assert reply.text == references["long_prompt"].text
 
 
+@pytest.mark.repairs_expected
 def test_with_no_spare_left_the_reply_ends_in_a_typed_error_and_nothing_leaks(
     system: localsystem.LocalSystem,
 ) -> None:

@@ -2,8 +2,10 @@
 
 Used by the multi-process tests, the benchmarks and ``noderuntime up`` with no
 arguments. Each process prints its ready line on stdout when it serves
-(:mod:`noderuntime.services.ready`); :class:`ManagedProcess` waits for it and keeps the
-rest of the output (for error messages) in a bounded buffer.
+(:mod:`noderuntime.services.ready`); :class:`ManagedProcess` waits for it, keeps the
+rest of the output (for error messages) in a bounded buffer, and keeps apart every defect
+the process printed (:data:`DEFECT_MARKS`), which a node serving on after one would
+otherwise hide from whoever only reads its answers.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,6 +33,50 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: noderuntime/services
 
 class ProcessError(RuntimeError):
     """A process did not become ready, or exited."""
+
+
+# What a process prints on a defect of ours: a node's line for a session it failed on one
+# (node/core.py; the node serves on), and the traceback of any exception nobody handled
+DEFECT_MARKS = ("failed on a defect", "Traceback (most recent call last):")
+_TRACEBACK_GOES_ON = ("Traceback", "During handling", "The above exception")
+_DEFECT_LINES = 60  # of one defect's traceback, kept
+
+
+class Defects:
+    """Reads a process's output line by line and keeps each defect it printed, with its traceback."""
+
+    def __init__(self) -> None:
+        self.found: list[list[str]] = []  # each defect's lines, the one that marked it first
+        self._open: list[str] | None = None  # the defect whose traceback is being read
+
+    def feed(self, line: str) -> None:
+        """The next line of output."""
+        block = self._open
+        if block is not None:
+            goes_on = not line or line[:1].isspace() or line.startswith(_TRACEBACK_GOES_ON)
+            raised = len(block) > 1 and block[-1][:1].isspace()  # the exception itself, after its frames
+            if goes_on or raised:
+                if len(block) < _DEFECT_LINES:
+                    block.append(line)
+                return
+            self._open = None
+        if any(mark in line for mark in DEFECT_MARKS):
+            self._open = [line]
+            self.found.append(self._open)
+
+
+def defects_in(lines: Iterable[str]) -> list[list[str]]:
+    """The defects in a process's output (see :data:`DEFECT_MARKS`), each with its traceback."""
+    reader = Defects()
+    for line in lines:
+        reader.feed(line.rstrip("\n"))
+    return reader.found
+
+
+# A harness that watches every managed process (the tests' check for defects and repairs)
+# hears of each when it is launched, and of each about to be stopped while it still runs
+on_launch: list[Callable[[ManagedProcess], None]] = []
+on_stop: list[Callable[[ManagedProcess], None]] = []
 
 
 class ManagedProcess:
@@ -60,7 +106,9 @@ class ManagedProcess:
         self._info: Ready | None = None
         self._malformed = ""  # why a ready line could not be read
         self.output: collections.deque[str] = collections.deque(maxlen=400)
+        self._defects = Defects()
         self._ready = threading.Event()
+        self._reader: threading.Thread | None = None
 
     def start(self, timeout: float = 60.0) -> Ready:
         """Start and wait for the ready line; returns it."""
@@ -90,7 +138,10 @@ class ManagedProcess:
                 preexec_fn=self._before_exec,
             )
         ).result()
-        threading.Thread(target=self._read, name=f"{self.name}-output", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name=f"{self.name}-output", daemon=True)
+        self._reader.start()
+        for hook in on_launch:
+            hook(self)
 
     def _before_exec(self) -> None:
         _die_with_parent()
@@ -116,10 +167,16 @@ class ManagedProcess:
             raise ProcessError(f"{self.name} has not said it is ready{self._malformed}")
         return self._info
 
+    @property
+    def defects(self) -> list[list[str]]:
+        """Each defect the process printed so far (every run of it), with its traceback's lines."""
+        return self._defects.found
+
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
             self.output.append(line.rstrip("\n"))
+            self._defects.feed(line.rstrip("\n"))
             if not self._ready.is_set() and line.startswith(ready.PREFIX):
                 try:
                     self._info = ready.parse(line)
@@ -154,11 +211,15 @@ class ManagedProcess:
         if self.proc.poll() is None:
             with _suppress():
                 os.kill(self.proc.pid, signal.SIGCONT)  # a stopped process cannot drain
+            for hook in on_stop:
+                hook(self)
+            with _suppress():
                 os.kill(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self._read_to_the_end()
         return self.proc.returncode
 
     def kill(self) -> None:
@@ -167,6 +228,12 @@ class ManagedProcess:
             with _suppress():
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+        self._read_to_the_end()
+
+    def _read_to_the_end(self) -> None:
+        # an exited process's last lines (a defect met while draining) are read before stop returns
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(5.0)
 
 
 # Every child is forked from this one long-lived thread. The kernel sends a child its
