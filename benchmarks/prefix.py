@@ -320,10 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             "slots": slots,
             "ctx_per_session": ctx,
             "client": f"openai {_openai_version()}, streaming, temperature 0",
-            "llama_server": f"llama-server from the patched sources, --parallel {slots}, --threads 2, "
-            f"cache_prompt on (its default) ({server})",
-            "one_node": "tracker, gateway, one node with the whole model, 2 threads, --prefix-cache 256 MiB (default)",
-            "local_system": "tracker, relay, 2 shard processes (0:15 direct, 15:30 via relay), 1 thread each, gateway",
+            **{lane: how for lane, how in serving.lane_settings(server, slots).items() if lane in LANES},
         },
     )
     png = _common.plot(

@@ -233,6 +233,18 @@ def _start_lane(
     return system.gateway_url, system.model_id, {f"{p.name}": p.pid for p in system.processes}
 
 
+def lane_settings(server: Path, slots: int) -> dict[str, str]:
+    """How :func:`_start_lane` runs each lane, in words, for a result's settings (``server``: llama-server's binary)."""
+    return {
+        "llama_server": f"llama-server from the patched sources, --parallel {slots}, --threads 2, "
+        f"cache_prompt on (its default) ({server})",
+        "llama_cpp_python": "python -m llama_cpp.server, whole model, n_threads 2, n_ctx 1024",
+        "one_node": "tracker, gateway, one node with the whole model, 2 threads, --prefix-cache 256 MiB (the default)",
+        "local_system": "tracker, relay, 2 shard processes (0:15 direct, 15:30 via relay), 1 thread each, gateway",
+        "grpc_route": "tracker, 2 shard processes over gRPC, 1 thread each, gateway",
+    }
+
+
 LLAMA_SERVER_PORT = 18124
 LLAMA_CPP_PYTHON_PORT = 18123
 
@@ -334,12 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": max_tokens,
             "slots": slots,
             "ctx_per_session": ctx,
-            "llama_server": f"llama-server from the patched sources, --parallel {slots}, --threads 2, "
-            f"cache_prompt on (its default) ({server})",
-            "llama_cpp_python": "python -m llama_cpp.server, whole model, n_threads 2, n_ctx 1024",
-            "one_node": "tracker, gateway, one node with the whole model, 2 threads, prefix cache on (the default)",
-            "local_system": "tracker, relay, 2 shard processes (0:15 direct, 15:30 via relay), 1 thread each, gateway",
-            "grpc_route": "tracker, 2 shard processes over gRPC, 1 thread each, gateway",
+            **lane_settings(server, slots),
             "llama_cpp_python_version": _version(),
         },
     )
