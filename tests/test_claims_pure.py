@@ -20,14 +20,16 @@ from noderuntime.control import admission
 from noderuntime.control.admission import AdmissionError, Capability, ProbeReferences
 from noderuntime.control.ledger import USAGE_DOMAIN, Ledger, check
 from noderuntime.engine.base import token_logprob
-from noderuntime.gateway.errors import ApiError
-from noderuntime.gateway.routing import route_error, to_exclude
+from noderuntime.gateway.errors import ApiError, run_error
 from noderuntime.gateway.shaping import check_logprobs
 from noderuntime.gateway.textstream import TextStream
+from noderuntime.runner.policy import route_error, to_exclude
 from noderuntime.seams.client import GenerationRequest, RouteError
 from noderuntime.tracker.app import PROBE_ANSWER_SECONDS, Tracker
 from noderuntime.tracker.client import RouteGrant
-from noderuntime.tracker.state import NodeRecord, NoRoute, TrackerState
+from noderuntime.tracker.records import NodeRecord
+from noderuntime.tracker.registry import TrackerState
+from noderuntime.tracker.routechoice import NoRoute
 from protocol import Header, Hop, Identity, Phase, Sampling, Span, StatusCode, TokenLogprob, Tokens, UsageRecord
 
 # --- access
@@ -349,7 +351,7 @@ def test_the_next_attempt_avoids_whom_the_failure_points_at() -> None:
     # nobody named (the head unreachable, or a stranger's id): the head
     assert to_exclude(grant, RouteError("cannot reach the head", StatusCode.UNAVAILABLE)) == [a]
     assert to_exclude(grant, RouteError("?", StatusCode.UNAVAILABLE, b"z" * 32)) == [a]
-    assert route_error(RouteError("full", StatusCode.RESOURCE_EXHAUSTED)).status == 429
+    assert run_error(route_error(RouteError("full", StatusCode.RESOURCE_EXHAUSTED))).status == 429
 
 
 def test_text_is_released_only_as_whole_characters() -> None:

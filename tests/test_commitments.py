@@ -2,7 +2,7 @@
 
 What ``control/commitments.py`` promises (a digest that does not depend on how rows were
 cut into steps; a sender commits to what its peer decodes), what the gateway checks of a
-route's chain (``gateway/audits.py``: ``commitment_problems``), and how the tracker judges
+route's chain (``runner/audits.py``: ``commitment_problems``), and how the tracker judges
 an audit's evidence (``tracker/audits.py``): signed records only, from the nodes the route
 and the grants put there, a node excluded only when two auditors agree against it.
 """
@@ -15,7 +15,7 @@ import pytest
 from noderuntime.access.identity import Identity
 from noderuntime.control.commitments import Commitment, as_received, tokens_digest
 from noderuntime.control.ledger import USAGE_DOMAIN, UsageBody, check
-from noderuntime.gateway.audits import Served, commitment_problems
+from noderuntime.runner.audits import Served, commitment_problems
 from noderuntime.seams.client import GenerationRequest
 from noderuntime.tracker.audits import AuditBook, AuditError, Grant, detection_probability
 from noderuntime.tracker.client import RouteGrant

@@ -16,7 +16,7 @@ from openai import OpenAI
 
 from noderuntime.engine.base import Rows
 from noderuntime.engine.llama import Recipe, ShardEngine, Vocab
-from noderuntime.gateway.app import DEFAULT_MAX_TOKENS
+from noderuntime.gateway.requests import DEFAULT_MAX_TOKENS
 from noderuntime.services import localsystem
 
 pytestmark = pytest.mark.slow

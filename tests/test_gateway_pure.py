@@ -21,16 +21,16 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 
 from noderuntime.engine.llama import GrammarError, Vocab, check_grammar, integer_range_gbnf, json_schema_grammar
-from noderuntime.gateway import app as gateway_app
-from noderuntime.gateway import routing
 from noderuntime.gateway.app import Gateway
 from noderuntime.gateway.auth import ApiKeys
-from noderuntime.gateway.errors import ApiError
-from noderuntime.gateway.routing import route_error
+from noderuntime.gateway.errors import ApiError, run_error
 from noderuntime.gateway.schema import ChatCompletionRequest, CompletionRequest
 from noderuntime.gateway.served import ServedModel
 from noderuntime.gateway.textstream import TextStream
 from noderuntime.models.chat import ChatTemplate
+from noderuntime.runner import policy as routing
+from noderuntime.runner import runner as route_runner
+from noderuntime.runner.policy import route_error
 from noderuntime.seams.client import RouteError
 from noderuntime.seams.connection import SeamConnection
 from noderuntime.transport import FrameStream, memory_stream_pair
@@ -332,8 +332,8 @@ async def test_request_metrics_name_the_route_not_the_path_asked_for(gateway: ht
 def test_what_a_route_reports_is_never_the_clients_fault() -> None:
     """The gateway checked the request itself: a route that calls it invalid is wrong or hostile."""
     for code in (StatusCode.INVALID_ARGUMENT, StatusCode.OUT_OF_RANGE, StatusCode.INTERNAL):
-        assert route_error(RouteError("no", code)).status == 503
-    assert route_error(RouteError("no", StatusCode.DEADLINE_EXCEEDED)).status == 504
+        assert run_error(route_error(RouteError("no", code))).status == 503
+    assert run_error(route_error(RouteError("no", StatusCode.DEADLINE_EXCEEDED))).status == 504
 
 
 async def test_one_model_can_be_asked_for_by_id(gateway: httpx.AsyncClient) -> None:
@@ -501,7 +501,7 @@ async def test_a_route_that_goes_silent_ends_in_a_504_soon_after_the_deadline(
     """A head that takes the seam and then says nothing: the gateway's own clock ends the request."""
     # the grace the gateway leaves the route's own word on its deadline: 5 s, shortened here
     monkeypatch.setattr(routing, "DEADLINE_GRACE_SECONDS", 0.5)
-    monkeypatch.setattr(gateway_app, "DEADLINE_GRACE_SECONDS", 0.5)
+    monkeypatch.setattr(route_runner, "DEADLINE_GRACE_SECONDS", 0.5)
     held = []
 
     async def silent_head(stream: FrameStream, layers: Span) -> None:

@@ -1,4 +1,4 @@
-"""The gateway's line of requests waiting for a slot (gateway/line.py): bounds, turns, back-off."""
+"""The gateway's line of requests waiting for a slot (runner/line.py): bounds, turns, back-off."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import trio
 import trio.testing
 
-from noderuntime.gateway.line import FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, LineFull, Waiter, WaitLine
+from noderuntime.runner.line import FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, LineFull, Waiter, WaitLine
 
 
 def test_the_line_is_bounded_in_all_and_per_key_and_refuses_at_once() -> None:

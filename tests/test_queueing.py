@@ -1,4 +1,4 @@
-"""Above capacity, requests wait in line (gateway/line.py) on a real system of one node with 2 slots.
+"""Above capacity, requests wait in line (runner/line.py) on a real system of one node with 2 slots.
 
 Three times the slots in concurrent streams all complete; a request beyond the line's
 bound, or one whose wait outlasts ``--queue-timeout``, gets a 429 with ``Retry-After``;

@@ -6,7 +6,7 @@ tokens it drew; any other hop: the rows it sent), from the session's first compu
 position on. Both go into its signed usage record. Rows arrive and leave in position
 order, each step continuing the last, so a digest over the rows' bytes in order is the
 same however the rows were cut into steps: one prefill of the whole session gives it too.
-That is what makes an audit a single teacher-forced recomputation (``gateway/audits.py``),
+That is what makes an audit a single teacher-forced recomputation (``runner/audits.py``),
 and why it can compare exactly: for one recipe and kernel class a row's bits do not
 depend on what else was batched (Gate C) or on how the prompt was chunked.
 

@@ -1,17 +1,13 @@
 """The OpenAI-compatible gateway: HTTP/SSE in front of the routes the tracker picks.
 
-For each request: render the model's chat template, tokenize, ask the tracker for a
-route and a ticket, open the route session on its head (direct or through its relay),
-turn the tokens that come back into text (holding back possible stop strings), and
-answer in OpenAI's format. A route that refuses the session or fails before its first
-token is left for another one. A client that disconnects mid-stream cancels the
-session on every shard.
+For each request: render the model's chat template, tokenize, run the tokens on a route
+(:mod:`noderuntime.runner`: the grant, the wait line, retries and repairs), turn the tokens
+that come back into text (holding back possible stop strings), and answer in OpenAI's
+format. A client that disconnects mid-stream cancels the session on every shard.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import functools
 import hashlib
 import json
@@ -34,23 +30,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from noderuntime.access.identity import Identity
-from noderuntime.control.ledger import CheckedRecord, Ledger, check
-from noderuntime.gateway.audits import Audits, Served, commitment_problems
+from noderuntime.control.ledger import Ledger
 from noderuntime.gateway.auth import ApiKeys
-from noderuntime.gateway.errors import RETRY_AFTER_SECONDS, ApiError, error_response
-from noderuntime.gateway.line import LineFull, Waiter, WaitLine
-from noderuntime.gateway.routing import (
-    DEADLINE_GRACE_SECONDS,
-    MAX_ATTEMPTS,
-    MAX_REPAIRS,
-    bad_route,
-    describe_route,
-    repairable,
-    route_error,
-    silent_route,
-    time_left,
-    to_exclude,
-)
+from noderuntime.gateway.errors import RETRY_AFTER_SECONDS, ApiError, error_response, run_error
+from noderuntime.gateway.requests import generation_request
 from noderuntime.gateway.schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -67,45 +50,34 @@ from noderuntime.gateway.tools import (
     ChatOutput,
     hermes_history,
 )
-from noderuntime.node.prefix import block_hashes
 from noderuntime.operations import timeline
 from noderuntime.operations.httpserve import BodyLimit
 from noderuntime.operations.telemetry import GatewayMetrics, exposition, trio_tasks
-from noderuntime.seams.client import GenerationRequest, RouteError, open_route_generation
-from noderuntime.tracker.client import RequestSigner, RouteGrant, TrackerError, request_repair, request_route
-from noderuntime.tracker.messages import RepairRequest
-from noderuntime.tracker.trackers import Trackers, unanswered
+from noderuntime.runner.policy import RunError
+from noderuntime.runner.runner import Client, RouteRunner
+from noderuntime.seams.client import GenerationRequest
+from noderuntime.tracker.client import TrackerError
+from noderuntime.tracker.trackers import Trackers
 from noderuntime.web import add_pages
-from protocol import Sampling, StatusCode, TokenLogprob, Tokens
+from protocol import TokenLogprob
 
 log = logging.getLogger(__name__)
 
-MAX_SERVED_PREFIXES = 100_000  # block hashes of served prefixes remembered for affinity (16 B each, and nodes)
-
 _UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|list|dict|.*\[.*\])$")
 MAX_BODY = 8 << 20  # a request body: far above any prompt that fits a context
-# A request without max_tokens asks for a route with room for at least this many tokens
-# after its prompt, then may run to the end of the context that route holds (as OpenAI's
-# API does: the reply ends at a stop, or when the context is full).
-DEFAULT_MAX_TOKENS = 256
-# a prompt whose logprobs are echoed: they travel back in one frame (about 70 bytes a token)
-MAX_SCORED_PROMPT = 32768
 
 
-@attrs.frozen
-class Client:
-    """Who asks: the line a request waits in when every route is full, and what ends its wait early."""
+def client_of(request: Request, *, watch: bool) -> Client:
+    """Who sent ``request``; ``watch``: its wait in line ends when its connection closes."""
+    auth = request.headers.get("authorization", "")
+    # a digest, not the key itself: the line's bookkeeping holds no secrets
+    key = hashlib.sha256(auth.encode()).hexdigest()[:16] if auth else ""
 
-    key: str = ""  # a digest of its API key ("" without one): turns in line go round the keys
-    watch: Request | None = None  # the connection to watch while it waits (None: someone else does)
+    async def left() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
-    @staticmethod
-    def of(request: Request, *, watch: bool) -> Client:
-        """The client of ``request``; ``watch``: its wait in line ends when its connection closes."""
-        auth = request.headers.get("authorization", "")
-        # a digest, not the key itself: the line's bookkeeping holds no secrets
-        key = hashlib.sha256(auth.encode()).hexdigest()[:16] if auth else ""
-        return Client(key, request if watch else None)
+    return Client(key, left if watch else None)
 
 
 class Gateway:
@@ -131,52 +103,47 @@ class Gateway:
         """``trackers``: the tracker's URL, or several in order of preference (each request goes
         to the first that answers: :class:`Trackers`). ``identity``: the key ``connector`` proves
         on relayed seams, which route tickets name and which signs the gateway's route repairs
-        and audits (a fresh one when None). ``audit_rate``:
-        the share of sessions audited after they end (:mod:`noderuntime.gateway.audits`; run by
-        :meth:`Audits.run`, which the caller starts).
+        and audits (a fresh one when None). ``audit_rate``: the share of sessions audited after
+        they end (:mod:`noderuntime.runner.audits`; run by ``runner.audits.run``, which the
+        caller starts).
 
-        When every route is full a request waits in line (:mod:`noderuntime.gateway.line`) up to
+        When every route is full a request waits in line (:mod:`noderuntime.runner.line`) up to
         ``queue_timeout`` seconds; at most ``queue_limit`` requests wait, ``queue_per_key`` of them
         under one API key."""
         if any(not key for key in api_keys):
             raise ValueError("an API key must not be empty: it would let in every request that sends none")
         self.models = {m.model_id: m for m in models}
         self.trackers = trackers if isinstance(trackers, Trackers) else Trackers(trackers)
-        self.connector = connector
         self.api_keys = set(api_keys)
         self.cors_origins = tuple(cors_origins)
-        self.tracker_key = tracker_key
         self.request_timeout = request_timeout
-        self.queue_timeout = queue_timeout
-        self.line = WaitLine(limit=queue_limit, per_key=queue_per_key)
         self.ledger = ledger
-        self.identity = identity or Identity.generate()
-        self.signer = RequestSigner(self.identity)
-        # prefix affinity: the block hash of a prefix a route served -> that route's nodes
-        # (they keep its KV in their prefix caches); a request that begins alike asks for them
-        self._served_prefixes: collections.OrderedDict[bytes, tuple[bytes, ...]] = collections.OrderedDict()
         self.metrics = GatewayMetrics()
         self.http = httpx.AsyncClient()
-        self.audits = Audits(
-            audit_rate,
-            connector=connector,
+        self.runner = RouteRunner(
+            self.trackers,
+            connector,
             http=self.http,
-            trackers=self.trackers,
-            signer=self.signer,
+            identity=identity or Identity.generate(),
+            metrics=self.metrics,
+            tracker_key=tracker_key,
+            request_timeout=request_timeout,
+            queue_timeout=queue_timeout,
+            queue_limit=queue_limit,
+            queue_per_key=queue_per_key,
+            audit_rate=audit_rate,
             on_dispute=self._dispute,
         )
         # its own threads: a burst of huge prompts must not hold those of name lookups and the ledger
         self._tokenizing = trio.CapacityLimiter(max(2, os.cpu_count() or 2))
         self.app = self._build()
-        self.counters: dict[str, int] = {
-            "requests": 0,
-            "completed": 0,
-            "errors": 0,
-            "cancelled": 0,
-            "retries": 0,
-            "repairs": 0,
-            "repairs_failed": 0,
-        }
+        self._answered: dict[str, int] = {"requests": 0, "completed": 0, "errors": 0, "cancelled": 0}
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """What it answered (requests, completed, errors, cancelled) and what its runner did (retries,
+        repairs): a snapshot."""
+        return {**self._answered, **self.runner.counters}
 
     # --- helpers
 
@@ -197,314 +164,6 @@ class Gateway:
         if len(self.models) != 1:
             raise ApiError(400, "this gateway serves several models: name one", param="model")
         return next(iter(self.models.values()))
-
-    def _prepare(
-        self, model: ServedModel, body: SamplingFields, prompt: list[int], max_tokens: int | None, grammar: str
-    ) -> GenerationRequest:
-        if not prompt:
-            where = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-            raise ApiError(400, "the prompt is empty after tokenization", param=where)
-        room = model.n_ctx - len(prompt)
-        if room <= 0:
-            raise ApiError(
-                400,
-                f"the prompt has {len(prompt)} tokens; the context is {model.n_ctx}",
-                code="context_length_exceeded",
-            )
-        wanted = max_tokens if max_tokens is not None else min(DEFAULT_MAX_TOKENS, room)
-        if wanted > room:
-            raise ApiError(
-                400,
-                f"prompt ({len(prompt)}) + max_tokens ({wanted}) exceeds the context of {model.n_ctx}",
-                code="context_length_exceeded",
-                param="max_tokens",
-            )
-        _, stop_ids = body.stop_lists()
-        if any(not 0 <= t < model.vocab.n_vocab for t in stop_ids):
-            raise ApiError(400, "stop token ids must lie inside the vocabulary", param="stop")
-        biases = body.logit_biases()
-        if any(token >= model.vocab.n_vocab for token, _ in biases):
-            raise ApiError(400, f"logit_bias token ids must lie in [0, {model.vocab.n_vocab})", param="logit_bias")
-        temperature = 1.0 if body.temperature is None else body.temperature
-        if body.top_p == 0.0:
-            temperature = 0.0  # the nucleus of p = 0 is the most likely token alone: greedy
-        seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(8), "little")
-        logprobs, top_logprobs, prompt_logprobs = body.logprob_request()
-        if prompt_logprobs and len(prompt) > MAX_SCORED_PROMPT:
-            # they come back in one frame: a bound keeps it inside the frame limit
-            raise ApiError(400, f"echo with logprobs takes prompts of at most {MAX_SCORED_PROMPT} tokens", param="echo")
-        sampling = Sampling(
-            temperature=temperature,
-            top_k=body.top_k or 0,
-            top_p=body.top_p or 1.0,
-            min_p=body.min_p or 0.0,
-            seed=seed & 0xFFFFFFFFFFFFFFFF,
-            repeat_penalty=body.repeat_penalty or 1.0,
-            frequency_penalty=body.frequency_penalty or 0.0,
-            presence_penalty=body.presence_penalty or 0.0,
-            grammar=grammar,
-            logit_bias=biases,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            prompt_logprobs=prompt_logprobs,
-        )
-        deadline = int((time.time() + self.request_timeout) * 1000)
-        return GenerationRequest(
-            tuple(prompt),
-            wanted,
-            sampling,
-            tuple(sorted(set(model.stop_tokens()) | set(stop_ids))),
-            deadline,
-            f"req-{uuid.uuid4().hex[:16]}",
-            reuse_prefix=body.cache_prompt is not False,
-        )
-
-    def _prefix_holders(self, prompt: Sequence[int]) -> list[bytes]:
-        """The nodes of the route that last served the longest prefix of ``prompt`` this gateway saw."""
-        for digest in reversed(block_hashes(prompt)):
-            nodes = self._served_prefixes.get(digest)
-            if nodes is not None:
-                self._served_prefixes.move_to_end(digest)
-                return list(nodes)
-        return []
-
-    def _served(self, tokens: Sequence[int], grant: RouteGrant) -> None:
-        """Remember that ``grant``'s nodes now hold ``tokens`` (a finished session's prompt and reply)."""
-        nodes = tuple(h.node_id for h in grant.hops)
-        for digest in block_hashes(tokens):
-            self._served_prefixes[digest] = nodes
-            self._served_prefixes.move_to_end(digest)
-        while len(self._served_prefixes) > MAX_SERVED_PREFIXES:
-            self._served_prefixes.popitem(last=False)
-
-    async def _grant(
-        self,
-        model: ServedModel,
-        tokens: int,
-        exclude: Sequence[bytes],
-        prompt: Sequence[int] = (),
-        among: Sequence[str] | None = None,
-    ) -> RouteGrant:
-        """A route from the first tracker (of ``among``, default all) that answers; :class:`ApiError` if none
-        grants one."""
-        prefer = [n for n in self._prefix_holders(prompt) if n not in exclude]
-        route = functools.partial(
-            request_route,
-            self.http,
-            artifact=model.artifact,
-            tokens=tokens,
-            exclude=list(exclude),
-            api_key=self.tracker_key,
-            client_id=self.identity.node_id,
-            prefer=prefer,
-        )
-        try:
-            return await self.trackers.ask(lambda url: route(url=url), among=among)
-        except TrackerError as exc:
-            if exc.status == 429:
-                raise ApiError(429, f"every route is busy: {exc}", "rate_limit_error", "routes_full") from None
-            if exc.status == 503:
-                raise ApiError(
-                    503, f"no route can serve this model now: {exc}", "service_unavailable", "no_route"
-                ) from None
-            raise ApiError(503, f"the tracker is unavailable: {exc}", "service_unavailable", "tracker") from None
-
-    @contextlib.asynccontextmanager
-    async def _route_session(
-        self,
-        model: ServedModel,
-        request: GenerationRequest,
-        *,
-        open_ended: bool = False,
-        repairing: RouteGrant | None = None,
-        exclude: Sequence[bytes] = (),
-        client: Client | None = None,
-    ) -> AsyncIterator[tuple[Any, Tokens, RouteGrant, GenerationRequest]]:
-        """A route session that produced its first tokens, and the request it runs.
-
-        ``open_ended`` (the client gave no max_tokens): the reply may fill the context the
-        granted route holds, not only the tokens asked of the tracker.
-
-        A route that fails before its first token is left for another one (up to
-        ``MAX_ATTEMPTS``). When every route is full (the tracker says so, or a node refuses
-        for want of slots), the request waits in line for a slot, up to ``queue_timeout``
-        (:mod:`noderuntime.gateway.line`); a new request also waits behind those already in
-        line. ``client``: whose line it waits in, and, where no one else watches, the
-        connection whose close ends the wait.
-
-        ``repairing``: the grant of a session whose route failed mid-generation; ``request``
-        then resumes it (:meth:`GenerationRequest.resumed`), on a whole new route under the
-        session's next epoch, which the tracker grants to this gateway alone (it signs).
-        """
-        exclude = list(exclude)
-        failures = 0
-        queue_until = trio.current_time() + self.queue_timeout
-        positions = (request.prompt_length or len(request.prompt_tokens)) + request.max_tokens
-        client = client or Client()
-        waiter: Waiter | None = None
-        if self.line.waiting and repairing is None:
-            waiter = self._join_line(client)  # others wait already: behind them, not ahead
-        try:
-            while True:
-                if waiter is not None:
-                    await self._wait_turn(waiter, client, queue_until)
-                try:
-                    timeline.mark("gateway.granting")
-                    if repairing is None:
-                        prompt = request.prompt_tokens if request.reuse_prefix else ()
-                        grant = await self._grant(model, positions, exclude, prompt)
-                    else:
-                        grant = await self._repair_grant(model, repairing, positions, exclude)
-                    timeline.mark("gateway.granted")
-                except ApiError as exc:
-                    if exc.status != 429:
-                        raise
-                    waiter = waiter or self._join_line(client)
-                    continue
-                session_request = request
-                if open_ended and grant.ctx_per_session and repairing is None:
-                    room = min(model.n_ctx, grant.ctx_per_session) - len(request.prompt_tokens)
-                    session_request = attrs.evolve(request, max_tokens=max(request.max_tokens, room))
-                opened = False
-                try:
-                    async with contextlib.AsyncExitStack() as stack:
-                        try:
-                            gen = await stack.enter_async_context(
-                                open_route_generation(
-                                    self.connector,
-                                    grant.hops,
-                                    session_request,
-                                    artifact=bytes.fromhex(model.artifact),
-                                    recipe=grant.recipe,
-                                    ticket=grant.ticket,
-                                    session_id=grant.session_id,
-                                    epoch=grant.epoch,
-                                )
-                            )
-                            timeline.mark("gateway.opened")
-                            with trio.fail_after(time_left(request)):
-                                first = await gen.next()
-                            opened = True  # it holds a slot on every hop (a full node refuses before this)
-                            timeline.mark("gateway.first_tokens")
-                        except trio.TooSlowError:
-                            raise silent_route() from None
-                        except RouteError as exc:
-                            error = route_error(exc)
-                            if (
-                                exc.code == StatusCode.DEADLINE_EXCEEDED
-                                and time_left(request) <= DEADLINE_GRACE_SECONDS + 1
-                            ):
-                                # the request's own time is (all but) up, by this clock or a node's running ahead
-                                raise error from None
-                            self.counters["retries"] += 1
-                            self.metrics.route_retries.labels(exc.code.name).inc()
-                            if exc.code == StatusCode.RESOURCE_EXHAUSTED:
-                                # a full node is busy, not broken: wait in line for a slot; excluding
-                                # it would turn "busy" into "no route" (503)
-                                log.info("a node on the route is full; waiting in line for a slot")
-                                waiter = waiter or self._join_line(client)
-                                continue
-                            failures += 1
-                            if failures >= MAX_ATTEMPTS:
-                                raise error from None
-                            exclude += to_exclude(grant, exc)
-                            if repairing is not None:
-                                repairing = grant  # its ticket is the session's newest: the next epoch follows it
-                            log.info("route attempt failed before the first token (%s); trying another", exc)
-                            continue
-                        assert first is not None
-                        if waiter is not None:
-                            self.line.leave(waiter, served=True)
-                            waiter = None
-                        yield gen, first, grant, session_request
-                        return
-                finally:
-                    if opened:
-                        # the session has ended (its slot released or its seam closed): the
-                        # request heading the line may take that slot now
-                        self.line.slot_freed()
-        finally:
-            if waiter is not None:
-                self.line.leave(waiter, served=False)
-
-    def _join_line(self, client: Client) -> Waiter:
-        """A place in line for a request that found every route full; 429 at once if the line is full."""
-        try:
-            return self.line.join_nowait(client.key)
-        except LineFull as exc:
-            raise ApiError(
-                429, f"every route is busy and the line is full: {exc}", "rate_limit_error", "queue_full"
-            ) from None
-
-    async def _wait_turn(self, waiter: Waiter, client: Client, until: float) -> None:
-        """Wait for ``waiter``'s turn to try for a slot; a 429 at ``until``, a 499 if its client leaves first."""
-        gone = False
-
-        async def watch(request: Request, scope: trio.CancelScope) -> None:
-            nonlocal gone
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            scope.cancel()
-
-        with trio.move_on_at(until) as timer:
-            async with trio.open_nursery() as nursery:
-                if client.watch is not None:
-                    nursery.start_soon(watch, client.watch, nursery.cancel_scope)
-                await self.line.wait_turn(waiter)
-                nursery.cancel_scope.cancel()
-        if gone:
-            raise ApiError(499, "the client left while its request waited for a slot", "client_closed", "client_closed")
-        if timer.cancelled_caught:
-            raise ApiError(
-                429,
-                f"every route is busy: no slot freed in the {self.queue_timeout:g} s the request waited in line",
-                "rate_limit_error",
-                "routes_full",
-            )
-
-    async def _repair_grant(
-        self, model: ServedModel, failed: RouteGrant, positions: int, exclude: Sequence[bytes]
-    ) -> RouteGrant:
-        """A whole new route for a session whose route ``failed``, under its next epoch.
-
-        Only the tracker that issued the session's ticket can read it, so the repair is asked
-        of that one. When it does not answer (it is gone) or knows no route, another tracker
-        grants a route to go on under a new session of its own: the reply still goes on where
-        it stopped, bit-exact when that route runs the session's recipe (``exact`` says so).
-        """
-        repair = RepairRequest(
-            ticket=failed.ticket.hex(),
-            keep=0,
-            tokens=positions,
-            recipe=failed.recipe.hex(),
-            exclude=[n.hex() for n in exclude],
-            ttl_seconds=self.request_timeout,
-        )
-        issuer = failed.tracker or self.trackers.first
-        others = [url for url in self.trackers.urls if url != issuer]
-        try:
-            return await self.trackers.ask(
-                lambda url: request_repair(self.http, url, self.signer, repair), among=[issuer], past_no_route=False
-            )
-        except TrackerError as exc:
-            if not others or not (unanswered(exc) or exc.status == 503):
-                self.counters["repairs_failed"] += 1
-                if exc.status == 429:
-                    raise ApiError(429, f"every route is busy: {exc}", "rate_limit_error", "routes_full") from None
-                raise ApiError(
-                    503,
-                    f"the route failed and none can take the session over: {exc}",
-                    "service_unavailable",
-                    "no_route",
-                ) from None
-            log.warning("the tracker %s cannot repair the session (%s): another grants a new one", issuer, exc)
-        try:
-            grant = await self._grant(model, positions, exclude, among=others)
-        except ApiError:
-            self.counters["repairs_failed"] += 1
-            raise
-        return attrs.evolve(grant, exact=grant.recipe == failed.recipe)
 
     async def _artifacts(self, url: str) -> dict[str, Any]:
         """What the tracker at ``url`` can route (its ``/v1/artifacts``); :class:`TrackerError` if it does not
@@ -535,49 +194,25 @@ class Gateway:
         """What may be shown while generating, then an item with ``done`` set once finished.
 
         The fingerprint is OpenAI's ``system_fingerprint``: of the artifact and the recipe of the
-        route that serves, known once the route is granted.
-
-        A route that fails once tokens went out is repaired (up to ``MAX_REPAIRS`` times): the
-        session goes on, under its next epoch, on a whole new route that prefills the prompt and
-        the tokens so far, its sampler rebuilt over them, and the reply goes on where it
-        stopped. On a route of the session's recipe the continuation is what the first route
-        would have sent, bit for bit; on another, it is not, and the final item says so.
+        route that serves, known once the route is granted. The runner repairs a route that fails
+        mid-reply (:mod:`noderuntime.runner.runner`): the reply goes on where it stopped, and the
+        final item lists each repair.
         """
         text = TextStream(stop)
         produced = 0
-        generated: list[int] = []
         logprobs: list[TokenLogprob] = []
-        repairs: list[dict[str, Any]] = []
-        prompt_logprobs: tuple[TokenLogprob, ...] = ()
-        cached = 0
-        tail_done = False
-        client = client or Client()
-        opening = self._route_session(model, request, open_ended=open_ended, client=client)
-        failed_at: float | None = None
-        while True:
-            failure: RouteError | None = None
-            async with opening as (gen, first, grant, session_request):
-                if failed_at is not None:
-                    repairs[-1]["stall_ms"] = round((trio.current_time() - failed_at) * 1e3, 1)
-                    repairs[-1]["bit_exact"] = grant.exact
-                    repairs[-1]["route"] = describe_route(grant)
-                route = describe_route(grant)
-                fingerprint = system_fingerprint(model.artifact, grant.recipe)
-                if not repairs:
-                    cached = gen.cached_tokens
-                    prompt_logprobs = first.prompt_logprobs
-                    check_logprobs(model, request, first, prompt=True)
-                    if prompt_logprobs:
-                        yield Emitted("", fingerprint=fingerprint, prompt_logprobs=prompt_logprobs)
-                event: Tokens | None = first
-                while event is not None:
-                    if event is not first or repairs:
+        try:
+            async with self.runner.session(model.target, request, open_ended=open_ended, client=client) as run:
+                fingerprint = system_fingerprint(model.artifact, run.grant.recipe)
+                check_logprobs(model, request, run.first, prompt=True)
+                if run.first.prompt_logprobs:
+                    yield Emitted("", fingerprint=fingerprint, prompt_logprobs=run.first.prompt_logprobs)
+                while (event := await run.next()) is not None:
+                    fingerprint = system_fingerprint(model.artifact, run.grant.recipe)
+                    if event is not run.first:
                         check_logprobs(model, request, event, prompt=False)
                     for k, token in enumerate(event.token_ids):
-                        if not 0 <= token < model.vocab.n_vocab:  # the route's word, not a known piece
-                            raise bad_route(f"it sent token id {token}, outside the vocabulary")
                         produced += 1
-                        generated.append(token)
                         if token in request.stop_token_ids and event.finished:
                             continue  # the end-of-turn token itself is not text
                         delta = text.push(model.vocab.piece(token))
@@ -587,104 +222,27 @@ class Gateway:
                             yield Emitted(delta, mine, fingerprint=fingerprint)
                         if text.stopped:
                             break
-                    tail_done = event.finished and not text.stopped  # every token the tail drew came here
-                    if text.stopped or event.finished:
+                    if text.stopped:
                         break
-                    try:
-                        with trio.fail_after(time_left(request)):
-                            event = await gen.next()
-                    except trio.TooSlowError:
-                        raise silent_route() from None
-                    except RouteError as exc:
-                        if not repairable(exc) or len(repairs) >= MAX_REPAIRS:
-                            # tokens already went out: a typed error in their place
-                            raise route_error(exc) from None
-                        failure = exc
-                        break
-                reason = "stop" if text.stopped or gen.finish_reason == "stop" else "length"
-            if failure is None:
-                break
-            # the failed session left its block (its seam closed, nothing to release): resume it
-            failed_at = trio.current_time()
-            self.counters["repairs"] += 1
-            self.metrics.route_repairs.labels(failure.code.name).inc()
-            log.info("request %s: route failed after %d tokens (%s); repairing", request.request_id, produced, failure)
-            avoid = to_exclude(grant, failure)
-            resumed = session_request.resumed(generated)
-            repairs.append(
-                {
-                    "after_tokens": produced,
-                    "failed": str(failure)[:200],
-                    "failed_node": avoid[0].hex()[:16] if avoid else "",
-                    # what the new route prefills: the prompt and the reply so far
-                    "replayed_tokens": len(resumed.prompt_tokens),
-                }
-            )
-            # its own client has left once tokens flow, and the reply's reader watches the connection
-            opening = self._route_session(
-                model, resumed, repairing=grant, exclude=avoid, client=attrs.evolve(client, watch=None)
-            )
-        # the session was released on leaving the block: every hop's signed usage is here, and
-        # its nodes keep its prefix
-        records = [check(r, request_id=request.request_id, hops=grant.hops) for r in gen.usage or ()]
-        if gen.usage is not None:
-            self._served((*request.prompt_tokens, *generated), grant)
-            records = self._check_commitments(model, grant, session_request, generated, records, complete=tail_done)
-            if tail_done and not repairs and all(r.valid for r in records):
-                self.audits.consider(
-                    Served(
-                        request.request_id,
-                        bytes.fromhex(model.artifact),
-                        grant,
-                        session_request,
-                        tuple(generated),
-                        tuple(r.record for r in records),
-                    )
-                )
-        for record in records:
-            self.metrics.usage_records.labels(str(record.valid).lower()).inc()
-            if not record.valid:
-                log.warning(
-                    "request %s: usage record of node %s flagged: %s",
-                    request.request_id,
-                    record.record.node_id.hex()[:16],
-                    record.problem,
-                )
+                reason = "stop" if text.stopped or run.finish_reason == "stop" else "length"
+        except RunError as exc:
+            raise run_error(exc) from None
+        # the session was released on leaving the block: every hop's signed usage is in its records
         tail = text.finish()
         if tail:
             yield Emitted(tail, fingerprint=fingerprint)
-        done = Generated(text.text, produced, reason, route, records, logprobs, prompt_logprobs, repairs, cached)
+        done = Generated(
+            text.text,
+            produced,
+            reason,
+            run.route,
+            run.records,
+            logprobs,
+            run.first.prompt_logprobs,
+            run.repairs,
+            run.cached_tokens,
+        )
         yield Emitted("", done=done, fingerprint=fingerprint)
-
-    def _check_commitments(
-        self,
-        model: ServedModel,
-        grant: RouteGrant,
-        request: GenerationRequest,
-        generated: Sequence[int],
-        records: list[CheckedRecord],
-        *,
-        complete: bool,
-    ) -> list[CheckedRecord]:
-        """``records``, those whose commitments break the route's chain flagged (and not counted).
-
-        Only a session whose every drawn token came here can be checked end to end; one the
-        gateway stopped early (a stop string) is not.
-        """
-        if not complete:
-            return records
-        hops = [(h.node_id, h.layers.start, h.layers.end) for h in grant.hops]
-        served = Served("", bytes.fromhex(model.artifact), grant, request, tuple(generated), ())
-        problems = commitment_problems(records, hops, served)
-        if not problems:
-            return records
-        for node, why in problems.items():
-            self.metrics.commitment_mismatches.inc()
-            log.error("request %s: node %s: %s", request.request_id, node.hex()[:16], why)
-        return [
-            attrs.evolve(r, valid=False, problem=problems[r.record.node_id]) if r.record.node_id in problems else r
-            for r in records
-        ]
 
     async def _dispute(self, request_id: str, node_id: bytes, why: str) -> None:
         """An audit found ``node_id``'s work on ``request_id`` false: its records there are disputed."""
@@ -759,10 +317,11 @@ class Gateway:
 
         @app.get("/status", include_in_schema=False)
         async def status() -> dict[str, Any]:
+            audits = self.runner.audits
             return {
-                "counters": dict(self.counters),
-                "line": attrs.asdict(self.line.statistics()),
-                "audits": {**self.audits.counters, "rate": self.audits.rate, "excluded": self.audits.failed_nodes},
+                "counters": self.counters,
+                "line": attrs.asdict(self.runner.line.statistics()),
+                "audits": {**audits.counters, "rate": audits.rate, "excluded": audits.failed_nodes},
                 "trackers": [attrs.asdict(standing) for standing in self.trackers.statistics()],
                 "models": list(self.models),
                 "tasks": trio_tasks(),
@@ -845,7 +404,7 @@ class Gateway:
             grammar = await trio.to_thread.run_sync(
                 constraint_grammar, model.vocab, constraint, limiter=self._tokenizing
             )
-            generation = self._prepare(model, body, prompt, max_tokens, grammar)
+            generation = generation_request(model, body, prompt, max_tokens, grammar, timeout=self.request_timeout)
             # the prompt opened a think block (a template that always thinks): the reply starts in it
             opened = model.vocab.detokenize(prompt[-3:], special=True).endswith(THINK_OPEN + "\n")
             output = functools.partial(
@@ -871,7 +430,7 @@ class Gateway:
             grammar = await trio.to_thread.run_sync(
                 constraint_grammar, model.vocab, body.constraint(), limiter=self._tokenizing
             )
-            generation = self._prepare(model, body, prompt, body.max_tokens, grammar)
+            generation = generation_request(model, body, prompt, body.max_tokens, grammar, timeout=self.request_timeout)
             echo = None
             if body.echo:
                 echo = body.prompt_text() if body.prompt_tokens() is None else model.vocab.detokenize(prompt)
@@ -895,7 +454,7 @@ class Gateway:
 
         ``n`` choices are ``n`` route sessions, each with its own seed (the request's + its index).
         """
-        self.counters["requests"] += 1
+        self._answered["requests"] += 1
         started = time.perf_counter()
         stop_strings, _ = body.stop_lists()
         wants_logprobs, top, _ = body.logprob_request()
@@ -930,7 +489,7 @@ class Gateway:
             return await self._whole(model, generations, shapes, request, stop_strings, open_ended, started)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await self._streamed(
-            model, generations, shapes, stop_strings, open_ended, started, include_usage, Client.of(request, watch=True)
+            model, generations, shapes, stop_strings, open_ended, started, include_usage, client_of(request, watch=True)
         )
 
     async def _whole(
@@ -955,7 +514,7 @@ class Gateway:
             awaiting_first = i == 0  # the first choice's first token is the request's
             try:
                 # the watcher below ends a wait in line too, when the client leaves
-                client = Client.of(request, watch=False)
+                client = client_of(request, watch=False)
                 async for item in self._generate(
                     model, generations[i], stop_strings, open_ended=open_ended, client=client
                 ):
@@ -978,16 +537,16 @@ class Gateway:
                     choices.start_soon(collect, i, choices.cancel_scope)
             watcher.cancel()
         if failed is not None:
-            self.counters["errors"] += 1
+            self._answered["errors"] += 1
             self.metrics.errors.labels(failed.code or failed.kind).inc()
             raise failed
         if any(r is None for r in results):
-            self.counters["cancelled"] += 1
+            self._answered["cancelled"] += 1
             self.metrics.cancelled.inc()
             log.info("request %s: the client left before the answer; generation cancelled", generation.request_id)
             return Response(status_code=499)  # nobody reads it
         done = [r for r in results if r is not None]
-        self.counters["completed"] += 1
+        self._answered["completed"] += 1
         for g, r in zip(generations, done, strict=True):
             await self._record(model, g, created, r)
         return {
@@ -1026,10 +585,10 @@ class Gateway:
                 firsts.append(await stream.__anext__())
         except ApiError as exc:
             if exc.status == 499:  # its client left while it waited in line
-                self.counters["cancelled"] += 1
+                self._answered["cancelled"] += 1
                 self.metrics.cancelled.inc()
             else:
-                self.counters["errors"] += 1
+                self._answered["errors"] += 1
                 self.metrics.errors.labels(exc.code or exc.kind).inc()
             for stream in streams:
                 await _aclose(stream)
@@ -1129,17 +688,17 @@ class Gateway:
                 )
             finished = True
             yield b"data: [DONE]\n\n"
-            self.counters["completed"] += 1
+            self._answered["completed"] += 1
         except ApiError as exc:
             # headers are gone: report in the stream, as OpenAI does
-            self.counters["errors"] += 1
+            self._answered["errors"] += 1
             self.metrics.errors.labels(exc.code or exc.kind).inc()
             finished = True  # ended by the route, counted as an error: the client did not leave
             yield event(exc.body())
             yield b"data: [DONE]\n\n"
         finally:
             if not finished:
-                self.counters["cancelled"] += 1
+                self._answered["cancelled"] += 1
                 self.metrics.cancelled.inc()
             with trio.CancelScope(shield=True):
                 for stream in streams:

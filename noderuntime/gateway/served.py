@@ -22,6 +22,7 @@ from noderuntime.gateway.tools import (
     template_traits,
 )
 from noderuntime.models.chat import ChatTemplate, TemplateError, prompt_tokens
+from noderuntime.runner.runner import Target
 
 
 def system_fingerprint(artifact: str, recipe: bytes) -> str:
@@ -73,6 +74,11 @@ class ServedModel:
     def card(self) -> dict[str, Any]:
         """The model as ``/v1/models`` lists it."""
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "noderuntime"}
+
+    @functools.cached_property
+    def target(self) -> Target:
+        """What its routes run, and what the runner checks of what they send."""
+        return Target(self.artifact, self.n_ctx, self.vocab.n_vocab)
 
     @functools.cached_property
     def traits(self) -> TemplateTraits:

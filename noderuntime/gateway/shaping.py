@@ -9,11 +9,11 @@ import attrs
 
 from noderuntime.control.ledger import CheckedRecord
 from noderuntime.gateway.logprobs import CompletionLogprobs, chat_entries
-from noderuntime.gateway.routing import bad_route
 from noderuntime.gateway.served import ServedModel
 from noderuntime.gateway.tools import (
     ChatOutput,
 )
+from noderuntime.runner.policy import bad_route
 from noderuntime.seams.client import GenerationRequest
 from protocol import TokenLogprob, Tokens
 

@@ -507,10 +507,10 @@ class GatewayOptions:
     request_timeout: float = 600.0
     ctx: int | None = None
     queue_timeout: float = 10.0
-    queue_limit: int = 256  # requests waiting for a slot, in all (gateway/line.py)
+    queue_limit: int = 256  # requests waiting for a slot, in all (runner/line.py)
     queue_per_key: int = 64  # of them, under one API key
     ledger: Path | None = None
-    audit_rate: float = 0.0  # the share of sessions audited after they end (gateway/audits.py)
+    audit_rate: float = 0.0  # the share of sessions audited after they end (runner/audits.py)
 
 
 async def run_gateway(
@@ -554,7 +554,7 @@ async def run_gateway(
             identity=me,
             audit_rate=opts.audit_rate,
         )
-        nursery.start_soon(gateway.audits.run)
+        nursery.start_soon(gateway.runner.audits.run)
         url = await nursery.start(serve_http, gateway.app, opts.listen)
         task_status.started(GatewayReady(url=url, models=tuple(m.model_id for m in served), pid=os.getpid()))
         log.info("gateway at %s serving %s", url, ", ".join(m.model_id for m in served))

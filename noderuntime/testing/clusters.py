@@ -17,9 +17,11 @@ import trio
 from noderuntime.access.identity import Identity
 from noderuntime.access.tickets import issue
 from noderuntime.engine.cores import machine_cores
-from noderuntime.seams.client import GenerationRequest, open_route_generation
+from noderuntime.runner.opening import open_granted
+from noderuntime.seams.client import GenerationRequest
 from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
 from noderuntime.services.ready import NodeReady, RelayReady, expect
+from noderuntime.tracker.client import RouteGrant
 from protocol import Hop
 
 
@@ -106,15 +108,9 @@ class Cluster:
         session_id = session_id or os.urandom(16)
         hops = hops or self.hops
         client = getattr(connector, "node_id", b"")
-        return open_route_generation(
-            connector,
-            hops,
-            request,
-            artifact=artifact or self.artifact,
-            recipe=self.recipe,
-            ticket=self.ticket(session_id, hops=hops, client=client) if ticket is None else ticket,
-            session_id=session_id,
-        )
+        ticket = self.ticket(session_id, hops=hops, client=client) if ticket is None else ticket
+        grant = RouteGrant(hops, session_id, 0, ticket, self.recipe)  # as a tracker would grant it
+        return open_granted(connector, grant, request, artifact=artifact or self.artifact)
 
     async def generate(
         self,

@@ -1,7 +1,7 @@
 """Audits: which the tracker granted, what the evidence of each says, and each node's standing.
 
 No I/O; the tracker's app calls it. A gateway that served a session may have it audited
-(``gateway/audits.py``): the tracker grants an audit route of other nodes, one for each
+(``runner/audits.py``): the tracker grants an audit route of other nodes, one for each
 hop of the audited route, with the same layers, recipe and kernel class, and remembers
 the grant. The gateway runs the audit (a teacher-forced recomputation whose hops commit
 to their rows, ``control/commitments.py``) and reports back with the signed usage records

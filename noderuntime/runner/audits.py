@@ -34,7 +34,8 @@ import trio
 from noderuntime.access import untrusted
 from noderuntime.control.commitments import tokens_digest
 from noderuntime.control.ledger import CheckedRecord
-from noderuntime.seams.client import GenerationRequest, RouteError, open_route_generation
+from noderuntime.runner.opening import open_granted
+from noderuntime.seams.client import GenerationRequest, RouteError
 from noderuntime.tracker.audits import AuditError, commitments
 from noderuntime.tracker.client import RequestSigner, RouteGrant, TrackerError, report_audit, request_audit
 from noderuntime.tracker.messages import AuditReport, AuditRequest, AuditVerdict, RecordJSON
@@ -221,16 +222,7 @@ class Audits:
             prompt_length=len(original.prompt_tokens),
             audit_from=start,
         )
-        async with open_route_generation(
-            self.connector,
-            grant.hops,
-            audit,
-            artifact=served.artifact,
-            recipe=grant.recipe,
-            ticket=grant.ticket,
-            session_id=grant.session_id,
-            epoch=grant.epoch,
-        ) as gen:
+        async with open_granted(self.connector, grant, audit, artifact=served.artifact) as gen:
             while await gen.next() is not None:
                 pass
         return grant, tuple(gen.usage or ())
