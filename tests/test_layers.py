@@ -136,7 +136,7 @@ GRPC = "noderuntime.transport.grpc"
 @pytest.mark.parametrize(
     ("library", "owner"),
     [
-        ("llama_cpp", "noderuntime.engine.llama"),
+        ("llama_cpp", "noderuntime.engine.llama.binding"),
         ("grpclib", GRPC),
         ("asyncio", GRPC),
     ],

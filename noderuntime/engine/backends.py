@@ -8,7 +8,7 @@ subprocess, :meth:`BackendRuntime.activate` at the start of a fresh process, bef
 anything has imported ``llama_cpp``. One process, one build: a process that already loaded
 the CPU build cannot switch.
 
-No ``llama_cpp`` here (only :mod:`noderuntime.engine.llama` imports it): the question that
+No ``llama_cpp`` here (only :mod:`noderuntime.engine.llama.binding` imports it): the question that
 needs it, which devices a build sees, is asked in a subprocess.
 """
 

@@ -46,6 +46,35 @@ class StepResult:
     logprobs: Mapping[int, TokenLogprob] = attrs.field(factory=dict)
 
 
+@attrs.frozen
+class MemoryReport:
+    """Bytes a loaded shard holds, by its engine's own accounting: all of it, and of that the
+    part in host memory (all of it on the CPU; on a GPU, what stays behind, such as the token
+    embeddings and the host's side of the compute buffers)."""
+
+    weights: int
+    kv: int
+    compute: int
+    host_weights: int
+    host_kv: int
+    host_compute: int
+
+    @property
+    def total(self) -> int:
+        """All three together."""
+        return self.weights + self.kv + self.compute
+
+    @property
+    def host(self) -> int:
+        """What of the total lives in host memory."""
+        return self.host_weights + self.host_kv + self.host_compute
+
+    @property
+    def device(self) -> int:
+        """What of the total lives in a device's own memory."""
+        return self.total - self.host
+
+
 # OpenAI's stand-in for the log-probability of a token the model rules out (-inf)
 LOGPROB_FLOOR = -9999.0
 

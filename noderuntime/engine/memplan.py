@@ -21,7 +21,8 @@ import re
 
 import attrs
 
-from noderuntime.engine.llama import EngineError, Recipe, ShardEngine, device_memory
+from noderuntime.engine.base import EngineError
+from noderuntime.engine.llama import Recipe, ShardEngine, device_memory
 from noderuntime.models.artifacts import LayerRange, inspect
 
 # What a node process holds besides llama.cpp's buffers: the interpreter, numpy,

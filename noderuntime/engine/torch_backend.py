@@ -50,8 +50,16 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeRotaryEmbedding,
 )
 
-from noderuntime.engine.base import GrammarError, Rows, StepResult, draw_seed, token_logprob, transformers_versions
-from noderuntime.engine.llama import EngineError, MemoryReport
+from noderuntime.engine.base import (
+    EngineError,
+    GrammarError,
+    MemoryReport,
+    Rows,
+    StepResult,
+    draw_seed,
+    token_logprob,
+    transformers_versions,
+)
 from noderuntime.models.artifacts import ArtifactInfo, LayerRange
 from protocol import Sampling, TokenLogprob
 
