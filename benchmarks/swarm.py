@@ -53,7 +53,8 @@ import numpy as np
 
 from benchmarks import _common
 from noderuntime.tracker.placement import Placement
-from noderuntime.tracker.state import NodeRecord, TrackerState
+from noderuntime.tracker.records import NodeRecord
+from noderuntime.tracker.registry import TrackerState
 
 # the real swarm: shares of the way from what the last layer alone needs to the whole model
 REAL_SHARES = (0.3, 0.4, 0.55, 0.7, 0.8)

@@ -58,18 +58,10 @@ from benchmarks import _common
 from noderuntime.access.identity import Identity
 from noderuntime.access.signing import sign
 from noderuntime.control.admission import Capability, capability_record
-from noderuntime.tracker.state import (
-    COST_CEILING_MS,
-    DIRECT_SEAM_MS,
-    HEARTBEAT_SECONDS,
-    NEAR_EQUAL,
-    RELAY_SEAM_MS,
-    NodeRecord,
-    NoRoute,
-    RouteChoice,
-    TrackerState,
-    layer_count,
-)
+from noderuntime.tracker.columns import COST_CEILING_MS
+from noderuntime.tracker.records import DIRECT_SEAM_MS, HEARTBEAT_SECONDS, RELAY_SEAM_MS, NodeRecord
+from noderuntime.tracker.registry import TrackerState
+from noderuntime.tracker.routechoice import NEAR_EQUAL, NoRoute, RouteChoice, layer_count
 
 NAME = "tracker_scale"
 N_LAYER = 80

@@ -27,7 +27,7 @@ from noderuntime.models.artifacts import LayerRange
 from noderuntime.services import ready
 from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
 from noderuntime.tracker.messages import RouteReply
-from noderuntime.tracker.state import NodeRecord
+from noderuntime.tracker.records import NodeRecord
 
 CAPABILITY = Capability(
     prefill_ms_per_token=2.0,

@@ -30,7 +30,8 @@ from noderuntime.tracker.placement import (
     choose,
     route_capacity,
 )
-from noderuntime.tracker.state import NodeRecord, TrackerState
+from noderuntime.tracker.records import NodeRecord
+from noderuntime.tracker.registry import TrackerState
 
 ARTIFACT = "ab" * 32
 

@@ -16,7 +16,8 @@ from noderuntime.operations.httpserve import serve_http
 from noderuntime.tracker import status, swarm
 from noderuntime.tracker.app import Tracker
 from noderuntime.tracker.messages import NodeQuery
-from noderuntime.tracker.state import NodeRecord, TrackerState
+from noderuntime.tracker.records import NodeRecord
+from noderuntime.tracker.registry import TrackerState
 
 ARTIFACT = "ab" * 32
 

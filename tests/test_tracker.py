@@ -22,21 +22,14 @@ from noderuntime.access.tickets import TicketVerifier
 from noderuntime.control.admission import Capability, capability_record
 from noderuntime.node.leases import LeaseManager
 from noderuntime.operations.httpserve import serve_http
-from noderuntime.tracker import state as tracker_state
+from noderuntime.tracker import registry, routechoice
 from noderuntime.tracker.app import Tracker
 from noderuntime.tracker.client import NodeLoad, TrackerError, TrackerLink, request_route
 from noderuntime.tracker.messages import MAX_PEERS, MAX_ROUND_TRIP_MS, Heartbeat, Registration
+from noderuntime.tracker.records import DIRECT_SEAM_MS, NodeRecord
+from noderuntime.tracker.registry import TrackerState
 from noderuntime.tracker.roundtrips import RoundTrips, connect_ms, measure_round_trips
-from noderuntime.tracker.state import (
-    DIRECT_SEAM_MS,
-    MAX_ROUTES,
-    NEAR_EQUAL,
-    NodeRecord,
-    NoRoute,
-    TrackerState,
-    all_routes,
-    unmixed,
-)
+from noderuntime.tracker.routechoice import MAX_ROUTES, NEAR_EQUAL, NoRoute, all_routes, unmixed
 from noderuntime.verify.certificates import CoveredPair
 from protocol import Hop, Span, route_recipe
 
@@ -269,7 +262,7 @@ def test_the_shortest_path_is_the_cheapest_route_of_random_swarms(monkeypatch: p
             assert refused.value.full == bool(routes)
             continue
         best = _oracle(state, routes)
-        monkeypatch.setattr(tracker_state, "NEAR_EQUAL", 0.0)
+        monkeypatch.setattr(routechoice, "NEAR_EQUAL", 0.0)
         exact = state.choose(ARTIFACT, 10)
         assert exact.cost_ms == pytest.approx(best), seed
         assert exact.cost_ms == pytest.approx(state.route_cost(exact.nodes))
@@ -284,7 +277,7 @@ def test_the_shortest_path_is_the_cheapest_route_of_random_swarms(monkeypatch: p
 
 def test_repairs_recipes_certificates_and_exclusions_hold_on_random_swarms(monkeypatch: pytest.MonkeyPatch) -> None:
     """``start``, ``recipe``, a certified pair and excluded nodes, each against the brute force."""
-    monkeypatch.setattr(tracker_state, "NEAR_EQUAL", 0.0)
+    monkeypatch.setattr(routechoice, "NEAR_EQUAL", 0.0)
     cpu, gpu, other = "c" * 16, "g" * 16, "o" * 16
     pair = frozenset((cpu, gpu))
     for seed in range(200):
@@ -312,7 +305,7 @@ def test_repairs_recipes_certificates_and_exclusions_hold_on_random_swarms(monke
 
 def test_affinity_takes_the_route_through_most_near_nodes_then_the_cheapest(monkeypatch: pytest.MonkeyPatch) -> None:
     """A discount on ``near`` nodes larger than any route's cost: their count first, the cost second."""
-    monkeypatch.setattr(tracker_state, "NEAR_EQUAL", 0.0)
+    monkeypatch.setattr(routechoice, "NEAR_EQUAL", 0.0)
     for seed in range(200):
         state = _random_swarm(seed, full=0.1)
         nodes = list(state.nodes.values())
@@ -698,11 +691,11 @@ def test_the_heartbeat_interval_grows_with_the_swarm_and_expiry_with_each_nodes_
 ) -> None:
     """A swarm of N nodes beats every N / HEARTBEATS_PER_SECOND seconds (within its bounds); a node is
     dropped after EXPIRE_HEARTBEATS of the interval it was told, and never sooner than expire_after."""
-    monkeypatch.setattr(tracker_state, "HEARTBEATS_PER_SECOND", 2.0)  # 10 nodes: 5 s
+    monkeypatch.setattr(registry, "HEARTBEATS_PER_SECOND", 2.0)  # 10 nodes: 5 s
     state = TrackerState(expire_after=10.0)
-    assert state.heartbeat_seconds == tracker_state.HEARTBEAT_SECONDS
+    assert state.heartbeat_seconds == registry.HEARTBEAT_SECONDS
     state.register(node("first", (0, 30)), 0.0)
-    assert state.nodes[_id("first")].beat_seconds == tracker_state.HEARTBEAT_SECONDS
+    assert state.nodes[_id("first")].beat_seconds == registry.HEARTBEAT_SECONDS
     for i in range(9):
         state.register(node(f"n{i}", (0, 30)), 0.0)
     assert state.heartbeat_seconds == 5.0
@@ -716,9 +709,9 @@ def test_the_heartbeat_interval_grows_with_the_swarm_and_expiry_with_each_nodes_
     for i in range(400):
         state.register(node(f"m{i}", (0, 30)), 20.0)
     # 200 s at 2 a second: bounded, or a vanished node would linger ten minutes
-    assert state.heartbeat_seconds == tracker_state.MAX_HEARTBEAT_SECONDS
+    assert state.heartbeat_seconds == registry.MAX_HEARTBEAT_SECONDS
     state.heartbeat(_id("m0"), 21.0, active_sessions=0, free_slots=4, queue_depth=0, step_ms=9)
-    assert state.nodes[_id("m0")].beat_seconds == tracker_state.MAX_HEARTBEAT_SECONDS
+    assert state.nodes[_id("m0")].beat_seconds == registry.MAX_HEARTBEAT_SECONDS
     assert _id("m0") not in state.expire(21.0 + 3 * 60.0 - 1)
     assert _id("m0") in state.expire(21.0 + 3 * 60.0 + 1)
 
@@ -726,8 +719,8 @@ def test_the_heartbeat_interval_grows_with_the_swarm_and_expiry_with_each_nodes_
 async def test_a_node_beats_at_the_interval_the_trackers_latest_answer_gives(monkeypatch: pytest.MonkeyPatch) -> None:
     """The interval is in every heartbeat's answer: a node registered in a small swarm slows its beats
     when the swarm grows, and the tracker expires it by the interval it told it."""
-    monkeypatch.setattr(tracker_state, "HEARTBEAT_SECONDS", 0.2)
-    monkeypatch.setattr(tracker_state, "HEARTBEATS_PER_SECOND", 10.0)
+    monkeypatch.setattr(registry, "HEARTBEAT_SECONDS", 0.2)
+    monkeypatch.setattr(registry, "HEARTBEATS_PER_SECOND", 10.0)
     tracker = Tracker(Identity.generate(), expire_after=0.5)
     me = Identity.generate()
     async with trio.open_nursery() as nursery:

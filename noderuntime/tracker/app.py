@@ -75,7 +75,9 @@ from noderuntime.tracker.messages import (
     RouteRequest,
 )
 from noderuntime.tracker.placement import HOLD_DOWN_SECONDS, Placement, PlacementError
-from noderuntime.tracker.state import STEP_BUDGET_MS, NodeRecord, NoRoute, TrackerState
+from noderuntime.tracker.records import NodeRecord
+from noderuntime.tracker.registry import STEP_BUDGET_MS, TrackerState
+from noderuntime.tracker.routechoice import NoRoute
 from noderuntime.verify.certificates import CoveredPair
 from noderuntime.web import add_pages, file_response
 from protocol import Hop, Span, route_recipe

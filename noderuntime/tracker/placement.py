@@ -41,7 +41,9 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from noderuntime.tracker.state import NodeRecord, TrackerState, layer_count
+from noderuntime.tracker.records import NodeRecord
+from noderuntime.tracker.registry import TrackerState
+from noderuntime.tracker.routechoice import layer_count
 
 RESERVATION_SECONDS = 600.0  # long enough to fetch and load a shard of a large model
 MAX_RESERVATIONS = 4096  # reservations kept at once; beyond, the soonest to expire goes first

@@ -1,7 +1,7 @@
 """Round trips from a node to the peers it talks to, measured and smoothed for its heartbeats.
 
 The tracker costs the seam between two hops by the round trip their nodes measured
-(:meth:`noderuntime.tracker.state.TrackerState.seam_ms`), so a route across continents
+(:meth:`noderuntime.tracker.registry.TrackerState.seam_ms`), so a route across continents
 costs what it costs. A node measures the next hops of its route sessions: the time a TCP
 connection to the address the route names takes to open is one round trip (SYN, SYN-ACK),
 without the engine or a queue in it, which a decode step's round trip through the rest

@@ -10,7 +10,8 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from noderuntime.control.admission import Capability
-from noderuntime.tracker.state import NodeRecord, all_routes, route_cost, unmixed
+from noderuntime.tracker.records import NodeRecord
+from noderuntime.tracker.routechoice import all_routes, route_cost, unmixed
 
 
 def fetch(tracker: str, status_key: str | None = None) -> tuple[list[dict[str, Any]], dict[str, set[frozenset[str]]]]:

@@ -29,7 +29,9 @@ from noderuntime.tracker.messages import (
     RouteView,
     SwarmStatus,
 )
-from noderuntime.tracker.state import MAX_ROUTES, NEAR_EQUAL, NodeRecord, TrackerState, layer_count
+from noderuntime.tracker.records import NodeRecord
+from noderuntime.tracker.registry import TrackerState
+from noderuntime.tracker.routechoice import MAX_ROUTES, NEAR_EQUAL, layer_count
 
 SLOW_FACTOR = 2.0  # slower per layer than this many times the median of its peers: slow
 STALE_HEARTBEATS = 2.0  # silent for longer than this many heartbeat intervals: stale
@@ -109,7 +111,7 @@ def _model(
 ) -> ModelView:
     n_layer = layer_count(nodes)
     budget = state.step_budget_ms
-    # a node that claims another layer count joins no route (state.layer_count): not on the strip either
+    # a node that claims another layer count joins no route (routechoice.layer_count): not on the strip either
     fitting = [r for r in nodes if r.n_layer == n_layer and 0 <= r.layers[0] < r.layers[1] <= n_layer]
     choices = state.routes_now(artifact)
     best = choices[0].cost_ms if choices else 0.0
