@@ -480,6 +480,35 @@ def _registration(me: Identity, **changes: Any) -> dict[str, Any]:
     return body
 
 
+def test_a_registration_speaks_the_node_description_and_the_record_keeps_all_of_it() -> None:
+    """The JSON a node registers with keeps its keys; the tracker's record holds every field of its
+    description (the hex ids as bytes), with what the tracker adds."""
+    me = Identity.generate()
+    body = _registration(me, tls_cert_sha256="ab" * 32, device="vulkan:0", kernel_class="vulkan:gpu")
+    registration = Registration(**body)
+    assert set(registration.model_dump(mode="json")) == {
+        "node_id",
+        "artifact",
+        "model_name",
+        "n_layer",
+        "layers",
+        "recipe",
+        "address",
+        "relay",
+        "tls_cert_sha256",
+        "slots",
+        "ctx_per_session",
+        "device",
+        "kernel_class",
+        "capability",
+    }
+    record = NodeRecord.of(registration, probe_required=True)
+    assert record.node_id == me.node_id and record.tls_cert_sha256 == b"\xab" * 32 and record.probe_required
+    for name, value in registration.description().model_dump().items():
+        held = getattr(record, name)
+        assert (held.hex() if isinstance(held, bytes) else held) == value, name
+
+
 async def test_api_authenticates_nodes_and_issues_verifiable_tickets() -> None:
     tracker = Tracker(Identity.generate(), expire_after=2.0, api_key="gw-secret")
     me, other = Identity.generate(), Identity.generate()

@@ -13,7 +13,7 @@ from noderuntime.access import tickets
 from noderuntime.access.identity import Identity
 from noderuntime.control.ledger import USAGE_DOMAIN, Ledger, check
 from noderuntime.services import ready
-from noderuntime.tracker.messages import RouteHop, RouteReply, decode_hops, encode_hops
+from noderuntime.tracker.messages import Registration, RouteHop, RouteReply, decode_hops, encode_hops
 from noderuntime.transport import relay_messages as m
 from protocol import Hop, Span, UsageRecord
 
@@ -288,6 +288,12 @@ def test_a_node_ready_line_names_its_hop() -> None:
     assert NODE_READY.hop() == Hop(NODE, Span(0, 15), "127.0.0.1:7000", "ws://127.0.0.1:7001")
 
 
+def test_a_node_ready_line_carries_the_description_its_registration_does() -> None:
+    registration = Registration.of(NODE_READY, {"body": "{}", "signature": ""})
+    assert registration.description() == NODE_READY.description()
+    assert registration.capability == {"body": "{}", "signature": ""}
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -305,6 +311,11 @@ def test_a_node_ready_line_names_its_hop() -> None:
         {"node_id": "zz" * 32},
         {"tls_cert_sha256": "ab"},
         {"address": None},
+        # bounded as a registration is: the description is one type
+        {"n_layer": 0},
+        {"slots": 5000},
+        {"address": "nowhere"},
+        {"model_name": None},
     ],
 )
 def test_a_malformed_ready_line_is_a_ready_error(change: dict[str, object]) -> None:

@@ -214,6 +214,8 @@ async def run_node(
                 http=http_url,
                 capability=capability.to_json(),
                 device=opts.device,
+                model_name=info.name,
+                kernel_class=kernel_class(opts.device) if opts.backend == "llama.cpp" else "",
             )
             if opts.trackers:
                 record = admission.capability_record(
@@ -223,22 +225,7 @@ async def run_node(
                     recipe=recipe.fingerprint(info.quant),
                     capability=capability,
                 )
-                registration = Registration(
-                    node_id=shown.node_id,
-                    artifact=shown.artifact,
-                    model_name=info.name,
-                    n_layer=shown.n_layer,
-                    layers=shown.layers,
-                    recipe=shown.recipe,
-                    address=shown.address,
-                    relay=shown.relay,
-                    tls_cert_sha256=shown.tls_cert_sha256,
-                    slots=shown.slots,
-                    ctx_per_session=shown.ctx_per_session,
-                    capability=record,
-                    device=shown.device,
-                    kernel_class=kernel_class(opts.device) if opts.backend == "llama.cpp" else "",
-                )
+                registration = Registration.of(shown, record)
 
                 async def answer_probe(seed: int) -> dict[str, Any]:
                     return (await node.probe(seed)).to_json()

@@ -15,9 +15,10 @@ import typing
 from typing import Any, ClassVar, TypeVar
 
 import attrs
+import pydantic
 
 from noderuntime.access import untrusted
-from noderuntime.tracker.messages import RouteHop
+from noderuntime.tracker.messages import NodeDescription, RouteHop
 from protocol import Hop
 
 PREFIX = '{"event": "ready"'  # every ready line starts so; other output never does
@@ -34,25 +35,18 @@ def _hex(size: int, *, optional: bool = False) -> dict[str, tuple[int, bool]]:
     return {_HEX: (size, optional)}
 
 
-@attrs.frozen
-class NodeReady:
-    """A shard node serves: what it told the tracker, and where its status is."""
+class NodeReady(NodeDescription):
+    """A shard node serves: what it told the tracker (its description, bounded as a registration's),
+    and where its status is.
+
+    A pydantic model where the other kinds are attrs classes: its description is the one a
+    registration carries, read by the same validators.
+    """
 
     PROCESS: ClassVar[str] = "node"
-    node_id: str = attrs.field(metadata=_hex(32))
-    artifact: str = attrs.field(metadata=_hex(32))
-    n_layer: int
-    layers: tuple[int, int]
-    recipe: str = attrs.field(metadata=_hex(8))
-    address: str  # HOST:PORT of its seam listener, or none: through the relay only
-    relay: str  # the relay URL it listens through, or none
-    tls_cert_sha256: str = attrs.field(metadata=_hex(32, optional=True))
-    slots: int
-    ctx_per_session: int
     pid: int
     http: str  # its /status and /metrics endpoint, or none
     capability: dict[str, Any]  # what it measured (admission.Capability.to_json())
-    device: str = "cpu"  # where its layers and KV live: "cpu", "vulkan:0", "cuda:1", ...
 
     def hop(self) -> Hop:
         """The node as a hop of a route plan (as a route grant would name it)."""
@@ -116,7 +110,8 @@ _KINDS: dict[str, type[Ready]] = {
 
 def dump(ready: Ready) -> str:
     """The ready line (without its newline)."""
-    return json.dumps({"event": "ready", "process": ready.PROCESS, **attrs.asdict(ready)})
+    fields = ready.model_dump(mode="json") if isinstance(ready, pydantic.BaseModel) else attrs.asdict(ready)
+    return json.dumps({"event": "ready", "process": ready.PROCESS, **fields})
 
 
 def parse(line: str) -> Ready:
@@ -130,6 +125,8 @@ def parse(line: str) -> Ready:
     kind = _KINDS.get(str(data.get("process")))
     if kind is None:
         raise ReadyError(f"a ready line of no known process: {data.get('process')!r:.40}")
+    if issubclass(kind, pydantic.BaseModel):
+        return _model(line, data, kind)
     hints = typing.get_type_hints(kind)
     values = {}
     for field in attrs.fields(kind):
@@ -140,6 +137,20 @@ def parse(line: str) -> Ready:
             size, optional = field.metadata[_HEX]
             _check_hex(values[field.name], size, optional, f"{kind.PROCESS} {field.name}")
     return kind(**values)
+
+
+def _model(line: str, data: dict[str, Any], kind: type[NodeReady]) -> NodeReady:
+    """A ready line of a ``kind`` that pydantic reads: strictly (an int is no float or bool, a list no
+    string), every field present (defaults are for registrations, not for ready lines)."""
+    for name in kind.model_fields:
+        if name not in data:
+            raise ReadyError(f"the {kind.PROCESS}'s ready line has no {name}")
+    try:
+        return kind.model_validate_json(line, strict=True)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ReadyError(f"{kind.PROCESS} {where}: {first['msg']}") from None
 
 
 def expect(ready: Ready, kind: type[R]) -> R:

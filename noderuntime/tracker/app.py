@@ -247,22 +247,9 @@ class Tracker:
             self.metrics.errors.labels("capability").inc()
             raise HTTPException(400, str(exc)) from None
         key = (body.artifact, (start, end), body.recipe)
-        record = NodeRecord(
-            node_id=node_id,
-            artifact=body.artifact,
-            n_layer=body.n_layer,
-            layers=(start, end),
-            recipe=body.recipe,
-            address=body.address,
-            relay=body.relay,
-            tls_cert_sha256=bytes.fromhex(body.tls_cert_sha256),
-            slots=body.slots,
-            ctx_per_session=body.ctx_per_session,
-            model_name=body.model_name,
-            device=body.device,
-            kernel_class=body.kernel_class,
-            measured=measured,
-            probe_required=self.require_probe or bool(self.references.seeds(key)),
+        # node_id is the one the signature proved: _authenticated checked that the body claims it
+        record = NodeRecord.of(
+            body, measured=measured, probe_required=self.require_probe or bool(self.references.seeds(key))
         )
         now = time.time()
         # a node that audits excluded stays out, however often it registers again

@@ -38,8 +38,16 @@ def _layer_span(value: tuple[int, int]) -> tuple[int, int]:
 LayerSpan = Annotated[tuple[int, int], AfterValidator(_layer_span)]
 
 
-class Registration(BaseModel):
-    """A node's description of itself."""
+class NodeDescription(BaseModel):
+    """What a node says of itself: the shard it serves, how peers reach it, and how much it holds.
+
+    Defined once, with every bound: a :class:`Registration` carries it to the tracker (with
+    the node's signed capability), a node's ready line (``services.ready.NodeReady``) to
+    whoever started it, and the tracker keeps it in its record of the node
+    (``tracker.records.NodeRecord.of``).
+    """
+
+    model_config = ConfigDict(frozen=True)
 
     node_id: str = Field(pattern=HEX32)
     artifact: str = Field(pattern=HEX32)
@@ -52,7 +60,6 @@ class Registration(BaseModel):
     tls_cert_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
     slots: int = Field(gt=0, le=4096)
     ctx_per_session: int = Field(gt=0, le=1 << 22)
-    capability: dict[str, str]  # {"body": signed JSON text, "signature": hex}
     # where its layers and KV live (the recipe fingerprint names the kind of device, not the index)
     device: str = Field(default="cpu", pattern=DEVICE)
     # its drift class (engine.llama.kernel_class), which the recipe fingerprint covers: shown, and
@@ -73,6 +80,21 @@ class Registration(BaseModel):
         if value and not _relay_url(value):
             raise ValueError("relay must be a ws:// or wss:// URL with a host")
         return value
+
+    def description(self) -> NodeDescription:
+        """The description alone, of a message that carries more (a registration, a ready line)."""
+        return NodeDescription.model_validate(self.model_dump(include=set(NodeDescription.model_fields)))
+
+
+class Registration(NodeDescription):
+    """A node's description of itself, with the capability it measured and signed (``admission.capability_record``)."""
+
+    capability: dict[str, str]  # {"body": signed JSON text, "signature": hex}
+
+    @classmethod
+    def of(cls, description: NodeDescription, capability: dict[str, str]) -> Registration:
+        """The registration of the node ``description`` describes."""
+        return cls(**description.description().model_dump(), capability=capability)
 
 
 def _dialable(address: str) -> bool:

@@ -10,10 +10,12 @@ sessions and the constant seam into it are what route choice costs it by.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import attrs
 
 from noderuntime.control.admission import Capability
+from noderuntime.tracker.messages import NodeDescription
 
 DIRECT_SEAM_MS = 1.0  # a seam nobody measured, into a node peers dial directly
 RELAY_SEAM_MS = 2.5  # ... into a node reached through its relay
@@ -25,6 +27,7 @@ HEARTBEAT_SECONDS = 2.0  # the interval a small swarm's nodes beat at (a large o
 class NodeRecord:
     """What a node told the tracker about itself (registration) and its load (heartbeats)."""
 
+    # its description: the fields of messages.NodeDescription, bounded there, the hex ids as bytes
     node_id: bytes
     artifact: str
     n_layer: int
@@ -53,6 +56,14 @@ class NodeRecord:
     beat_seconds: float = HEARTBEAT_SECONDS  # the heartbeat interval the tracker last told it
     # why audits excluded it (two auditors agreed against it: tracker/audits.py); "" when they did not
     audit_failed: str = ""
+
+    @classmethod
+    def of(cls, description: NodeDescription, **more: Any) -> NodeRecord:
+        """The record of the node ``description`` describes (its registration), with ``more`` of the other fields."""
+        fields: dict[str, Any] = description.description().model_dump()
+        for name in _HEX_FIELDS:
+            fields[name] = bytes.fromhex(fields[name])
+        return cls(**fields, **more)
 
     @property
     def reachability(self) -> str:
@@ -117,3 +128,6 @@ def _capacity(measured: Capability, slots: int, step_budget_ms: float) -> int:
     fitting = sum(1 for batch in range(1, slots + 1) if measured.step_ms(batch) <= step_budget_ms)
     return max(1, fitting)
 
+
+# the description's fields the record holds as bytes (the JSON carries them in hex)
+_HEX_FIELDS = tuple(f.name for f in attrs.fields(attrs.resolve_types(NodeRecord)) if f.type is bytes)
