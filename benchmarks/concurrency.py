@@ -87,7 +87,7 @@ def _engine_lane(model: str, sessions: int, new_tokens: int) -> dict[str, float]
 
 
 async def _route_lane(model: str, cuts: list[int], sessions: int, new_tokens: int) -> dict[str, float]:
-    from noderuntime.seams.client import GenerationRequest, open_generation
+    from noderuntime.seams.client import GenerationRequest, open_route_generation, over_stream
     from noderuntime.services.localroute import open_local_route
 
     prompts = _prompts(sessions)
@@ -97,8 +97,8 @@ async def _route_lane(model: str, cuts: list[int], sessions: int, new_tokens: in
         async def one(i: int) -> None:
             stream = await route.network.connect(route.hops[0])
             request = GenerationRequest(prompts[i], new_tokens)
-            async with open_generation(
-                stream, route.hops, request, artifact=route.artifact, recipe=route.recipe
+            async with open_route_generation(
+                over_stream(stream), route.hops, request, artifact=route.artifact, recipe=route.recipe
             ) as gen:
                 while await gen.next() is not None:
                     arrivals[i].append(time.perf_counter())

@@ -28,8 +28,8 @@ from noderuntime.seams.client import (
     USAGE_TIMEOUT,
     GenerationRequest,
     RouteError,
-    open_generation,
     open_route_generation,
+    over_stream,
 )
 from noderuntime.seams.connection import NOTICE_TIMEOUT, SeamConnection
 from noderuntime.tracker.client import NodeLoad, TrackerLink
@@ -609,8 +609,13 @@ async def test_leaving_a_generation_releases_it_and_collects_usage_or_cancels_it
         async with trio.open_nursery() as nursery:
             nursery.start_soon(head, theirs, heard)
             with pytest.raises(ValueError) if leave_by_error else contextlib.nullcontext():
-                async with open_generation(
-                    ours, (Hop(NODE_ID, LAYERS),), request, artifact=ARTIFACT, recipe=RECIPE, session_id=b"s" * 16
+                async with open_route_generation(
+                    over_stream(ours),
+                    (Hop(NODE_ID, LAYERS),),
+                    request,
+                    artifact=ARTIFACT,
+                    recipe=RECIPE,
+                    session_id=b"s" * 16,
                 ) as gen:
                     assert (await gen.next()) is not None and (await gen.next()) is None
                     if leave_by_error:
@@ -651,11 +656,15 @@ async def test_a_lost_usage_record_does_not_fail_a_generation_and_a_route_error_
             nursery.start_soon(head, theirs, heard, route_fails)
             if route_fails:
                 with pytest.raises(RouteError) as failed:
-                    async with open_generation(ours, hops, request, artifact=ARTIFACT, recipe=RECIPE) as gen:
+                    async with open_route_generation(
+                        over_stream(ours), hops, request, artifact=ARTIFACT, recipe=RECIPE
+                    ) as gen:
                         await gen.next()
                 assert failed.value.code is StatusCode.RESOURCE_EXHAUSTED and failed.value.node_id == b"x"
             else:
-                async with open_generation(ours, hops, request, artifact=ARTIFACT, recipe=RECIPE) as gen:
+                async with open_route_generation(
+                    over_stream(ours), hops, request, artifact=ARTIFACT, recipe=RECIPE
+                ) as gen:
                     await gen.next()
                 assert gen.usage is None and gen.tokens == [7]
                 assert trio.current_time() - started == pytest.approx(USAGE_TIMEOUT)

@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from noderuntime.engine.llama import Recipe
-from noderuntime.seams.client import USAGE_TIMEOUT, GenerationRequest, RouteError, open_generation
+from noderuntime.seams.client import USAGE_TIMEOUT, GenerationRequest, RouteError, open_route_generation, over_stream
 from noderuntime.seams.connection import SeamConnection
 from noderuntime.services.localroute import LocalRoute, open_local_route
 from noderuntime.transport import FrameStream, StreamBroken, TransportError, memory_stream_pair
@@ -220,7 +220,9 @@ async def test_bad_tokens_from_the_next_hop_fail_that_session_only(
         route.nodes[0].accept(theirs)
         request = GenerationRequest(PROMPT, 2)  # reserves len(PROMPT) + 2 positions
         with trio.fail_after(20), pytest.raises(RouteError) as failed:
-            async with open_generation(stream, hops, request, artifact=route.artifact, recipe=route.recipe) as gen:
+            async with open_route_generation(
+                over_stream(stream), hops, request, artifact=route.artifact, recipe=route.recipe
+            ) as gen:
                 while await gen.next() is not None:
                     pass
         assert failed.value.code == StatusCode.UNAVAILABLE
@@ -254,8 +256,8 @@ async def test_a_client_that_stops_reading_times_out_without_blaming_the_next_ho
         stream = await running.network.connect(running.hops[0])
         request = GenerationRequest(PROMPT, 200)
         with trio.fail_after(20), pytest.raises(RouteError):
-            async with open_generation(
-                stream, running.hops, request, artifact=running.artifact, recipe=running.recipe
+            async with open_route_generation(
+                over_stream(stream), running.hops, request, artifact=running.artifact, recipe=running.recipe
             ) as gen:
                 await trio.sleep(4)  # reads nothing while the route produces
                 while await gen.next() is not None:
@@ -288,8 +290,8 @@ async def test_a_head_that_answers_out_of_turn_fails_the_client_at_once() -> Non
         async with trio.open_nursery() as nursery:
             nursery.start_soon(broken_head)
             hops = (Hop(b"\x01" * 32, head_span),)
-            async with open_generation(
-                client_end, hops, request, artifact=artifact, recipe=recipe, session_id=session
+            async with open_route_generation(
+                over_stream(client_end), hops, request, artifact=artifact, recipe=recipe, session_id=session
             ) as gen:
                 with pytest.raises(RouteError) as info:
                     while await gen.next() is not None:

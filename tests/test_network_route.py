@@ -94,7 +94,7 @@ async def test_cancellation_from_either_end_releases_kv_everywhere(
     with running_cluster(smollm2, CUTS, tmp_path, relay_only=[1, 2] if relayed else []) as cluster:
         long = GenerationRequest(tuple(range(200, 260)), 400)
         async with open_dialer() as dialer:
-            # the client end: leave in the middle of decoding (open_generation sends Cancel)
+            # the client end: leave in the middle of decoding (open_route_generation sends Cancel)
             with pytest.raises(_Stop):
                 async with cluster.open(dialer, long, session_id=b"a" * 16) as gen:
                     for _ in range(10):

@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from noderuntime.engine.llama import Recipe, Rows, ShardEngine
-from noderuntime.seams.client import GenerationRequest, RouteError, open_generation
+from noderuntime.seams.client import GenerationRequest, RouteError, open_route_generation, over_stream
 from noderuntime.services.localroute import LocalRoute, open_local_route
 from protocol import StatusCode
 
@@ -142,8 +142,8 @@ async def test_random_starts_ends_and_cancellations_leave_nothing_behind(smollm2
                 return
             try:
                 with trio.move_on_after(rng.uniform(0.0, 0.6) if mode == "cancel" else 60) as scope:
-                    async with open_generation(
-                        stream, route.hops, reqs[i], artifact=route.artifact, recipe=route.recipe
+                    async with open_route_generation(
+                        over_stream(stream), route.hops, reqs[i], artifact=route.artifact, recipe=route.recipe
                     ) as gen:
                         while await gen.next() is not None:
                             pass
@@ -190,7 +190,9 @@ async def test_a_full_node_refuses_at_once_and_admits_after_a_session_ends(smoll
             holders = []
             for r in long[:2]:
                 stream = await route.network.connect(route.hops[0])
-                cm = open_generation(stream, route.hops, r, artifact=route.artifact, recipe=route.recipe)
+                cm = open_route_generation(
+                    over_stream(stream), route.hops, r, artifact=route.artifact, recipe=route.recipe
+                )
                 holders.append((cm, await cm.__aenter__()))
             for _, gen in holders:
                 assert await gen.next() is not None  # both admitted and generating

@@ -15,7 +15,7 @@ import itertools
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import trio
@@ -31,6 +31,7 @@ from noderuntime.node.prefix import PrefixCache
 from noderuntime.node.sessions import RouteSession, SessionContext, SessionKey, deadline_from_unix_ms
 from noderuntime.operations import timeline
 from noderuntime.operations.telemetry import NodeMetrics, SessionLog, exposition
+from noderuntime.seams.client import Connector
 from noderuntime.seams.connection import NOTICE_TIMEOUT, SeamConnection
 from noderuntime.transport import FrameStream, TransportError
 from protocol import (
@@ -50,14 +51,6 @@ from protocol import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class Connector(Protocol):
-    """Opens the seam to the next hop of a route."""
-
-    async def connect(self, hop: Hop, open_route: OpenRoute) -> FrameStream:
-        """A frame stream to ``hop`` (direct, or through a relay)."""
-        ...
 
 
 # (the OpenRoute, this node's index in its plan, the dialer its seam proved or None)

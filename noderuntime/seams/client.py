@@ -2,7 +2,7 @@
 
 Used by the gateway, the tests and the benchmarks::
 
-    async with open_generation(stream, hops, request, artifact=..., recipe=...) as gen:
+    async with open_route_generation(connector, hops, request, artifact=..., recipe=...) as gen:
         while (tokens := await gen.next()) is not None:
             ...
 
@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Protocol
 
 import attrs
 import trio
@@ -186,9 +186,28 @@ def _prefix_offer(request: GenerationRequest) -> int:
     return max(0, len(request.prompt_tokens) - 1)
 
 
+class Connector(Protocol):
+    """Opens the seam to a hop of a route."""
+
+    async def connect(self, hop: Hop, open_route: OpenRoute) -> FrameStream:
+        """A frame stream to ``hop`` (direct, or through a relay) for the session ``open_route`` opens."""
+        ...
+
+
+@attrs.frozen
+class over_stream:
+    """A connector whose seam to the head is open already: ``stream`` (a test's or a local route's)."""
+
+    stream: FrameStream
+
+    async def connect(self, hop: Hop, open_route: OpenRoute) -> FrameStream:
+        """``stream``, whatever the hop."""
+        return self.stream
+
+
 @asynccontextmanager
 async def open_route_generation(
-    connector: Any,
+    connector: Connector,
     hops: Sequence[Hop],
     request: GenerationRequest,
     *,
@@ -199,73 +218,33 @@ async def open_route_generation(
     epoch: int = 0,
     limits: Limits = Limits(),
 ) -> AsyncIterator[Generation]:
-    """Like :func:`open_generation`, dialling the head with ``connector`` (direct or through its relay)."""
-    session_id = session_id or os.urandom(16)
-    identity = Identity(request.request_id, session_id, epoch, artifact, recipe, Span())
-    probe = OpenRoute(
-        SeamEndpoint(identity, Direction.DOWNSTREAM).header(Phase.PREFILL),
-        tuple(hops),
-        request.sampling,
-        (),
-        1,
-        (),
-        0,
-        ticket,
-    )
-    try:
-        stream = await connector.connect(hops[0], probe)
-    except TransportError as exc:
-        raise RouteError(f"cannot reach the head: {exc}", exc.code) from None
-    async with open_generation(
-        stream,
-        hops,
-        request,
-        artifact=artifact,
-        recipe=recipe,
-        ticket=ticket,
-        session_id=session_id,
-        epoch=epoch,
-        limits=limits,
-    ) as generation:
-        yield generation
-
-
-@asynccontextmanager
-async def open_generation(
-    stream: FrameStream,
-    hops: Sequence[Hop],
-    request: GenerationRequest,
-    *,
-    artifact: bytes,
-    recipe: bytes,
-    ticket: bytes = b"",
-    session_id: bytes | None = None,
-    epoch: int = 0,
-    limits: Limits = Limits(),
-) -> AsyncIterator[Generation]:
-    """Open a route session over ``stream`` (to the head); see the module docstring."""
+    """Open a route session on ``hops``' head, dialled with ``connector`` (direct, through its
+    relay, or :class:`over_stream`); see the module docstring."""
     session_id = session_id or os.urandom(16)
     identity = Identity(request.request_id, session_id, epoch, artifact, recipe, Span())
     endpoint = SeamEndpoint(identity, Direction.DOWNSTREAM, peer_shard=hops[0].layers)
+    opening = OpenRoute(
+        endpoint.header(Phase.PREFILL),
+        tuple(hops),
+        request.sampling,
+        request.prompt_tokens,
+        request.max_tokens,
+        request.stop_token_ids,
+        request.deadline_unix_ms,
+        ticket,
+        request.prompt_length,
+        _prefix_offer(request),
+        request.audit_from is not None,
+        request.audit_from or 0,
+    )
+    try:
+        stream = await connector.connect(hops[0], opening)
+    except TransportError as exc:
+        raise RouteError(f"cannot reach the head: {exc}", exc.code) from None
     conn = SeamConnection(stream, endpoint, limits, label="client")
     generation = Generation(conn, session_id, epoch)
     try:
-        await conn.send(
-            OpenRoute(
-                endpoint.header(Phase.PREFILL),
-                tuple(hops),
-                request.sampling,
-                request.prompt_tokens,
-                request.max_tokens,
-                request.stop_token_ids,
-                request.deadline_unix_ms,
-                ticket,
-                request.prompt_length,
-                _prefix_offer(request),
-                request.audit_from is not None,
-                request.audit_from or 0,
-            )
-        )
+        await conn.send(opening)
         try:
             yield generation
         except BaseException:

@@ -20,7 +20,7 @@ from noderuntime.engine.llama import Recipe, ShardEngine
 from noderuntime.engine.thread import EngineThread
 from noderuntime.models.artifacts import LayerRange, inspect
 from noderuntime.node.core import Node, NodeConfig
-from noderuntime.seams.client import GenerationRequest, open_generation
+from noderuntime.seams.client import GenerationRequest, open_route_generation, over_stream
 from noderuntime.transport import FrameStream, TransportError, memory_stream_pair
 from protocol import Encoding, Hop, OpenRoute, Span, UsageRecord
 
@@ -71,7 +71,9 @@ class LocalRoute:
     async def generate(self, request: GenerationRequest) -> Completion:
         """Run one generation to its end."""
         stream = await self.network.connect(self.hops[0])
-        async with open_generation(stream, self.hops, request, artifact=self.artifact, recipe=self.recipe) as gen:
+        async with open_route_generation(
+            over_stream(stream), self.hops, request, artifact=self.artifact, recipe=self.recipe
+        ) as gen:
             while await gen.next() is not None:
                 pass
         return Completion(tuple(gen.tokens), gen.finish_reason, gen.usage)
