@@ -20,10 +20,10 @@ from noderuntime.control import admission
 from noderuntime.control.admission import AdmissionError, Capability, ProbeReferences
 from noderuntime.control.ledger import USAGE_DOMAIN, Ledger, check
 from noderuntime.engine.base import token_logprob
-from noderuntime.gateway.errors import ApiError, run_error
+from noderuntime.gateway.errors import run_error
 from noderuntime.gateway.shaping import check_logprobs
 from noderuntime.gateway.textstream import TextStream
-from noderuntime.runner.policy import route_error, to_exclude
+from noderuntime.runner.policy import RunError, route_error, to_exclude
 from noderuntime.seams.client import GenerationRequest, RouteError
 from noderuntime.tracker.app import PROBE_ANSWER_SECONDS, Tracker
 from noderuntime.tracker.client import RouteGrant
@@ -400,6 +400,6 @@ def test_logprobs_a_route_sends_must_be_those_asked_for_else_the_route_failed() 
         (_tokens((7,), (good,), (prompt[0], TokenLogprob(9, -1.0))), True),  # another prompt token's
     ]
     for event, first in hostile:
-        with pytest.raises(ApiError) as failed:
+        with pytest.raises(RunError) as failed:
             check_logprobs(model, asked, event, prompt=first)
-        assert failed.value.status == 503 and failed.value.code == "route_failed"
+        assert failed.value.code == "route_failed" and run_error(failed.value).status == 503
