@@ -20,10 +20,11 @@ from noderuntime.control.admission import AdmissionError
 from noderuntime.engine.base import Rows, StepResult
 from noderuntime.engine.thread import EngineThread
 from noderuntime.node.batcher import Batcher, StepFailed, StepOutput, StepRequest
+from noderuntime.node.context import SessionContext, deadline_from_unix_ms
 from noderuntime.node.core import Node, NodeConfig
 from noderuntime.node.ending import EndReason
 from noderuntime.node.leases import LeaseManager
-from noderuntime.node.sessions import RouteSession, SessionContext, deadline_from_unix_ms
+from noderuntime.node.sessions import RouteSession
 from noderuntime.seams.client import (
     USAGE_TIMEOUT,
     GenerationRequest,

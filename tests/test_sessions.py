@@ -13,10 +13,11 @@ import trio
 import trio.testing
 
 from noderuntime.node.batcher import StepOutput, StepRequest
+from noderuntime.node.context import SessionContext
 from noderuntime.node.ending import ENDINGS, Blame, EndReason, ending, idle_blame, stop_reason
 from noderuntime.node.leases import LeaseManager
 from noderuntime.node.prefix import PrefixCache
-from noderuntime.node.sessions import RouteSession, SessionContext
+from noderuntime.node.sessions import RouteSession
 from noderuntime.seams.connection import SeamConnection
 from noderuntime.transport import TransportError, memory_stream_pair
 from protocol import (

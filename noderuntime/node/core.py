@@ -25,10 +25,11 @@ from noderuntime.control.admission import ProbeAnswer
 from noderuntime.engine.base import Engine, EngineError, GrammarError, SavesSequences
 from noderuntime.engine.thread import EngineThread
 from noderuntime.node.batcher import Batcher, BatcherStatistics
+from noderuntime.node.context import SessionContext, SessionKey, deadline_from_unix_ms
 from noderuntime.node.ending import EndReason
 from noderuntime.node.leases import LeaseManager, LeaseStatistics
 from noderuntime.node.prefix import PrefixCache
-from noderuntime.node.sessions import RouteSession, SessionContext, SessionKey, deadline_from_unix_ms
+from noderuntime.node.sessions import RouteSession
 from noderuntime.operations import timeline
 from noderuntime.operations.telemetry import NodeMetrics, SessionLog, exposition
 from noderuntime.seams.client import Connector

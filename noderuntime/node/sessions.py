@@ -24,7 +24,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -34,24 +34,23 @@ import trio
 from noderuntime.control.commitments import Commitment, as_received
 from noderuntime.control.ledger import UsageBody
 from noderuntime.engine.base import EngineError
-from noderuntime.node.batcher import StepFailed, StepOutput, StepRequest
+from noderuntime.node.batcher import StepFailed, StepRequest
+from noderuntime.node.context import SessionContext, SessionKey, SessionUsage
 from noderuntime.node.ending import Blame, EndReason, SessionEnd, ending, idle_blame, seam_lost, stop_reason
 from noderuntime.node.leases import Lease
-from noderuntime.node.prefix import BLOCK, PrefixCache
+from noderuntime.node.prefix import BLOCK
 from noderuntime.operations.telemetry import SessionLog
 from noderuntime.seams.connection import SeamConnection
-from noderuntime.transport import FrameStream, TransportError
+from noderuntime.transport import TransportError
 from protocol import (
     HEARTBEAT_MINOR,
     Activations,
     Cancel,
     Credit,
     Direction,
-    Encoding,
     Error,
     Event,
     Hop,
-    Limits,
     NamedTensor,
     OpenRoute,
     Phase,
@@ -70,54 +69,6 @@ from protocol import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@attrs.frozen
-class SessionContext:
-    """What a route session needs of its node: built once by the node, never the node itself."""
-
-    node_id: bytes
-    step: Callable[[StepRequest], Awaitable[StepOutput]]  # one step through the batcher
-    retire: Callable[[int, Any], None]  # free a sequence (and its sampler) between ticks
-    last_step: Callable[[int], None]  # a sequence hands in no more steps: no tick waits for it
-    connect: Callable[[Hop, OpenRoute], Awaitable[FrameStream]]  # a stream to the next hop
-    sign: Callable[[bytes], bytes]  # the node's signature over a usage record
-    count_frame: Callable[[str, str, int], None]  # (transport, direction, bytes) into the metrics
-    seam_round_trip: Callable[[str, float], None]  # (transport, seconds) of a decode step's round trip
-    limits: Limits
-    encoding: Encoding  # of the hidden states sent downstream
-    prefill_chunk: int
-    idle_timeout: float
-    n_embd: int
-    n_vocab: int
-    # a next hop silent this long (no frame, no heartbeat) is hung; heartbeats go out 4 times as often
-    hang_timeout: float = 2.0
-    # the node's prefix cache, and the engine calls that save a finished sequence's KV and put one back
-    prefix_cache: PrefixCache | None = None
-    save_state: Callable[[int, int], Awaitable[bytes]] | None = None
-    restore_state: Callable[[int, bytes, int], Awaitable[None]] | None = None
-
-
-@attrs.frozen
-class SessionKey:
-    """A route session: its id and epoch."""
-
-    session_id: bytes
-    epoch: int
-
-    def __str__(self) -> str:
-        return f"{self.session_id.hex()[:12]}/{self.epoch}"
-
-
-@attrs.define
-class SessionUsage:
-    """What this node did for the session."""
-
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    cached_tokens: int = 0  # prompt positions restored from the prefix cache, not computed
-    compute_seconds: float = 0.0
-    started: float = attrs.Factory(time.time)
 
 
 class RouteSession:
@@ -830,12 +781,3 @@ class _Failed:
 
 
 _FAILED: Any = _Failed()
-
-
-def deadline_from_unix_ms(deadline_unix_ms: int, default_seconds: float) -> float:
-    """The trio deadline for a session: the client's, but no later than ``default_seconds``
-    from now (the node's bound, and the deadline of a client that set none)."""
-    if deadline_unix_ms <= 0:
-        return trio.current_time() + default_seconds
-    remaining = deadline_unix_ms / 1000.0 - time.time()
-    return trio.current_time() + min(remaining, default_seconds) if math.isfinite(remaining) else math.inf
