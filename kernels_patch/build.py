@@ -18,7 +18,7 @@ flags + CPU features (+ backend), so a second run does not build.
 ``--backend cpu`` (the default) installs into the environment. A GPU backend's
 ``--install`` unpacks the wheel into its own folder, ``<cache>/backends/<key>/site``:
 the environment keeps the CPU wheel, and a process that serves on the GPU runs with
-that folder first on ``PYTHONPATH`` (see README.md, "Backends").
+that folder first on ``PYTHONPATH`` (see docs/gates.md, "Backends").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The relay's process (``noderuntime relay``): the relay of :mod:`relay.server`, its status page and ready line.
 
-Runs from the light install (no engine): see the README's public relay section.
+Runs from the light install (no engine): see docs/operating.md, "Running a public relay or tracker".
 """
 
 from __future__ import annotations
