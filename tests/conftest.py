@@ -273,6 +273,7 @@ TIERS = {
         "test_untrusted",
     ),
     "memory": (  # trio tasks over memory streams, fakes in place of the engine, often the autojump clock
+        "test_adversaries",
         "test_batcher",
         "test_claims_memory",
         "test_enginethread",

@@ -47,6 +47,8 @@ PROBE_ROWS = 8
 SKETCH_DIM = 32
 DEFAULT_TOLERANCE = 1e-3
 MEASURE_BATCH = 8
+MAX_MEMORY_BYTES = 1 << 50  # a measured figure past a pebibyte is a lie, and too large for float arithmetic
+MAX_THREADS = 1 << 16
 
 
 class AdmissionError(ValueError):
@@ -105,8 +107,9 @@ class Capability:
             raise AdmissionError("capability needs decode times for 1 to 16 batch sizes in 1..4096")
         if not all(math.isfinite(t) and 0 < t < 1e7 for t in times):
             raise AdmissionError("capability times must be positive milliseconds")
-        if min(capability.weights_bytes, capability.kv_bytes, capability.compute_bytes) < 0:
-            raise AdmissionError("capability memory must not be negative")
+        sizes = (capability.weights_bytes, capability.kv_bytes, capability.compute_bytes)
+        if not all(0 <= b < MAX_MEMORY_BYTES for b in sizes) or not 0 <= capability.threads <= MAX_THREADS:
+            raise AdmissionError("capability memory must be 0 to 1 PiB and threads 0 to 65536")
         return capability
 
 

@@ -24,6 +24,9 @@ HEX32 = r"^[0-9a-f]{64}$"
 MAX_LAYERS = 4096
 MAX_PEERS = 32  # round trips one heartbeat may report
 MAX_ROUND_TRIP_MS = 60_000.0
+MAX_SLOTS = 4096  # sessions one node may hold at once
+MAX_QUEUE = 1 << 20  # requests a node may say are waiting for a slot
+MAX_COST_MS = 1e12  # a route's estimated cost per step (256 hops at the ceiling), as a gateway reads it
 DEVICE = r"^(cpu|(vulkan|cuda|hip|metal):[0-9]{1,4})$"  # engine.backends.parse_device, bounded
 
 
@@ -58,7 +61,7 @@ class NodeDescription(BaseModel):
     address: str = Field(default="", max_length=300)  # HOST:PORT for direct seams, or none
     relay: str = Field(default="", max_length=300)  # ws:// or wss:// URL of the relay it listens through
     tls_cert_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
-    slots: int = Field(gt=0, le=4096)
+    slots: int = Field(gt=0, le=MAX_SLOTS)
     ctx_per_session: int = Field(gt=0, le=1 << 22)
     # where its layers and KV live (the recipe fingerprint names the kind of device, not the index)
     device: str = Field(default="cpu", pattern=DEVICE)
@@ -115,13 +118,13 @@ def _relay_url(url: str) -> bool:
 
 
 class Heartbeat(BaseModel):
-    """A node's load now."""
+    """A node's load now, every number bounded: route choice computes with them in floats."""
 
     node_id: str = Field(pattern=HEX32)
-    active_sessions: int = Field(ge=0)
-    free_slots: int = Field(ge=0)
-    queue_depth: int = Field(ge=0)
-    step_ms: float = Field(ge=0, le=1e6)
+    active_sessions: int = Field(ge=0, le=MAX_QUEUE)
+    free_slots: int = Field(ge=0, le=MAX_SLOTS)
+    queue_depth: int = Field(ge=0, le=MAX_QUEUE)
+    step_ms: float = Field(ge=0, le=1e6, allow_inf_nan=False)
     # smoothed round trips to the peers it talks to, in ms, by their node ids: the tracker
     # costs the seams between them by these, and the seams nobody measured by a constant
     round_trips: dict[
@@ -200,7 +203,7 @@ class ProbeReply(BaseModel):
     node_id: str = Field(pattern=HEX32)
     seed: int = Field(ge=0, lt=2**63)
     digest: str = Field(pattern=HEX32)
-    sketch: list[float] = Field(max_length=4096)
+    sketch: list[Annotated[float, Field(ge=-1e30, le=1e30, allow_inf_nan=False)]] = Field(max_length=4096)
 
 
 class RouteRequest(BaseModel):
@@ -275,7 +278,8 @@ class RouteReply(BaseModel):
     epoch: int = Field(ge=0, lt=2**63)
     ticket: str = Field(pattern=r"^([0-9a-f]{2})+$", max_length=2 * MAX_TICKET_BYTES)
     recipe: str = Field(pattern=r"^[0-9a-f]{16}$")
-    cost_ms: float = 0.0  # what the tracker estimated the route costs per step, in ms
+    # what the tracker estimated the route costs per step, in ms
+    cost_ms: float = Field(default=0.0, ge=0, le=MAX_COST_MS, allow_inf_nan=False)
     # the longest session every hop of the route can hold (prompt and reply); 0: not said
     ctx_per_session: int = Field(default=0, ge=0, le=1 << 22)
     hops: list[RouteHop] = Field(min_length=1, max_length=256)

@@ -1,0 +1,200 @@
+"""An open swarm under attack: sybil identities and floods against a real tracker over HTTP.
+
+Each test plays one attack of an open network (anyone can make a key and register) and
+asserts that honest service is unharmed: honest requests complete, no endpoint answers
+5xx, no map grows without bound. The tracker runs in process, speaking real HTTP on
+loopback; the sybils are throwaway keys that sign their own requests.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from noderuntime.access.identity import Identity
+from noderuntime.access.signing import sign
+from noderuntime.control.admission import Capability, capability_record
+from noderuntime.operations.httpserve import serve_http
+from noderuntime.tracker.app import Tracker
+
+ARTIFACT = "ab" * 32
+RECIPE = "0123456789abcdef"
+
+
+def registration(me: Identity, layers: tuple[int, int] = (0, 30), **changes: Any) -> dict[str, Any]:
+    """A registration of ``me`` for ``layers`` of the 30-layer test artifact, its capability signed."""
+    body: dict[str, Any] = {
+        "node_id": me.node_id.hex(),
+        "artifact": ARTIFACT,
+        "model_name": "m",
+        "n_layer": 30,
+        "layers": list(layers),
+        "recipe": RECIPE,
+        "address": "127.0.0.1:1",
+        "relay": "",
+        "tls_cert_sha256": "",
+        "slots": 4,
+        "ctx_per_session": 512,
+    }
+    body.update(changes)
+    body.setdefault(
+        "capability",
+        capability_record(
+            me,
+            artifact=body["artifact"],
+            layers=(body["layers"][0], body["layers"][1]),
+            recipe=body["recipe"],
+            capability=Capability(2.0, ((1, 10.0), (4, 12.0)), 1, 1, 1, 2),
+        ),
+    )
+    return body
+
+
+def beat(me: Identity, **changes: Any) -> dict[str, Any]:
+    """A heartbeat of ``me``, idle unless ``changes`` say otherwise."""
+    return {"node_id": me.node_id.hex(), "active_sessions": 0, "free_slots": 4, "queue_depth": 0, "step_ms": 3.0} | (
+        changes
+    )
+
+
+@attrs.define
+class Swarm:
+    """A tracker on loopback and an HTTP client that speaks to it, signed as any identity."""
+
+    tracker: Tracker
+    url: str
+    client: httpx.AsyncClient
+    _stamp: int = 0
+
+    async def post(self, path: str, body: Any, signer: Identity | None = None, **headers: str) -> httpx.Response:
+        """POST ``body`` as JSON (raw text when it is ``str``), signed by ``signer`` when given."""
+        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+        sent = {"content-type": "application/json", **headers}
+        if signer is not None:
+            # distinct timestamps: one signer's equal requests are not replays of each other
+            self._stamp += 1
+            sent |= sign(signer, "POST", path, data, int(time.time() * 1000) + self._stamp % 1000)
+        return await self.client.post(self.url + path, content=data, headers=sent)
+
+    async def register(self, me: Identity, layers: tuple[int, int] = (0, 30), **changes: Any) -> httpx.Response:
+        """Register ``me`` (see :func:`registration`)."""
+        return await self.post("/v1/nodes/register", registration(me, layers, **changes), me)
+
+    async def route(self, **changes: Any) -> httpx.Response:
+        """Ask for a route of the test artifact."""
+        return await self.post("/v1/routes", {"artifact": ARTIFACT, "tokens": 100} | changes)
+
+    async def honest_service(self) -> None:
+        """Every read an honest party makes answers 200, and a route is granted."""
+        for path in ("/v1/status", "/v1/nodes", "/v1/status/nodes", "/v1/artifacts", "/status"):
+            answer = await self.client.get(self.url + path)
+            assert answer.status_code == 200, (path, answer.text)
+        granted = await self.route()
+        assert granted.status_code == 200, granted.text
+
+
+@asynccontextmanager
+async def open_swarm(**options: Any) -> AsyncIterator[Swarm]:
+    """A tracker built with ``options``, served over HTTP on loopback for the test's duration."""
+    tracker = Tracker(Identity.generate(), **options)
+    async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=30) as client:
+        url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
+        yield Swarm(tracker, url, client)
+        nursery.cancel_scope.cancel()
+
+
+# --- attack 3: one number that breaks the tracker
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("queue_depth", "1" + "0" * 400),
+        ("active_sessions", "1" + "0" * 400),
+        ("free_slots", "1" + "0" * 400),
+        ("queue_depth", "-1"),
+        ("queue_depth", "NaN"),
+        ("step_ms", "Infinity"),
+        ("step_ms", "NaN"),
+        ("step_ms", "1e400"),
+    ],
+)
+async def test_one_huge_number_in_a_heartbeat_is_refused_and_the_tracker_serves_on(field: str, value: str) -> None:
+    """A heartbeat whose numbers would overflow route scoring (10**400, NaN, inf, negative) is a 4xx,
+    nothing of it is stored, and the status, node list and routes still answer."""
+    async with open_swarm() as swarm:
+        honest, sybil = Identity.generate(), Identity.generate()
+        assert (await swarm.register(honest)).status_code == 200
+        assert (await swarm.register(sybil)).status_code == 200
+        text = json.dumps(beat(sybil, queue_depth=7)).replace('"queue_depth": 7', f'"{field}": {value}', 1)
+        if field != "queue_depth":
+            text = json.dumps(beat(sybil)).replace(f'"{field}": ', f'"{field}": {value}, "_": ', 1)
+        answer = await swarm.post("/v1/nodes/heartbeat", text, sybil)
+        assert 400 <= answer.status_code < 500, answer.text
+        assert swarm.tracker.state.nodes[sybil.node_id].queue_depth == 0  # nothing of it was stored
+        await swarm.honest_service()
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/routes", {"artifact": ARTIFACT, "tokens": 10**400}),
+        ("/v1/routes", {"artifact": ARTIFACT, "tokens": 100, "ttl_seconds": "NaN"}),
+        ("/v1/routes", {"artifact": ARTIFACT, "tokens": 100, "ttl_seconds": -1}),
+        ("/v1/placement", {"artifact": ARTIFACT, "n_layer": 30, "max_layers": 10, "tokens_per_s": 1e400}),
+        ("/v1/placement", {"artifact": ARTIFACT, "n_layer": 10**400, "max_layers": 10}),
+        ("/v1/nodes/probe", {"seed": 10**400, "digest": "00" * 32, "sketch": []}),
+        ("/v1/nodes/probe", {"seed": 1, "digest": "00" * 32, "sketch": [1e400]}),
+        ("/v1/placement/reconsider", {"max_layers": -3}),
+        ("/v1/audits", {"ticket": "00", "ttl_seconds": 1e400}),
+        ("/v1/routes/repair", {"ticket": "00", "keep": 10**400, "tokens": 1, "recipe": RECIPE}),
+    ],
+)
+async def test_every_tracker_request_bounds_its_numbers(path: str, body: dict[str, Any]) -> None:
+    """Registration aside (below), each signed or open request with a number out of range is a 4xx."""
+    async with open_swarm() as swarm:
+        honest = Identity.generate()
+        assert (await swarm.register(honest)).status_code == 200
+        sybil = Identity.generate()
+        body = {"node_id": sybil.node_id.hex(), **body} if path != "/v1/routes" else body
+        text = json.dumps(body).replace("Infinity", "1e400")
+        answer = await swarm.post(path, text, sybil)
+        assert 400 <= answer.status_code < 500, answer.text
+        await swarm.honest_service()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"slots": 10**400},
+        {"ctx_per_session": -1},
+        {"n_layer": 10**400},
+        {"capability": Capability(2.0, ((1, 1e400),), 1, 1, 1, 2)},
+        {"capability": Capability(2.0, ((1, 10.0),), 10**400, 1, 1, 2)},
+        {"capability": Capability(2.0, ((1, 10.0),), 1, 1, 1, 10**400)},
+    ],
+    ids=["slots", "ctx", "n_layer", "decode_ms", "memory", "threads"],
+)
+async def test_a_registration_with_a_huge_number_is_refused_whole(change: dict[str, Any]) -> None:
+    """A registration is stored whole or not at all: one out-of-range number, even inside the
+    signed capability, refuses it."""
+    async with open_swarm() as swarm:
+        sybil = Identity.generate()
+        if "capability" in change:
+            signed = capability_record(
+                sybil, artifact=ARTIFACT, layers=(0, 30), recipe=RECIPE, capability=change["capability"]
+            )
+            change = {"capability": signed}
+        answer = await swarm.post("/v1/nodes/register", registration(sybil, **change), sybil)
+        assert 400 <= answer.status_code < 500, answer.text
+        assert sybil.node_id not in swarm.tracker.state.nodes
+        assert (await swarm.register(Identity.generate())).status_code == 200
+        await swarm.honest_service()
