@@ -20,10 +20,19 @@ import pytest
 import trio
 
 from noderuntime.access.identity import Identity
-from noderuntime.access.signing import sign
-from noderuntime.control.admission import Capability, capability_record
+from noderuntime.access.signing import SignatureChecker, sign
+from noderuntime.control.admission import (
+    PROBE_ROWS,
+    SKETCH_DIM,
+    Capability,
+    ProbeAnswer,
+    ProbeReferences,
+    capability_record,
+)
 from noderuntime.operations.httpserve import serve_http
 from noderuntime.tracker.app import Tracker
+from noderuntime.tracker.audits import MAX_OPEN_AUDITS, MAX_OPEN_AUDITS_PER_CLIENT, AuditBook, AuditError
+from noderuntime.tracker.audits import Grant as AuditGrant
 
 ARTIFACT = "ab" * 32
 RECIPE = "0123456789abcdef"
@@ -198,3 +207,86 @@ async def test_a_registration_with_a_huge_number_is_refused_whole(change: dict[s
         assert sybil.node_id not in swarm.tracker.state.nodes
         assert (await swarm.register(Identity.generate())).status_code == 200
         await swarm.honest_service()
+
+
+# --- attack 7: memory that only grows
+
+SYBILS = 2000
+
+
+async def test_what_the_tracker_keeps_of_thousands_of_throwaway_nodes_goes_when_they_expire() -> None:
+    """2,000 sybils register, answer their probes and fall silent: after expiry the tracker keeps
+    no node, no challenge, no probe time of theirs."""
+    answer = ProbeAnswer(7, "00" * 32, (0.5,) * (PROBE_ROWS * SKETCH_DIM))
+    references = ProbeReferences([((ARTIFACT, (0, 30), RECIPE), answer)])
+    async with open_swarm(references=references) as swarm:
+        sybils = [Identity.generate() for _ in range(SYBILS)]
+        for k, sybil in enumerate(sybils):
+            registered = await swarm.register(sybil)
+            assert registered.json()["probe"] == {"seed": 7}
+            if k % 2:  # half answer: a probe time is kept of them, a challenge of the rest
+                reply = {"node_id": sybil.node_id.hex(), **answer.to_json()}
+                assert (await swarm.post("/v1/nodes/probe", reply, sybil)).json()["passed"]
+        tracker = swarm.tracker
+        assert len(tracker.challenges) == len(tracker.last_probed) == SYBILS // 2
+        gone = tracker.expire(time.time() + 3600)
+        assert len(gone) == SYBILS and not tracker.state.nodes
+        assert tracker.challenges == {} and tracker.last_probed == {}
+        # one that leaves takes its entries with it at once
+        honest = Identity.generate()
+        await swarm.register(honest)
+        assert honest.node_id in tracker.challenges
+        assert (await swarm.post("/v1/nodes/leave", {"node_id": honest.node_id.hex()}, honest)).status_code == 200
+        assert honest.node_id not in tracker.challenges and honest.node_id not in tracker.last_probed
+
+
+async def test_a_flood_signed_with_free_keys_cannot_crowd_out_an_honest_nodes_heartbeats() -> None:
+    """The signed-request replay cache is partitioned by signer: fresh keys past its bound are
+    refused, a key it knows is not, and no key's flood takes another's room."""
+    async with open_swarm() as swarm:
+        swarm.tracker.signatures = SignatureChecker(capacity=50, signers=20)
+        honest = Identity.generate()
+        assert (await swarm.register(honest)).status_code == 200
+        refused = 0
+        for _ in range(40):  # each sybil key signs a few beats: unknown nodes, but signed and fresh
+            sybil = Identity.generate()
+            for _ in range(3):
+                answer = await swarm.post("/v1/nodes/heartbeat", beat(sybil), sybil)
+                refused += answer.status_code == 401
+        assert refused >= 20 * 3  # the keys past the bound
+        assert (await swarm.post("/v1/nodes/heartbeat", beat(honest), honest)).status_code == 200
+        flooder = Identity.generate()
+        swarm.tracker.signatures = SignatureChecker(capacity=50, signers=20)
+        assert (await swarm.post("/v1/nodes/heartbeat", beat(honest), honest)).status_code == 200
+        for _ in range(60):  # one key past its own share: refused, and only it
+            await swarm.post("/v1/nodes/heartbeat", beat(flooder), flooder)
+        assert (await swarm.post("/v1/nodes/heartbeat", beat(flooder), flooder)).status_code == 401
+        for _ in range(10):
+            assert (await swarm.post("/v1/nodes/heartbeat", beat(honest), honest)).status_code == 200
+
+
+def test_a_flood_of_audit_grants_cannot_flush_an_honest_clients_pending_audits() -> None:
+    """Audit grants are bounded per client: a flood from many clients is refused once all are
+    full, and one client's many grants push out only its own oldest."""
+    book = AuditBook()
+
+    def grant(client: bytes, k: int) -> None:
+        hop = ((b"n" * 32, 0, 30),)
+        book.grant(k.to_bytes(16, "big"), AuditGrant(client, b"s" * 16, 0, hop, hop, expires=1000.0), 0.0)
+
+    honest = b"h" * 32
+    grant(honest, 0)
+    refused = 0
+    for k in range(1, MAX_OPEN_AUDITS + 100):
+        try:
+            grant(k.to_bytes(32, "big"), k)
+        except AuditError:
+            refused += 1
+    assert refused == 100 and book.open_audits(honest) == 1
+    greedy = b"g" * 32
+    book = AuditBook()
+    grant(honest, 0)
+    for k in range(1, 1000):
+        grant(greedy, k)
+    assert book.open_audits(greedy) == MAX_OPEN_AUDITS_PER_CLIENT and book.open_audits(honest) == 1
+    assert book.open_audits() == MAX_OPEN_AUDITS_PER_CLIENT + 1

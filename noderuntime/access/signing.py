@@ -37,13 +37,20 @@ class SignatureChecker:
 
     A replay is the same signed message again, so the checker remembers the digest of every
     message it accepted until its timestamp leaves the window (after which the clock check
-    refuses it anyway). It does not ask timestamps to increase: one signer's concurrent
-    requests (a gateway repairing two sessions) may arrive in any order.
+    refuses it anyway). It does not ask timestamps to increase: one signer's concurrent requests (a
+    gateway repairing two sessions) may arrive in any order.
+
+    What it remembers is partitioned by signer, since anyone can make keys: one key holds
+    at most ``capacity`` live digests (past them its requests are refused until some age
+    out), and at most ``signers`` keys hold any (past them a key new to the checker is
+    refused). A flood signed with many fresh keys can neither evict another key's digests
+    nor stop a key that signed within the window.
     """
 
-    capacity: int = 1_000_000
-    _seen: set[bytes] = attrs.Factory(set)
-    _expiry: list[tuple[int, bytes]] = attrs.Factory(list)  # a heap: (timestamp, digest)
+    capacity: int = 4096  # live digests of one signer
+    signers: int = 65_536  # signers with live digests
+    _seen: dict[bytes, set[bytes]] = attrs.Factory(dict)  # signer -> digests of its accepted requests
+    _expiry: list[tuple[int, bytes, bytes]] = attrs.Factory(list)  # a heap: (timestamp, signer, digest)
 
     def check(self, headers: dict[str, str], method: str, path: str, body: bytes, now_ms: int) -> bytes:
         """The authenticated node id; :class:`SignatureError` otherwise."""
@@ -60,12 +67,23 @@ class SignatureChecker:
         if not verify(node_id, DOMAIN, message, signature):
             raise SignatureError("request signature does not verify for the claimed node id")
         while self._expiry and self._expiry[0][0] < now_ms - WINDOW_MS:
-            self._seen.discard(heapq.heappop(self._expiry)[1])
+            _, signer, old = heapq.heappop(self._expiry)
+            digests = self._seen[signer]
+            digests.discard(old)
+            if not digests:
+                del self._seen[signer]
         digest = hashlib.sha256(node_id + message).digest()
-        if digest in self._seen:
+        mine = self._seen.get(node_id)
+        if mine is not None and digest in mine:
             raise SignatureError("request replayed (this signed request was accepted already)")
-        if len(self._seen) >= self.capacity:
-            raise SignatureError("too many signed requests within the freshness window; try again shortly")
-        self._seen.add(digest)
-        heapq.heappush(self._expiry, (ts, digest))
+        if mine is None and len(self._seen) >= self.signers:
+            raise SignatureError("too many signing keys within the freshness window; try again shortly")
+        if mine is not None and len(mine) >= self.capacity:
+            raise SignatureError("too many signed requests from this key within the freshness window")
+        self._seen.setdefault(node_id, set()).add(digest)
+        heapq.heappush(self._expiry, (ts, node_id, digest))
         return node_id
+
+    def statistics(self) -> tuple[int, int]:
+        """How many signers, and how many digests in all, it remembers now."""
+        return len(self._seen), sum(len(d) for d in self._seen.values())

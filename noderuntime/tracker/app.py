@@ -162,12 +162,20 @@ class Tracker:
         return {"seed": seed}
 
     async def expire_loop(self) -> None:
-        """Drop nodes that stopped sending heartbeats."""
+        """Drop nodes that stopped sending heartbeats (:meth:`expire`), every second."""
         while True:
             await trio.sleep(1.0)
-            now = time.time()
-            self.state.expire(now)
-            self.placement.expire(now)
+            self.expire(time.time())
+
+    def expire(self, now: float) -> list[bytes]:
+        """Drop nodes silent too long, lapsed reservations, and everything kept of a node that is gone
+        (its probe challenge, when it was last probed): a map strangers can grow shrinks with them."""
+        gone = self.state.expire(now)
+        self.placement.expire(now)
+        for kept in (self.challenges, self.last_probed):
+            for node_id in [n for n in kept if n not in self.state.nodes]:
+                del kept[node_id]
+        return gone
 
     async def _authenticated(self, request: Request, claimed: str) -> bytes:
         body = await request.body()
@@ -298,6 +306,7 @@ class Tracker:
         if not body.moving:  # a moving node loads the range reserved for it next
             self.placement.forget(node_id)
         self.challenges.pop(node_id, None)
+        self.last_probed.pop(node_id, None)
         log.info("node %s left%s", node_id.hex()[:12], "" if known else " (it was not registered)")
         return {"ok": True, "was_registered": known}
 
@@ -537,17 +546,22 @@ class Tracker:
             client=requester,
             ttl_seconds=body.ttl_seconds,
         )
-        self.audits.grant(
-            session,
-            AuditGrant(
-                client=requester,
-                audited_session=ticket.session_id,
-                audited_epoch=ticket.epoch,
-                audited=ticket.hops,
-                auditors=tuple((n.node_id, *n.layers) for n in auditors),
-                expires=time.time() + min(body.ttl_seconds, AUDIT_GRANT_SECONDS),
-            ),
-        )
+        now = time.time()
+        try:
+            self.audits.grant(
+                session,
+                AuditGrant(
+                    client=requester,
+                    audited_session=ticket.session_id,
+                    audited_epoch=ticket.epoch,
+                    audited=ticket.hops,
+                    auditors=tuple((n.node_id, *n.layers) for n in auditors),
+                    expires=now + min(body.ttl_seconds, AUDIT_GRANT_SECONDS),
+                ),
+                now,
+            )
+        except AuditError as exc:
+            return JSONResponse({"error": str(exc), "full": True}, status_code=429)
         self.state.note_session(n.node_id for n in auditors)
         self.metrics.routes.labels("audit").inc()
         reply = RouteReply(

@@ -33,7 +33,8 @@ from noderuntime.control.ledger import USAGE_DOMAIN
 from protocol import UsageRecord
 
 AUDIT_GRANT_SECONDS = 600.0  # how long a granted audit may take to be reported
-MAX_OPEN_AUDITS = 10_000  # granted and not yet reported (oldest forgotten first)
+MAX_OPEN_AUDITS = 10_000  # granted and not yet reported, by all clients together
+MAX_OPEN_AUDITS_PER_CLIENT = 64  # ... by one client (its oldest forgotten first)
 
 
 class AuditError(ValueError):
@@ -150,16 +151,45 @@ class AuditBook:
 
     def __init__(self) -> None:
         self._grants: collections.OrderedDict[bytes, Grant] = collections.OrderedDict()
+        self._by_client: dict[bytes, collections.OrderedDict[bytes, None]] = {}  # each client's, oldest first
         self.standing: dict[bytes, Standing] = collections.defaultdict(Standing)
         self.granted = 0
         self.reported = 0
 
-    def grant(self, audit_session: bytes, grant: Grant) -> None:
-        """Remember that ``audit_session`` audits ``grant.audited_session``."""
+    def grant(self, audit_session: bytes, grant: Grant, now: float | None = None) -> None:
+        """Remember that ``audit_session`` audits ``grant.audited_session`` (``now``: to forget lapsed grants).
+
+        Bounded per client: a client past ``MAX_OPEN_AUDITS_PER_CLIENT`` loses its own oldest
+        grant, never another's. When all clients together hold ``MAX_OPEN_AUDITS`` live grants,
+        :class:`AuditError` refuses the new one: a flood of clients can delay audits, never
+        forget an honest client's pending ones.
+        """
+        mine = self._by_client.setdefault(grant.client, collections.OrderedDict())
+        if len(mine) >= MAX_OPEN_AUDITS_PER_CLIENT:
+            self._forget(next(iter(mine)))
+        if len(self._grants) >= MAX_OPEN_AUDITS and now is not None:
+            for session in [s for s, g in self._grants.items() if g.expires < now]:
+                self._forget(session)
+            if len(self._grants) >= MAX_OPEN_AUDITS:
+                if not mine:
+                    del self._by_client[grant.client]
+                raise AuditError("too many audits are open; try again later")
         self._grants[audit_session] = grant
+        mine[audit_session] = None
         self.granted += 1
-        while len(self._grants) > MAX_OPEN_AUDITS:
-            self._grants.popitem(last=False)
+
+    def _forget(self, audit_session: bytes) -> None:
+        grant = self._grants.pop(audit_session, None)
+        if grant is None:
+            return
+        mine = self._by_client[grant.client]
+        del mine[audit_session]
+        if not mine:
+            del self._by_client[grant.client]
+
+    def open_audits(self, client: bytes | None = None) -> int:
+        """Audits granted and not yet reported (of ``client`` alone, when given)."""
+        return len(self._grants) if client is None else len(self._by_client.get(client, ()))
 
     def standing_of(self, node_id: bytes) -> Standing:
         """``node_id``'s standing (all zero for a node never audited)."""
@@ -203,7 +233,7 @@ class AuditBook:
             raise AuditError("the two audits of a report must have no auditor in common")
         verdict = _compare(served, recomputed)
         for session in audits:
-            self._grants.pop(session, None)
+            self._forget(session)
         self.reported += 1
         for node in verdict.passed:
             self.standing[node].passed += 1
