@@ -18,6 +18,8 @@ import attrs
 import httpx
 import pytest
 import trio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from noderuntime.access.identity import Identity
 from noderuntime.access.signing import SignatureChecker, sign
@@ -29,7 +31,10 @@ from noderuntime.control.admission import (
     ProbeReferences,
     capability_record,
 )
+from noderuntime.gateway.app import Gateway, client_of
+from noderuntime.gateway.auth import ApiKeys
 from noderuntime.operations.httpserve import serve_http
+from noderuntime.runner.line import LineFull, RunningSessions, WaitLine
 from noderuntime.tracker.app import Tracker
 from noderuntime.tracker.audits import MAX_OPEN_AUDITS, MAX_OPEN_AUDITS_PER_CLIENT, AuditBook, AuditError
 from noderuntime.tracker.audits import Grant as AuditGrant
@@ -290,3 +295,62 @@ def test_a_flood_of_audit_grants_cannot_flush_an_honest_clients_pending_audits()
         grant(greedy, k)
     assert book.open_audits(greedy) == MAX_OPEN_AUDITS_PER_CLIENT and book.open_audits(honest) == 1
     assert book.open_audits() == MAX_OPEN_AUDITS_PER_CLIENT + 1
+
+
+# --- attack 6: one key filling the gateway's line
+
+SPELLINGS = ("Bearer sk-k", "bearer sk-k", "BEARER sk-k", "Bearer  sk-k", "Bearer sk-k  ", "bEaReR   sk-k ")
+
+
+def _line_app(line: WaitLine, keys: list[str]) -> FastAPI:
+    """The gateway's front as far as the line: its key check, its naming of clients, a place in line."""
+    app = FastAPI()
+    app.add_middleware(ApiKeys, keys=keys)
+
+    @app.post("/v1/wait")
+    async def wait(request: Request) -> JSONResponse:
+        try:
+            line.join_nowait(client_of(request, watch=False).key)
+        except LineFull as exc:
+            return JSONResponse({"error": str(exc)}, status_code=429)
+        return JSONResponse({"ok": True})
+
+    return app
+
+
+@pytest.mark.parametrize("keys", [["sk-k", "sk-other"], []], ids=["keys", "no-keys"])
+async def test_one_key_spelled_six_ways_holds_no_more_than_its_share_of_the_line(keys: list[str]) -> None:
+    """The line's share is the authenticated key's, however its header is spelled; with no keys
+    configured, the client's address's, whatever header it sends."""
+    line = WaitLine(limit=64, per_key=4)
+    transport = httpx.ASGITransport(_line_app(line, keys), client=("203.0.113.7", 4000))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+        answers = [
+            (await http.post("/v1/wait", headers={"authorization": spelling})).status_code
+            for spelling in SPELLINGS
+            for _ in range(4)
+        ]
+        assert answers.count(200) == 4 and answers.count(429) == len(answers) - 4
+        assert line.statistics().keys == 1
+        if keys:  # another key still has its share
+            other = [(await http.post("/v1/wait", headers={"authorization": "Bearer sk-other"})).status_code]
+            assert other == [200]
+    other_address = httpx.ASGITransport(_line_app(line, keys), client=("198.51.100.9", 4000))
+    async with httpx.AsyncClient(transport=other_address, base_url="http://gw") as http:
+        header = {"authorization": "Bearer sk-other"} if keys else {}
+        assert (await http.post("/v1/wait", headers=header)).status_code == 200
+
+
+def test_a_key_runs_no_more_sessions_than_its_cap() -> None:
+    """Past its cap a key's new session is refused (the gateway answers 429); its ended sessions
+    make room, and another key is not affected."""
+    running = RunningSessions(per_key=3)
+    for _ in range(3):
+        running.start_nowait("a")
+    with pytest.raises(LineFull, match="at most 3"):
+        running.start_nowait("a")
+    running.start_nowait("b")
+    running.finish("a")
+    running.start_nowait("a")
+    assert running.running("a") == 3 and running.running("b") == 1
+    assert Gateway([], "http://127.0.0.1:9", None).running.per_key == 256  # on by default

@@ -8,8 +8,8 @@ format. A client that disconnects mid-stream cancels the session on every shard.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from noderuntime.access.identity import Identity
 from noderuntime.control.ledger import Ledger
-from noderuntime.gateway.auth import ApiKeys
+from noderuntime.gateway.auth import ApiKeys, client_identity
 from noderuntime.gateway.errors import RETRY_AFTER_SECONDS, ApiError, error_response, run_error
 from noderuntime.gateway.requests import generation_request
 from noderuntime.gateway.schema import (
@@ -53,6 +53,7 @@ from noderuntime.gateway.tools import (
 from noderuntime.operations import timeline
 from noderuntime.operations.httpserve import BodyLimit
 from noderuntime.operations.telemetry import GatewayMetrics, exposition, trio_tasks
+from noderuntime.runner.line import LineFull, RunningSessions
 from noderuntime.runner.policy import RunError
 from noderuntime.runner.runner import Client, RouteRunner
 from noderuntime.seams.client import GenerationRequest
@@ -69,9 +70,9 @@ MAX_BODY = 8 << 20  # a request body: far above any prompt that fits a context
 
 def client_of(request: Request, *, watch: bool) -> Client:
     """Who sent ``request``; ``watch``: its wait in line ends when its connection closes."""
-    auth = request.headers.get("authorization", "")
-    # a digest, not the key itself: the line's bookkeeping holds no secrets
-    key = hashlib.sha256(auth.encode()).hexdigest()[:16] if auth else ""
+    # the key it proved, normalised, or its address: not the header as spelled, which one key
+    # could vary (scheme case, spaces) to take many shares of the line
+    key = client_identity(request.scope)
 
     async def left() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -99,6 +100,7 @@ class Gateway:
         ledger: Ledger | None = None,
         identity: Identity | None = None,
         audit_rate: float = 0.0,
+        max_running_per_key: int = 256,
     ) -> None:
         """``trackers``: the tracker's URL, or several in order of preference (each request goes
         to the first that answers: :class:`Trackers`). ``identity``: the key ``connector`` proves
@@ -109,7 +111,8 @@ class Gateway:
 
         When every route is full a request waits in line (:mod:`noderuntime.runner.line`) up to
         ``queue_timeout`` seconds; at most ``queue_limit`` requests wait, ``queue_per_key`` of them
-        under one API key."""
+        under one API key. ``max_running_per_key``: sessions one API key (or, with no keys, one
+        client address) may run at once; past them a request is refused 429 (0: no cap)."""
         if any(not key for key in api_keys):
             raise ValueError("an API key must not be empty: it would let in every request that sends none")
         self.models = {m.model_id: m for m in models}
@@ -134,6 +137,7 @@ class Gateway:
             audit_rate=audit_rate,
             on_dispute=self._dispute,
         )
+        self.running = RunningSessions(max_running_per_key)
         # its own threads: a burst of huge prompts must not hold those of name lookups and the ledger
         self._tokenizing = trio.CapacityLimiter(max(2, os.cpu_count() or 2))
         self.app = self._build()
@@ -202,7 +206,10 @@ class Gateway:
         produced = 0
         logprobs: list[TokenLogprob] = []
         try:
-            async with self.runner.session(model.target, request, open_ended=open_ended, client=client) as run:
+            async with (
+                self._running_session(client),
+                self.runner.session(model.target, request, open_ended=open_ended, client=client) as run,
+            ):
                 fingerprint = system_fingerprint(model.artifact, run.grant.recipe)
                 check_logprobs(model, request, run.first, prompt=True)
                 if run.first.prompt_logprobs:
@@ -243,6 +250,19 @@ class Gateway:
             run.cached_tokens,
         )
         yield Emitted("", done=done, fingerprint=fingerprint)
+
+    @contextlib.asynccontextmanager
+    async def _running_session(self, client: Client | None) -> AsyncIterator[None]:
+        """Count a session of ``client``'s key while it runs; 429 past the key's cap (``max_running_per_key``)."""
+        key = client.key if client is not None else ""
+        try:
+            self.running.start_nowait(key)
+        except LineFull as exc:
+            raise ApiError(429, str(exc), "rate_limit_error", "too_many_sessions") from None
+        try:
+            yield
+        finally:
+            self.running.finish(key)
 
     async def _dispute(self, request_id: str, node_id: bytes, why: str) -> None:
         """An audit found ``node_id``'s work on ``request_id`` false: its records there are disputed."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from noderuntime.gateway.errors import ApiError, error_response
@@ -39,7 +40,8 @@ class ApiKeys:
         if (path.startswith("/v1/") or path in _KEYED_PATHS) and scope.get("method") != "OPTIONS":
             given = _bearer(scope.get("headers") or ())
             # compare every key in constant time: how long a refusal takes says nothing of a key
-            if not sum(hmac.compare_digest(given, key) for key in self.keys):
+            matched = [hmac.compare_digest(given, key) for key in self.keys]
+            if not sum(matched):
                 refusal = ApiError(
                     401,
                     "invalid or missing API key (Authorization: Bearer ...)",
@@ -48,4 +50,24 @@ class ApiKeys:
                 )
                 await error_response(refusal)(scope, receive, send)
                 return
+            # whoever holds a key is that key, however its header was spelled (scheme case, spaces)
+            scope[CLIENT_KEY] = key_identity(self.keys[matched.index(True)])
         await self.app(scope, receive, send)
+
+
+CLIENT_KEY = "noderuntime.client"  # the ASGI scope's entry naming the authenticated key
+
+
+def key_identity(key: bytes) -> str:
+    """A short digest naming an API key: the line's bookkeeping holds no secrets."""
+    return hashlib.sha256(key).hexdigest()[:16]
+
+
+def client_identity(scope: Mapping[str, Any]) -> str:
+    """Who sent a request, for fair shares: the API key it proved (:class:`ApiKeys` wrote it), or,
+    where the gateway has no keys, the address it came from; "" when neither is known."""
+    proved = scope.get(CLIENT_KEY)
+    if isinstance(proved, str):
+        return proved
+    peer = scope.get("client")
+    return f"address:{peer[0]}" if peer else ""

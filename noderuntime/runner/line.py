@@ -160,3 +160,34 @@ class WaitLine:
             served=self._served,
             refused=self._refused,
         )
+
+
+class RunningSessions:
+    """Sessions running now, by key: one key may run at most ``per_key`` at once (0: no cap).
+
+    The line shares the wait fairly; this shares what is served. Without it one key could
+    hold every slot it ever won for as long as its sessions run.
+    """
+
+    def __init__(self, per_key: int) -> None:
+        """``per_key``: sessions one key may run at once; 0 for no cap."""
+        if per_key < 0:
+            raise ValueError("the running sessions' cap must not be negative")
+        self.per_key = per_key
+        self._running: collections.Counter[str] = collections.Counter()
+
+    def start_nowait(self, key: str) -> None:
+        """Count a session of ``key`` as running; :class:`LineFull` when the key runs its cap already."""
+        if self.per_key and self._running[key] >= self.per_key:
+            raise LineFull(f"this key runs {self._running[key]} sessions already, at most {self.per_key} at once")
+        self._running[key] += 1
+
+    def finish(self, key: str) -> None:
+        """A session of ``key`` ended (once per :meth:`start_nowait` that succeeded)."""
+        self._running[key] -= 1
+        if self._running[key] <= 0:
+            del self._running[key]
+
+    def running(self, key: str) -> int:
+        """Sessions of ``key`` running now."""
+        return self._running.get(key, 0)
