@@ -208,7 +208,12 @@ class AcceptorHandshake:
                 "the relay paired this node with a seam meant for another node", StatusCode.PERMISSION_DENIED
             )
         self.binding = binding
-        return self._noise.write_message(self._keys.payload())
+        try:
+            # the answer's first DH takes the dialer's ephemeral key: one of the few points no DH
+            # may use (all zeros, say) is found only here, and is the dialer's fault like the rest
+            return self._noise.write_message(self._keys.payload())
+        except NoiseError as exc:
+            raise ChannelError(f"malformed handshake: {exc}", StatusCode.INVALID_ARGUMENT) from None
 
     def read_third(self, message: bytes) -> SealedChannel:
         """Check the dialer's message 3: it must be the node the binding names."""

@@ -238,3 +238,26 @@ def test_garbage_in_place_of_a_handshake_is_a_typed_error(size: int) -> None:
     dial.first()
     with pytest.raises(ChannelError):
         dial.read_second(os.urandom(size))
+
+
+# points of small order (and a non-canonical one) that no X25519 exchange may use
+SMALL_ORDER_POINTS = {
+    "zero": bytes(32),
+    "one": b"\x01" + bytes(31),
+    "order-8": bytes.fromhex("e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800"),
+    "p-minus-1": bytes.fromhex("ec" + "ff" * 30 + "7f"),
+}
+
+
+@pytest.mark.parametrize("point", SMALL_ORDER_POINTS.values(), ids=SMALL_ORDER_POINTS.keys())
+def test_a_first_message_with_a_small_order_ephemeral_key_is_a_typed_error(point: bytes) -> None:
+    """The acceptor meets the key only in its answer's DH: that refusal is a ChannelError too, not a crash."""
+    _, dialer = _keys()
+    _, acceptor = _keys()
+    first = bytearray(
+        DialerHandshake(dialer, Binding(os.urandom(16), 0, dialer.node_id, acceptor.node_id), verify).first()
+    )
+    first[len(MAGIC) : len(MAGIC) + 32] = point
+    with pytest.raises(ChannelError) as refused:
+        AcceptorHandshake(acceptor, verify).read_first(bytes(first))
+    assert refused.value.code == StatusCode.INVALID_ARGUMENT and "X25519" in str(refused.value)

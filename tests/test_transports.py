@@ -11,6 +11,7 @@ import struct
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
 import trio
@@ -19,7 +20,7 @@ from noderuntime.access.identity import Identity, channel_keys, self_signed
 from noderuntime.access.tickets import TicketVerifier, issue
 from noderuntime.services.running import server_tls
 from noderuntime.testing.seams import KINDS, grpc_peer, seam
-from noderuntime.transport import FrameStream, StreamBroken, TransportError
+from noderuntime.transport import FrameStream, StreamBroken, TransportError, sealed
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from protocol import Hop, Limits, Span, StatusCode
@@ -397,6 +398,89 @@ async def test_relay_ends_a_seam_that_sends_a_message_over_the_largest_frame_and
             await client.send(frame)
             assert await remote.receive() == frame
             await client.aclose()
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("broken", ["first-garbage", "first-small-order-key", "third", "record"])
+async def test_relay_a_seam_sent_a_broken_message_at_any_stage_is_closed_at_once_with_a_status(broken: str) -> None:
+    """A dialer's broken handshake message or sealed record: the acceptor's typed close comes back at once.
+
+    At every stage it can tell, well within the handshake's timeout, and the node's listener
+    serves on (a first message whose key no DH may use, which the acceptor meets only in its
+    answer, once raised an untyped error that ended the listener, and with it the node).
+    """
+    from trio_websocket import ConnectionClosed, open_websocket_url
+
+    from noderuntime.access.identity import verify
+    from noderuntime.transport import relay_messages as messages
+    from protocol.channel import MAGIC, Binding, ChannelClosed, DialerHandshake
+
+    issuer, node = Identity.generate(), Identity.generate()
+    relay = Relay(TicketVerifier([issuer.node_id]))
+    accepted, streams = trio.open_memory_channel[FrameStream](4)
+    keys = channel_keys(Identity.generate())
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve, relay, "127.0.0.1", 0)
+        url = f"ws://127.0.0.1:{server.port}"
+        listener = RelayListener(url, node, accepted.send_nowait)
+        await nursery.start(listener.run)
+
+        def ticket(session: bytes) -> bytes:
+            hops = [Hop(node.node_id, Span(0, 1))]
+            return issue(issuer, session_id=session, epoch=0, artifact=b"a" * 32, hops=hops, client=keys.node_id)
+
+        session = os.urandom(16)
+        handshake = DialerHandshake(keys, Binding(session, 0, keys.node_id, node.node_id), verify)
+        ended: str
+        with trio.fail_after(sealed.HANDSHAKE_TIMEOUT / 2):
+            async with open_websocket_url(url + "/dial") as ws:
+                await ws.send_message(messages.Dial(node.node_id, session, 0, ticket(session)).encode())
+                messages.decode(await ws.get_message(), messages.Paired)
+                first = handshake.first()
+                try:
+                    if broken == "first-garbage":
+                        await ws.send_message(MAGIC + os.urandom(40))
+                    elif broken == "first-small-order-key":
+                        await ws.send_message(first[: len(MAGIC)] + bytes(32) + first[len(MAGIC) + 32 :])
+                    else:
+                        await ws.send_message(first)
+                        third = handshake.read_second(cast(bytes, await ws.get_message()))
+                        if broken == "third":
+                            await ws.send_message(third[:-1] + bytes([third[-1] ^ 1]))
+                        else:
+                            await ws.send_message(third)
+                            channel = handshake.channel()
+                            record = channel.seal(b"an opening")
+                            await ws.send_message(record[:-1] + bytes([record[-1] ^ 1]))
+                            remote = await streams.receive()
+                            with pytest.raises(StreamBroken) as refused:
+                                await remote.receive()  # the node's end refuses it, and says so sealed
+                            assert refused.value.code == StatusCode.DATA_LOSS
+                            with pytest.raises(ChannelClosed) as sealed_end:
+                                channel.open(cast(bytes, await ws.get_message()))
+                            ended = sealed_end.value.code.name
+                    while broken != "record":  # the handshake's refusal is the websocket's close
+                        await ws.get_message()
+                except ConnectionClosed as exc:
+                    assert exc.reason is not None and messages.is_status_close(exc.reason.code), exc.reason
+                    ended = StatusCode.coerce(exc.reason.code - messages.CLOSE_STATUS_BASE).name
+        expected = {
+            "first-garbage": "INVALID_ARGUMENT",
+            "first-small-order-key": "INVALID_ARGUMENT",
+            "third": "UNAUTHENTICATED",
+            "record": "DATA_LOSS",
+        }
+        assert ended == expected[broken]
+        # and the listener serves on: an honest dialer's seam opens
+        with trio.fail_after(10):
+            dialer = RelayDialer(nursery, keys)
+            session = os.urandom(16)
+            client = await dialer.dial(url, node.node_id, session_id=session, epoch=0, ticket=ticket(session))
+            remote = await streams.receive()
+            await client.send(b"frame")
+            assert await remote.receive() == b"frame"
+            await client.aclose()
+        listener.stop()
         nursery.cancel_scope.cancel()
 
 
