@@ -21,8 +21,10 @@ import trio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from noderuntime.access import tickets
 from noderuntime.access.identity import Identity
 from noderuntime.access.signing import SignatureChecker, sign
+from noderuntime.access.tickets import ReplayGuard, TicketError
 from noderuntime.control.admission import (
     PROBE_ROWS,
     SKETCH_DIM,
@@ -35,7 +37,7 @@ from noderuntime.gateway.app import Gateway, client_of
 from noderuntime.gateway.auth import ApiKeys
 from noderuntime.operations.httpserve import serve_http
 from noderuntime.runner.line import LineFull, RunningSessions, WaitLine
-from noderuntime.tracker.app import Tracker
+from noderuntime.tracker.app import MAX_TICKET_SECONDS, Tracker
 from noderuntime.tracker.audits import MAX_OPEN_AUDITS, MAX_OPEN_AUDITS_PER_CLIENT, AuditBook, AuditError
 from noderuntime.tracker.audits import Grant as AuditGrant
 
@@ -354,3 +356,45 @@ def test_a_key_runs_no_more_sessions_than_its_cap() -> None:
     running.start_nowait("a")
     assert running.running("a") == 3 and running.running("b") == 1
     assert Gateway([], "http://127.0.0.1:9", None).running.per_key == 256  # on by default
+
+
+# --- attack 4: draining the swarm's slots
+
+
+async def test_a_client_asking_for_routes_in_a_tight_loop_is_refused_and_an_honest_one_is_served() -> None:
+    """Route grants are rate-limited by address and by client key: a greedy client gets 429s
+    within its burst, an honest gateway from another address still gets routes, and no ticket
+    lives longer than minutes, whatever it asks."""
+    async with open_swarm(route_rate=1.0, route_burst=5) as swarm:
+        for layers in ((0, 15), (15, 30)):
+            assert (await swarm.register(Identity.generate(), layers, slots=64)).status_code == 200
+        request = {"artifact": ARTIFACT, "tokens": 100, "ttl_seconds": 86400}
+        greedy_http = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
+        async with httpx.AsyncClient(transport=greedy_http) as greedy:
+            answers = [(await greedy.post(swarm.url + "/v1/routes", json=request)).status_code for _ in range(40)]
+            assert answers.count(200) <= 6 and answers.count(429) >= 34
+            # another client key from the same address is the same address
+            refused = await greedy.post(swarm.url + "/v1/routes", json=request | {"client": "cd" * 32})
+            assert refused.status_code == 429 and "retry-after" in refused.headers
+        honest_http = httpx.AsyncHTTPTransport(local_address="127.0.0.3")
+        async with httpx.AsyncClient(transport=honest_http) as honest:
+            for _ in range(3):
+                granted = await honest.post(swarm.url + "/v1/routes", json=request | {"client": "ef" * 32})
+                assert granted.status_code == 200, granted.text
+        ticket = tickets.decode(bytes.fromhex(granted.json()["ticket"]), [swarm.tracker.identity.node_id])
+        assert ticket.expires_unix_ms <= (time.time() + MAX_TICKET_SECONDS + 5) * 1000
+
+
+def test_a_flood_of_tickets_for_one_client_does_not_crowd_out_anothers_at_a_node() -> None:
+    """A node's replay guard is partitioned by the client each ticket names."""
+    guard = ReplayGuard(capacity=1000, per_client=10)
+    flooder, honest = b"f" * 32, b"h" * 32
+    refused = 0
+    for k in range(50):
+        try:
+            guard.accept((k.to_bytes(16, "big"), 0, b"n"), expires_unix_ms=10_000, now_ms=0, client=flooder)
+        except TicketError:
+            refused += 1
+    assert refused == 40
+    for k in range(10):
+        guard.accept((k.to_bytes(16, "big"), 0, b"n"), expires_unix_ms=10_000, now_ms=0, client=honest)

@@ -126,22 +126,48 @@ def decode(data: bytes, trusted_issuers: Iterable[bytes]) -> Ticket:
 
 
 class ReplayGuard:
-    """Remembers accepted tickets until they expire; holding ``capacity`` live ones, it refuses
-    any more (RESOURCE_EXHAUSTED) until some expire."""
+    """Remembers accepted tickets until they expire, partitioned by the client each was issued to.
 
-    def __init__(self, capacity: int = 100_000) -> None:
-        self._seen: dict[tuple[bytes, int, bytes], int] = {}
+    One client holding ``per_client`` live tickets is refused more (RESOURCE_EXHAUSTED) until
+    some expire, and so is anyone once ``capacity`` are live in all: a flood of tickets for one
+    client (the tracker rate-limits how fast a client gets them) fills that client's part,
+    never another's.
+    """
+
+    def __init__(self, capacity: int = 100_000, per_client: int = 4096) -> None:
+        self._seen: dict[bytes, dict[tuple[bytes, int, bytes], int]] = {}  # client -> key -> expiry
+        self._live = 0
         self._capacity = capacity
+        self._per_client = per_client
 
-    def accept(self, key: tuple[bytes, int, bytes], expires_unix_ms: int, now_ms: int) -> None:
-        """Record ``key``; :class:`TicketError` if it was already used."""
-        if len(self._seen) >= self._capacity:
-            self._seen = {k: exp for k, exp in self._seen.items() if exp > now_ms}
-            if len(self._seen) >= self._capacity:
-                raise TicketError("too many live tickets", StatusCode.RESOURCE_EXHAUSTED)
-        if key in self._seen and self._seen[key] > now_ms:
+    def accept(self, key: tuple[bytes, int, bytes], expires_unix_ms: int, now_ms: int, client: bytes = b"") -> None:
+        """Record ``key`` (a ticket of ``client``'s); :class:`TicketError` if it was already used."""
+        mine = self._seen.get(client, {})
+        if key in mine and mine[key] > now_ms:
             raise TicketError("session ticket already used (replay)", StatusCode.PERMISSION_DENIED)
-        self._seen[key] = expires_unix_ms
+        if len(mine) >= self._per_client:
+            self._forget_expired(client, now_ms)
+            if len(self._seen.get(client, {})) >= self._per_client:
+                raise TicketError("too many live tickets of this client", StatusCode.RESOURCE_EXHAUSTED)
+        if self._live >= self._capacity:
+            for other in list(self._seen):
+                self._forget_expired(other, now_ms)
+            if self._live >= self._capacity:
+                raise TicketError("too many live tickets", StatusCode.RESOURCE_EXHAUSTED)
+        mine = self._seen.setdefault(client, {})
+        self._live += key not in mine
+        mine[key] = expires_unix_ms
+
+    def _forget_expired(self, client: bytes, now_ms: int) -> None:
+        mine = self._seen.get(client)
+        if mine is None:
+            return
+        live = {k: exp for k, exp in mine.items() if exp > now_ms}
+        self._live -= len(mine) - len(live)
+        if live:
+            self._seen[client] = live
+        else:
+            del self._seen[client]
 
 
 class TicketVerifier:
@@ -207,7 +233,9 @@ class TicketVerifier:
                     StatusCode.PERMISSION_DENIED,
                 )
         if consume:
-            self._replays.accept((ticket.session_id, ticket.epoch, node_id), ticket.expires_unix_ms, now_ms)
+            self._replays.accept(
+                (ticket.session_id, ticket.epoch, node_id), ticket.expires_unix_ms, now_ms, ticket.client
+            )
         return ticket
 
 

@@ -55,6 +55,7 @@ from noderuntime.operations.telemetry import TrackerMetrics, exposition, trio_ta
 from noderuntime.tracker import swarm
 from noderuntime.tracker.audits import AUDIT_GRANT_SECONDS, AuditBook, AuditError
 from noderuntime.tracker.audits import Grant as AuditGrant
+from noderuntime.tracker.limits import RateLimits
 from noderuntime.tracker.messages import (
     AuditFailure,
     AuditReport,
@@ -86,6 +87,11 @@ MAX_BODY = 64 << 10
 PROBE_ANSWER_SECONDS = 60.0  # a challenge unanswered this long is sent again
 # the swarm's status is computed at most this often, however many pages poll it
 SWARM_CACHE_SECONDS = 1.0
+# a ticket lives as long as its request asks, up to this: minutes, for a session and its repairs
+MAX_TICKET_SECONDS = 1800.0
+# route grants one client (an address, a key) may take: at once, and a second in the long run
+ROUTE_BURST = 200
+ROUTE_RATE = 50.0
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +114,14 @@ class Tracker:
         manifests: Iterable[Manifest] = (),  # served to nodes that fetch only their layers
         status_key: str | None = None,
         move_hold_down: float = HOLD_DOWN_SECONDS,
+        route_rate: float = ROUTE_RATE,
+        route_burst: int = ROUTE_BURST,
     ) -> None:
         """``references`` let the tracker probe shards; ``require_probe`` admits no shard it cannot probe;
         ``mixes`` are the pairs of recipes that certificates let share a route; ``status_key``, when
         given, is needed to read the swarm map and the node lists; ``move_hold_down``: seconds a node
-        told to move is not told again."""
+        told to move is not told again; ``route_rate`` and ``route_burst``: the route grants (and
+        repairs and audits) one client address, and one client key, may take a second and at once."""
         if status_key is not None and not status_key:
             raise ValueError("a status key must not be empty: it would let in every request that sends none")
         self.status_key = status_key
@@ -139,6 +148,22 @@ class Tracker:
         self.app = self._build()
         self.routes_issued = 0
         self.audits = AuditBook()
+        self.route_limits = RateLimits(rate=route_rate, burst=route_burst)
+
+    def _limit(self, request: Request, client: bytes | str) -> None:
+        """Take one route grant from the requester's address and key; 429 when either has none left."""
+        names = [f"address:{request.client.host if request.client else ''}"]
+        key = client.hex() if isinstance(client, bytes) else client
+        if key:
+            names.append(f"key:{key}")
+        wait = self.route_limits.take(names, time.monotonic())
+        if wait > 0:
+            self.metrics.routes.labels("limited").inc()
+            raise HTTPException(
+                429,
+                f"too many route requests from this client; try again in {wait:.1f} s",
+                headers={"retry-after": str(max(1, round(wait)))},
+            )
 
     def _challenge(self, record: NodeRecord, now: float) -> dict[str, int] | None:
         """A probe seed for this node if one is due (registration, interval, or lost answer)."""
@@ -460,6 +485,7 @@ class Tracker:
     async def _route(self, body: RouteRequest, request: Request) -> JSONResponse:
         if self.api_key is not None and request.headers.get("authorization") != f"Bearer {self.api_key}":
             raise HTTPException(401, "a valid tracker key is required to request routes")
+        self._limit(request, body.client)
         try:
             exclude = [bytes.fromhex(x) for x in body.exclude]
             near = [bytes.fromhex(x) for x in body.prefer]
@@ -484,7 +510,7 @@ class Tracker:
             artifact=bytes.fromhex(body.artifact),
             hops=hops,
             client=bytes.fromhex(body.client),
-            ttl_seconds=body.ttl_seconds,
+            ttl_seconds=min(body.ttl_seconds, MAX_TICKET_SECONDS),
         )
         self.state.note_session(n.node_id for n in choice.nodes)
         self.routes_issued += 1
@@ -513,6 +539,7 @@ class Tracker:
             raise HTTPException(403, f"not a ticket of this tracker's: {exc}") from None
         if not ticket.client or requester != ticket.client:
             raise HTTPException(403, "only a session's client may have it audited")
+        self._limit(request, requester)
         exclude = {bytes.fromhex(x) for x in body.exclude} | {node for node, _, _ in ticket.hops}
         artifact = ticket.artifact.hex()
         auditors: list[NodeRecord] = []
@@ -544,7 +571,7 @@ class Tracker:
             artifact=ticket.artifact,
             hops=hops,
             client=requester,
-            ttl_seconds=body.ttl_seconds,
+            ttl_seconds=min(body.ttl_seconds, MAX_TICKET_SECONDS),
         )
         now = time.time()
         try:
@@ -617,6 +644,7 @@ class Tracker:
             raise HTTPException(400, f"keep must leave hops to replace: the route has {len(ticket.hops)}")
         if requester != ticket.dialer_of(body.keep):
             raise HTTPException(403, "only the session's client, or the hop before the lost range, may repair it")
+        self._limit(request, requester)
         try:
             exclude = [bytes.fromhex(x) for x in body.exclude]
         except ValueError:
@@ -660,7 +688,7 @@ class Tracker:
             artifact=ticket.artifact,
             hops=hops,
             client=ticket.client,
-            ttl_seconds=body.ttl_seconds,
+            ttl_seconds=min(body.ttl_seconds, MAX_TICKET_SECONDS),
         )
         self.state.note_session(n.node_id for n in choice.nodes)
         self.metrics.routes.labels("repaired").inc()
