@@ -40,6 +40,8 @@ from noderuntime.runner.line import LineFull, RunningSessions, WaitLine
 from noderuntime.tracker.app import MAX_TICKET_SECONDS, Tracker
 from noderuntime.tracker.audits import MAX_OPEN_AUDITS, MAX_OPEN_AUDITS_PER_CLIENT, AuditBook, AuditError
 from noderuntime.tracker.audits import Grant as AuditGrant
+from noderuntime.tracker.records import NodeRecord
+from noderuntime.tracker.registry import TrackerState
 
 ARTIFACT = "ab" * 32
 RECIPE = "0123456789abcdef"
@@ -398,3 +400,50 @@ def test_a_flood_of_tickets_for_one_client_does_not_crowd_out_anothers_at_a_node
     assert refused == 40
     for k in range(10):
         guard.accept((k.to_bytes(16, "big"), 0, b"n"), expires_unix_ms=10_000, now_ms=0, client=honest)
+
+
+# --- attack 2: taking a model away by vote
+
+
+async def test_unadmitted_sybils_claiming_another_layer_count_cannot_take_the_model_away() -> None:
+    """Three sybils that never pass a probe claim the 30-layer artifact has 31 layers: routes
+    and an honest joiner's placement still go by the two admitted nodes' 30."""
+    answer = ProbeAnswer(7, "00" * 32, (0.5,) * (PROBE_ROWS * SKETCH_DIM))
+    halves = ((0, 15), (15, 30))
+    references = ProbeReferences([((ARTIFACT, layers, RECIPE), answer) for layers in halves])
+    async with open_swarm(references=references, require_probe=True) as swarm:
+        for layers in halves:
+            honest = Identity.generate()
+            assert (await swarm.register(honest, layers)).json()["probe"] == {"seed": 7}
+            reply = {"node_id": honest.node_id.hex(), **answer.to_json()}
+            assert (await swarm.post("/v1/nodes/probe", reply, honest)).json()["passed"]
+        for layers in ((0, 16), (16, 31), (0, 31)):
+            sybil = Identity.generate()
+            assert (await swarm.register(sybil, layers, n_layer=31)).status_code == 200
+        await swarm.honest_service()
+        assert (await swarm.client.get(swarm.url + "/v1/artifacts")).json()["artifacts"][ARTIFACT]["n_layer"] == 30
+        joiner = Identity.generate()
+        asked = {"node_id": joiner.node_id.hex(), "artifact": ARTIFACT, "n_layer": 30, "max_layers": 15}
+        placed = await swarm.post("/v1/placement", asked, joiner)
+        assert placed.status_code == 200, placed.text
+
+
+def test_a_manifest_gives_the_shape_and_no_vote_changes_it() -> None:
+    """Where the tracker holds an artifact's manifest, its layer count is the manifest's."""
+    state = TrackerState(shapes={ARTIFACT: 30})
+    for k, layers in enumerate(((0, 16), (16, 31))):
+        record = NodeRecord(
+            node_id=bytes([k]) * 32,
+            artifact=ARTIFACT,
+            n_layer=31,
+            layers=layers,
+            recipe=RECIPE,
+            address="a:1",
+            relay="",
+            tls_cert_sha256=b"",
+            slots=4,
+            ctx_per_session=512,
+        )
+        state.register(record, 0.0)
+    assert state.shape(ARTIFACT) == 30 and state.artifacts()[ARTIFACT]["n_layer"] == 30
+    assert not state.routable(ARTIFACT)

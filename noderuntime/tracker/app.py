@@ -132,7 +132,12 @@ class Tracker:
         by_artifact: dict[str, set[frozenset[str]]] = {}
         for pair in self.mixes:
             by_artifact.setdefault(pair.artifact, set()).add(pair.recipes)
-        self.state = TrackerState(expire_after=expire_after, step_budget_ms=step_budget_ms, mixes=by_artifact)
+        self.state = TrackerState(
+            expire_after=expire_after,
+            step_budget_ms=step_budget_ms,
+            mixes=by_artifact,
+            shapes={m.artifact: m.n_layer for m in self.manifests.values()},
+        )
         self.placement = Placement(self.state, hold_down_seconds=move_hold_down)
         self.signatures = SignatureChecker()
         self.api_key = api_key
@@ -270,6 +275,9 @@ class Tracker:
         start, end = body.layers
         if not 0 <= start < end <= body.n_layer:
             raise HTTPException(400, f"layers {start}:{end} do not lie in 0:{body.n_layer}")
+        shape = self.state.shapes.get(body.artifact)
+        if shape is not None and shape != body.n_layer:
+            raise HTTPException(400, f"artifact {body.artifact[:16]}… has {shape} layers by its manifest")
         if not body.address and not body.relay:
             raise HTTPException(400, "a node needs an address, a relay, or both")
         try:

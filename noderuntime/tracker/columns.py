@@ -36,8 +36,10 @@ class Columns:
     request reads arrays instead of walking records; a departed node's row is reused.
     """
 
-    def __init__(self, artifact: str) -> None:
+    def __init__(self, artifact: str, shape: int | None = None) -> None:
+        """``shape``: the artifact's layer count where its manifest says it (else its admitted nodes do)."""
         self.artifact = artifact
+        self.shape = shape
         self.rows: dict[bytes, int] = {}
         self.records: list[NodeRecord | None] = []
         self.vacant: list[int] = []
@@ -165,7 +167,13 @@ class Columns:
         return self._unmeasured
 
     def layer_count(self) -> int:
-        """The layer count most of these nodes report (see :func:`noderuntime.tracker.routechoice.layer_count`)."""
+        """The artifact's layer count: its manifest's, else the one most of the admitted nodes report
+        (see :func:`noderuntime.tracker.routechoice.layer_count`)."""
+        if self.shape is not None:
+            return self.shape
+        votes = np.bincount(self.n_layer[: self.size][self.admitted[: self.size]])
+        if votes.size and votes.max() > 0:
+            return int(votes.argmax())
         return self.layer_counts.most_common(1)[0][0]
 
     def layout(self) -> Layout:

@@ -43,7 +43,6 @@ import numpy.typing as npt
 
 from noderuntime.tracker.records import NodeRecord
 from noderuntime.tracker.registry import TrackerState
-from noderuntime.tracker.routechoice import layer_count
 
 RESERVATION_SECONDS = 600.0  # long enough to fetch and load a shard of a large model
 MAX_RESERVATIONS = 4096  # reservations kept at once; beyond, the soonest to expire goes first
@@ -333,10 +332,9 @@ class Placement:
         if n_layer <= 0 or max_layers <= 0:
             raise ValueError("a model has layers, and a node holds at least one")
         present = [r for r in self.state.nodes_of(artifact) if r.node_id != node_id]
-        if present and layer_count(present) != n_layer:
-            raise PlacementError(
-                f"artifact {artifact[:16]}… has {layer_count(present)} layers by its nodes, not {n_layer}"
-            )
+        shape = self.state.shape(artifact)
+        if shape is not None and shape != n_layer:
+            raise PlacementError(f"artifact {artifact[:16]}… has {shape} layers, not {n_layer}")
         self.reservations.pop(node_id, None)
         if tokens_per_s is None or not tokens_per_s > 0:
             budget = self.state.step_budget_ms

@@ -56,10 +56,13 @@ class TrackerState:
         step_budget_ms: float = STEP_BUDGET_MS,
         rng: random.Random | None = None,
         mixes: Mapping[str, Collection[frozenset[str]]] | None = None,
+        shapes: Mapping[str, int] | None = None,
     ) -> None:
         """``mixes``: by artifact, the pairs of recipes that may share a route (certified);
         ``expire_after``: seconds of silence after which a node is dropped, at the least (a
-        large swarm's nodes beat less often, and are given ``EXPIRE_HEARTBEATS`` of their intervals)."""
+        large swarm's nodes beat less often, and are given ``EXPIRE_HEARTBEATS`` of their intervals);
+        ``shapes``: by artifact, its layer count where a manifest says it (no vote of nodes then)."""
+        self.shapes: dict[str, int] = dict(shapes or {})
         self.expire_after = expire_after
         self.step_budget_ms = step_budget_ms
         self.mixes: dict[str, frozenset[frozenset[str]]] = {a: frozenset(p) for a, p in (mixes or {}).items()}
@@ -185,7 +188,7 @@ class TrackerState:
         self.nodes[record.node_id] = record
         columns = self._columns.get(record.artifact)
         if columns is None:
-            columns = self._columns[record.artifact] = Columns(record.artifact)
+            columns = self._columns[record.artifact] = Columns(record.artifact, self.shapes.get(record.artifact))
         columns.put(record, self.step_budget_ms)
 
     def _drop(self, node_id: bytes) -> NodeRecord:
@@ -327,11 +330,19 @@ class TrackerState:
             nodes = self.nodes_of(artifact)
             out[artifact] = {
                 "name": nodes[0].model_name,
-                "n_layer": layer_count(nodes),
+                "n_layer": self.shapes.get(artifact) or layer_count(nodes),
                 "nodes": len(nodes),
                 "routable": self.routable(artifact),
             }
         return out
+
+    def shape(self, artifact: str) -> int | None:
+        """``artifact``'s layer count: its manifest's, else what its admitted nodes say; None when
+        neither is known (no manifest, no node admitted)."""
+        if artifact in self.shapes:
+            return self.shapes[artifact]
+        admitted = [r for r in self.nodes_of(artifact) if r.admitted]
+        return layer_count(admitted) if admitted else None
 
     def routable(self, artifact: str) -> bool:
         """Whether the nodes routes may use chain into a complete route of ``artifact``, full or not."""

@@ -84,8 +84,8 @@ def choose(
     usable = _usable(columns, tokens, exclude, recipe) if columns is not None else None
     if columns is None or usable is None or not usable.any():
         raise NoRoute(f"no node serves artifact {artifact[:16]}… for {tokens} tokens", full=False)
-    # counted over every node of the artifact, as /v1/artifacts shows it: not over the
-    # candidates left after exclusions and full nodes, where a few could outvote the rest
+    # the manifest's, or counted over every admitted node of the artifact, as /v1/artifacts shows
+    # it: not over the candidates left after exclusions and full nodes, where a few could outvote the rest
     n_layer = columns.layer_count()
     rows = columns.layout().rows
     costs = _costs(columns, _bonus(columns, usable, near) if near else None)
@@ -204,20 +204,23 @@ def free_routes(
     candidates = [r for r in nodes if r.ctx_per_session >= 1 and r.admitted]
     if not candidates:
         return []
-    # counted over every node of the artifact, as /v1/artifacts shows it: not over the
-    # candidates left after exclusions and full nodes, where a few could outvote the rest
+    # counted over every admitted node of the artifact: not over the candidates left after
+    # exclusions and full nodes, where a few could outvote the rest
     n_layer = layer_count(nodes)
     routes = all_routes([c for c in candidates if c.n_layer == n_layer], n_layer, mixes)
     return [r for r in routes if all(node.has_room(step_budget_ms) for node in r)]
 
 
 def layer_count(nodes: Sequence[NodeRecord]) -> int:
-    """The layer count of the artifact ``nodes`` serve: the one most of them report.
+    """The layer count of the artifact ``nodes`` serve: the one most of the admitted ones report
+    (most of all of them, where none is admitted yet: then no route is offered anyway).
 
     An artifact has one; a node that claims another (its word against theirs) joins no
-    route, so it cannot offer a route that stops short of the last layer.
+    route, so it cannot offer a route that stops short of the last layer. Unadmitted nodes
+    have no vote while any is admitted: anyone can register them.
     """
-    return collections.Counter(node.n_layer for node in nodes).most_common(1)[0][0]
+    admitted = [node.n_layer for node in nodes if node.admitted]
+    return collections.Counter(admitted or [node.n_layer for node in nodes]).most_common(1)[0][0]
 
 
 def route_cost(route: Sequence[NodeRecord]) -> float:
