@@ -447,3 +447,28 @@ def test_a_manifest_gives_the_shape_and_no_vote_changes_it() -> None:
         state.register(record, 0.0)
     assert state.shape(ARTIFACT) == 30 and state.artifacts()[ARTIFACT]["n_layer"] == 30
     assert not state.routable(ARTIFACT)
+
+
+# --- attack 5: steering placement without joining
+
+
+async def test_a_key_that_never_registers_cannot_steer_joiners_by_a_claimed_throughput() -> None:
+    """A reservation on 0:15 claiming 1e9 tokens/s weighs no more than a typical node's: the
+    honest joiners that follow are not all sent to 15:30."""
+    async with open_swarm() as swarm:
+        for layers in ((0, 15), (15, 30)):
+            assert (await swarm.register(Identity.generate(), layers)).status_code == 200
+
+        async def place(me: Identity, **claim: Any) -> tuple[int, int]:
+            asked = {"node_id": me.node_id.hex(), "artifact": ARTIFACT, "n_layer": 30, "max_layers": 15} | claim
+            answer = await swarm.post("/v1/placement", asked, me)
+            assert answer.status_code == 200, answer.text
+            start, end = answer.json()["layers"]
+            return start, end
+
+        sybil = Identity.generate()
+        assert await place(sybil) == (0, 15)
+        assert await place(sybil, tokens_per_s=1e9) == (0, 15)  # its one reservation, renewed
+        assert len(swarm.tracker.placement.reservations) == 1
+        joiners = [await place(Identity.generate()) for _ in range(4)]
+        assert joiners.count((0, 15)) >= 1, joiners

@@ -373,6 +373,7 @@ class Tracker:
     async def _place(self, body: PlacementRequest, request: Request) -> JSONResponse:
         """The range a node without one should load: see :mod:`noderuntime.tracker.placement`."""
         node_id = await self._authenticated(request, body.node_id)
+        self._limit(request, node_id)  # each key may hold one reservation; an address may not make keys fast
         try:
             given = self.placement.assign(
                 node_id, body.artifact, body.n_layer, body.max_layers, time.time(), tokens_per_s=body.tokens_per_s

@@ -326,7 +326,7 @@ class Placement:
         :class:`PlacementError` when the request contradicts the swarm.
 
         ``max_layers``: how many layers it can hold (more than the model has: all of them);
-        ``tokens_per_s``: its expected decode throughput, else its peers' median. A node that
+        ``tokens_per_s``: its expected decode throughput, at most its peers' median. A node that
         asks again gives up what it held or was given before: its answer is computed without it.
         """
         if n_layer <= 0 or max_layers <= 0:
@@ -336,10 +336,12 @@ class Placement:
         if shape is not None and shape != n_layer:
             raise PlacementError(f"artifact {artifact[:16]}… has {shape} layers, not {n_layer}")
         self.reservations.pop(node_id, None)
-        if tokens_per_s is None or not tokens_per_s > 0:
-            budget = self.state.step_budget_ms
-            peers = [r.tokens_per_s(budget) for r in present if r.n_layer == n_layer and counted(r)]
-            tokens_per_s = statistics.median(peers) if peers else DEFAULT_TOKENS_PER_S
+        budget = self.state.step_budget_ms
+        peers = [r.tokens_per_s(budget) for r in present if r.n_layer == n_layer and counted(r)]
+        typical = statistics.median(peers) if peers else DEFAULT_TOKENS_PER_S
+        # a node that has not loaded has measured nothing: its claim may lower what its
+        # reservation weighs, never raise it past its peers' (once registered, its record counts)
+        tokens_per_s = typical if tokens_per_s is None or not tokens_per_s > 0 else min(tokens_per_s, typical)
         choice = choose(self.pieces(artifact, n_layer, now, exclude=node_id), n_layer, max_layers, tokens_per_s)
         expires = now + self.reservation_seconds
         if len(self.reservations) >= MAX_RESERVATIONS:
