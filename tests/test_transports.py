@@ -9,21 +9,25 @@ import socket
 import ssl
 import struct
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import cast
 
 import pytest
 import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
 
-from noderuntime.access.identity import Identity, channel_keys, self_signed
+from noderuntime.access.identity import Identity, channel_keys, self_signed, verify
 from noderuntime.access.tickets import TicketVerifier, issue
 from noderuntime.services.running import server_tls
 from noderuntime.testing.seams import KINDS, grpc_peer, seam
 from noderuntime.transport import FrameStream, StreamBroken, TransportError, sealed
+from noderuntime.transport import relay_messages as messages
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from protocol import Hop, Limits, Span, StatusCode
+from protocol.channel import MAGIC, Binding, ChannelClosed, ChannelKeys, DialerHandshake
 from relay.server import Relay, RelayLimits, serve
 from tests.linkproxy import LinkProxy, link_proxy
 
@@ -401,6 +405,29 @@ async def test_relay_ends_a_seam_that_sends_a_message_over_the_largest_frame_and
         nursery.cancel_scope.cancel()
 
 
+def _ticket(issuer: Identity, node: bytes, session: bytes, client: bytes) -> bytes:
+    """A ticket for a one-hop route to ``node`` that lets ``client`` dial it."""
+    return issue(issuer, session_id=session, epoch=0, artifact=b"a" * 32, hops=[Hop(node, Span(0, 1))], client=client)
+
+
+@asynccontextmanager
+async def _raw_relayed_seam(
+    url: str, issuer: Identity, node: bytes, keys: ChannelKeys
+) -> AsyncIterator[tuple[WebSocketConnection, DialerHandshake]]:
+    """A websocket the relay paired with ``node``, before any handshake message: it and a dialer's handshake."""
+    session = os.urandom(16)
+    async with open_websocket_url(url + "/dial") as ws:
+        await ws.send_message(messages.Dial(node, session, 0, _ticket(issuer, node, session, keys.node_id)).encode())
+        messages.decode(await ws.get_message(), messages.Paired)
+        yield ws, DialerHandshake(keys, Binding(session, 0, keys.node_id, node), verify)
+
+
+def _status_of_close(exc: ConnectionClosed) -> str:
+    """The status a relayed seam's websocket close names (it must name one)."""
+    assert exc.reason is not None and messages.is_status_close(exc.reason.code), exc.reason
+    return StatusCode.coerce(exc.reason.code - messages.CLOSE_STATUS_BASE).name
+
+
 @pytest.mark.parametrize("broken", ["first-garbage", "first-small-order-key", "third", "record"])
 async def test_relay_a_seam_sent_a_broken_message_at_any_stage_is_closed_at_once_with_a_status(broken: str) -> None:
     """A dialer's broken handshake message or sealed record: the acceptor's typed close comes back at once.
@@ -409,12 +436,6 @@ async def test_relay_a_seam_sent_a_broken_message_at_any_stage_is_closed_at_once
     serves on (a first message whose key no DH may use, which the acceptor meets only in its
     answer, once raised an untyped error that ended the listener, and with it the node).
     """
-    from trio_websocket import ConnectionClosed, open_websocket_url
-
-    from noderuntime.access.identity import verify
-    from noderuntime.transport import relay_messages as messages
-    from protocol.channel import MAGIC, Binding, ChannelClosed, DialerHandshake
-
     issuer, node = Identity.generate(), Identity.generate()
     relay = Relay(TicketVerifier([issuer.node_id]))
     accepted, streams = trio.open_memory_channel[FrameStream](4)
@@ -424,18 +445,9 @@ async def test_relay_a_seam_sent_a_broken_message_at_any_stage_is_closed_at_once
         url = f"ws://127.0.0.1:{server.port}"
         listener = RelayListener(url, node, accepted.send_nowait)
         await nursery.start(listener.run)
-
-        def ticket(session: bytes) -> bytes:
-            hops = [Hop(node.node_id, Span(0, 1))]
-            return issue(issuer, session_id=session, epoch=0, artifact=b"a" * 32, hops=hops, client=keys.node_id)
-
-        session = os.urandom(16)
-        handshake = DialerHandshake(keys, Binding(session, 0, keys.node_id, node.node_id), verify)
         ended: str
         with trio.fail_after(sealed.HANDSHAKE_TIMEOUT / 2):
-            async with open_websocket_url(url + "/dial") as ws:
-                await ws.send_message(messages.Dial(node.node_id, session, 0, ticket(session)).encode())
-                messages.decode(await ws.get_message(), messages.Paired)
+            async with _raw_relayed_seam(url, issuer, node.node_id, keys) as (ws, handshake):
                 first = handshake.first()
                 try:
                     if broken == "first-garbage":
@@ -462,8 +474,7 @@ async def test_relay_a_seam_sent_a_broken_message_at_any_stage_is_closed_at_once
                     while broken != "record":  # the handshake's refusal is the websocket's close
                         await ws.get_message()
                 except ConnectionClosed as exc:
-                    assert exc.reason is not None and messages.is_status_close(exc.reason.code), exc.reason
-                    ended = StatusCode.coerce(exc.reason.code - messages.CLOSE_STATUS_BASE).name
+                    ended = _status_of_close(exc)
         expected = {
             "first-garbage": "INVALID_ARGUMENT",
             "first-small-order-key": "INVALID_ARGUMENT",
@@ -475,11 +486,39 @@ async def test_relay_a_seam_sent_a_broken_message_at_any_stage_is_closed_at_once
         with trio.fail_after(10):
             dialer = RelayDialer(nursery, keys)
             session = os.urandom(16)
-            client = await dialer.dial(url, node.node_id, session_id=session, epoch=0, ticket=ticket(session))
+            ticket = _ticket(issuer, node.node_id, session, keys.node_id)
+            client = await dialer.dial(url, node.node_id, session_id=session, epoch=0, ticket=ticket)
             remote = await streams.receive()
             await client.send(b"frame")
             assert await remote.receive() == b"frame"
             await client.aclose()
+        listener.stop()
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("silent", ["from-the-start", "after-the-answer"])
+async def test_relay_a_dialer_that_goes_silent_mid_handshake_is_closed_when_the_handshake_times_out(
+    silent: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dialer that stops (as one whose first message changed where the acceptor cannot tell may):
+    the acceptor's handshake timeout runs out, and it closes with DEADLINE_EXCEEDED."""
+    monkeypatch.setattr(sealed, "HANDSHAKE_TIMEOUT", 0.5)
+    issuer, node = Identity.generate(), Identity.generate()
+    relay = Relay(TicketVerifier([issuer.node_id]))
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve, relay, "127.0.0.1", 0)
+        url = f"ws://127.0.0.1:{server.port}"
+        listener = RelayListener(url, node, lambda _: None)
+        await nursery.start(listener.run)
+        with trio.fail_after(5):
+            async with _raw_relayed_seam(url, issuer, node.node_id, channel_keys(Identity.generate())) as (ws, dial):
+                if silent == "after-the-answer":
+                    await ws.send_message(dial.first())
+                    await ws.get_message()
+                with pytest.raises(ConnectionClosed) as closed:
+                    await ws.get_message()
+        assert _status_of_close(closed.value) == "DEADLINE_EXCEEDED"
+        assert listener.refused == 1
         listener.stop()
         nursery.cancel_scope.cancel()
 
