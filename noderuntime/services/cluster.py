@@ -92,9 +92,11 @@ class ManagedProcess:
         cwd: Path | None = None,
         cap: MemoryCap | None = None,
         module: str = "noderuntime",
+        keep_lines: int | None = 400,
     ) -> None:
         """``prefix`` goes before the interpreter (e.g. ``ip netns exec HOST``); ``cap`` is a
-        memory cgroup the process runs in from its first allocation; ``module`` is what runs."""
+        memory cgroup the process runs in from its first allocation; ``module`` is what runs;
+        ``keep_lines``: the last lines of its output kept in :attr:`output` (None: all of them)."""
         self.name = name
         self.argv = [*prefix, sys.executable, "-m", module, *args]
         self._env = {**os.environ, **(env or {})}
@@ -105,7 +107,7 @@ class ManagedProcess:
         self.proc: subprocess.Popen[str] | None = None
         self._info: Ready | None = None
         self._malformed = ""  # why a ready line could not be read
-        self.output: collections.deque[str] = collections.deque(maxlen=400)
+        self.output: collections.deque[str] = collections.deque(maxlen=keep_lines)
         self._defects = Defects()
         self._ready = threading.Event()
         self._reader: threading.Thread | None = None
