@@ -472,3 +472,44 @@ async def test_a_key_that_never_registers_cannot_steer_joiners_by_a_claimed_thro
         assert len(swarm.tracker.placement.reservations) == 1
         joiners = [await place(Identity.generate()) for _ in range(4)]
         assert joiners.count((0, 15)) >= 1, joiners
+
+
+# --- attack 1: framing an honest node through audits
+
+
+async def test_a_client_cannot_steer_its_audits_to_auditors_of_its_choosing() -> None:
+    """A client that names every other node in ``exclude`` but its sybil does not get the sybil as
+    its auditor each time: the tracker alone picks, and a second audit of a session never
+    reuses the first's auditors."""
+    async with open_swarm() as swarm:
+        nodes = [Identity.generate() for _ in range(5)]
+        for me in nodes:
+            assert (await swarm.register(me, slots=64)).status_code == 200
+        client = Identity.generate()
+
+        async def session() -> tuple[str, bytes]:
+            granted = await swarm.route(client=client.node_id.hex())
+            assert granted.status_code == 200, granted.text
+            return granted.json()["ticket"], bytes.fromhex(granted.json()["hops"][0]["node_id"])
+
+        async def audit(ticket: str, exclude: list[bytes]) -> httpx.Response:
+            asked = {"ticket": ticket, "exclude": [n.hex() for n in exclude]}
+            return await swarm.post("/v1/audits", asked, client)
+
+        steered = 0
+        for _ in range(12):
+            ticket, victim = await session()
+            sybil = next(n.node_id for n in nodes if n.node_id != victim)
+            honest = [n.node_id for n in nodes if n.node_id not in (victim, sybil)]
+            granted = await audit(ticket, honest)
+            assert granted.status_code == 200, granted.text
+            steered += bytes.fromhex(granted.json()["hops"][0]["node_id"]) == sybil
+        assert steered < 12
+        ticket, victim = await session()
+        auditors = []
+        for _ in range(4):
+            granted = await audit(ticket, [])
+            assert granted.status_code == 200, granted.text
+            auditors.append(granted.json()["hops"][0]["node_id"])
+        assert len(set(auditors)) == 4 and victim.hex() not in auditors
+        assert (await audit(ticket, [])).status_code == 503  # every other node has audited it

@@ -549,7 +549,9 @@ class Tracker:
         if not ticket.client or requester != ticket.client:
             raise HTTPException(403, "only a session's client may have it audited")
         self._limit(request, requester)
-        exclude = {bytes.fromhex(x) for x in body.exclude} | {node for node, _, _ in ticket.hops}
+        # the tracker alone picks auditors: a client that could name or exclude them could steer
+        # an audit to nodes of its own; only the audited nodes and a first audit's auditors are left out
+        exclude = self.audits.auditors_of(requester, ticket.session_id) | {node for node, _, _ in ticket.hops}
         artifact = ticket.artifact.hex()
         auditors: list[NodeRecord] = []
         for node, start, end in ticket.hops:

@@ -187,6 +187,16 @@ class AuditBook:
         if not mine:
             del self._by_client[grant.client]
 
+    def auditors_of(self, client: bytes, audited_session: bytes) -> set[bytes]:
+        """The auditors of ``client``'s open grants that audit ``audited_session``: a second audit
+        of it must use others."""
+        return {
+            node
+            for session in self._by_client.get(client, ())
+            if self._grants[session].audited_session == audited_session
+            for node, _, _ in self._grants[session].auditors
+        }
+
     def open_audits(self, client: bytes | None = None) -> int:
         """Audits granted and not yet reported (of ``client`` alone, when given)."""
         return len(self._grants) if client is None else len(self._by_client.get(client, ()))

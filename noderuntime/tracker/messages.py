@@ -459,7 +459,8 @@ class AuditRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     ticket: str = Field(pattern=r"^([0-9a-f]{2})+$", max_length=2 * MAX_TICKET_BYTES)  # the audited session's
-    exclude: list[str] = Field(default_factory=list, max_length=256)  # nodes not to audit with (hex ids)
+    # nodes the client would not audit with (hex ids): read and ignored, for the tracker alone picks auditors
+    exclude: list[str] = Field(default_factory=list, max_length=256)
     ttl_seconds: float = Field(default=600.0, gt=0, le=3600)
 
     @field_validator("exclude")
