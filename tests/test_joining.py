@@ -1,5 +1,5 @@
 """Nodes started without ``--layers``: each sizes what it can hold, the tracker places it, and together they
-serve a model none of them can hold (real processes on loopback, real llama.cpp)."""
+serve a model none of them can hold, as the whole model would (real processes on loopback, real llama.cpp)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from noderuntime.services import localsystem
 from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
 from noderuntime.services.joining import holdable
 from noderuntime.services.ready import GatewayReady, NodeReady, TrackerReady, expect
+
+from . import whole_model
 
 SLOTS, CTX = 2, 512
 
@@ -91,10 +93,13 @@ def test_nodes_without_layers_cover_a_model_none_can_hold_serve_it_and_a_newcome
         )
         processes.append(gateway)
         url = expect(gateway.start(), GatewayReady).url
-        body = {"model": "smol", "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8}
+        # serving it: the reply is the whole model's, which a chain of the wrong ranges would not give
+        messages = [{"role": "user", "content": "Name a colour."}]
+        body = {"model": "smol", "messages": messages, "max_tokens": 8, "temperature": 0}
+        expected = whole_model.chat_reply(smollm2, messages, 8)
         reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
-        assert reply.json()["choices"][0]["message"]["content"]
+        assert reply.json()["choices"][0]["message"]["content"] == expected
         assert reply.json()["usage"]["completion_tokens"] > 0
 
         # one that no other covers dies without a word: once the tracker drops it, a newcomer
@@ -116,6 +121,7 @@ def test_nodes_without_layers_cover_a_model_none_can_hold_serve_it_and_a_newcome
         localsystem._wait_routable(tracker_url, artifact)
         reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == expected
     finally:
         stop_all(processes)
 

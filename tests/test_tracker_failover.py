@@ -5,8 +5,8 @@ both, and a gateway given both that asks the first and fails over to the second.
 tracker starts only after the nodes: a tracker that is down when a node starts does not hold
 it up, and the node trusts its key and registers there once it answers. Streaming clients
 keep the gateway busy; the first tracker is killed (SIGKILL) while they do, and every request
-completes. Routes come from the first tracker before and from the second after, so the nodes
-accepted the tickets of both.
+completes, each reply the whole model's. Routes come from the first tracker before and from
+the second after, so the nodes accepted the tickets of both.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from noderuntime.services import localsystem
 from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
 from noderuntime.services.ready import GatewayReady, NodeReady, TrackerReady, expect
 
+from . import whole_model
 from .test_faults import _free_port, _get
 
 pytestmark = pytest.mark.slow
@@ -31,21 +32,23 @@ pytestmark = pytest.mark.slow
 CLIENTS = 3
 BEFORE, AFTER = 2, 3  # replies each client completes before the kill, and after it
 MESSAGES = [{"role": "user", "content": "Name a colour and a fruit."}]
+MAX_TOKENS = 12
 
 
 class Client(threading.Thread):
     """Streams chat completions one after another until told to stop; counts those that completed."""
 
-    def __init__(self, url: str, stop: threading.Event) -> None:
+    def __init__(self, url: str, stop: threading.Event, expected: str) -> None:
         super().__init__(daemon=True)
         self.url = url
         self.stop = stop
+        self.expected = expected  # the whole model's reply: what a route of the right ranges says
         self.completed = 0
         self.errors: list[str] = []
         self.start()
 
     def run(self) -> None:
-        body = {"model": "smol", "messages": MESSAGES, "max_tokens": 12, "stream": True, "temperature": 0}
+        body = {"model": "smol", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "stream": True, "temperature": 0}
         while not self.stop.is_set():
             try:
                 self.errors += self._one(body)
@@ -67,7 +70,9 @@ class Client(threading.Thread):
                     if "error" in event:
                         return [str(event["error"])]
                     text += "".join(c.get("delta", {}).get("content") or "" for c in event.get("choices", []))
-        return [] if done and text else [f"the stream ended without [DONE] or text: {text!r}"]
+        if not done:
+            return [f"the stream ended without [DONE]: {text!r}"]
+        return [] if text == self.expected else [f"not the whole model's reply: {text!r}, not {self.expected!r}"]
 
 
 def test_killing_one_of_two_trackers_under_steady_load_fails_no_request(smollm2: Path, tmp_path: Path) -> None:
@@ -83,6 +88,7 @@ def test_killing_one_of_two_trackers_under_steady_load_fails_no_request(smollm2:
 
     stop = threading.Event()
     clients: list[Client] = []
+    expected = whole_model.chat_reply(smollm2, MESSAGES, MAX_TOKENS)
     try:
         first = tracker("tracker-a", "127.0.0.1:0")
         first_url = expect(first.start(), TrackerReady).url
@@ -121,7 +127,7 @@ def test_killing_one_of_two_trackers_under_steady_load_fails_no_request(smollm2:
         )
         url = expect(gateway.start(), GatewayReady).url
 
-        clients = [Client(url, stop) for _ in range(CLIENTS)]
+        clients = [Client(url, stop, expected) for _ in range(CLIENTS)]
         deadline = time.monotonic() + 60
         while min(c.completed for c in clients) < BEFORE:
             assert time.monotonic() < deadline and not any(c.errors for c in clients), [c.errors for c in clients]
