@@ -36,7 +36,7 @@ from typing import Any
 
 import trio
 
-from benchmarks import _common, seams, serving
+from benchmarks import _common, serving, tokenpath
 from benchmarks.serving import PROMPTS, cpu_seconds
 
 NAME = "breakdown"
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.lane == "grpc_route":
         # one decode token's way round the route, step by step (single requests, one at a time)
         generations = [(_ns(r["started"]), _ns(r["arrivals"][-1])) for r in singles_done if r["arrivals"]]
-        figures["decode_token_path"] = seams.token_stages(read, "grpc", generations)
+        figures["decode_token_path"] = tokenpath.token_stages(read, "grpc", generations)
     figures["cpu_ms_per_token"] = cpu
     figures["ticks"] = {
         clients: {node: tick_split(kinds[node], *window) for node in sorted(kinds) if node.startswith("node")}

@@ -64,11 +64,9 @@ from typing import Any
 import numpy as np
 import trio
 
-from benchmarks import _common
+from benchmarks import _common, seam_figures, tokenpath, transport_costs
 
 NAME = "seams"
-DECODE_FRAME = 2442
-PREFILL_FRAME = 256 * 576 * 4 + 300
 DEMO_CUTS = [0, 15, 30]
 # Llama-3.2-1B's shape (tied output, 128k vocabulary); random weights decode at the same speed
 LARGER_SHAPE: dict[str, Any] = {
@@ -110,159 +108,8 @@ DEMO_SHAPE: dict[str, Any] = {
 }
 ROUNDS = 5
 TIMELINE_REPEATS = 3  # generations per route with the nodes' timelines on
-WAKE_IDLE = 0.003  # seconds a thread sleeps before it is woken: about one shard's decode tick
-SWEEP_BYTES = 64 << 20  # about what one decode tick of a shard reads
 # the decode tok/s lanes, each run `repeats` times; ratios are between medians
-LANES = ("whole", "chained", "one_node", "grpc", "relay", "relay_plaintext", "head_alone", "tail_alone")
-# relay_plaintext: the relay lane without its end-to-end channel, to tell what sealing costs
-ROUTES = ("one_node", "grpc", "relay", "relay_plaintext")
-GAP_PARTS = ("split", "engine_slower", "worker_round_trip", "between_ticks")
 LANES_1_CORE = ("whole_1core", "grpc_1core_each", "head_alone_1core", "tail_alone_1core")
-
-
-async def _echo(stream: Any) -> None:
-    """Send back every frame until the seam ends."""
-    from noderuntime.transport import TransportError
-
-    with contextlib.suppress(TransportError):
-        while True:
-            await stream.send(await stream.receive())
-
-
-async def _round_trips(kind: str, size: int, count: int) -> list[float]:
-    from noderuntime.testing.seams import seam
-
-    payload = os.urandom(size)
-    times = []
-    async with seam(kind) as (client, server), trio.open_nursery() as nursery:
-        nursery.start_soon(_echo, server)
-        for i in range(count + 5):
-            started = time.perf_counter()
-            await client.send(payload)
-            await client.receive()
-            if i >= 5:  # warm-up
-                times.append(time.perf_counter() - started)
-        nursery.cancel_scope.cancel()
-    return times
-
-
-async def _seam_opens(count: int, tmp: Path) -> dict[str, Any]:
-    """Opening a gRPC seam and its first decode-size round trip: on a new connection, and on a spare.
-
-    A connector keeps one connected spare per peer it recently opened a seam to: a
-    session's first seam to a new peer pays the handshakes (with TLS: fetching the pinned
-    certificate, then the connection's own), later ones start with their first frame.
-    """
-    from noderuntime.access.identity import self_signed
-    from noderuntime.services.running import server_tls
-    from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer
-
-    payload = os.urandom(DECODE_FRAME)
-    cert = self_signed(tmp / "seam-opens")
-    times: dict[str, list[float]] = {
-        f"{mode}_{kind}": [] for mode in ("plain", "tls") for kind in ("new_connection", "spare_connection")
-    }
-
-    runtime = AsyncioThread()
-    async with trio.open_nursery() as nursery:
-        servers = []
-        try:
-            for mode in ("plain", "tls"):
-                server = GrpcServer(runtime, lambda stream: nursery.start_soon(_echo, stream), max_frame_bytes=1 << 20)
-                servers.append(server)
-                tls = server_tls(cert.cert, cert.key) if mode == "tls" else None
-                address = f"127.0.0.1:{await server.start('127.0.0.1', 0, tls)}"
-                pin = cert.cert_sha256 if mode == "tls" else b""
-                warm = GrpcConnector(runtime, max_frame_bytes=1 << 20)
-                try:
-                    await (await warm.open(address, tls_cert_sha256=pin)).aclose()
-                    for _ in range(count):
-                        for kind in ("new_connection", "spare_connection"):
-                            fresh = kind == "new_connection"
-                            connector = GrpcConnector(runtime, max_frame_bytes=1 << 20) if fresh else warm
-                            await trio.sleep(0.05)  # the spare has connected
-                            started = time.perf_counter()
-                            stream = await connector.open(address, tls_cert_sha256=pin)
-                            await stream.send(payload)
-                            await stream.receive()
-                            times[f"{mode}_{kind}"].append(time.perf_counter() - started)
-                            await stream.aclose()
-                            if fresh:
-                                await connector.close()
-                finally:
-                    await warm.close()
-        finally:
-            for server in servers:
-                await server.close()
-            runtime.close()
-            nursery.cancel_scope.cancel()
-    return {f"{k}_p50_ms": statistics.median(v) * 1e3 for k, v in times.items()} | {
-        f"{k}_p95_ms": _common.percentile(v, 95) * 1e3 for k, v in times.items()
-    }
-
-
-async def _wake_ups(count: int) -> dict[str, Any]:
-    """Round trips from a trio task to a sleeping engine thread and to the sleeping asyncio thread.
-
-    Each is timed after an idle pause, and again after that pause plus a read of
-    ``SWEEP_BYTES``, as a decode tick reads a shard's weights: the caches then hold
-    weights, not the interpreter's code and data. The engine thread is what a node's
-    batches go to; ``trio.to_thread``, what they went to before, is timed beside it.
-    """
-    from noderuntime.engine.thread import EngineThread
-    from noderuntime.transport.grpc import AsyncioThread
-
-    async def nothing() -> None:
-        return None
-
-    sweep = np.ones(SWEEP_BYTES // 8)
-    kinds = ("worker", "worker_awake", "worker_cold", "to_thread", "asyncio", "asyncio_cold")
-    times: dict[str, list[float]] = {k: [] for k in kinds}
-    runtime = AsyncioThread()
-    engine_thread = EngineThread()
-    try:
-        for _ in range(count):
-            for cold in (False, True):
-                await trio.sleep(WAKE_IDLE)
-                if cold:
-                    sweep.sum()
-                started = time.perf_counter()
-                await engine_thread.run(int)
-                times["worker_cold" if cold else "worker"].append(time.perf_counter() - started)
-                if not cold:
-                    started = time.perf_counter()
-                    await engine_thread.run(int)  # the same thread again, still awake
-                    times["worker_awake"].append(time.perf_counter() - started)
-                    await trio.sleep(WAKE_IDLE)
-                    started = time.perf_counter()
-                    await trio.to_thread.run_sync(int)
-                    times["to_thread"].append(time.perf_counter() - started)
-                await trio.sleep(WAKE_IDLE)
-                if cold:
-                    sweep.sum()
-                started = time.perf_counter()
-                await runtime.call(nothing)
-                times["asyncio_cold" if cold else "asyncio"].append(time.perf_counter() - started)
-    finally:
-        runtime.close()
-        engine_thread.close()
-    us = {k: statistics.median(v) * 1e6 for k, v in times.items()}
-    return {
-        "idle_before_each_ms": WAKE_IDLE * 1e3,
-        "sweep_bytes": SWEEP_BYTES,
-        "worker_thread_round_trip_us": us["worker"],
-        "worker_thread_round_trip_awake_us": us["worker_awake"],
-        "worker_thread_round_trip_after_sweep_us": us["worker_cold"],
-        "to_thread_round_trip_us": us["to_thread"],
-        "asyncio_thread_round_trip_us": us["asyncio"],
-        "asyncio_thread_round_trip_after_sweep_us": us["asyncio_cold"],
-        # per decode token of a 2-shard gRPC route: each shard's tick goes to the engine
-        # thread and back, and each seam direction crosses trio -> asyncio in the sender
-        # and asyncio -> trio in the receiver
-        "grpc_route_thread_round_trips_per_token": {"worker": 2, "asyncio": 2},
-        "grpc_route_thread_wake_ups_ms_per_token": (2 * us["worker"] + 2 * us["asyncio"]) / 1e3,
-        "grpc_route_thread_wake_ups_after_sweep_ms_per_token": (2 * us["worker_cold"] + 2 * us["asyncio_cold"]) / 1e3,
-    }
 
 
 def _in_process_recipe(threads: int) -> Any:
@@ -462,10 +309,6 @@ def _engine_on_one_core(model: str, new_tokens: int, layers: tuple[int, int] | N
     return _common.in_fresh_process(_pinned_decode, model, new_tokens, layers)
 
 
-def _median_ticks(ticks: list[list[float]]) -> list[float]:
-    return [statistics.median(run[i] for run in ticks) for i in range(len(ticks[0]))]
-
-
 async def _pinned_lanes(model: Path, cuts: list[int], new_tokens: int, repeats: int) -> dict[str, Any]:
     """One core per shard process (as if each were its own 1-core host) vs the whole model on one core."""
     from noderuntime.seams.dialer import open_dialer
@@ -495,7 +338,7 @@ async def _pinned_lanes(model: Path, cuts: list[int], new_tokens: int, repeats: 
 
 
 async def _lanes(
-    model: Path, cuts: list[int], new_tokens: int, repeats: int, route_names: Sequence[str] = ROUTES
+    model: Path, cuts: list[int], new_tokens: int, repeats: int, route_names: Sequence[str] = seam_figures.ROUTES
 ) -> dict[str, list[Any]]:
     """Whole model, the routes and each range alone, interleaved run by run (the machine is noisy).
 
@@ -507,7 +350,9 @@ async def _lanes(
     from noderuntime.testing.clusters import running_cluster
     from noderuntime.transport.sealed import PLAINTEXT_ENV
 
-    rates: dict[str, Any] = {k: [] for k in LANES if k not in ROUTES or k in route_names} | {"chained_engine_ms": []}
+    rates: dict[str, Any] = {k: [] for k in seam_figures.LANES if k not in seam_figures.ROUTES or k in route_names} | {
+        "chained_engine_ms": []
+    }
     head, tail = (cuts[0], cuts[1]), (cuts[1], cuts[2])
     ticks: dict[str, list[list[float]]] = {k: [] for k in route_names}
     engine: dict[str, list[list[float]]] = {k: [] for k in route_names}
@@ -540,124 +385,6 @@ async def _lanes(
                 rates[f"{name}_decode_tick_ms"] = ticks[name]
                 rates[f"{name}_decode_engine_ms"] = engine[name]
     return rates
-
-
-# A decode token's way round a 2-shard route, as (shard, stage) in the timeline, from the
-# tail's tick to the tail's next tick, with what each step between two stages is.
-_ARRIVAL = {
-    "grpc": "grpclib sends; the wire; the peer's asyncio thread wakes, reads HTTP/2",
-    "relay": "the websocket to the relay, the relay, the websocket from it",
-}
-
-
-def _token_path(transport: str) -> list[tuple[str, str, str]]:
-    """The stages of one token on a 2-shard route over ``transport``: (shard, stage, what led to it)."""
-    path: list[tuple[str, str, str]] = [("tail", "tick.finished", "")]
-    for shard, seam_out, peer, seam_in in (("tail", "up", "head", "down"), ("head", "down", "tail", "up")):
-        path.append((shard, f"{seam_out}.sent", "session: the tick's rows become a frame"))
-        if transport == "grpc":
-            # grpclib's send returns after the peer may already have read the frame: the way
-            # goes on from the start of the send ("written" is measured beside it)
-            path.append((shard, f"grpc.{_grpc_side(shard)}.writing", "to the asyncio thread"))
-            path.append((peer, f"grpc.{_grpc_side(peer)}.read", _ARRIVAL[transport]))
-            path.append((peer, f"{seam_in}.received", "to the trio thread"))
-        else:
-            path.append((peer, f"{seam_in}.received", _ARRIVAL[transport]))
-        path += [
-            (peer, f"{seam_in}.decoded", "frame decoded, checked"),
-            (peer, "step.submitted", "session: the event becomes a step"),
-            (peer, "tick.started", "batcher: step to tick"),
-            (peer, "engine.started", "to the engine thread"),
-            (peer, "engine.finished", "the engine"),
-            (peer, "tick.finished", "back to the trio thread"),
-        ]
-    return path
-
-
-def _grpc_side(shard: str) -> str:
-    # the head dials the tail: the head's end of their seam is the gRPC client
-    return "client" if shard == "head" else "server"
-
-
-def token_stages(records: list[dict[str, Any]], transport: str, windows: Sequence[tuple[int, int]]) -> dict[str, Any]:
-    """Median time of each step of a decode token round a 2-shard route, from the nodes' timelines.
-
-    ``records`` are the node processes' timelines (:func:`noderuntime.operations.timeline.read`);
-    ``windows`` are the (start, end) ``perf_counter_ns`` of each generation measured.
-    Each token is followed stage by stage, taking for each the first record of it after
-    the stage before; a token whose way cannot be followed to the end within its
-    generation is left out.
-    """
-    shards: dict[str, list[tuple[str, int]]] = {}
-    for record in records:
-        argv = record["argv"]
-        if "--layers" in argv:
-            start = int(argv[argv.index("--layers") + 1].split(":")[0])
-            shards["head" if start == 0 else "tail"] = [(stage, ns) for stage, ns, _thread in record["events"]]
-    path = _token_path(transport)
-    steps: list[list[float]] = [[] for _ in path[1:]]
-    totals: list[float] = []
-    for since, until in windows:
-        times: dict[tuple[str, str], list[int]] = {}
-        for shard, events in shards.items():
-            for stage, ns in events:
-                if since <= ns <= until:
-                    times.setdefault((shard, stage), []).append(ns)
-        for spent in _follow(times, path):
-            for i, us in enumerate(spent):
-                steps[i].append(us)
-            totals.append(sum(spent))
-    sends = {}
-    if transport == "grpc":
-        for shard, events in shards.items():
-            side = _grpc_side(shard)
-            started: int | None = None
-            spent = []
-            for stage, ns in events:
-                if stage == f"grpc.{side}.writing":
-                    started = ns
-                elif stage == f"grpc.{side}.written" and started is not None:
-                    spent.append((ns - started) / 1e3)
-                    started = None
-            if spent:
-                sends[shard] = statistics.median(spent)
-    return {
-        "tokens": len(totals),
-        "token_us": statistics.median(totals) if totals else None,
-        "steps": [
-            {"shard": shard, "stage": stage, "what": what, "us": statistics.median(us)}
-            for (shard, stage, what), us in zip(path[1:], steps, strict=True)
-            if us
-        ],
-        "grpclib_send_us": sends,
-    }
-
-
-def _follow(times: dict[tuple[str, str], list[int]], path: list[tuple[str, str, str]]) -> list[list[float]]:
-    """Each token's time (µs) from one stage of ``path`` to the next, through one generation's stages."""
-    cursor = dict.fromkeys(times, 0)
-
-    def next_after(key: tuple[str, str], ns: int) -> int | None:
-        series = times.get(key, [])
-        i = cursor.get(key, 0)
-        while i < len(series) and series[i] < ns:
-            i += 1
-        cursor[key] = i
-        return series[i] if i < len(series) else None
-
-    tokens: list[list[float]] = []
-    start = next_after(path[0][:2], 0)
-    while start is not None:
-        at, spent = start, []
-        for shard, stage, _ in path[1:]:
-            found = next_after((shard, stage), at)
-            if found is None:
-                return tokens  # the generation ended on the way
-            spent.append((found - at) / 1e3)
-            at = found
-        tokens.append(spent)
-        start = at  # the tail's tick that ends one token starts the next
-    return tokens
 
 
 async def _timelines(model: Path, cuts: list[int], new_tokens: int, repeats: int) -> dict[str, Any]:
@@ -701,31 +428,10 @@ async def _timelines(model: Path, cuts: list[int], new_tokens: int, repeats: int
                         windows[name].append((since, time.perf_counter_ns()))
         # the nodes have exited and written their timelines
         return {
-            name: token_stages(timeline.read(records[name]), name, windows[name])
+            name: tokenpath.token_stages(timeline.read(records[name]), name, windows[name])
             | {"decode_tok_s": statistics.median(rates[name])}
             for name in windows
         }
-
-
-def _stage_table(stages: dict[str, Any]) -> str:
-    """The gRPC and relay routes' steps side by side, in the token's order; a step one lacks is blank."""
-    rows: list[list[Any]] = [[s["shard"], s["what"], round(s["us"]), ""] for s in stages["grpc"]["steps"]]
-    keys = [(s["shard"], s["stage"], s["what"]) for s in stages["grpc"]["steps"]]
-    pending: list[tuple[tuple[str, str, str], list[Any]]] = []  # the relay's own steps, until the next shared one
-    for step in stages["relay"]["steps"]:
-        key = (step["shard"], step["stage"], step["what"])
-        if key not in keys:
-            pending.append((key, [step["shard"], step["what"], "", round(step["us"])]))
-            continue
-        at = keys.index(key)
-        keys[at:at] = [k for k, _ in pending]
-        rows[at:at] = [row for _, row in pending]
-        rows[at + len(pending)][3] = round(step["us"])
-        pending = []
-    rows += [row for _, row in pending]
-    tokens = [stages[k]["token_us"] for k in ("grpc", "relay")]
-    rows.append(["", "one token", *(round(us) if us is not None else "" for us in tokens)])
-    return _common.table(["shard", "step (to the stage)", "gRPC µs", "relay µs"], rows)
 
 
 def _seam_bytes_per_token(model: str) -> dict[str, float]:
@@ -774,19 +480,23 @@ def _main(args: Any, tmp: Path) -> int:
     # slow spells lasting seconds, and one transport measured in one spell would carry it
     for _ in range(ROUNDS):
         for kind in kinds:
-            small[kind] += trio.run(_round_trips, kind, DECODE_FRAME, count // ROUNDS)
-            large[kind] += trio.run(_round_trips, kind, PREFILL_FRAME, big_count // ROUNDS)
+            small[kind] += trio.run(transport_costs.round_trips, kind, transport_costs.DECODE_FRAME, count // ROUNDS)
+            large[kind] += trio.run(
+                transport_costs.round_trips, kind, transport_costs.PREFILL_FRAME, big_count // ROUNDS
+            )
     for kind in kinds:
         hops[kind] = {
-            "decode_frame_bytes": DECODE_FRAME,
+            "decode_frame_bytes": transport_costs.DECODE_FRAME,
             "decode_rtt_p50_us": _common.percentile(small[kind], 50) * 1e6,
             "decode_rtt_p95_us": _common.percentile(small[kind], 95) * 1e6,
-            "prefill_frame_bytes": PREFILL_FRAME,
+            "prefill_frame_bytes": transport_costs.PREFILL_FRAME,
             "prefill_rtt_p50_ms": _common.percentile(large[kind], 50) * 1e3,
             "prefill_rtt_p95_ms": _common.percentile(large[kind], 95) * 1e3,
         }
-    wake_ups = trio.run(_wake_ups, 50 if args.quick else 400)
-    hops["grpc"]["seam_open_and_first_round_trip"] = trio.run(_seam_opens, 20 if args.quick else 100, tmp)
+    wake_ups = trio.run(transport_costs.wake_ups, 50 if args.quick else 400)
+    hops["grpc"]["seam_open_and_first_round_trip"] = trio.run(
+        transport_costs.seam_opens, 20 if args.quick else 100, tmp
+    )
     demo = _route_figures(
         trio.run(_lanes, model, DEMO_CUTS, new_tokens, repeats), model, DEMO_CUTS, new_tokens, repeats
     )
@@ -873,7 +583,7 @@ def _main(args: Any, tmp: Path) -> int:
         },
     )
     demo_label = "SmolLM2-135M shape" if args.demo_shape else "SmolLM2-135M"
-    png = _plot(path, demo, larger, largest, demo_label)
+    png = seam_figures.plot(path, demo, larger, largest, demo_label)
     print(
         _common.table(
             ["transport", "decode RTT p50 µs", "p95 µs", "prefill RTT p50 ms", "p95 ms"],
@@ -890,13 +600,13 @@ def _main(args: Any, tmp: Path) -> int:
         f"{opens['tls_new_connection_p50_ms']:.2f} and {opens['tls_spare_connection_p50_ms']:.2f} ms"
     )
     print(
-        f"\nthread wake-ups after {WAKE_IDLE * 1e3:.0f} ms idle: engine thread round trip "
+        f"\nthread wake-ups after {transport_costs.WAKE_IDLE * 1e3:.0f} ms idle: engine thread round trip "
         f"{wake_ups['worker_thread_round_trip_us']:.0f} µs (trio.to_thread "
         f"{wake_ups['to_thread_round_trip_us']:.0f} µs), asyncio round trip "
         f"{wake_ups['asyncio_thread_round_trip_us']:.0f} µs "
         f"({wake_ups['worker_thread_round_trip_after_sweep_us']:.0f} and "
         f"{wake_ups['asyncio_thread_round_trip_after_sweep_us']:.0f} µs after reading "
-        f"{SWEEP_BYTES >> 20} MiB); a gRPC route token makes two of each: "
+        f"{transport_costs.SWEEP_BYTES >> 20} MiB); a gRPC route token makes two of each: "
         f"{wake_ups['grpc_route_thread_wake_ups_ms_per_token']:.2f} ms "
         f"({wake_ups['grpc_route_thread_wake_ups_after_sweep_ms_per_token']:.2f} ms cold)\n"
     )
@@ -918,10 +628,10 @@ def _main(args: Any, tmp: Path) -> int:
                 "grpc_pinned",
             ),
         ):
-            gap = [parts[key][k] for k in GAP_PARTS] if key else [""] * len(GAP_PARTS)
+            gap = [parts[key][k] for k in seam_figures.GAP_PARTS] if key else [""] * len(seam_figures.GAP_PARTS)
             rows.append([f"{label}: {name}", rate, ratio, *gap])
     if "skipped" in largest:
-        rows.append(["8B-shape: skipped", largest["skipped"], "", *[""] * len(GAP_PARTS)])
+        rows.append(["8B-shape: skipped", largest["skipped"], "", *[""] * len(seam_figures.GAP_PARTS)])
     else:
         parts = largest["where_the_gap_goes_ms"]
         for name, key in (
@@ -932,10 +642,16 @@ def _main(args: Any, tmp: Path) -> int:
             ("2 shards over the relay", "relay"),
         ):
             rate = largest[f"{key or 'whole'}_decode_tok_s"]
-            gap = [parts[key][k] for k in GAP_PARTS] if key in parts else [""] * len(GAP_PARTS)
+            gap = (
+                [parts[key][k] for k in seam_figures.GAP_PARTS] if key in parts else [""] * len(seam_figures.GAP_PARTS)
+            )
             rows.append([f"8B-shape: {name}", rate, rate / largest["whole_decode_tok_s"], *gap])
     print()
-    print(_common.table(["lane", "decode tok/s", "vs whole", *(f"+ms {k.replace('_', ' ')}" for k in GAP_PARTS)], rows))
+    print(
+        _common.table(
+            ["lane", "decode tok/s", "vs whole", *(f"+ms {k.replace('_', ' ')}" for k in seam_figures.GAP_PARTS)], rows
+        )
+    )
     for label, lane in ((demo_label, demo), ("1B-shape", larger)):
         idle = lane["engine_after_idle_ms"]
         print(
@@ -946,7 +662,7 @@ def _main(args: Any, tmp: Path) -> int:
         )
     for label, lane in ((demo_label, demo), ("1B-shape", larger)):
         print(f"\n{label}: where one decode token's time goes (median µs, {TIMELINE_REPEATS} generations)")
-        print(_stage_table(lane["token_stages"]))
+        print(tokenpath.stage_table(lane["token_stages"]))
     per_token = _seam_bytes_per_token(str(model))["total"]
     print(f"\nseam bytes per decode token: {per_token:.0f}\nwrote {path} and {png}")
     return 0
@@ -975,7 +691,7 @@ def _largest_lanes(tmp: Path, new_tokens: int, repeats: int) -> dict[str, Any]:
         rates = trio.run(_lanes, path, LARGEST_CUTS, new_tokens, repeats, ("grpc", "relay", "relay_plaintext"))
         for key, values in trio.run(_lanes, path, LARGEST_CUTS, new_tokens, repeats, ("one_node",)).items():
             rates[key] = rates.get(key, []) + values
-        figures = _rate_figures(rates)
+        figures = seam_figures.rate_figures(rates)
     finally:
         path.unlink()
     return figures | {
@@ -1002,15 +718,15 @@ def _route_figures(
     """Medians and ratios of one model's lanes, with its pinned lanes run after them."""
     pinned = trio.run(_pinned_lanes, model, cuts, new_tokens, repeats)
     after_idle = _common.in_fresh_process(_engine_after_idle, str(model), cuts, max(8, new_tokens // 4))
-    figures = _rate_figures(rates)
+    figures = seam_figures.rate_figures(rates)
     med = {k: statistics.median(v) for k, v in pinned.items() if k in LANES_1_CORE}
     whole_1, grpc_1 = med["whole_1core"], med["grpc_1core_each"]
-    ticks = _median_ticks(pinned["decode_tick_ms"])
-    engine = _median_ticks(pinned["decode_engine_ms"])
+    ticks = seam_figures.median_ticks(pinned["decode_tick_ms"])
+    engine = seam_figures.median_ticks(pinned["decode_engine_ms"])
     # two shards pinned to a core each are held against each range alone on one core
     reference = (1e3 / med["head_alone_1core"], 1e3 / med["tail_alone_1core"])
     figures["gap_ms_per_token"]["grpc_pinned"] = 1e3 / grpc_1 - 1e3 / whole_1
-    figures["where_the_gap_goes_ms"]["grpc_pinned"] = _gap_parts(grpc_1, whole_1, reference, ticks, engine)
+    figures["where_the_gap_goes_ms"]["grpc_pinned"] = seam_figures.gap_parts(grpc_1, whole_1, reference, ticks, engine)
     figures["decode_tick_ms_head_tail"]["grpc_pinned"] = ticks
     figures["decode_engine_ms_head_tail"]["grpc_pinned"] = engine
     # part of engine_slower: a shard's call after idling while the other computes
@@ -1023,114 +739,6 @@ def _route_figures(
         "raw": pinned,
     }
     return figures
-
-
-def _rate_figures(rates: dict[str, Any]) -> dict[str, Any]:
-    """Medians and ratios of one model's decode lanes (:func:`_lanes`)."""
-    med = {k: statistics.median(v) for k, v in rates.items() if k in LANES}
-    whole, one, grpc, relay = med["whole"], med["one_node"], med["grpc"], med["relay"]
-    plaintext = med["relay_plaintext"]
-    ticks = {k: _median_ticks(rates[f"{k}_decode_tick_ms"]) for k in ROUTES}
-    engine = {k: _median_ticks(rates[f"{k}_decode_engine_ms"]) for k in ROUTES}
-    chained = _median_ticks(rates["chained_engine_ms"])
-    # what each route's engine calls are held against (ms per token): the whole model for
-    # one node; the ranges chained in one process for two shards sharing this machine's caches
-    reference: dict[str, Sequence[float]] = {
-        "one_node": (1e3 / whole,),
-        "grpc": chained,
-        "relay": chained,
-        "relay_plaintext": chained,
-    }
-    routes = {"one_node": one, "grpc": grpc, "relay": relay, "relay_plaintext": plaintext}
-    return {
-        "whole_decode_tok_s": whole,
-        "chained_decode_tok_s": med["chained"],
-        "chained_over_whole": med["chained"] / whole,
-        "chained_engine_ms_head_tail": chained,
-        "one_node_decode_tok_s": one,
-        "grpc_decode_tok_s": grpc,
-        "relay_decode_tok_s": relay,
-        "relay_plaintext_decode_tok_s": plaintext,
-        # the relayed seam sealed end to end, against the same lane unsealed (goal 0.97)
-        "relay_over_relay_plaintext": relay / plaintext,
-        "goal_relay_sealed_0_97": relay / plaintext >= 0.97,
-        "one_node_over_whole": one / whole,
-        "grpc_over_whole": grpc / whole,
-        "relay_over_whole": relay / whole,
-        "grpc_over_one_node": grpc / one,
-        "relay_over_one_node": relay / one,
-        "grpc_over_chained": grpc / med["chained"],
-        "relay_over_chained": relay / med["chained"],
-        "goal_grpc_0_90": grpc / whole >= 0.90,
-        "goal_relay_0_85": relay / whole >= 0.85,
-        "gap_ms_per_token": {k: 1e3 / route - 1e3 / whole for k, route in routes.items()},
-        "where_the_gap_goes_ms": {
-            k: _gap_parts(route, whole, reference[k], ticks[k], engine[k]) for k, route in routes.items()
-        },
-        "decode_tick_ms_head_tail": ticks,
-        "decode_engine_ms_head_tail": engine,
-        "alone_decode_tok_s": {
-            "head": med["head_alone"],
-            "tail": med["tail_alone"],
-            # above 1: a range alone runs faster than inside the chain, its weights staying cached
-            "chained_ms_over_alone_ms": sum(chained) / (1e3 / med["head_alone"] + 1e3 / med["tail_alone"]),
-        },
-        "raw": rates,
-    }
-
-
-def _gap_parts(
-    route: float, whole: float, reference: Sequence[float], ticks: list[float], engine: list[float]
-) -> dict[str, float]:
-    """Split a route's extra time per token into four parts that add up to it.
-
-    ``split``: the engine calls of the ranges with nothing between them (``reference``,
-    ms per token each) against the whole model;
-    ``engine_slower``: the engine's own calls inside the route's nodes against those (other
-    work on the same cores while a tick runs: the client, the other process, the node's
-    own threads);
-    ``worker_round_trip``: the ticks outside the engine call, mostly the hop to the engine
-    thread and back;
-    ``between_ticks``: the rest of the token's time (seams, the event loops, sessions).
-    """
-    reference_ms = sum(reference)
-    return {
-        "split": reference_ms - 1e3 / whole,
-        "engine_slower": sum(engine) - reference_ms,
-        "worker_round_trip": sum(ticks) - sum(engine),
-        "between_ticks": 1e3 / route - sum(ticks),
-    }
-
-
-def _plot(path: Path, demo: dict[str, Any], larger: dict[str, Any], largest: dict[str, Any], demo_label: str) -> Path:
-    """Route / whole model against the whole model's time per token, one point per model."""
-    pinned_lanes = (demo, larger)
-    lanes = (*pinned_lanes, *(() if "skipped" in largest else (largest,)))
-    shared_ms = [1e3 / lane["whole_decode_tok_s"] for lane in lanes]
-    pinned_ms = [1e3 / lane["pinned_one_core_per_process"]["whole_model_1_core_decode_tok_s"] for lane in pinned_lanes]
-    cores = os.cpu_count()
-    every_ms = shared_ms + pinned_ms
-    return _common.plot(
-        path.with_suffix(".png"),
-        f"route vs whole model in one process ({demo_label}, 1B and 8B shapes)",
-        "whole model's decode time per token (ms)",
-        "route decode tok/s / whole model's",
-        {
-            f"gRPC, 2 threads per shard, {cores} cores": (shared_ms, [lane["grpc_over_whole"] for lane in lanes]),
-            f"relay, 2 threads per shard, {cores} cores": (shared_ms, [lane["relay_over_whole"] for lane in lanes]),
-            f"whole model in one node (no seam between shards), {cores} cores": (
-                shared_ms,
-                [lane["one_node_over_whole"] for lane in lanes],
-            ),
-            "gRPC, 1 core per shard (SmolLM2 and 1B shape only)": (
-                pinned_ms,
-                [lane["pinned_one_core_per_process"]["route_over_whole"] for lane in pinned_lanes],
-            ),
-            "goal gRPC 0.90": ([min(every_ms), max(every_ms)], [0.90, 0.90]),
-            "goal relay 0.85": ([min(every_ms), max(every_ms)], [0.85, 0.85]),
-        },
-        logx=True,
-    )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.seams import token_stages
+from benchmarks.tokenpath import token_stages
 from noderuntime.operations import timeline
 from noderuntime.seams.client import GenerationRequest
 from noderuntime.seams.dialer import open_dialer
