@@ -133,9 +133,10 @@ def test_an_output_path_that_cannot_be_written_is_a_clear_error(
     [
         ("up", "--model", "m.gguf", "--layers", "0:1", "--idle-timeout"),
         ("tracker", "--expire-after"),
+        ("tracker", "--route-rate"),
         ("gateway", "--model", "m.gguf", "--tracker", "http://t", "--queue-timeout"),
     ],
-    ids=["up", "tracker", "gateway"],
+    ids=["up", "tracker", "tracker-rate", "gateway"],
 )
 def test_a_seconds_flag_takes_a_positive_finite_number(argv: tuple[str, ...], value: str) -> None:
     """A negative or NaN timeout used to start a node that then died on its first stream."""
@@ -155,6 +156,21 @@ def test_the_gateways_line_bounds_are_counts(flag: str, value: str) -> None:
         main(["gateway", "--model", "m.gguf", "--tracker", "http://t", flag, value])
     assert exited.value.code == 2
     assert f"{flag}: expected an integer >= 0" in err.getvalue().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("tracker", "--route-burst"), ("gateway", "--model", "m.gguf", "--tracker", "http://t", "--running-per-key")],
+    ids=["route-burst", "running-per-key"],
+)
+@pytest.mark.parametrize("value", ["0", "-1", "1e9", "many"])
+def test_a_clients_share_of_grants_and_sessions_is_a_positive_count(argv: tuple[str, ...], value: str) -> None:
+    """A cap of 0 would refuse every client; a float or a word is no count."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
+        main([*argv, value])
+    assert exited.value.code == 2
+    assert f"{argv[-1]}: expected a positive integer" in err.getvalue().splitlines()[-1]
 
 
 def test_a_refused_flag_ends_the_process_with_status_2_and_one_line(python: str, cli_env: dict[str, str]) -> None:

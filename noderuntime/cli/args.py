@@ -52,6 +52,16 @@ def seconds(text: str) -> float:
     return value
 
 
+def per_second(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number per second, got {text!r}") from None
+    if not 0 < value < math.inf:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number per second, got {text}")
+    return value
+
+
 def seconds_or_never(text: str) -> float:
     """A positive number of seconds, or 0 for never."""
     return 0.0 if text.strip() in ("0", "0.0") else seconds(text)

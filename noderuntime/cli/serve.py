@@ -17,6 +17,7 @@ from noderuntime.cli.args import (
     layers,
     listen_address,
     non_negative_int,
+    per_second,
     positive_int,
     public_key,
     relay_url,
@@ -229,6 +230,8 @@ def _cmd_tracker(args: argparse.Namespace) -> int:
             data_dir,
             api_key=args.api_key,
             expire_after=args.expire_after,
+            route_rate=args.route_rate,
+            route_burst=args.route_burst,
             probe_references=tuple(args.probe_references),
             require_probe=args.require_probe,
             probe_interval=args.probe_interval,
@@ -285,6 +288,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         queue_timeout=args.queue_timeout,
         queue_limit=args.queue_limit,
         queue_per_key=args.queue_per_key,
+        running_per_key=args.running_per_key,
         ledger=Path(args.ledger),
         audit_rate=args.audit_rate,
     )
@@ -500,6 +504,19 @@ def _add_tracker(sub: Any) -> None:
         "often and are dropped after three of their intervals)",
     )
     p.add_argument(
+        "--route-rate",
+        type=per_second,
+        default=50.0,
+        help="route, repair, audit and placement grants one client (an address, a key) may take a second in the "
+        "long run; beyond, 429",
+    )
+    p.add_argument(
+        "--route-burst",
+        type=positive_int,
+        default=200,
+        help="of those grants, how many one client may take at once before --route-rate paces it",
+    )
+    p.add_argument(
         "--probe-references",
         type=Path,
         action="append",
@@ -581,6 +598,12 @@ def _add_gateway(sub: Any) -> None:
         type=non_negative_int,
         default=64,
         help="of the requests waiting in line, how many under one API key (turns go round the keys)",
+    )
+    p.add_argument(
+        "--running-per-key",
+        type=positive_int,
+        default=256,
+        help="sessions one API key (or, with no keys, one client address) may run at once; one more is refused (429)",
     )
     p.add_argument(
         "--audit-rate",

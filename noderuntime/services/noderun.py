@@ -496,6 +496,7 @@ class GatewayOptions:
     queue_timeout: float = 10.0
     queue_limit: int = 256  # requests waiting for a slot, in all (runner/line.py)
     queue_per_key: int = 64  # of them, under one API key
+    running_per_key: int = 256  # sessions one API key (or client address) runs at once
     ledger: Path | None = None
     audit_rate: float = 0.0  # the share of sessions audited after they end (runner/audits.py)
 
@@ -537,6 +538,7 @@ async def run_gateway(
             queue_timeout=opts.queue_timeout,
             queue_limit=opts.queue_limit,
             queue_per_key=opts.queue_per_key,
+            max_running_per_key=opts.running_per_key,
             ledger=Ledger(opts.ledger) if opts.ledger else None,
             identity=me,
             audit_rate=opts.audit_rate,

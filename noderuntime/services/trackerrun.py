@@ -25,6 +25,8 @@ async def run_tracker(
     *,
     api_key: str | None = None,
     expire_after: float = 10.0,
+    route_rate: float = 50.0,
+    route_burst: int = 200,
     probe_references: tuple[Path, ...] = (),
     require_probe: bool = False,
     probe_interval: float = 600.0,
@@ -43,6 +45,8 @@ async def run_tracker(
     tracker = Tracker(
         tracker_identity,
         expire_after=expire_after,
+        route_rate=route_rate,
+        route_burst=route_burst,
         api_key=api_key,
         references=references,
         require_probe=require_probe,
