@@ -14,8 +14,9 @@ gateway), all real processes on loopback:
 - **relay** websocket paths (``/control``, ``/dial``, ``/accept/…``, unknown): random
   text and binary messages, mutated control messages, and JSON nested to break a parser;
 - **relayed seams** of the relay-only tail, paired by the relay with a real ticket: a
-  broken first or third handshake message, or a full handshake followed by broken
-  sealed messages (random bytes, a sealed frame mutated, a sealed frame replayed);
+  broken first or third handshake message (a first one the tail answers, as it cannot tell
+  it from a good one, is followed by a broken third), or a full handshake followed by
+  broken sealed messages (random bytes, a sealed frame mutated, a sealed frame replayed);
 - **tracker API** bodies: random and mutated JSON, bad signatures, oversized bodies,
   and schemathesis cases from its OpenAPI document;
 - **gateway HTTP** bodies: random bytes, mutated requests, oversized bodies, and
@@ -46,7 +47,7 @@ from typing import Any, cast
 import attrs
 import httpx
 import trio
-from trio_websocket import ConnectionClosed, HandshakeError, open_websocket_url
+from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, open_websocket_url
 
 from benchmarks import _common
 from noderuntime.access import tickets
@@ -79,6 +80,7 @@ from protocol import (
 from protocol import (
     Error as ErrorEvent,
 )
+from protocol.channel import Binding, ChannelClosed, ChannelError, DialerHandshake, SealedChannel
 
 NAME = "fuzz_network"
 # well-formed OpenRoute frames whose content once crashed a node
@@ -91,12 +93,16 @@ HOSTILE_OPENINGS = (
     "penalty_window",
 )
 REPLY_SECONDS = 3.0
-# a relayed seam that took a broken record must close it: on a loaded machine (the test
-# suite beside it) one tail's close took longer than REPLY_SECONDS. A first message mutated
-# where the handshake cannot tell (a flipped bit of the ephemeral key) is answered, and the
-# acceptor then waits its handshake timeout for a third message: the wait must outlast that,
-# with room for the close to cross the relay. Later than this, it is counted as left open.
+# a relayed seam that took a broken message must close it, at once: every input ends on a
+# message the tail can refuse (a first message changed where the handshake cannot tell is
+# answered, and followed by a broken third), none on the tail's handshake timeout. The wait
+# outlasts that timeout all the same, with room for the close to cross a loaded machine, so
+# that a seam that did fall back on it is counted by its typed close; later than this, it is
+# counted as left open.
 SEAM_REPLY_SECONDS = sealed.HANDSHAKE_TIMEOUT + 5.0
+# how much longer a seam left open is watched, so that the output tells a slow close (and
+# its stage) from one that never comes; it is counted as left open all the same
+LEFT_OPEN_WATCH_SECONDS = 30.0
 GRPC_PARALLEL = 12  # seam streams in flight at once
 
 
@@ -115,6 +121,11 @@ def _mutate(rng: random.Random, data: bytes) -> bytes:
             del buf[pos : pos + rng.randint(1, 16)]
         else:
             buf[pos:pos] = bytes([0xFF] * rng.randint(1, 9)) + b"\x01"
+    if buf == data:  # the changes undid each other, or set bytes to what they were: change one bit
+        if buf:
+            buf[rng.randrange(len(buf))] ^= 1 << rng.randrange(8)
+        else:
+            buf.append(rng.randrange(256))
     return bytes(buf)
 
 
@@ -327,16 +338,45 @@ async def _fuzz_relay(url: str, count: int, rng: random.Random) -> dict[str, Any
     return {"inputs": count, "outcomes": dict(outcomes)}
 
 
+def _closed_outcome(exc: ConnectionClosed) -> str:
+    """A websocket close as an outcome: the status a relayed seam's close code names, else the code."""
+    code = exc.reason.code if exc.reason is not None else 0
+    status = code - relay_messages.CLOSE_STATUS_BASE if relay_messages.is_status_close(code) else None
+    return f"closed:{code}" if status is None else f"closed:{StatusCode.coerce(status).name}"
+
+
+async def _seam_end(ws: WebSocketConnection, channel: SealedChannel | None, heard: list[int]) -> str:
+    """Read a relayed seam until it ends; how it ended. ``heard`` gets the size of each message read."""
+    try:
+        while True:
+            answer = await ws.get_message()
+            heard.append(len(answer))
+            if channel is not None and isinstance(answer, bytes):
+                try:
+                    channel.open(answer)  # a frame (the tail's refusal of a replayed opening): read on
+                except ChannelClosed as closed:  # the tail's sealed end: its status
+                    return f"sealed_close:{closed.code.name}"
+                except ChannelError:
+                    return "reply_unopenable"
+    except ConnectionClosed as exc:
+        return _closed_outcome(exc)
+
+
 async def _fuzz_relayed_seam(
     url: str, tracker: str, artifact: str, tail: bytes, count: int, rng: random.Random
 ) -> dict[str, Any]:
-    """Broken handshakes and sealed records into the tail's end-to-end channel; each must end in a typed close."""
+    """Broken handshakes and sealed records into the tail's end-to-end channel; each must end in a typed close.
+
+    A seam still open when :data:`SEAM_REPLY_SECONDS` ran out is counted as ``still_open:STAGE``
+    and watched :data:`LEFT_OPEN_WATCH_SECONDS` longer: ``left_open`` says, for each, what it
+    had been sent, what it had answered, and how and when it ended, if it did.
+    """
     from noderuntime.access.identity import channel_keys
     from noderuntime.access.identity import verify as verify_signature
-    from protocol.channel import Binding, ChannelClosed, ChannelError, DialerHandshake
 
     keys = channel_keys(NodeIdentity.generate())
     outcomes: collections.Counter[str] = collections.Counter()
+    left_open: list[dict[str, Any]] = []
     async with httpx.AsyncClient() as http:
         for i in range(count):
             stage = ("first", "third", "records")[i % 3]
@@ -352,6 +392,7 @@ async def _fuzz_relayed_seam(
                     first = handshake.first()
                     if stage == "first":
                         await ws.send_message(rng.randbytes(rng.randint(0, 300)) if i % 2 else _mutate(rng, first))
+                        after_answer = rng.randbytes(rng.randint(1, 300))
                     else:
                         await ws.send_message(first)
                         third = handshake.read_second(cast(bytes, await ws.get_message()))
@@ -368,29 +409,43 @@ async def _fuzz_relayed_seam(
                                 stage = "replayed"
                             for message in (record, record) if replayed else (broken,):
                                 await ws.send_message(message)
-                    with trio.move_on_after(SEAM_REPLY_SECONDS) as waited:
-                        while True:
-                            answer = await ws.get_message()
-                            if channel is not None and isinstance(answer, bytes):
-                                try:
-                                    channel.open(answer)
-                                except ChannelClosed as closed:  # the tail's sealed end: its status
-                                    outcomes[f"sealed_close:{closed.code.name}"] += 1
-                                    break
-                                except ChannelError:
-                                    outcomes["reply_unopenable"] += 1
-                                    break
-                    # (a `while True` has no `else` to run: a seam still open when the wait ran
-                    # out went uncounted, and the inputs' outcomes summed to fewer than the inputs)
-                    if waited.cancelled_caught:
-                        outcomes[f"still_open:{stage}"] += 1
+                    sent = trio.current_time()
+                    heard: list[int] = []
+                    outcome = "still_open"
+                    with trio.move_on_after(SEAM_REPLY_SECONDS):
+                        if stage == "first":
+                            # a change the tail cannot tell from a good first message (in the ephemeral
+                            # key, the binding's session) is answered as a good one is; the answer does
+                            # not verify here, and this dialer goes on broken, with a third message of
+                            # random bytes, which the tail must refuse at once, not wait out its
+                            # handshake timeout for a third message that never comes
+                            heard.append(len(await ws.get_message()))
+                            stage = "first_answered"
+                            await ws.send_message(after_answer)
+                        outcome = await _seam_end(ws, channel, heard)
+                    if outcome != "still_open":
+                        outcomes[outcome] += 1
+                        continue
+                    outcomes[f"still_open:{stage}"] += 1
+                    late = "still open"
+                    with trio.move_on_after(LEFT_OPEN_WATCH_SECONDS):
+                        late = await _seam_end(ws, channel, heard)
+                    left_open.append(
+                        {
+                            "input": i,
+                            "stage": stage,
+                            # the sizes of what the tail sent back (a broken first message it could
+                            # not tell from a good one is answered, as a good one is)
+                            "heard_bytes": heard,
+                            "ended": late,
+                            "seconds_after_sending": round(trio.current_time() - sent, 2),
+                        }
+                    )
             except ConnectionClosed as exc:
-                code = exc.reason.code if exc.reason is not None else 0
-                status = code - relay_messages.CLOSE_STATUS_BASE if relay_messages.is_status_close(code) else None
-                outcomes[f"closed:{code}" if status is None else f"closed:{StatusCode.coerce(status).name}"] += 1
+                outcomes[_closed_outcome(exc)] += 1
             except (ChannelError, relay_messages.ControlError) as exc:
                 outcomes[f"our_side:{type(exc).__name__}"] += 1
-    return {"inputs": count, "outcomes": dict(outcomes)}
+    return {"inputs": count, "outcomes": dict(outcomes), "left_open": left_open}
 
 
 # --- HTTP APIs
@@ -662,6 +717,8 @@ def main() -> int:
         )
     )
     print(f"crashes: {crashes}\nleaks: {leaks}\nsame answer after: {after == before}\npassed: {ok}")
+    # each relayed seam left open, by stage, and how it ended once watched longer
+    print(f"relayed seams left open: {entries['relayed_seam']['left_open']}")
     print(f"wrote {out}")
     return 0 if ok else 1
 
