@@ -33,15 +33,25 @@ from noderuntime.control.admission import (
     ProbeReferences,
     capability_record,
 )
+from noderuntime.control.ledger import USAGE_DOMAIN, UsageBody
 from noderuntime.gateway.app import Gateway, client_of
 from noderuntime.gateway.auth import ApiKeys
 from noderuntime.operations.httpserve import serve_http
 from noderuntime.runner.line import LineFull, RunningSessions, WaitLine
 from noderuntime.tracker.app import MAX_TICKET_SECONDS, Tracker
-from noderuntime.tracker.audits import MAX_OPEN_AUDITS, MAX_OPEN_AUDITS_PER_CLIENT, AuditBook, AuditError
+from noderuntime.tracker.audits import (
+    MAX_OPEN_AUDITS,
+    MAX_OPEN_AUDITS_PER_CLIENT,
+    AuditBook,
+    AuditError,
+    auditor_weight,
+    network_prefix,
+)
 from noderuntime.tracker.audits import Grant as AuditGrant
+from noderuntime.tracker.messages import RecordJSON
 from noderuntime.tracker.records import NodeRecord
 from noderuntime.tracker.registry import TrackerState
+from protocol import UsageRecord
 
 ARTIFACT = "ab" * 32
 RECIPE = "0123456789abcdef"
@@ -513,3 +523,127 @@ async def test_a_client_cannot_steer_its_audits_to_auditors_of_its_choosing() ->
             auditors.append(granted.json()["hops"][0]["node_id"])
         assert len(set(auditors)) == 4 and victim.hex() not in auditors
         assert (await audit(ticket, [])).status_code == 503  # every other node has audited it
+
+
+def usage(me: Identity, session: str, *, audit: bool, output: str) -> dict[str, str]:
+    """A usage record signed by ``me`` for layers 0:30 of ``session`` (hex): it took in the same rows as
+    every other record here, and gave out ``output`` (a digest)."""
+    body = UsageBody(
+        node_id=me.node_id.hex(),
+        layers=(0, 30),
+        request_id="r",
+        session_id=session,
+        epoch=0,
+        artifact=ARTIFACT,
+        prefill_tokens=5,
+        decode_tokens=2,
+        compute_ms=1.0,
+        bytes_in=0,
+        bytes_out=0,
+        started=0.0,
+        ended=1.0,
+        audit=audit,
+        input_rows=5,
+        input_digest="11" * 32,
+        output_rows=5,
+        output_digest=output,
+    ).encode()
+    return RecordJSON.of(UsageRecord(body, me.node_id, me.sign(USAGE_DOMAIN, body))).model_dump()
+
+
+HONEST_ROWS, FORGED_ROWS = "22" * 32, "33" * 32
+
+
+async def frame(swarm: Swarm, victim: Identity, sybils: list[Identity], referee: Identity | None = None) -> Any:
+    """A sybil client runs a session through ``victim``, has it audited by the two sybils (the only
+    other nodes, so the tracker must pick them), and both say the victim's rows were wrong. With
+    ``referee`` (registered only now, so that it audits nothing before), a third audit goes through
+    it, and it recomputes honestly. The tracker's verdict."""
+    client = sybils[0]
+    others = [s.node_id.hex() for s in sybils]
+    granted = await swarm.route(client=client.node_id.hex(), exclude=others)
+    assert granted.status_code == 200, granted.text
+    assert granted.json()["hops"][0]["node_id"] == victim.node_id.hex()
+    ticket, session = granted.json()["ticket"], granted.json()["session_id"]
+    audits: dict[str, list[dict[str, str]]] = {}
+    for _ in sybils:
+        audit = await swarm.post("/v1/audits", {"ticket": ticket}, client)
+        assert audit.status_code == 200, audit.text
+        auditor = next(s for s in sybils if s.node_id.hex() == audit.json()["hops"][0]["node_id"])
+        audit_session = audit.json()["session_id"]
+        audits[audit_session] = [usage(auditor, audit_session, audit=True, output=FORGED_ROWS)]
+    if referee is not None:
+        assert (await swarm.register(referee, slots=64)).status_code == 200
+        audit = await swarm.post("/v1/audits", {"ticket": ticket, "referee": True}, client)
+        assert audit.status_code == 200, audit.text
+        assert audit.json()["hops"][0]["node_id"] == referee.node_id.hex()
+        audit_session = audit.json()["session_id"]
+        audits[audit_session] = [usage(referee, audit_session, audit=True, output=HONEST_ROWS)]
+    report = {"audited": [usage(victim, session, audit=False, output=HONEST_ROWS)], "audits": audits}
+    verdict = await swarm.post("/v1/audits/report", report, client)
+    assert verdict.status_code == 200, verdict.text
+    return verdict.json()
+
+
+async def test_two_sybil_auditors_agreeing_against_an_honest_node_do_not_exclude_it() -> None:
+    """Without a referee, two auditors' agreement accuses a node (the reporter avoids it) and never
+    excludes it; with one, the referee's honest re-execution outvotes both sybils. Either way the
+    victim stays in routes, even after it registers again."""
+    for referee in (None, Identity.generate()):
+        options = {"referees": [referee.node_id]} if referee is not None else {}
+        async with open_swarm(**options) as swarm:
+            victim, sybils = Identity.generate(), [Identity.generate(), Identity.generate()]
+            for me in (victim, *sybils):
+                assert (await swarm.register(me, slots=64)).status_code == 200
+            verdict = await frame(swarm, victim, sybils, referee)
+            assert verdict["failed"] == [], verdict
+            if referee is None:
+                assert [a["node_id"] for a in verdict["accused"]] == [victim.node_id.hex()]
+                assert swarm.tracker.audits.standing_of(victim.node_id).suspected == 1
+            else:
+                assert verdict["accused"] == [] and victim.node_id.hex() in verdict["passed"]
+                assert sorted(verdict["outvoted"]) == sorted(s.node_id.hex() for s in sybils)
+            assert not swarm.tracker.audits.excluded(victim.node_id)
+            assert (await swarm.register(victim, slots=64)).status_code == 200
+            assert swarm.tracker.state.nodes[victim.node_id].admitted
+            others = [s.node_id.hex() for s in sybils] + ([referee.node_id.hex()] if referee else [])
+            assert (await swarm.route(exclude=others)).status_code == 200
+
+
+async def test_a_node_is_excluded_when_a_referee_confirms_two_auditors() -> None:
+    """The referee's signed re-execution agrees with the two auditors: the node is excluded, and a
+    referee audit is granted only after two audits of the session."""
+    referee = Identity.generate()
+    async with open_swarm(referees=[referee.node_id]) as swarm:
+        cheater, auditors = Identity.generate(), [Identity.generate(), Identity.generate()]
+        for me in (cheater, *auditors):
+            assert (await swarm.register(me, slots=64)).status_code == 200
+        client = auditors[0]
+        granted = await swarm.route(client=client.node_id.hex(), exclude=[a.node_id.hex() for a in auditors])
+        ticket, session = granted.json()["ticket"], granted.json()["session_id"]
+        early = await swarm.post("/v1/audits", {"ticket": ticket, "referee": True}, client)
+        assert early.status_code == 409, early.text
+        audits: dict[str, list[dict[str, str]]] = {}
+        for _ in auditors:
+            audit = (await swarm.post("/v1/audits", {"ticket": ticket}, client)).json()
+            auditor = next(a for a in auditors if a.node_id.hex() == audit["hops"][0]["node_id"])
+            audits[audit["session_id"]] = [usage(auditor, audit["session_id"], audit=True, output=HONEST_ROWS)]
+        assert (await swarm.register(referee, slots=64)).status_code == 200
+        audit = (await swarm.post("/v1/audits", {"ticket": ticket, "referee": True}, client)).json()
+        audits[audit["session_id"]] = [usage(referee, audit["session_id"], audit=True, output=HONEST_ROWS)]
+        report = {"audited": [usage(cheater, session, audit=False, output=FORGED_ROWS)], "audits": audits}
+        verdict = (await swarm.post("/v1/audits/report", report, client)).json()
+        assert [f["node_id"] for f in verdict["failed"]] == [cheater.node_id.hex()], verdict
+        assert "referee" in swarm.tracker.audits.excluded(cheater.node_id)
+        assert not swarm.tracker.state.nodes[cheater.node_id].admitted
+
+
+def test_auditor_choice_weighs_against_newcomers_and_the_audited_nodes_network() -> None:
+    """A node that joined a minute ago, or that shares the audited node's /24, is drawn far less
+    often than a seasoned node of another network."""
+    audited = [network_prefix("203.0.113.5:7000")]
+    seasoned = auditor_weight(7200.0, "198.51.100.9:7000", audited)
+    assert seasoned == 1.0
+    assert auditor_weight(60.0, "198.51.100.9:7000", audited) < 0.1 * seasoned
+    assert auditor_weight(7200.0, "203.0.113.77:7000", audited) < 0.1 * seasoned
+    assert network_prefix("[2001:db8::1]:7000") == network_prefix("[2001:db8::2]:9") != network_prefix("")

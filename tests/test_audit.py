@@ -2,11 +2,12 @@
 
 A real swarm of a tiny random Qwen3 (4 layers, two ranges): a tracker, a gateway that
 audits every session (``--audit-rate 1``), two honest nodes for the first range and three
-for the second. Each test starts one cheater for the first range (``tests/cheating_node.py``:
-another quantization, a skipped layer, noise on one step in a hundred, another session's
-activations replayed), sends requests until the tracker has excluded it, and checks what
-everyone says: the tracker's reason, the gateway's ledger (the cheater's records of the
-audited request disputed), and that no honest node was ever judged against.
+for the second; the first honest node is the tracker's referee. Each test starts one cheater
+for the first range (``tests/cheating_node.py``: another quantization, a skipped layer, noise
+on one step in a hundred, another session's activations replayed), sends requests until the
+tracker has excluded it (two auditors and the referee agreeing), and checks what everyone
+says: the tracker's reason, the gateway's ledger (the cheater's records of the audited
+request disputed), and that no honest node was ever judged against.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def test_a_cheating_node_is_caught_by_audits_and_excluded(swarm: AuditSwarm, che
         asked += 1
         time.sleep(0.2)  # the audits run after each request, in the background
     caught = swarm.nodes()[node_id]
-    assert not caught["admitted"] and "auditors" in caught["audit_failed"]
+    assert not caught["admitted"] and "auditors" in caught["audit_failed"] and "referee" in caught["audit_failed"]
     assert caught["audits"]["failed"] >= 1
     # its records of the audited request are disputed in the gateway's ledger, and not counted
     disputed = Ledger(swarm.ledger).totals()["disputed"]

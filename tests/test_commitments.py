@@ -146,10 +146,14 @@ def test_the_gateway_finds_where_a_routes_chain_of_commitments_breaks() -> None:
 # --- the tracker's judging of audits
 
 
-def _book(audited_nodes: list[Identity], auditor_sets: list[list[Identity]]) -> tuple[AuditBook, list[bytes]]:
+def _book(
+    audited_nodes: list[Identity], auditor_sets: list[list[Identity]], *, referee: bool = False
+) -> tuple[AuditBook, list[bytes]]:
+    """A book granting an audit to each of ``auditor_sets``; with ``referee``, the last set's head is a referee."""
     book = AuditBook()
     sessions = []
     for k, auditors in enumerate(auditor_sets):
+        refereed = (True, False) if referee and k == len(auditor_sets) - 1 else ()
         session = bytes([k + 1]) * 16
         book.grant(
             session,
@@ -160,13 +164,14 @@ def _book(audited_nodes: list[Identity], auditor_sets: list[list[Identity]]) -> 
                 audited=((audited_nodes[0].node_id, 0, 2), (audited_nodes[1].node_id, 2, 4)),
                 auditors=((auditors[0].node_id, 0, 2), (auditors[1].node_id, 2, 4)),
                 expires=100.0,
+                refereed=refereed,
             ),
         )
         sessions.append(session)
     return book, sessions
 
 
-def test_a_node_is_excluded_only_when_two_auditors_agree_against_it() -> None:
+def test_a_node_is_excluded_only_when_two_auditors_and_a_referee_agree_against_it() -> None:
     good = [RNG.standard_normal((7, 4)).astype(np.float32)]
     bad = [good[0] + np.float32(1e-3)]
     served, first, second = NODES[0:2], NODES[2:4], NODES[4:6]
@@ -179,6 +184,13 @@ def test_a_node_is_excluded_only_when_two_auditors_agree_against_it() -> None:
     book, sessions = _book(served, [first, second])
     both = {s: _route(s, auditors, good, audit=True) for s, auditors in zip(sessions, (first, second), strict=True)}
     verdict = book.judge(b"c" * 32, audited, both, now=1.0)
+    # two auditors agreeing, with no referee: an accusation the reporter acts on, not an exclusion
+    assert [node for node, _ in verdict.accused] == [served[0].node_id] and not verdict.failed
+    assert not book.excluded(served[0].node_id) and book.standing[served[0].node_id].suspected == 1
+    audits = [first, second, [NODES[2], NODES[5]]]  # a referee may have audited the session already
+    book, sessions = _book(served, audits, referee=True)
+    three = {s: _route(s, auditors, good, audit=True) for s, auditors in zip(sessions, audits, strict=True)}
+    verdict = book.judge(b"c" * 32, audited, three, now=1.0)
     assert [node for node, _ in verdict.failed] == [served[0].node_id]
     assert book.excluded(served[0].node_id) and book.standing[served[0].node_id].failed == 1
     # an honest node whose first auditor lied: the second outvotes it, and the node passes

@@ -232,6 +232,7 @@ def _cmd_tracker(args: argparse.Namespace) -> int:
             expire_after=args.expire_after,
             route_rate=args.route_rate,
             route_burst=args.route_burst,
+            referees=tuple(args.referee),
             probe_references=tuple(args.probe_references),
             require_probe=args.require_probe,
             probe_interval=args.probe_interval,
@@ -515,6 +516,15 @@ def _add_tracker(sub: Any) -> None:
         type=positive_int,
         default=200,
         help="of those grants, how many one client may take at once before --route-rate paces it",
+    )
+    p.add_argument(
+        "--referee",
+        type=public_key,
+        action="append",
+        default=[],
+        metavar="NODE_ID",
+        help="a node this tracker's operator trusts to re-execute audited sessions; a node is excluded only when "
+        "a referee's re-execution confirms two auditors (without one, audits never exclude); repeatable",
     )
     p.add_argument(
         "--probe-references",

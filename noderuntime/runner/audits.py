@@ -14,9 +14,12 @@ and runs the session again on it, teacher-forced: all its tokens in one prefill,
 drawing each of the route's tokens again with the session's sampler. Its hops commit
 likewise, and within one recipe and kernel class rows are bit-exact, so any difference is a
 fault. A hop whose input matched its auditor's and whose output did not is audited once
-more, by a second route the tracker chooses without the first's nodes; the tracker checks
-both audits' signed records and excludes a node two auditors agree against
-(``tracker/audits.py``). The gateway is chosen to run audits because it alone holds a
+more, by a second route the tracker chooses without the first's nodes. When the second agrees
+with the first, the gateway asks for a third, through a referee the tracker's operator
+named. The tracker checks the audits' signed records (``tracker/audits.py``) and excludes a
+node only when the referee confirms the two auditors; without a referee, two auditors'
+agreement is an accusation: this gateway avoids the node in its routes, the swarm does not
+exclude it (two auditors may be one attacker's sybils). The gateway is chosen to run audits because it alone holds a
 session's tokens and its sampling, and it is the party a reply is owed to.
 """
 
@@ -136,12 +139,15 @@ class Audits:
             "passed": 0,
             "suspected": 0,
             "failed": 0,
+            "accused": 0,
             "skipped_queue_full": 0,
             "skipped_no_auditors": 0,
             "skipped_busy": 0,
             "skipped_error": 0,
         }
         self.failed_nodes: dict[str, str] = {}  # node id (hex) -> why the tracker excluded it
+        # node id (hex) -> why: two auditors agreed against it, no referee confirmed; this gateway avoids it
+        self.avoided_nodes: dict[str, str] = {}
         self._on_dispute = on_dispute
 
     def consider(self, served: Served) -> None:
@@ -181,6 +187,15 @@ class Audits:
             used = [node for node, _, _ in _hops(first_grant)]
             audits.append(await self._recompute(served, exclude=used))
             self.counters["compute_ms"] += _compute_ms(audits[-1][1])
+            if self._differs(served, audits[-1][1]):
+                # two auditors agree against a hop: a referee's re-execution, where the tracker names one
+                try:
+                    audits.append(await self._recompute(served, exclude=(), referee=True))
+                    self.counters["compute_ms"] += _compute_ms(audits[-1][1])
+                except TrackerError as exc:
+                    if exc.status != 503:
+                        raise
+                    log.info("request %s: no referee to confirm its audits: %s", served.request_id, exc)
         report = AuditReport(
             audited=[RecordJSON.of(r) for r in served.records],
             audits={grant.session_id.hex(): [RecordJSON.of(r) for r in records] for grant, records in audits},
@@ -194,6 +209,12 @@ class Audits:
         self.counters["passed"] += len(verdict.passed)
         self.counters["suspected"] += len(verdict.suspected)
         self.counters["failed"] += len(verdict.failed)
+        self.counters["accused"] += len(verdict.accused)
+        for accused in verdict.accused:
+            self.avoided_nodes[accused.node_id] = accused.why
+            log.warning(
+                "audit of request %s: avoiding node %s: %s", served.request_id, accused.node_id[:16], accused.why
+            )
         for failure in verdict.failed:
             self.failed_nodes[failure.node_id] = failure.why
             log.error("audit of request %s: node %s excluded: %s", served.request_id, failure.node_id[:16], failure.why)
@@ -202,10 +223,11 @@ class Audits:
         return verdict
 
     async def _recompute(
-        self, served: Served, *, exclude: Sequence[bytes]
+        self, served: Served, *, exclude: Sequence[bytes], referee: bool = False
     ) -> tuple[RouteGrant, tuple[UsageRecord, ...]]:
-        """Run ``served`` again, teacher-forced, on an audit route without ``exclude``: its grant and records."""
-        request = AuditRequest(ticket=served.grant.ticket.hex(), exclude=[n.hex() for n in exclude])
+        """Run ``served`` again, teacher-forced, on an audit route without ``exclude`` (through the
+        tracker's referees, with ``referee``): its grant and records."""
+        request = AuditRequest(ticket=served.grant.ticket.hex(), exclude=[n.hex() for n in exclude], referee=referee)
         grant = await self.trackers.ask(
             lambda url: request_audit(self.http, url, self.signer, request),
             among=[self._issuer(served.grant)],
@@ -226,6 +248,10 @@ class Audits:
             while await gen.next() is not None:
                 pass
         return grant, tuple(gen.usage or ())
+
+    def avoided(self) -> list[bytes]:
+        """The nodes this gateway's routes leave out: those audits excluded, and those two auditors accused."""
+        return [bytes.fromhex(n) for n in (*self.failed_nodes, *self.avoided_nodes)]
 
     def _issuer(self, grant: RouteGrant) -> str:
         """The tracker that issued ``grant``'s ticket."""

@@ -175,7 +175,7 @@ class RouteRunner:
         then resumes it (:meth:`GenerationRequest.resumed`), on a whole new route under the
         session's next epoch, which the tracker grants to this runner alone (it signs).
         """
-        exclude = list(exclude)
+        exclude = [*exclude, *self.audits.avoided()]  # nodes this gateway's audits found against
         failures = 0
         queue_until = trio.current_time() + self.queue_timeout
         positions = (request.prompt_length or len(request.prompt_tokens)) + request.max_tokens

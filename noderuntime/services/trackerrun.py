@@ -27,6 +27,7 @@ async def run_tracker(
     expire_after: float = 10.0,
     route_rate: float = 50.0,
     route_burst: int = 200,
+    referees: Sequence[bytes] = (),
     probe_references: tuple[Path, ...] = (),
     require_probe: bool = False,
     probe_interval: float = 600.0,
@@ -37,7 +38,8 @@ async def run_tracker(
     task_status: trio.TaskStatus[TrackerReady] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve a tracker until cancelled; ``mixes`` are the recipe pairs certified to share routes;
-    ``status_key``, when given, is needed to read the swarm map and the node lists."""
+    ``status_key``, when given, is needed to read the swarm map and the node lists; ``referees``: the nodes
+    whose re-execution may confirm an audit (see :class:`~noderuntime.tracker.app.Tracker`)."""
     from noderuntime.tracker.app import Tracker
 
     tracker_identity = identity.load_or_create(data_dir)
@@ -47,6 +49,7 @@ async def run_tracker(
         expire_after=expire_after,
         route_rate=route_rate,
         route_burst=route_burst,
+        referees=referees,
         api_key=api_key,
         references=references,
         require_probe=require_probe,
@@ -64,6 +67,8 @@ async def run_tracker(
         log.info(
             "routes may mix recipes %s and %s of %s (certified)", pair.cpu_recipe, pair.gpu_recipe, pair.artifact[:12]
         )
+    for referee in referees:
+        log.info("referee %s may confirm audits", referee.hex()[:12])
     if probe_references:
         log.info("probe references: %d answers from %d file(s)", len(references), len(probe_references))
     async with trio.open_nursery() as nursery:

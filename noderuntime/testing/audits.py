@@ -2,7 +2,9 @@
 
 A tiny random Qwen3 (4 layers) in two ranges: a tracker, two honest nodes for the first
 range and three for the second, and a gateway that audits a share of sessions and keeps
-a ledger. Cheaters (or any other node) join with :meth:`AuditSwarm.start_node`.
+a ledger. The first honest node is the tracker's referee (``--referee``): an operator's
+node whose re-execution confirms two auditors before a node is excluded.
+Cheaters (or any other node) join with :meth:`AuditSwarm.start_node`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from noderuntime.access import identity
 from noderuntime.models import synth
 from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
 from noderuntime.services.ready import GatewayReady, NodeReady, TrackerReady, expect
@@ -54,7 +57,11 @@ class AuditSwarm:
 
     def start(self) -> None:
         """Start the tracker, the honest nodes and the gateway, each once its ready line says the last is up."""
-        tracker = ManagedProcess("tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(self.root / "t")])
+        referee = identity.load_or_create(self.root / "h0").node_id.hex()  # h0's key, made before it starts
+        tracker = ManagedProcess(
+            "tracker",
+            ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(self.root / "t"), "--referee", referee],
+        )
         self.processes.append(tracker)
         self.tracker = expect(tracker.start(60), TrackerReady).url
         nodes = [ManagedProcess(f"h{i}", self.node_args(f"h{i}", FIRST if i < 2 else SECOND)) for i in range(5)]

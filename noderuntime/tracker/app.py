@@ -53,7 +53,7 @@ from noderuntime.models.manifest import Manifest
 from noderuntime.operations.httpserve import BodyLimit
 from noderuntime.operations.telemetry import TrackerMetrics, exposition, trio_tasks
 from noderuntime.tracker import swarm
-from noderuntime.tracker.audits import AUDIT_GRANT_SECONDS, AuditBook, AuditError
+from noderuntime.tracker.audits import AUDIT_GRANT_SECONDS, AuditBook, AuditError, auditor_weight, network_prefix
 from noderuntime.tracker.audits import Grant as AuditGrant
 from noderuntime.tracker.limits import RateLimits
 from noderuntime.tracker.messages import (
@@ -116,12 +116,15 @@ class Tracker:
         move_hold_down: float = HOLD_DOWN_SECONDS,
         route_rate: float = ROUTE_RATE,
         route_burst: int = ROUTE_BURST,
+        referees: Iterable[bytes] = (),
     ) -> None:
         """``references`` let the tracker probe shards; ``require_probe`` admits no shard it cannot probe;
         ``mixes`` are the pairs of recipes that certificates let share a route; ``status_key``, when
         given, is needed to read the swarm map and the node lists; ``move_hold_down``: seconds a node
         told to move is not told again; ``route_rate`` and ``route_burst``: the route grants (and
-        repairs and audits) one client address, and one client key, may take a second and at once."""
+        repairs and audits) one client address, and one client key, may take a second and at once;
+        ``referees``: node ids whose re-execution confirms two auditors before a node is excluded (none:
+        audits never exclude, they make the reporting gateway avoid a node)."""
         if status_key is not None and not status_key:
             raise ValueError("a status key must not be empty: it would let in every request that sends none")
         self.status_key = status_key
@@ -153,6 +156,8 @@ class Tracker:
         self.app = self._build()
         self.routes_issued = 0
         self.audits = AuditBook()
+        self.referees = frozenset(referees)
+        self.joined: dict[bytes, float] = {}  # node id -> when it first registered, while it stays
         self.route_limits = RateLimits(rate=route_rate, burst=route_burst)
 
     def _limit(self, request: Request, client: bytes | str) -> None:
@@ -202,7 +207,7 @@ class Tracker:
         (its probe challenge, when it was last probed): a map strangers can grow shrinks with them."""
         gone = self.state.expire(now)
         self.placement.expire(now)
-        for kept in (self.challenges, self.last_probed):
+        for kept in (self.challenges, self.last_probed, self.joined):
             for node_id in [n for n in kept if n not in self.state.nodes]:
                 del kept[node_id]
         return gone
@@ -296,6 +301,7 @@ class Tracker:
         # a node that audits excluded stays out, however often it registers again
         record = attrs.evolve(record, audit_failed=self.audits.excluded(node_id))
         self.state.register(record, now)
+        self.joined.setdefault(node_id, now)
         self.placement.registered(node_id)
         self.metrics.registrations.inc()
         self.challenges.pop(node_id, None)
@@ -340,6 +346,7 @@ class Tracker:
             self.placement.forget(node_id)
         self.challenges.pop(node_id, None)
         self.last_probed.pop(node_id, None)
+        self.joined.pop(node_id, None)
         log.info("node %s left%s", node_id.hex()[:12], "" if known else " (it was not registered)")
         return {"ok": True, "was_registered": known}
 
@@ -551,9 +558,16 @@ class Tracker:
         self._limit(request, requester)
         # the tracker alone picks auditors: a client that could name or exclude them could steer
         # an audit to nodes of its own; only the audited nodes and a first audit's auditors are left out
-        exclude = self.audits.auditors_of(requester, ticket.session_id) | {node for node, _, _ in ticket.hops}
+        audited_nodes = {node for node, _, _ in ticket.hops}
+        if body.referee and self.audits.open_of(requester, ticket.session_id) < 2:
+            # a referee's time is the swarm's scarcest: only for two audits that agreed, as their report will show
+            raise HTTPException(409, "a referee re-executes a session only after two audits of it")
+        # a referee may have audited the session already: what counts is that the operator trusts it
+        exclude = audited_nodes | (set() if body.referee else self.audits.auditors_of(requester, ticket.session_id))
         artifact = ticket.artifact.hex()
+        now = time.time()
         auditors: list[NodeRecord] = []
+        refereed: list[bool] = []
         for node, start, end in ticket.hops:
             audited = self.state.nodes.get(node)
             # the audited node's recipe and kernel class as it registered them; gone, the route's
@@ -568,11 +582,22 @@ class Tracker:
                 and n.node_id not in {a.node_id for a in auditors}
                 and (audited is None or (n.recipe, n.kernel_class) == (audited.recipe, audited.kernel_class))
             ]
+            referees = [n for n in like if n.node_id in self.referees] if body.referee else []
             if not like:
                 self.metrics.routes.labels("audit_none").inc()
                 message = f"no other node of layers {start}:{end}, its recipe and kernel class can audit it now"
                 return JSONResponse({"error": message, "full": False}, status_code=503)
-            auditors.append(self._rng.choice(like))
+            if referees:
+                auditors.append(self._rng.choice(referees))
+            else:
+                prefixes = [network_prefix(audited.address)] if audited is not None else []
+                weights = [auditor_weight(now - self.joined.get(n.node_id, now), n.address, prefixes) for n in like]
+                auditors.append(self._rng.choices(like, weights)[0])
+            refereed.append(bool(referees))
+        if body.referee and not any(refereed):
+            self.metrics.routes.labels("audit_none").inc()
+            message = "no referee this tracker names can re-execute any hop of that session now"
+            return JSONResponse({"error": message, "full": False}, status_code=503)
         session = os.urandom(16)
         hops = [Hop(n.node_id, Span(*n.layers), n.address, n.relay, n.tls_cert_sha256) for n in auditors]
         issued = tickets.issue(
@@ -584,7 +609,6 @@ class Tracker:
             client=requester,
             ttl_seconds=min(body.ttl_seconds, MAX_TICKET_SECONDS),
         )
-        now = time.time()
         try:
             self.audits.grant(
                 session,
@@ -595,6 +619,7 @@ class Tracker:
                     audited=ticket.hops,
                     auditors=tuple((n.node_id, *n.layers) for n in auditors),
                     expires=now + min(body.ttl_seconds, AUDIT_GRANT_SECONDS),
+                    refereed=tuple(refereed) if body.referee else (),
                 ),
                 now,
             )
@@ -613,7 +638,8 @@ class Tracker:
         return JSONResponse(reply.model_dump(mode="json"))
 
     async def _audit_report(self, body: AuditReport, request: Request) -> dict[str, Any]:
-        """Judge an audit's evidence (:meth:`AuditBook.judge`); exclude a node two auditors agreed against."""
+        """Judge an audit's evidence (:meth:`AuditBook.judge`); exclude a node two auditors and a referee
+        agreed against (two auditors alone: the verdict accuses it, for the reporter to avoid)."""
         requester = await self._authenticated(request, request.headers.get("x-node-id", ""))
         try:
             verdict = self.audits.judge(
@@ -627,13 +653,17 @@ class Tracker:
         for node, why in verdict.failed:
             self.state.update(node, audit_failed=why)
             log.error("node %s excluded by audit: %s", node.hex()[:12], why)
-        self.metrics.audits.labels("failed" if verdict.failed else "suspected" if verdict.suspected else "passed").inc()
+        for node, why in verdict.accused:
+            log.warning("node %s accused by two auditors, no referee confirmed it: %s", node.hex()[:12], why)
+        outcome = "failed" if verdict.failed else "suspected" if verdict.suspected or verdict.accused else "passed"
+        self.metrics.audits.labels(outcome).inc()
         return AuditVerdict(
             passed=[n.hex() for n in verdict.passed],
             suspected=[n.hex() for n in verdict.suspected],
             failed=[AuditFailure(node_id=n.hex(), why=why) for n, why in verdict.failed],
             outvoted=[n.hex() for n in verdict.outvoted],
             unjudged=[n.hex() for n in verdict.unjudged],
+            accused=[AuditFailure(node_id=n.hex(), why=why) for n, why in verdict.accused],
         ).model_dump(mode="json")
 
     async def _repair(self, body: RepairRequest, request: Request) -> JSONResponse:

@@ -12,15 +12,20 @@ the grant put at that hop.
 A hop that took in the same rows as its auditor (equal input digests) and gave out other
 rows (different output digests) has computed something else than its recipe computes, for
 rows and kernels are bit-exact within one recipe and kernel class. One auditor's word is
-a suspicion: an auditor can lie too. A node is excluded when two auditors the tracker
-chose, in two audits, agree with each other and not with it. An auditor outvoted by the
-other is counted against it. A hop whose input differed from its auditor's cannot be
-judged by this audit: a hop before it differed first.
+a suspicion: an auditor can lie too. Two auditors the tracker chose, in two audits, that
+agree with each other and not with the node are an accusation, and no more: in an open
+swarm both may be one attacker's sybils. The reporting gateway avoids an accused node and
+the tracker counts a suspicion against it. A node is excluded only when a referee (a node
+the tracker's operator names, ``--referee``) re-executed the hop in a third audit and its
+signed record agrees with the two auditors; a referee that agrees with the node instead
+outvotes both. An auditor outvoted by the other is counted against it. A hop whose input
+differed from its auditor's cannot be judged by this audit: a hop before it differed first.
 """
 
 from __future__ import annotations
 
 import collections
+import ipaddress
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -35,6 +40,12 @@ from protocol import UsageRecord
 AUDIT_GRANT_SECONDS = 600.0  # how long a granted audit may take to be reported
 MAX_OPEN_AUDITS = 10_000  # granted and not yet reported, by all clients together
 MAX_OPEN_AUDITS_PER_CLIENT = 64  # ... by one client (its oldest forgotten first)
+# Auditor choice weighs against sybils: a node weighs in full once it has served this long, and
+# less before (never nothing: a new swarm must audit too); one in the audited node's network
+# prefix weighs this share of what it would
+SEASONED_SECONDS = 3600.0
+NEWCOMER_WEIGHT = 0.05
+SAME_PREFIX_WEIGHT = 0.05
 
 
 class AuditError(ValueError):
@@ -122,6 +133,7 @@ class Grant:
     audited: tuple[tuple[bytes, int, int], ...]  # the audited route's hops: (node, start, end)
     auditors: tuple[tuple[bytes, int, int], ...]  # the audit route's, hop for hop
     expires: float
+    refereed: tuple[bool, ...] = ()  # hop for hop, whether its auditor is a referee the operator named
 
 
 @attrs.define
@@ -129,8 +141,8 @@ class Standing:
     """How a node has fared in audits."""
 
     passed: int = 0  # hops of it that an auditor recomputed to the same bits
-    suspected: int = 0  # hops one auditor disagreed with, unconfirmed
-    failed: int = 0  # hops two auditors agreed against it
+    suspected: int = 0  # hops one auditor, or two no referee confirmed, disagreed with
+    failed: int = 0  # hops two auditors and a referee agreed against it
     outvoted: int = 0  # audits it ran whose result the second auditor did not confirm
     reason: str = ""  # why it was excluded, when it was
 
@@ -141,9 +153,10 @@ class Verdict:
 
     passed: tuple[bytes, ...]
     suspected: tuple[bytes, ...]
-    failed: tuple[tuple[bytes, str], ...]  # (node, why)
+    failed: tuple[tuple[bytes, str], ...]  # (node, why): excluded, a referee confirmed it
     outvoted: tuple[bytes, ...]
     unjudged: tuple[bytes, ...]  # hops after the first that differed: their input differed
+    accused: tuple[tuple[bytes, str], ...] = ()  # (node, why): two auditors agreed, no referee confirmed it
 
 
 class AuditBook:
@@ -197,6 +210,10 @@ class AuditBook:
             for node, _, _ in self._grants[session].auditors
         }
 
+    def open_of(self, client: bytes, audited_session: bytes) -> int:
+        """How many of ``client``'s open grants audit ``audited_session``."""
+        return sum(self._grants[s].audited_session == audited_session for s in self._by_client.get(client, ()))
+
     def open_audits(self, client: bytes | None = None) -> int:
         """Audits granted and not yet reported (of ``client`` alone, when given)."""
         return len(self._grants) if client is None else len(self._by_client.get(client, ()))
@@ -219,10 +236,12 @@ class AuditBook:
     ) -> Verdict:
         """Check a report (the audited session's records; each audit session's records) and record its verdict.
 
-        :class:`AuditError` when the evidence does not hold together; nothing is recorded then.
+        A report carries one audit, two when the first found a difference, and a referee's
+        audit third when the two agreed. :class:`AuditError` when the evidence does not hold
+        together; nothing is recorded then.
         """
-        if not 1 <= len(audits) <= 2:
-            raise AuditError("a report carries one audit, or two when the first found a difference")
+        if not 1 <= len(audits) <= 3:
+            raise AuditError("a report carries one audit, two when the first found a difference, and a referee's")
         grants = []
         for session, _records in audits.items():
             grant = self._grants.get(session)
@@ -239,15 +258,22 @@ class AuditBook:
             _by_hop(records, grant.auditors, session, 0, audit=True)
             for (session, records), grant in zip(audits.items(), grants, strict=True)
         ]
-        if len(recomputed) == 2 and {n for n, _, _ in grants[0].auditors} & {n for n, _, _ in grants[1].auditors}:
+        refereed = [any(g.refereed) for g in grants]
+        if any(refereed[:2]) or (len(grants) == 3 and not refereed[2]):
+            raise AuditError("a referee's audit comes third, after two ordinary audits")
+        ordinary = grants[:2]
+        if len(ordinary) == 2 and {n for n, _, _ in ordinary[0].auditors} & {n for n, _, _ in ordinary[1].auditors}:
             raise AuditError("the two audits of a report must have no auditor in common")
-        verdict = _compare(served, recomputed)
+        referee = None
+        if len(grants) == 3:
+            referee = [c if checked else None for c, checked in zip(recomputed[2], grants[2].refereed, strict=True)]
+        verdict = _compare(served, recomputed[:2], referee)
         for session in audits:
             self._forget(session)
         self.reported += 1
         for node in verdict.passed:
             self.standing[node].passed += 1
-        for node in verdict.suspected:
+        for node in (*verdict.suspected, *(n for n, _ in verdict.accused)):
             self.standing[node].suspected += 1
         for node, why in verdict.failed:
             standing = self.standing[node]
@@ -279,12 +305,18 @@ def _by_hop(
     return [found[hop] for hop in hops]
 
 
-def _compare(served: Sequence[Commitments], recomputed: Sequence[Sequence[Commitments]]) -> Verdict:
+def _compare(
+    served: Sequence[Commitments],
+    recomputed: Sequence[Sequence[Commitments]],
+    referee: Sequence[Commitments | None] | None = None,
+) -> Verdict:
+    """Judge hop by hop; ``referee``: a referee's commitments at the hops a referee recomputed (else None)."""
     passed: list[bytes] = []
     suspected: list[bytes] = []
     failed: list[tuple[bytes, str]] = []
     outvoted: list[bytes] = []
     unjudged: list[bytes] = []
+    accused: list[tuple[bytes, str]] = []
     for k, hop in enumerate(served):
         audits = [audit[k] for audit in recomputed]
         if len(audits) != len(recomputed) or any(a.layers != hop.layers for a in audits):
@@ -302,7 +334,19 @@ def _compare(served: Sequence[Commitments], recomputed: Sequence[Sequence[Commit
                 f"layers {hop.layers[0]}:{hop.layers[1]} gave other rows than two auditors for the same "
                 f"input ({hop.input_rows} rows from position {hop.digest_from})"
             )
-            failed.append((hop.node_id, why))
+            checked = referee[k] if referee is not None else None
+            if checked is not None and checked.layers != hop.layers:
+                raise AuditError("a referee's audit route must have the audited route's hops, layer for layer")
+            if checked is None or checked.input != hop.input:
+                accused.append((hop.node_id, why))  # two auditors may be one attacker's: no referee has seen it
+            elif checked.output == audits[0].output:
+                failed.append((hop.node_id, f"{why}, and a referee confirmed them"))
+            elif checked.output == hop.output:
+                outvoted += [a.node_id for a in audits]  # the referee agrees with the node: both auditors lied
+                passed.append(hop.node_id)
+                continue
+            else:
+                suspected.append(hop.node_id)
         elif len(audits) == 2 and len(differing) == 1:
             outvoted.append(differing[0].node_id)  # the other auditor agrees with the node
             passed.append(hop.node_id)
@@ -311,7 +355,30 @@ def _compare(served: Sequence[Commitments], recomputed: Sequence[Sequence[Commit
             suspected.append(hop.node_id)
         unjudged += [h.node_id for h in served[k + 1 :]]
         break
-    return Verdict(tuple(passed), tuple(suspected), tuple(failed), tuple(outvoted), tuple(unjudged))
+    return Verdict(tuple(passed), tuple(suspected), tuple(failed), tuple(outvoted), tuple(unjudged), tuple(accused))
+
+
+def network_prefix(address: str) -> str:
+    """The network ``address`` ("host:port") lies in: its /24 for IPv4, its /48 for IPv6, else its host
+    name; "" for no address (a node reached through a relay)."""
+    host = address.rsplit(":", 1)[0].strip("[]") if address else ""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host.casefold()
+    bits = 24 if ip.version == 4 else 48
+    return str(ipaddress.ip_network(f"{ip}/{bits}", strict=False))
+
+
+def auditor_weight(joined_seconds_ago: float, address: str, audited_prefixes: Iterable[str]) -> float:
+    """How likely a candidate auditor is to be drawn: one that joined lately, or that shares a network
+    prefix with a node it would audit, weighs little; sybils are cheap to make but not old, and not
+    spread over networks."""
+    weight = NEWCOMER_WEIGHT + (1.0 - NEWCOMER_WEIGHT) * min(1.0, max(0.0, joined_seconds_ago) / SEASONED_SECONDS)
+    prefix = network_prefix(address)
+    if prefix and prefix in set(audited_prefixes):
+        weight *= SAME_PREFIX_WEIGHT
+    return weight
 
 
 def detection_probability(audit_rate: float, cheat_rate: float, sessions: int) -> float:

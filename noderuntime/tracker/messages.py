@@ -462,6 +462,8 @@ class AuditRequest(BaseModel):
     # nodes the client would not audit with (hex ids): read and ignored, for the tracker alone picks auditors
     exclude: list[str] = Field(default_factory=list, max_length=256)
     ttl_seconds: float = Field(default=600.0, gt=0, le=3600)
+    # a third audit, through the referees the tracker's operator named, of a hop two auditors agreed against
+    referee: bool = False
 
     @field_validator("exclude")
     @classmethod
@@ -492,12 +494,13 @@ class RecordJSON(BaseModel):
 
 
 class AuditReport(BaseModel):
-    """What an audit found: the audited session's records, and each audit session's (one, or two)."""
+    """What an audit found: the audited session's records, and each audit session's (one, two, or two and a
+    referee's)."""
 
     model_config = ConfigDict(extra="forbid")
 
     audited: list[RecordJSON] = Field(min_length=1, max_length=MAX_AUDIT_RECORDS)
-    audits: dict[str, list[RecordJSON]] = Field(min_length=1, max_length=2)  # audit session id (hex) -> records
+    audits: dict[str, list[RecordJSON]] = Field(min_length=1, max_length=3)  # audit session id (hex) -> records
 
     @field_validator("audits")
     @classmethod
@@ -511,7 +514,7 @@ class AuditReport(BaseModel):
 
 
 class AuditFailure(BaseModel):
-    """A node two auditors agreed against, and why."""
+    """A node two auditors agreed against (and, where it was excluded, a referee), and why."""
 
     node_id: str
     why: str
@@ -525,3 +528,5 @@ class AuditVerdict(BaseModel):
     failed: list[AuditFailure]
     outvoted: list[str]
     unjudged: list[str]
+    # two auditors agreed against these and no referee confirmed it: the reporter avoids them, no one excludes them
+    accused: list[AuditFailure] = Field(default_factory=list)
