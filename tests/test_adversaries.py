@@ -438,6 +438,26 @@ async def test_unadmitted_sybils_claiming_another_layer_count_cannot_take_the_mo
         assert placed.status_code == 200, placed.text
 
 
+async def test_unadmitted_sybils_on_a_range_do_not_make_it_look_served_to_placement() -> None:
+    """Three sybils register on 0:15 and never answer their probes: the range is as unserved as
+    before, and an honest joiner is placed there, not beside the one admitted node on 15:30."""
+    answer = ProbeAnswer(7, "00" * 32, (0.5,) * (PROBE_ROWS * SKETCH_DIM))
+    halves = ((0, 15), (15, 30))
+    references = ProbeReferences([((ARTIFACT, layers, RECIPE), answer) for layers in halves])
+    async with open_swarm(references=references, require_probe=True) as swarm:
+        honest = Identity.generate()
+        assert (await swarm.register(honest, (15, 30))).json()["probe"] == {"seed": 7}
+        reply = {"node_id": honest.node_id.hex(), **answer.to_json()}
+        assert (await swarm.post("/v1/nodes/probe", reply, honest)).json()["passed"]
+        for _ in range(3):
+            assert (await swarm.register(Identity.generate(), (0, 15))).status_code == 200
+        assert swarm.tracker.placement.capacity(ARTIFACT, 30, time.time()).max() == 0.0
+        joiner = Identity.generate()
+        asked = {"node_id": joiner.node_id.hex(), "artifact": ARTIFACT, "n_layer": 30, "max_layers": 15}
+        placed = await swarm.post("/v1/placement", asked, joiner)
+        assert placed.status_code == 200 and placed.json()["layers"] == [0, 15], placed.text
+
+
 def test_a_manifest_gives_the_shape_and_no_vote_changes_it() -> None:
     """Where the tracker holds an artifact's manifest, its layer count is the manifest's."""
     state = TrackerState(shapes={ARTIFACT: 30})

@@ -101,21 +101,22 @@ def test_route_capacity_counts_only_pieces_on_a_chain_from_the_first_layer_to_th
     assert route_capacity([Piece(0, 30, 0.1), Piece(0, 30, 0.2)], 30).min() == 0.3
 
 
-def test_capacity_counts_measured_throughput_of_nodes_that_serve_or_will_and_not_the_excluded() -> None:
+def test_capacity_counts_measured_throughput_of_admitted_nodes_and_not_the_excluded() -> None:
     placement = placement_with(
         node("a", (0, 10), step=10.0),  # 400 tokens/s
         node("b", (10, 30), step=40.0),  # 100 tokens/s
         node("failed", (10, 30), probe_passed=False),
         node("audited", (10, 30), audit_failed="wrong bits"),
-        node("probing", (10, 30), probe_required=True),  # answering its probe: it will serve
+        node("probing", (10, 30), probe_required=True),  # its probe still owed: unadmitted, it counts for nothing
         node("other", (0, 30), n_layer=31),  # another layer count: it serves no route
         node("stray", (5, 12)),  # on no route
     )
     capacity = placement.capacity(ARTIFACT, 30, 0.0)
-    assert capacity.tolist() == [400.0] * 10 + [500.0] * 20
+    assert capacity.tolist() == [400.0] * 10 + [100.0] * 20
     # a node that asks is counted without what it serves now
     assert placement.capacity(ARTIFACT, 30, 0.0, exclude=_id("a")).max() == 0.0
-    assert placement.assign(_id("new"), ARTIFACT, 30, 10, 0.0).layers == (0, 10)
+    # 10:30 is the weakest without the node still owing its probe
+    assert placement.assign(_id("new"), ARTIFACT, 30, 10, 0.0).layers == (10, 20)
 
 
 def test_two_joiners_asking_at_once_take_different_gaps_and_form_a_route() -> None:

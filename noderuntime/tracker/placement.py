@@ -6,9 +6,9 @@ capacity. A layer's capacity is the sum of the decode throughput (tokens/s, as
 :meth:`NodeRecord.tokens_per_s` measures it) of the nodes that hold it on a complete
 route: a route's hops meet exactly at their boundaries, so a node whose range no chain
 reaches from the first layer, or that leads to none reaching the last, serves nothing
-however thin its layers are. Counted are the registered nodes that routes use or will use
-once probed, and the nodes still loading the range the tracker gave them (their
-reservations).
+however thin its layers are. Counted are the registered nodes that routes use (admitted:
+a node whose probe is still owed counts for nothing), and the nodes still loading the
+range the tracker gave them (their reservations).
 
 The window taken (:func:`choose`) starts where a chain from layer 0 ends and ends where
 other pieces start (or at the model's end, or as far as the node reaches): first a window
@@ -98,11 +98,14 @@ class Move:
 
 
 def counted(record: NodeRecord) -> bool:
-    """Whether a registered node's capacity counts: it serves routes, or will once its probe is answered.
+    """Whether a registered node's capacity counts: it is admitted to routes.
 
     A node that failed its probe or an audit serves nothing, and its layers are as thin as if it had left.
+    Nor does one whose probe is still owed: a registrant has measured nothing the tracker checked, and
+    sybils that never answer their probes must not make a range look served (its reservation counted
+    while it loaded; its record counts once it is admitted).
     """
-    return record.probe_passed is not False and not record.audit_failed
+    return record.admitted
 
 
 @attrs.frozen
