@@ -18,6 +18,7 @@ runs from the light install (``pip install noderuntime``, no llama.cpp).
 from __future__ import annotations
 
 import collections
+import functools
 import ipaddress
 import logging
 import os
@@ -339,14 +340,23 @@ class Relay:
             return
         except ConnectionClosed:
             return
+        check = functools.partial(
+            self.verifier.check,
+            dial.ticket,
+            session_id=dial.session,
+            epoch=dial.epoch,
+            artifact=None,
+            hops=None,
+            node_id=dial.target,
+        )
         try:
-            self.verifier.check(
-                dial.ticket, session_id=dial.session, epoch=dial.epoch, artifact=None, hops=None, node_id=dial.target
-            )
+            check(consume=False)
         except TicketError as exc:
             await self._refuse(ws, m.CLOSE_FORBIDDEN, f"ticket refused: {exc}", "ticket")
             return
         handshake.release()
+        # the ticket is spent only on a dial the relay can carry out: a dial to a node not here (yet),
+        # or past the pair limit, leaves it good for another try, here or at the node's next relay
         control = self.nodes.get(dial.target)
         if control is None:
             await self._refuse(
@@ -355,6 +365,11 @@ class Relay:
             return
         if len(self._pending) + self._active >= self.limits.max_pairs:
             await self._refuse(ws, m.CLOSE_BUSY, "the relay is at its pair limit", "busy")
+            return
+        try:
+            check(consume=True)  # no await since the checks above: the target is still here
+        except TicketError as exc:
+            await self._refuse(ws, m.CLOSE_FORBIDDEN, f"ticket refused: {exc}", "ticket")
             return
         pair_id = os.urandom(16)
         pair = _Pair(ws, dial.target)

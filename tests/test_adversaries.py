@@ -20,11 +20,12 @@ import pytest
 import trio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from trio_websocket import ConnectionClosed, open_websocket_url
 
 from noderuntime.access import tickets
 from noderuntime.access.identity import Identity
 from noderuntime.access.signing import SignatureChecker, sign
-from noderuntime.access.tickets import ReplayGuard, TicketError
+from noderuntime.access.tickets import ReplayGuard, TicketError, TicketVerifier
 from noderuntime.control.admission import (
     PROBE_ROWS,
     SKETCH_DIM,
@@ -51,7 +52,11 @@ from noderuntime.tracker.audits import Grant as AuditGrant
 from noderuntime.tracker.messages import RecordJSON
 from noderuntime.tracker.records import NodeRecord
 from noderuntime.tracker.registry import TrackerState
-from protocol import UsageRecord
+from noderuntime.transport import relay_messages
+from noderuntime.transport.relay_client import RelayListener
+from protocol import Hop, Span, UsageRecord
+from relay.server import Relay
+from relay.server import serve as relay_serve
 
 ARTIFACT = "ab" * 32
 RECIPE = "0123456789abcdef"
@@ -395,6 +400,60 @@ async def test_a_client_asking_for_routes_in_a_tight_loop_is_refused_and_an_hone
                 assert granted.status_code == 200, granted.text
         ticket = tickets.decode(bytes.fromhex(granted.json()["ticket"]), [swarm.tracker.identity.node_id])
         assert ticket.expires_unix_ms <= (time.time() + MAX_TICKET_SECONDS + 5) * 1000
+
+
+async def test_a_client_holds_no_more_route_grants_at_once_than_its_limit() -> None:
+    """Past its limit of grants whose tickets live, a client (by address, and by key) is refused;
+    another is served, and the grants are released as their tickets expire."""
+    async with open_swarm(route_concurrency=3) as swarm:
+        for layers in ((0, 15), (15, 30)):
+            assert (await swarm.register(Identity.generate(), layers, slots=64)).status_code == 200
+        request = {"artifact": ARTIFACT, "tokens": 100, "ttl_seconds": 60}
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(local_address="127.0.0.2")) as greedy:
+            answers = [(await greedy.post(swarm.url + "/v1/routes", json=request)).status_code for _ in range(5)]
+            assert answers == [200] * 3 + [429] * 2
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(local_address="127.0.0.3")) as other:
+            keyed = request | {"client": "ab" * 32}
+            answers = [(await other.post(swarm.url + "/v1/routes", json=keyed)).status_code for _ in range(3)]
+            assert answers == [200] * 3
+        # the same key from a third address: the key holds its limit too
+        assert (await swarm.route(**keyed)).status_code == 429
+        later = time.time() + 200
+        assert swarm.tracker.outstanding.held("address:127.0.0.2", later) == 0
+        assert swarm.tracker.outstanding.held(f"key:{'ab' * 32}", later) == 0
+
+
+async def test_a_relay_spends_no_ticket_on_a_node_that_is_not_there() -> None:
+    """A dial to a node not (yet) connected is refused and leaves its ticket good: once the node
+    is connected, the same ticket pairs."""
+    issuer, node, dialer = Identity.generate(), Identity.generate(), Identity.generate()
+    relay = Relay(TicketVerifier([issuer.node_id]))
+    session = b"s" * 16
+    ticket = tickets.issue(
+        issuer,
+        session_id=session,
+        epoch=0,
+        artifact=b"a" * 32,
+        hops=[Hop(node.node_id, Span(0, 1))],
+        client=dialer.node_id,
+    )
+    dial = relay_messages.Dial(node.node_id, session, 0, ticket).encode()
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(relay_serve, relay, "127.0.0.1", 0)
+        url = f"ws://127.0.0.1:{server.port}"
+        with trio.fail_after(10):
+            async with open_websocket_url(url + "/dial") as ws:
+                await ws.send_message(dial)
+                with pytest.raises(ConnectionClosed) as closed:
+                    await ws.get_message()
+            assert closed.value.reason is not None and closed.value.reason.code == relay_messages.CLOSE_NOT_CONNECTED
+            listener = RelayListener(url, node, lambda _: None)
+            await nursery.start(listener.run)
+            async with open_websocket_url(url + "/dial") as ws:
+                await ws.send_message(dial)
+                relay_messages.decode(await ws.get_message(), relay_messages.Paired)
+        listener.stop()
+        nursery.cancel_scope.cancel()
 
 
 def test_a_flood_of_tickets_for_one_client_does_not_crowd_out_anothers_at_a_node() -> None:

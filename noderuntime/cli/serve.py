@@ -232,6 +232,7 @@ def _cmd_tracker(args: argparse.Namespace) -> int:
             expire_after=args.expire_after,
             route_rate=args.route_rate,
             route_burst=args.route_burst,
+            route_concurrency=args.route_concurrency,
             referees=tuple(args.referee),
             probe_references=tuple(args.probe_references),
             require_probe=args.require_probe,
@@ -516,6 +517,12 @@ def _add_tracker(sub: Any) -> None:
         type=positive_int,
         default=200,
         help="of those grants, how many one client may take at once before --route-rate paces it",
+    )
+    p.add_argument(
+        "--route-concurrency",
+        type=positive_int,
+        default=4096,
+        help="route grants one client (an address, a key) may hold at once, each until its ticket expires; beyond, 429",
     )
     p.add_argument(
         "--referee",

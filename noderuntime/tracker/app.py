@@ -55,7 +55,7 @@ from noderuntime.operations.telemetry import TrackerMetrics, exposition, trio_ta
 from noderuntime.tracker import swarm
 from noderuntime.tracker.audits import AUDIT_GRANT_SECONDS, AuditBook, AuditError, auditor_weight, network_prefix
 from noderuntime.tracker.audits import Grant as AuditGrant
-from noderuntime.tracker.limits import RateLimits
+from noderuntime.tracker.limits import Outstanding, RateLimits
 from noderuntime.tracker.messages import (
     AuditFailure,
     AuditReport,
@@ -92,6 +92,8 @@ MAX_TICKET_SECONDS = 1800.0
 # route grants one client (an address, a key) may take: at once, and a second in the long run
 ROUTE_BURST = 200
 ROUTE_RATE = 50.0
+# route grants one client (an address, a key) may hold at once: their tickets not yet expired
+ROUTE_CONCURRENCY = 4096
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +118,7 @@ class Tracker:
         move_hold_down: float = HOLD_DOWN_SECONDS,
         route_rate: float = ROUTE_RATE,
         route_burst: int = ROUTE_BURST,
+        route_concurrency: int = ROUTE_CONCURRENCY,
         referees: Iterable[bytes] = (),
     ) -> None:
         """``references`` let the tracker probe shards; ``require_probe`` admits no shard it cannot probe;
@@ -123,6 +126,8 @@ class Tracker:
         given, is needed to read the swarm map and the node lists; ``move_hold_down``: seconds a node
         told to move is not told again; ``route_rate`` and ``route_burst``: the route grants (and
         repairs and audits) one client address, and one client key, may take a second and at once;
+        ``route_concurrency``: the route grants one client address, and one client key, may hold at once
+        (a grant is held until its ticket expires: the tracker does not see a session end);
         ``referees``: node ids whose re-execution confirms two auditors before a node is excluded (none:
         audits never exclude, they make the reporting gateway avoid a node)."""
         if status_key is not None and not status_key:
@@ -159,14 +164,20 @@ class Tracker:
         self.referees = frozenset(referees)
         self.joined: dict[bytes, float] = {}  # node id -> when it first registered, while it stays
         self.route_limits = RateLimits(rate=route_rate, burst=route_burst)
+        self.outstanding = Outstanding(limit=route_concurrency)
 
-    def _limit(self, request: Request, client: bytes | str) -> None:
-        """Take one route grant from the requester's address and key; 429 when either has none left."""
+    @staticmethod
+    def _client_names(request: Request, client: bytes | str) -> list[str]:
+        """What a requester is known by: its address, and the key it names (if it names one)."""
         names = [f"address:{request.client.host if request.client else ''}"]
         key = client.hex() if isinstance(client, bytes) else client
         if key:
             names.append(f"key:{key}")
-        wait = self.route_limits.take(names, time.monotonic())
+        return names
+
+    def _limit(self, request: Request, client: bytes | str) -> None:
+        """Take one route grant from the requester's address and key; 429 when either has none left."""
+        wait = self.route_limits.take(self._client_names(request, client), time.monotonic())
         if wait > 0:
             self.metrics.routes.labels("limited").inc()
             raise HTTPException(
@@ -502,6 +513,15 @@ class Tracker:
         if self.api_key is not None and request.headers.get("authorization") != f"Bearer {self.api_key}":
             raise HTTPException(401, "a valid tracker key is required to request routes")
         self._limit(request, body.client)
+        names, now = self._client_names(request, body.client), time.time()
+        if any(self.outstanding.held(name, now) >= self.outstanding.limit for name in names):
+            self.metrics.routes.labels("limited").inc()
+            raise HTTPException(
+                429,
+                f"this client holds {self.outstanding.limit} route grants whose tickets have not expired; "
+                "try again when some have",
+                headers={"retry-after": str(round(self.outstanding.granularity))},
+            )
         try:
             exclude = [bytes.fromhex(x) for x in body.exclude]
             near = [bytes.fromhex(x) for x in body.prefer]
@@ -519,6 +539,7 @@ class Tracker:
             for n, recipe in zip(choice.nodes, recipes, strict=True)
         ]
         session_id = os.urandom(16)
+        ttl = min(body.ttl_seconds, MAX_TICKET_SECONDS)
         ticket = tickets.issue(
             self.identity,
             session_id=session_id,
@@ -526,8 +547,9 @@ class Tracker:
             artifact=bytes.fromhex(body.artifact),
             hops=hops,
             client=bytes.fromhex(body.client),
-            ttl_seconds=min(body.ttl_seconds, MAX_TICKET_SECONDS),
+            ttl_seconds=ttl,
         )
+        self.outstanding.take(names, now, now + ttl)
         self.state.note_session(n.node_id for n in choice.nodes)
         self.routes_issued += 1
         self.metrics.routes.labels("issued").inc()

@@ -1,4 +1,5 @@
-"""How fast one client may take route grants: token buckets by address and by key; plain synchronous code.
+"""How fast one client may take route grants, and how many it may hold: by address and by key; plain
+synchronous code.
 
 Anyone may ask the tracker for routes, and every grant counts against its nodes' free
 slots until their next heartbeat. A client takes one token per grant from each bucket
@@ -13,6 +14,7 @@ are as good as none) are dropped, then the least recently used.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Iterable
 
 import attrs
@@ -73,3 +75,63 @@ class RateLimits:
 
     def __len__(self) -> int:
         return len(self._buckets)
+
+
+class Outstanding:
+    """Route grants a client holds at once: granted, and their tickets not yet expired.
+
+    The tracker cannot see a session end (nodes report how many sessions they run, not
+    which), so a grant counts until its ticket expires, which the tracker itself bounded.
+    Expiries are kept rounded up to ``granularity`` seconds, a count each: what one client
+    costs is bounded by the tickets' longest lifetime, not by how many it took. Clients are
+    bounded like :class:`RateLimits`' (those holding nothing dropped first, then the least
+    recently seen: forgetting one only lets it take more, never another less).
+    """
+
+    def __init__(self, *, limit: int, granularity: float = 60.0, max_clients: int = MAX_CLIENTS) -> None:
+        """``limit``: grants one client name may hold at once."""
+        if not (limit >= 1 and granularity > 0 and max_clients > 0):
+            raise ValueError("a concurrency limit needs a limit of one or more, a granularity and room for clients")
+        self.limit = limit
+        self.granularity = granularity
+        self.max_clients = max_clients
+        self._held: collections.OrderedDict[str, dict[int, int]] = collections.OrderedDict()
+        self.refused = 0
+
+    def held(self, client: str, now: float) -> int:
+        """How many grants ``client`` holds at ``now``."""
+        slots = self._held.get(client)
+        if slots is None:
+            return 0
+        for slot in [s for s in slots if s * self.granularity <= now]:
+            del slots[slot]
+        return sum(slots.values())
+
+    def take(self, clients: Iterable[str], now: float, expires: float) -> bool:
+        """Count one grant, held until ``expires``, against each of ``clients``: False (counting none) when
+        one of them already holds ``limit``."""
+        names = list(dict.fromkeys(clients))
+        if any(self.held(name, now) >= self.limit for name in names):
+            self.refused += 1
+            return False
+        slot = math.ceil(expires / self.granularity)
+        for name in names:
+            slots = self._held.get(name)
+            if slots is None:
+                self._make_room(now)
+                slots = self._held[name] = {}
+            else:
+                self._held.move_to_end(name)
+            slots[slot] = slots.get(slot, 0) + 1
+        return True
+
+    def _make_room(self, now: float) -> None:
+        if len(self._held) < self.max_clients:
+            return
+        for name in [n for n in self._held if not self.held(n, now)]:
+            del self._held[name]
+        while len(self._held) >= self.max_clients:
+            self._held.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._held)
