@@ -12,6 +12,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -24,7 +25,7 @@ from trio_websocket import ConnectionClosed, open_websocket_url
 
 from noderuntime.access import tickets
 from noderuntime.access.identity import Identity
-from noderuntime.access.signing import SignatureChecker, sign
+from noderuntime.access.signing import SignatureChecker, join_proof, read_join_secret, sign
 from noderuntime.access.tickets import ReplayGuard, TicketError, TicketVerifier
 from noderuntime.control.admission import (
     PROBE_ROWS,
@@ -726,3 +727,54 @@ def test_auditor_choice_weighs_against_newcomers_and_the_audited_nodes_network()
     assert auditor_weight(60.0, "198.51.100.9:7000", audited) < 0.1 * seasoned
     assert auditor_weight(7200.0, "203.0.113.77:7000", audited) < 0.1 * seasoned
     assert network_prefix("[2001:db8::1]:7000") == network_prefix("[2001:db8::2]:9") != network_prefix("")
+
+
+# --- private swarms
+
+
+async def test_a_private_swarm_admits_only_allow_listed_keys_or_holders_of_its_join_secret(tmp_path: Path) -> None:
+    """With an allow-list, a stranger's registration and placement are refused (403) and a listed
+    key's accepted; with a join secret, a node that proves it is let in, one that guesses is not,
+    and a proof seen on the wire lets no other key in. Open stays the default."""
+    member, stranger = Identity.generate(), Identity.generate()
+    async with open_swarm(allow_nodes=[member.node_id]) as swarm:
+        assert (await swarm.register(stranger)).status_code == 403
+        asked = {"node_id": stranger.node_id.hex(), "artifact": ARTIFACT, "n_layer": 30, "max_layers": 15}
+        assert (await swarm.post("/v1/placement", asked, stranger)).status_code == 403
+        assert (await swarm.register(member)).status_code == 200
+        assert list(swarm.tracker.state.nodes) == [member.node_id]
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("correct horse battery staple\n")
+    secret = read_join_secret(str(secret_file))
+    async with open_swarm(join_secret=secret) as swarm:
+        proof = join_proof(secret, member.node_id)
+        assert (await swarm.register(member, join_proof=proof)).status_code == 200
+        assert (await swarm.register(stranger)).status_code == 403
+        assert (await swarm.register(stranger, join_proof=join_proof(b"guess", stranger.node_id))).status_code == 403
+        assert (await swarm.register(stranger, join_proof=proof)).status_code == 403  # the member's, replayed
+        joiner = Identity.generate()
+        asked = {"node_id": joiner.node_id.hex(), "artifact": ARTIFACT, "n_layer": 30, "max_layers": 15}
+        assert (await swarm.post("/v1/placement", asked, joiner)).status_code == 403
+        shown = asked | {"join_proof": join_proof(secret, joiner.node_id)}
+        assert (await swarm.post("/v1/placement", shown, joiner)).status_code == 200
+    async with open_swarm() as swarm:
+        assert not swarm.tracker.private() and (await swarm.register(stranger)).status_code == 200
+
+
+def test_the_private_swarm_flags_reach_the_tracker_and_the_node(tmp_path: Path) -> None:
+    """``tracker --allow-node/--join-secret-file`` and ``up --join-secret-file`` parse into what runs."""
+    import argparse
+
+    from noderuntime.cli.serve import _join_secret, add_commands
+
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers())
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("s3cret")
+    member = Identity.generate().node_id.hex()
+    tracker = parser.parse_args(
+        ["tracker", "--listen", "127.0.0.1:0", "--allow-node", member, "--join-secret-file", str(secret_file)]
+    )
+    assert [n.hex() for n in tracker.allow_node] == [member] and _join_secret(tracker.join_secret_file) == b"s3cret"
+    up = parser.parse_args(["up", "--model", "m.gguf", "--layers", "0:1", "--join-secret-file", str(secret_file)])
+    assert _join_secret(up.join_secret_file) == b"s3cret"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import hmac
 
 import attrs
 
@@ -11,6 +12,27 @@ from noderuntime.access.identity import Identity, verify
 
 DOMAIN = b"noderuntime-signed-request-v1"
 WINDOW_MS = 60_000
+
+
+JOIN_DOMAIN = b"noderuntime-join-v1"
+
+
+def join_proof(secret: bytes, node_id: bytes) -> str:
+    """What a node shows a private swarm's tracker to prove it holds the swarm's join secret (hex).
+
+    Bound to its node id, which its registration's signature proves: seen, it lets no other
+    key in, and it says nothing of the secret.
+    """
+    return hmac.new(secret, JOIN_DOMAIN + node_id, hashlib.sha256).hexdigest()
+
+
+def read_join_secret(path: str) -> bytes:
+    """A join secret from a file (its text, stripped); :class:`ValueError` when it is empty."""
+    with open(path, "rb") as f:
+        secret = f.read().strip()
+    if not secret:
+        raise ValueError(f"{path}: a join secret must not be empty")
+    return secret
 
 
 class SignatureError(Exception):

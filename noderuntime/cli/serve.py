@@ -172,7 +172,20 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
         backend=args.backend,
         device=args.device,
         gpu_layers=args.gpu_layers,
+        join_secret=_join_secret(args.join_secret_file),
     )
+
+
+def _join_secret(path: str | None) -> bytes | None:
+    """The join secret in ``path`` (--join-secret-file), or None without one."""
+    if path is None:
+        return None
+    from noderuntime.access.signing import read_join_secret
+
+    try:
+        return read_join_secret(path)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"--join-secret-file: {exc}") from None
 
 
 def _cmd_relay(args: argparse.Namespace) -> int:
@@ -234,6 +247,8 @@ def _cmd_tracker(args: argparse.Namespace) -> int:
             route_burst=args.route_burst,
             route_concurrency=args.route_concurrency,
             referees=tuple(args.referee),
+            allow_nodes=tuple(args.allow_node),
+            join_secret=_join_secret(args.join_secret_file),
             probe_references=tuple(args.probe_references),
             require_probe=args.require_probe,
             probe_interval=args.probe_interval,
@@ -393,6 +408,11 @@ def _add_up(sub: Any) -> None:
         action="store_false",
         help="this node's cores are its own (pinned apart from other nodes): do not take turns on them",
     )
+    p.add_argument(
+        "--join-secret-file",
+        metavar="PATH",
+        help="a private swarm's join secret (the file its tracker was given): the node proves it holds it",
+    )
     p.add_argument("--slots", type=positive_int, default=8, help="concurrent sessions")
     p.add_argument("--ctx", type=positive_int, default=2048, help="context per session (multiple of 256)")
     p.add_argument("--batch", type=positive_int, default=512, help="tokens per batch")
@@ -532,6 +552,20 @@ def _add_tracker(sub: Any) -> None:
         metavar="NODE_ID",
         help="a node this tracker's operator trusts to re-execute audited sessions; a node is excluded only when "
         "a referee's re-execution confirms two auditors (without one, audits never exclude); repeatable",
+    )
+    p.add_argument(
+        "--allow-node",
+        type=public_key,
+        action="append",
+        default=[],
+        metavar="NODE_ID",
+        help="a private swarm: admit this node's key; repeatable (with neither this nor --join-secret-file, "
+        "the swarm is open to any node)",
+    )
+    p.add_argument(
+        "--join-secret-file",
+        metavar="PATH",
+        help="a private swarm: admit nodes that prove they hold the secret in this file (given to `up` likewise)",
     )
     p.add_argument(
         "--probe-references",

@@ -19,6 +19,7 @@ import attrs
 import trio
 
 from noderuntime.access import identity
+from noderuntime.access.signing import join_proof
 from noderuntime.access.tickets import TicketVerifier
 from noderuntime.control import admission
 from noderuntime.control.ledger import Ledger
@@ -91,6 +92,7 @@ class NodeOptions:
     backend: str = "llama.cpp"  # or "transformers": a safetensors directory run by torchengine
     device: str = "cpu"  # where the layers and KV live: "cpu", "vulkan:0", "cuda:1", ... (Recipe.device)
     gpu_layers: int | None = None  # on a GPU, how many local layers it holds (None: all)
+    join_secret: bytes | None = None  # a private swarm's: its proof goes with each registration
 
     @property
     def tracker(self) -> str | None:
@@ -226,6 +228,9 @@ async def run_node(
                     capability=capability,
                 )
                 registration = Registration.of(shown, record)
+                if opts.join_secret is not None:
+                    proof = join_proof(opts.join_secret, me.node_id)
+                    registration = registration.model_copy(update={"join_proof": proof})
 
                 async def answer_probe(seed: int) -> dict[str, Any]:
                     return (await node.probe(seed)).to_json()

@@ -29,6 +29,8 @@ async def run_tracker(
     route_burst: int = 200,
     route_concurrency: int = 4096,
     referees: Sequence[bytes] = (),
+    allow_nodes: Sequence[bytes] = (),
+    join_secret: bytes | None = None,
     probe_references: tuple[Path, ...] = (),
     require_probe: bool = False,
     probe_interval: float = 600.0,
@@ -52,6 +54,8 @@ async def run_tracker(
         route_burst=route_burst,
         route_concurrency=route_concurrency,
         referees=referees,
+        allow_nodes=allow_nodes,
+        join_secret=join_secret,
         api_key=api_key,
         references=references,
         require_probe=require_probe,
@@ -69,6 +73,9 @@ async def run_tracker(
         log.info(
             "routes may mix recipes %s and %s of %s (certified)", pair.cpu_recipe, pair.gpu_recipe, pair.artifact[:12]
         )
+    if allow_nodes or join_secret is not None:
+        secret = ", and holders of the join secret" if join_secret is not None else ""
+        log.info("a private swarm: %d node(s) allow-listed%s", len(allow_nodes), secret)
     for referee in referees:
         log.info("referee %s may confirm audits", referee.hex()[:12])
     if probe_references:

@@ -47,7 +47,7 @@ from fastapi.responses import JSONResponse, Response
 
 from noderuntime.access import tickets
 from noderuntime.access.identity import Identity
-from noderuntime.access.signing import SignatureChecker, SignatureError
+from noderuntime.access.signing import SignatureChecker, SignatureError, join_proof
 from noderuntime.control.admission import AdmissionError, ProbeAnswer, ProbeReferences, check_capability, compare
 from noderuntime.models.manifest import Manifest
 from noderuntime.operations.httpserve import BodyLimit
@@ -120,6 +120,8 @@ class Tracker:
         route_burst: int = ROUTE_BURST,
         route_concurrency: int = ROUTE_CONCURRENCY,
         referees: Iterable[bytes] = (),
+        allow_nodes: Iterable[bytes] = (),
+        join_secret: bytes | None = None,
     ) -> None:
         """``references`` let the tracker probe shards; ``require_probe`` admits no shard it cannot probe;
         ``mixes`` are the pairs of recipes that certificates let share a route; ``status_key``, when
@@ -129,7 +131,14 @@ class Tracker:
         ``route_concurrency``: the route grants one client address, and one client key, may hold at once
         (a grant is held until its ticket expires: the tracker does not see a session end);
         ``referees``: node ids whose re-execution confirms two auditors before a node is excluded (none:
-        audits never exclude, they make the reporting gateway avoid a node)."""
+        audits never exclude, they make the reporting gateway avoid a node). ``allow_nodes`` and
+        ``join_secret`` make the swarm private: only a node allow-listed, or one that proves it holds
+        the secret (:func:`~noderuntime.access.signing.join_proof`), may register or be placed; with
+        neither, the swarm is open."""
+        if join_secret is not None and not join_secret:
+            raise ValueError("a join secret must not be empty")
+        self.allow_nodes = frozenset(allow_nodes)
+        self.join_secret = join_secret
         if status_key is not None and not status_key:
             raise ValueError("a status key must not be empty: it would let in every request that sends none")
         self.status_key = status_key
@@ -286,8 +295,24 @@ class Tracker:
             "expire_after_seconds": self.state.expires_after(self.state.heartbeat_seconds),
         }
 
+    def private(self) -> bool:
+        """Whether only members may join: some node is allow-listed, or a join secret is set."""
+        return bool(self.allow_nodes) or self.join_secret is not None
+
+    def _member(self, node_id: bytes, proof: str) -> bool:
+        """Whether ``node_id`` may join: the swarm is open, the node is allow-listed, or ``proof`` shows the secret."""
+        if not self.private() or node_id in self.allow_nodes:
+            return True
+        if self.join_secret is None:
+            return False
+        # in constant time: how long a refusal takes says nothing of the proof expected
+        return hmac.compare_digest(proof.encode(), join_proof(self.join_secret, node_id).encode())
+
     async def _register(self, body: Registration, request: Request) -> dict[str, Any]:
         node_id = await self._authenticated(request, body.node_id)
+        if not self._member(node_id, body.join_proof):
+            self.metrics.auth_failures.inc()
+            raise HTTPException(403, "this is a private swarm: the node is not allow-listed, nor shows its join secret")
         start, end = body.layers
         if not 0 <= start < end <= body.n_layer:
             raise HTTPException(400, f"layers {start}:{end} do not lie in 0:{body.n_layer}")
@@ -391,6 +416,9 @@ class Tracker:
     async def _place(self, body: PlacementRequest, request: Request) -> JSONResponse:
         """The range a node without one should load: see :mod:`noderuntime.tracker.placement`."""
         node_id = await self._authenticated(request, body.node_id)
+        if node_id not in self.state.nodes and not self._member(node_id, body.join_proof):
+            # a private swarm places only its members: listed, registered, or showing the secret
+            raise HTTPException(403, "this is a private swarm: the node is not allow-listed, nor shows its join secret")
         self._limit(request, node_id)  # each key may hold one reservation; an address may not make keys fast
         try:
             given = self.placement.assign(

@@ -93,6 +93,8 @@ class Registration(NodeDescription):
     """A node's description of itself, with the capability it measured and signed (``admission.capability_record``)."""
 
     capability: dict[str, str]  # {"body": signed JSON text, "signature": hex}
+    # for a private swarm's tracker: access.signing.join_proof of its join secret and this node's id
+    join_proof: str = Field(default="", max_length=64, pattern=r"^([0-9a-f]{64})?$")
 
     @classmethod
     def of(cls, description: NodeDescription, capability: dict[str, str]) -> Registration:
@@ -158,6 +160,7 @@ class PlacementRequest(BaseModel):
     n_layer: int = Field(gt=0, le=MAX_LAYERS, strict=True)
     max_layers: int = Field(gt=0, le=MAX_LAYERS, strict=True)
     tokens_per_s: float | None = Field(default=None, gt=0, le=1e9, allow_inf_nan=False)
+    join_proof: str = Field(default="", max_length=64, pattern=r"^([0-9a-f]{64})?$")  # as a registration's
 
 
 class PlacementReply(BaseModel):
