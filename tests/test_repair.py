@@ -19,6 +19,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,6 +28,8 @@ import pytest
 from noderuntime.services import localsystem
 from noderuntime.services.cluster import ManagedProcess
 from noderuntime.services.ready import NodeReady, expect
+
+from . import whole_model
 
 pytestmark = pytest.mark.slow
 
@@ -129,6 +132,8 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[localsystem.Loc
         ctx=1024,
         quiet=True,
         node_options=("--hang-timeout", "1.5"),
+        # no audits: a session a test finds on a node must be its reply's, not an audit replaying another
+        gateway_options=("--audit-rate", "0"),
     )
     try:
         yield running
@@ -242,34 +247,69 @@ def test_a_node_that_leaves_politely_hands_its_sessions_over(
     assert "leaving" in reply.repairs[0]["failed"]
 
 
+def _in_prefill(system: localsystem.LocalSystem, ranges: str, before: dict[str, dict[str, int]]) -> ManagedProcess:
+    """The node of range ``ranges`` that holds a session it has prefilled part of, and decoded nothing of.
+
+    ``before``: each node's batcher counts before the session began (the system idle but for it).
+    """
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for process in _nodes(system, ranges):
+            if process.alive():
+                status = _status(process)
+                rows, was = status["batcher"], before[process.name]
+                prefilling = rows["prefill_rows"] > was["prefill_rows"] and rows["decode_rows"] == was["decode_rows"]
+                if status["active_sessions"] and prefilling:
+                    return process
+        time.sleep(0.005)
+    raise AssertionError(f"no node of range {ranges} was seen prefilling")
+
+
+def _counters(system: localsystem.LocalSystem) -> dict[str, int]:
+    with urllib.request.urlopen(system.gateway_url + "/status", timeout=5) as response:
+        counters: dict[str, int] = json.loads(response.read())["counters"]
+        return counters
+
+
 def test_a_node_killed_during_prefill_costs_the_reply_nothing(
     system: localsystem.LocalSystem, references: dict[str, Reply]
 ) -> None:
+    _idle_everywhere(system)
+    before = {p.name: _status(p)["batcher"] for p in _nodes(system, "1") if p.alive()}
+    counted = _counters(system)
     reply = Reply(system.gateway_url, system.model_id, CASES["long_prompt"])
-    victim = _serving(system, "1")  # it holds the session: its long prompt, before the first token
+    # it holds the session and has run part of its long prompt, and no token has come yet
+    victim = _in_prefill(system, "1", before)
     victim.signal(signal.SIGKILL)
     try:
         reply.finished()
     finally:
         _back(system, victim)
     assert reply.text == references["long_prompt"].text
+    # the kill landed before the first token: the gateway opened another route for the request (a
+    # retry), where a kill after it would have resumed the reply on one (a repair, after_tokens > 0)
+    now = _counters(system)
+    assert reply.repairs == [] and now["repairs"] == counted["repairs"], reply.repairs
+    assert now["retries"] > counted["retries"], (counted, now)
 
 
 @pytest.mark.repairs_expected
 def test_with_no_spare_left_the_reply_ends_in_a_typed_error_and_nothing_leaks(
-    system: localsystem.LocalSystem,
+    system: localsystem.LocalSystem, smollm2: Path
 ) -> None:
-    reply = Reply(system.gateway_url, system.model_id, CASES["greedy"])
-    reply.wait_text(40)
-    victim = _serving(system, "1")
-    other = next(p for p in _nodes(system, "1") if p is not victim)
-    other.stop(timeout=5)  # the spare leaves first: nobody else serves 10:20
-    victim.signal(signal.SIGKILL)
+    victim, spare = _nodes(system, "1")
+    spare.stop(timeout=5)  # the spare leaves first (it tells the tracker): nobody else serves 10:20
+    # a reply far longer than the moment between its first text and the kill: no end token can be drawn
+    ends = {str(token): -100 for token in whole_model.vocabulary(smollm2).eog_tokens}
+    reply = Reply(system.gateway_url, system.model_id, {**CASES["greedy"], "max_tokens": 600, "logit_bias": ends})
     try:
+        reply.wait_text(40)
+        assert _serving(system, "1") is victim
+        victim.signal(signal.SIGKILL)
         reply.join(60)
         assert not reply.is_alive() and reply.error is not None, reply.repairs
         assert reply.error["code"] in ("no_route", "route_failed"), reply.error
         _idle_everywhere(system, but=victim)
     finally:
-        for process in (victim, other):
+        for process in (victim, spare):
             _back(system, process)
