@@ -12,6 +12,8 @@ import collections
 import contextlib
 import json
 import queue
+import re
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -866,3 +868,29 @@ def test_the_gateways_api_never_answers_5xx_to_generated_requests() -> None:
     with served_in_thread(gateway.app) as url:
         statuses = no_server_errors(url)
     assert sum(statuses.values()) > 0
+
+
+async def test_a_node_placed_by_a_secret_only_tracker_shows_its_join_secret(
+    smollm2: Path, tmp_path: Path, cli_env: dict[str, str]
+) -> None:
+    """``up --join-secret-file`` without ``--layers``: the node's placement request carries its proof,
+    so a tracker that admits holders of the secret alone places it (it then stops: its TLS files
+    are not there)."""
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("correct horse battery staple\n")
+    async with open_swarm(join_secret=read_join_secret(str(secret_file))) as swarm:
+        argv = ["up", "--model", str(smollm2), "--listen", "127.0.0.1:0", "--tracker", swarm.url]
+        argv += ["--data-dir", str(tmp_path / "n"), "--memory-limit", "4GiB", "--join-secret-file", str(secret_file)]
+        argv += ["--tls-cert", str(tmp_path / "none.pem"), "--tls-key", str(tmp_path / "none.key")]
+        with trio.fail_after(60):
+            done = await trio.run_process(
+                [sys.executable, "-m", "noderuntime", *argv],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+                env=cli_env,
+            )
+    stderr = done.stderr.decode()
+    assert done.returncode == 1, stderr[-2000:]
+    assert "private swarm" not in stderr, stderr[-2000:]
+    assert re.search(r"placed this node on layers 0:\d+", stderr), stderr[-2000:]

@@ -30,7 +30,7 @@ import psutil
 import trio
 
 from noderuntime.access.identity import Identity, load_or_create, self_signed
-from noderuntime.access.signing import sign
+from noderuntime.access.signing import join_proof, sign
 from noderuntime.engine import memplan
 from noderuntime.engine.llama import Recipe
 from noderuntime.models import fetch
@@ -131,11 +131,13 @@ async def ask(
     *,
     tokens_per_s: float | None = None,
     patience: float = TRACKER_PATIENCE,
+    join_secret: bytes | None = None,
 ) -> PlacementReply:
     """The range the first of ``trackers`` (one URL, or several in order) that answers gives this node.
 
     While none answers they are tried again for ``patience`` seconds. :class:`JoinError` when the
-    one that answers refuses, or none ever answers.
+    one that answers refuses, or none ever answers. ``join_secret``: a private swarm's, whose
+    proof goes with the request (a secret-only tracker places no one without it).
     """
     asked = PlacementRequest(
         node_id=me.node_id.hex(),
@@ -143,6 +145,7 @@ async def ask(
         n_layer=n_layer,
         max_layers=min(max_layers, MAX_LAYERS),
         tokens_per_s=tokens_per_s,
+        join_proof="" if join_secret is None else join_proof(join_secret, me.node_id),
     )
     deadline = trio.current_time() + patience
     failure = ""
@@ -196,6 +199,7 @@ def place(
     prefix_cache: int | None,
     patience: float = TRACKER_PATIENCE,
     max_layers: int | None = None,
+    join_secret: bytes | None = None,
 ) -> Placed:
     """The range a node of ``recipe`` should serve of the whole model ``model``, as the first of ``trackers``
     that answers gives it.
@@ -203,7 +207,8 @@ def place(
     ``model`` may be a copy of the model's header alone (its tensors' bytes are not read).
     ``prefix_cache``: the bytes the operator gave the prefix cache (None: the default, which
     under a memory limit takes only what the shard leaves); ``max_layers``: at most this many,
-    whatever fits. With the range comes the count it was sized to, which a move asks with.
+    whatever fits; ``join_secret``: a private swarm's, proved to its tracker. With the range comes
+    the count it was sized to, which a move asks with.
     """
     info = inspect(model, verify=False)
     if info.layer_range != LayerRange(0, info.n_layer):
@@ -230,7 +235,9 @@ def place(
         info.name,
         describe(limit, recipe.device),
     )
-    reply = trio.run(lambda: ask(trackers, me, info.fingerprint, info.n_layer, most, patience=patience))
+    reply = trio.run(
+        lambda: ask(trackers, me, info.fingerprint, info.n_layer, most, patience=patience, join_secret=join_secret)
+    )
     start, end = reply.layers
     capacity = "nobody served it" if reply.weakest_capacity == 0 else f"{reply.weakest_capacity:.1f} tokens/s"
     log.info("the tracker placed this node on layers %d:%d, around layer %d (%s)", start, end, reply.weakest, capacity)
@@ -257,6 +264,7 @@ def main(opts: JoinOptions) -> int:
         memory_limit=node.memory_limit,
         prefix_cache=node.prefix_cache,
         max_layers=opts.max_layers,
+        join_secret=node.join_secret,
     )
     try:
         return _serve(opts, placed.layers, rebalancing=_rebalancing(opts, placed.max_layers))
