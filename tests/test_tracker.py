@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import json
 import random
 import time
@@ -14,6 +15,7 @@ import attrs
 import httpx
 import pytest
 import trio
+import trio.testing
 from pydantic import ValidationError
 
 from noderuntime.access.identity import Identity
@@ -428,7 +430,10 @@ async def test_a_node_measures_its_next_hops_and_its_heartbeat_carries_them() ->
     """TCP connects to the next hops' addresses, smoothed and bounded; a node's heartbeat names them by id."""
     listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
     port = listener.socket.getsockname()[1]
-    assert (ms := await connect_ms(f"127.0.0.1:{port}")) is not None and 0 <= ms < 1000
+    began = time.perf_counter()
+    ms = await connect_ms(f"127.0.0.1:{port}")
+    took = (time.perf_counter() - began) * 1e3
+    assert ms is not None and 0 <= ms <= took  # milliseconds, of the connect alone: within the call
     assert await connect_ms("not an address") is None
     now = [0.0]
     trips = RoundTrips(clock=lambda: now[0])
@@ -650,10 +655,14 @@ async def test_nodes_register_again_after_a_tracker_restart() -> None:
     first = Tracker(Identity.generate(), expire_after=2.0)
     async with trio.open_nursery() as nursery:
         scope = trio.CancelScope()
+        gone = trio.Event()
 
         async def serve(tracker: Tracker, port: int, task_status: trio.TaskStatus[str]) -> None:
-            with scope:
-                await serve_http(tracker.app, f"127.0.0.1:{port}", task_status=task_status)
+            try:
+                with scope:
+                    await serve_http(tracker.app, f"127.0.0.1:{port}", task_status=task_status)
+            finally:
+                gone.set()
 
         url = await nursery.start(serve, first, 0)
         port = int(url.rsplit(":", 1)[1])
@@ -667,9 +676,9 @@ async def test_nodes_register_again_after_a_tracker_restart() -> None:
         await nursery.start(link.run)
         assert me.node_id in first.state.nodes
         scope.cancel()  # the tracker goes away...
-        await trio.sleep(0.5)
+        await gone.wait()  # (its port free again)
         second = Tracker(Identity.generate(), expire_after=2.0)
-        scope = trio.CancelScope()
+        scope, gone = trio.CancelScope(), trio.Event()
         await nursery.start(serve, second, port)  # ...and comes back empty
         # the tracker stores the node before the link has read the answer: wait for both
         with trio.fail_after(15):
@@ -679,7 +688,9 @@ async def test_nodes_register_again_after_a_tracker_restart() -> None:
         nursery.cancel_scope.cancel()
 
 
-async def test_a_node_the_tracker_counts_full_heartbeats_as_soon_as_a_slot_frees() -> None:
+async def test_a_node_the_tracker_counts_full_heartbeats_as_soon_as_a_slot_frees(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """TrackerLink.slot_freed: the tracker takes a slot off per route it grants, so a node it may count
     full (one route on its way allowed for) says at once when one frees; one with room waits."""
     me = Identity.generate()
@@ -694,13 +705,14 @@ async def test_a_node_the_tracker_counts_full_heartbeats_as_soon_as_a_slot_frees
             lambda: NodeLoad(active_sessions=4 - load["free_slots"], queue_depth=0, step_ms=1.0, **load),
         )
         await nursery.start(link.run)
+        _beats_a_minute_apart_after_the_first(monkeypatch)
         with trio.fail_after(10):
             while link.heartbeats < 1:  # the tracker heard "4 free"
                 await trio.sleep(0.02)
         link.slot_freed()  # nothing routed here since: the tracker counts 4 free, no hurry
         load.update(free_slots=3, sessions_opened=2)  # two routed since, one of them over
         link.slot_freed()  # the tracker counts 2 free: still no hurry
-        await trio.sleep(0.1)
+        await trio.testing.wait_all_tasks_blocked()  # a link told to beat would have woken, and counted it
         assert link.early_heartbeats == 0 and link.heartbeats == 1
         for _ in range(4):  # four routes granted (a slot off each time); three sessions opened, one on its way
             tracker.state.note_session([me.node_id])
@@ -708,10 +720,10 @@ async def test_a_node_the_tracker_counts_full_heartbeats_as_soon_as_a_slot_frees
         assert tracker.state.nodes[me.node_id].free_slots == 0
         load.update(free_slots=2)  # one more ends
         link.slot_freed()
-        with trio.fail_after(1.0):  # well inside the 2 s interval
+        with trio.fail_after(10):  # the next beat at the interval is a minute away
             while tracker.state.nodes[me.node_id].free_slots != 2:
                 await trio.sleep(0.01)
-        assert link.early_heartbeats == 1
+        assert link.early_heartbeats == 1 and link.heartbeats == 2
         nursery.cancel_scope.cancel()
 
 
@@ -752,14 +764,18 @@ async def test_a_node_beats_at_the_interval_the_trackers_latest_answer_gives(mon
     monkeypatch.setattr(registry, "HEARTBEATS_PER_SECOND", 10.0)
     tracker = Tracker(Identity.generate(), expire_after=0.5)
     me = Identity.generate()
+    beats: list[float] = []  # when each heartbeat left
+    kept: list[bool] = []  # whether the tracker's sweep kept the node then, the longest it had been silent
+
+    def load() -> NodeLoad:
+        beats.append(trio.current_time())
+        tracker.expire(time.time())
+        kept.append(me.node_id in tracker.state.nodes)
+        return NodeLoad(active_sessions=0, free_slots=2, queue_depth=0, step_ms=1.0)
+
     async with trio.open_nursery() as nursery:
         url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
-        link = TrackerLink(
-            url,
-            me,
-            Registration(**_registration(me)),
-            lambda: NodeLoad(active_sessions=0, free_slots=2, queue_depth=0, step_ms=1.0),
-        )
+        link = TrackerLink(url, me, Registration(**_registration(me)), load)
         await nursery.start(link.run)
         assert link.interval == 0.2
         for i in range(14):  # others join: 15 nodes at 10 beats a second is a beat every 1.5 s
@@ -767,14 +783,21 @@ async def test_a_node_beats_at_the_interval_the_trackers_latest_answer_gives(mon
         with trio.fail_after(10):
             while link.interval != 1.5:
                 await trio.sleep(0.05)
-        beats = link.heartbeats
-        await trio.sleep(1.0)
-        assert link.heartbeats - beats <= 1  # at 0.2 s it would have sent five
-        assert me.node_id in tracker.state.nodes  # silent 1 s, beyond expire_after: told 1.5 s, kept
+        told = len(beats)  # the answer to one of these said 1.5 s, and so did every one since
+        with trio.fail_after(10):
+            while len(beats) < told + 2:
+                await trio.sleep(0.05)
+        # each beat after it waited the interval, give or take its tenth of jitter (at 0.2 s: 0.18 s apart)
+        gaps = [b - a for a, b in itertools.pairwise(beats[told - 1 :])]
+        assert min(gaps) >= 0.9 * 1.5, gaps
+        # silent that long, beyond expire_after, the node was kept: told 1.5 s, it is expired by that
+        assert all(kept), kept
         nursery.cancel_scope.cancel()
 
 
-async def test_a_node_that_refuses_for_want_of_a_slot_tells_the_tracker_at_once_and_only_once() -> None:
+async def test_a_node_that_refuses_for_want_of_a_slot_tells_the_tracker_at_once_and_only_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """TrackerLink.slot_refused: slots another tracker's routes took are news to this one; a node whose
     last heartbeat said it was full sends no more for each refusal."""
     me = Identity.generate()
@@ -791,6 +814,7 @@ async def test_a_node_that_refuses_for_want_of_a_slot_tells_the_tracker_at_once_
         )
         leases.on_refused.append(link.slot_refused)
         await nursery.start(link.run)
+        _beats_a_minute_apart_after_the_first(monkeypatch)
         with trio.fail_after(10):
             while link.heartbeats < 1:  # the tracker heard "4 free"
                 await trio.sleep(0.02)
@@ -798,12 +822,18 @@ async def test_a_node_that_refuses_for_want_of_a_slot_tells_the_tracker_at_once_
         load.update(free_slots=0, sessions_opened=4)
         assert all(held) and tracker.state.nodes[me.node_id].free_slots == 4
         assert leases.acquire(16) is None  # refused: this tracker's count is 4 too many
-        with trio.fail_after(1.0):  # well inside the 2 s interval
+        with trio.fail_after(10):  # the next beat at the interval is a minute away
             while tracker.state.nodes[me.node_id].free_slots != 0:
                 await trio.sleep(0.01)
-        assert link.early_heartbeats == 1
+        assert link.early_heartbeats == 1 and link.heartbeats == 2
         for _ in range(20):  # a flood of refusals: the tracker already knows
             assert leases.acquire(16) is None
-        await trio.sleep(0.2)
-        assert link.early_heartbeats == 1  # (a beat at the interval may come meanwhile: it is not early)
+        await trio.testing.wait_all_tasks_blocked()  # a link told to beat would have woken, and counted it
+        assert link.early_heartbeats == 1
         nursery.cancel_scope.cancel()
+
+
+def _beats_a_minute_apart_after_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the answer to its first heartbeat on, a node registered now beats a minute apart (the longest
+    interval): within a test, every heartbeat but the first is an early one."""
+    monkeypatch.setattr(registry, "HEARTBEAT_SECONDS", registry.MAX_HEARTBEAT_SECONDS)
