@@ -20,9 +20,10 @@
    ranges chained in one process (a route with nothing between its shards, each range's
    weights evicting the other's from the caches as on one machine) against the whole
    model; the engine's own calls inside the route's nodes against those chained calls;
-   the rest of each tick (the round trip to the engine thread); and the time
-   between the ticks. Each range alone, over and over, shows what a shard gains on a
-   machine of its own: its weights stay in the caches.
+   the rest of each tick (the round trip to the engine thread; the tests check only that
+   a node counts the engine's time within the tick's, and this lane says how much of the
+   tick it is); and the time between the ticks. Each range alone, over and over, shows
+   what a shard gains on a machine of its own: its weights stay in the caches.
 4. What one thread wake-up costs on this machine: a trio task's round trip to the engine
    thread and to the asyncio loop's thread (the two crossings a gRPC route makes for
    every tick and every seam direction), each after a few milliseconds of idling, as
