@@ -234,13 +234,24 @@ async def test_bad_tokens_from_the_next_hop_fail_that_session_only(
     await _idle(route)
 
 
-async def test_a_stream_that_arrives_when_the_node_is_not_running_is_dropped_not_raised(smollm2: Path) -> None:
+async def test_a_stream_that_arrives_when_the_node_is_not_running_is_dropped_not_raised(
+    smollm2: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Transports hand streams over from callbacks that must not fail (one ends the trio run)."""
+    caplog.set_level(logging.INFO, logger="noderuntime")
     async with open_local_route(smollm2, [0, 30], RECIPE) as running:
         node = running.nodes[0]
+    caplog.clear()
     ours, theirs = memory_stream_pair()
     node.accept(theirs)
-    await ours.aclose()
+    # dropped: nothing started for it, nothing counted opening (that count bounds the streams a node
+    # takes: one left in it would hold a place for ever); refused as a stopped node refuses, with no
+    # nursery left to tell the peer why, and the node said so
+    assert node._opening == 0 and not node.sessions
+    said = [r.getMessage() for r in caplog.records]
+    dropped = "dropped a seam that arrived while the node was not running"
+    assert said == ["refused a seam: the node is stopping", dropped], said
+    await ours.aclose()  # its transport closes it, not the node
 
 
 async def test_a_client_that_stops_reading_times_out_without_blaming_the_next_hop(
