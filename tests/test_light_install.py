@@ -190,8 +190,12 @@ def test_a_light_install_runs_a_relay_and_a_tracker_that_full_nodes_use(smollm2:
     assert defects == {"relay": [], "tracker": []}, defects
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed here")
 def test_the_units_pass_systemds_own_check(tmp_path: Path) -> None:
+    if shutil.which("systemd-analyze") is None:
+        # .ci/run installs systemd and sets this: there a check that cannot run fails, not skips
+        if os.environ.get("NODERUNTIME_REQUIRE_SYSTEMD") == "1":
+            pytest.fail("systemd-analyze is not installed; NODERUNTIME_REQUIRE_SYSTEMD=1 says this machine must run it")
+        pytest.skip("systemd-analyze is not installed here")
     for unit in sorted((ROOT / "deploy").glob("*.service")):
         # as installed: the command where the light install puts it, the settings file optional here
         text = unit.read_text().replace("/opt/noderuntime/bin/noderuntime", sys.executable)
