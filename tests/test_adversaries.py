@@ -786,6 +786,32 @@ def test_the_private_swarm_flags_reach_the_tracker_and_the_node(tmp_path: Path) 
     assert _join_secret(up.join_secret_file) == b"s3cret"
 
 
+async def test_a_node_placed_by_a_secret_only_tracker_shows_its_join_secret(
+    smollm2: Path, tmp_path: Path, cli_env: dict[str, str]
+) -> None:
+    """``up --join-secret-file`` without ``--layers``: the node's placement request carries its proof,
+    so a tracker that admits holders of the secret alone places it (it then stops: its TLS files
+    are not there)."""
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("correct horse battery staple\n")
+    async with open_swarm(join_secret=read_join_secret(str(secret_file))) as swarm:
+        argv = ["up", "--model", str(smollm2), "--listen", "127.0.0.1:0", "--tracker", swarm.url]
+        argv += ["--data-dir", str(tmp_path / "n"), "--memory-limit", "4GiB", "--join-secret-file", str(secret_file)]
+        argv += ["--tls-cert", str(tmp_path / "none.pem"), "--tls-key", str(tmp_path / "none.key")]
+        with trio.fail_after(60):
+            done = await trio.run_process(
+                [sys.executable, "-m", "noderuntime", *argv],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+                env=cli_env,
+            )
+    stderr = done.stderr.decode()
+    assert done.returncode == 1, stderr[-2000:]
+    assert "private swarm" not in stderr, stderr[-2000:]
+    assert re.search(r"placed this node on layers 0:\d+", stderr), stderr[-2000:]
+
+
 # --- every number bounded: property-based tests of the HTTP APIs
 
 SCHEMA_EXAMPLES = 6  # per operation: a bounded test, not a fuzzing campaign (benchmarks.fuzz_network is that)
@@ -868,29 +894,3 @@ def test_the_gateways_api_never_answers_5xx_to_generated_requests() -> None:
     with served_in_thread(gateway.app) as url:
         statuses = no_server_errors(url)
     assert sum(statuses.values()) > 0
-
-
-async def test_a_node_placed_by_a_secret_only_tracker_shows_its_join_secret(
-    smollm2: Path, tmp_path: Path, cli_env: dict[str, str]
-) -> None:
-    """``up --join-secret-file`` without ``--layers``: the node's placement request carries its proof,
-    so a tracker that admits holders of the secret alone places it (it then stops: its TLS files
-    are not there)."""
-    secret_file = tmp_path / "secret"
-    secret_file.write_text("correct horse battery staple\n")
-    async with open_swarm(join_secret=read_join_secret(str(secret_file))) as swarm:
-        argv = ["up", "--model", str(smollm2), "--listen", "127.0.0.1:0", "--tracker", swarm.url]
-        argv += ["--data-dir", str(tmp_path / "n"), "--memory-limit", "4GiB", "--join-secret-file", str(secret_file)]
-        argv += ["--tls-cert", str(tmp_path / "none.pem"), "--tls-key", str(tmp_path / "none.key")]
-        with trio.fail_after(60):
-            done = await trio.run_process(
-                [sys.executable, "-m", "noderuntime", *argv],
-                capture_stdout=True,
-                capture_stderr=True,
-                check=False,
-                env=cli_env,
-            )
-    stderr = done.stderr.decode()
-    assert done.returncode == 1, stderr[-2000:]
-    assert "private swarm" not in stderr, stderr[-2000:]
-    assert re.search(r"placed this node on layers 0:\d+", stderr), stderr[-2000:]
