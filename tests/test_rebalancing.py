@@ -135,10 +135,9 @@ def test_a_placed_node_moves_make_before_break_while_requests_through_the_gatewa
         mover = expect(mover_process.start(60), NodeReady)
         assert tuple(mover.layers) == (0, 15)
         localsystem._wait_routable(tracker_url, first.artifact)
-        gateway = ManagedProcess(
-            "gateway",
-            ["gateway", "--tracker", tracker_url, "--listen", "127.0.0.1:0", "--model", f"smol={smollm2}"],
-        )
+        # no audits: every session on the mover is a reply's, each handed-over one repaired by the gateway
+        serve = ["--listen", "127.0.0.1:0", "--model", f"smol={smollm2}", "--audit-rate", "0"]
+        gateway = ManagedProcess("gateway", ["gateway", "--tracker", tracker_url, *serve])
         processes.append(gateway)
         url = expect(gateway.start(), GatewayReady).url
 
