@@ -144,7 +144,8 @@ def test_a_placed_node_moves_make_before_break_while_requests_through_the_gatewa
         # a long reply, in flight through the mover's first range (the only node on it yet) until the move
         in_flight = _Streamed(url, long_body)
         _wait(lambda: len(in_flight.text) > 20 or not in_flight.is_alive(), "the long reply's first tokens")
-        opened = [line for line in mover_process.output if " opened: layers" in line]
+        # (read as a list: a thread appends to the output meanwhile, which iterating it would trip on)
+        opened = [line for line in list(mover_process.output) if " opened: layers" in line]
         assert len(opened) == 1, opened  # its session, the mover's first
         session = opened[0].split("session=", 1)[1].split()[0]
 
@@ -172,7 +173,7 @@ def test_a_placed_node_moves_make_before_break_while_requests_through_the_gatewa
         for asker in askers:
             asker.start()
         _wait(lambda: _nodes(tracker_url)[mover.node_id]["layers"] == [15, 30], "moved at the tracker")
-        _wait(lambda: any("moved from layers 0:15 to 15:30" in line for line in mover_process.output), "moved")
+        _wait(lambda: any("moved from layers 0:15 to 15:30" in line for line in list(mover_process.output)), "moved")
         # it serves its new range under its own identity, and its old engine is gone once drained
         status = httpx.get(mover.http + "/status", timeout=10).json()
         assert status["layers"] == [15, 30] and status["node_id"] == mover.node_id
@@ -215,7 +216,7 @@ def test_a_placed_node_moves_make_before_break_while_requests_through_the_gatewa
         assert choose([Piece(15, 30, 1.0)], 30, 15, 1.0).layers == (0, 15)
         reply = trio.run(_reconsider, tracker_url, tmp_path / "mover")
         assert reply.layers is None and reply.hold_seconds > 0, reply
-        assert sum("moves this node to layers" in line for line in mover_process.output) == 1
+        assert sum("moves this node to layers" in line for line in list(mover_process.output)) == 1
     finally:
         stop.set()
         stop_all(processes)
