@@ -352,3 +352,18 @@ def _post(url: str, body: dict[str, Any]) -> Any:
     )
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())
+
+
+def test_a_shard_whose_output_is_not_finite_answers_its_probe_and_fails_it() -> None:
+    """Damaged weights give NaN or inf: the node still sends an answer the tracker's bounds take,
+    and it fails against an honest reference (it used to stop the node at start)."""
+    import numpy as np
+
+    from noderuntime.tracker.messages import ProbeReply
+
+    honest = np.random.default_rng(0).standard_normal((admission.PROBE_ROWS, 64)).astype(np.float32)
+    damaged = honest.copy()
+    damaged[3, :5] = (np.nan, np.inf, -np.inf, np.nan, np.nan)
+    answer = admission.answer_for(7, damaged)
+    ProbeReply(node_id="ab" * 32, **answer.to_json())  # within the bounds a tracker parses
+    assert not admission.compare(admission.answer_for(7, honest), answer).passed

@@ -506,6 +506,7 @@ def test_a_registration_speaks_the_node_description_and_the_record_keeps_all_of_
         "device",
         "kernel_class",
         "capability",
+        "join_proof",
     }
     record = NodeRecord.of(registration, probe_required=True)
     assert record.node_id == me.node_id and record.tls_cert_sha256 == b"\xab" * 32 and record.probe_required

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 CAPABILITY_DOMAIN = b"noderuntime-capability-v1"
 PROBE_ROWS = 8
 SKETCH_DIM = 32
+SKETCH_BOUND = 1e30  # what a sketch entry may be, as the tracker bounds it (tracker.messages.ProbeReply)
 DEFAULT_TOLERANCE = 1e-3
 MEASURE_BATCH = 8
 MAX_MEMORY_BYTES = 1 << 50  # a measured figure past a pebibyte is a lie, and too large for float arithmetic
@@ -259,6 +260,9 @@ def answer_for(seed: int, output: np.ndarray) -> ProbeAnswer:
     # a projection the node cannot know before it has the seed
     projection = np.random.default_rng([seed, 1]).standard_normal((output.shape[1], SKETCH_DIM), dtype=np.float32)
     sketch = (output.astype(np.float64) @ projection.astype(np.float64)) / math.sqrt(output.shape[1])
+    # a shard whose output is not finite (damaged weights) still answers, as far off as a sketch
+    # may be: JSON and the tracker's bounds take no NaN, and its probe must fail, not its node
+    sketch = np.nan_to_num(np.clip(sketch, -SKETCH_BOUND, SKETCH_BOUND), nan=SKETCH_BOUND)
     return ProbeAnswer(seed, digest, tuple(float(x) for x in sketch.ravel()))
 
 
