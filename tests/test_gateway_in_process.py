@@ -1,4 +1,5 @@
-"""The gateway's request schema, chat prompts and text stream, without a running system."""
+"""The gateway in this process: its request schema, chat prompts and text stream on a real vocabulary,
+and a real tracker granting routes whose head is the test."""
 
 from __future__ import annotations
 
