@@ -516,7 +516,7 @@ class Tracker:
         return {
             "nodes": [
                 {
-                    **_public(r, now, self.state.step_budget_ms),
+                    **r.public(now, self.state.step_budget_ms),
                     "audits": attrs.asdict(self.audits.standing_of(r.node_id)),
                 }
                 for r in sorted(self.state.nodes.values(), key=lambda r: r.layers)
@@ -795,34 +795,3 @@ class Tracker:
             exact=set(recipes) == {body.recipe},
         )
         return JSONResponse(reply.model_dump(mode="json"))
-
-
-def _public(record: NodeRecord, now: float, step_budget_ms: float) -> dict[str, Any]:
-    return {
-        "node_id": record.node_id.hex(),
-        "model_name": record.model_name,
-        "artifact": record.artifact,
-        "layers": list(record.layers),
-        "n_layer": record.n_layer,
-        "recipe": record.recipe,
-        "device": record.device,
-        "kernel_class": record.kernel_class,
-        "address": record.address,
-        "relay": record.relay,
-        "reachability": record.reachability,
-        "slots": record.slots,
-        "free_slots": record.free_slots,
-        "active_sessions": record.active_sessions,
-        "queue_depth": record.queue_depth,
-        "step_ms": record.step_ms,
-        "estimated_step_ms": record.estimated_step_ms(),
-        "ctx_per_session": record.ctx_per_session,
-        "seconds_since_heartbeat": round(now - record.last_seen, 2),
-        "capability": record.measured.to_json() if record.measured is not None else None,
-        "capacity": record.capacity(step_budget_ms),
-        "probe_required": record.probe_required,
-        "probe_passed": record.probe_passed,
-        "probe_detail": record.probe_detail,
-        "audit_failed": record.audit_failed,
-        "admitted": record.admitted,
-    }

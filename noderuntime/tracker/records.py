@@ -121,6 +121,37 @@ class NodeRecord:
         """Latency of the seam into this node, where neither end measured it."""
         return DIRECT_SEAM_MS if self.address else RELAY_SEAM_MS
 
+    def public(self, now: float, step_budget_ms: float) -> dict[str, Any]:
+        """The record as the tracker's ``/v1/nodes`` shows it (``now``: for how long ago it beat)."""
+        return {
+            "node_id": self.node_id.hex(),
+            "model_name": self.model_name,
+            "artifact": self.artifact,
+            "layers": list(self.layers),
+            "n_layer": self.n_layer,
+            "recipe": self.recipe,
+            "device": self.device,
+            "kernel_class": self.kernel_class,
+            "address": self.address,
+            "relay": self.relay,
+            "reachability": self.reachability,
+            "slots": self.slots,
+            "free_slots": self.free_slots,
+            "active_sessions": self.active_sessions,
+            "queue_depth": self.queue_depth,
+            "step_ms": self.step_ms,
+            "estimated_step_ms": self.estimated_step_ms(),
+            "ctx_per_session": self.ctx_per_session,
+            "seconds_since_heartbeat": round(now - self.last_seen, 2),
+            "capability": self.measured.to_json() if self.measured is not None else None,
+            "capacity": self.capacity(step_budget_ms),
+            "probe_required": self.probe_required,
+            "probe_passed": self.probe_passed,
+            "probe_detail": self.probe_detail,
+            "audit_failed": self.audit_failed,
+            "admitted": self.admitted,
+        }
+
 
 @functools.lru_cache(maxsize=1 << 14)
 def _capacity(measured: Capability, slots: int, step_budget_ms: float) -> int:
