@@ -271,6 +271,7 @@ TIERS = {
         "test_protocol_encodings",
         "test_protocol_fuzz",
         "test_protocol_seam",
+        "test_route_choice",
         "test_untrusted",
     ),
     "memory": (  # trio tasks over memory streams, fakes in place of the engine, often the autojump clock
