@@ -275,7 +275,7 @@ TIERS = {
         "test_untrusted",
     ),
     "memory": (  # trio tasks over memory streams, fakes in place of the engine, often the autojump clock
-        "test_adversaries",
+        "test_api_properties",
         "test_batcher",
         "test_claims_memory",
         "test_enginethread",
@@ -296,6 +296,7 @@ TIERS = {
     ),
     "processes": (  # real processes and sockets on loopback
         "test_access",
+        "test_adversaries",
         "test_audit",
         "test_admission",
         "test_artifacts",

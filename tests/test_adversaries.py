@@ -8,20 +8,13 @@ loopback; the sybils are throwaway keys that sign their own requests.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
-import queue
 import re
 import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import attrs
 import httpx
 import pytest
 import trio
@@ -31,7 +24,7 @@ from trio_websocket import ConnectionClosed, open_websocket_url
 
 from noderuntime.access import tickets
 from noderuntime.access.identity import Identity
-from noderuntime.access.signing import SignatureChecker, join_proof, read_join_secret, sign
+from noderuntime.access.signing import SignatureChecker, join_proof, read_join_secret
 from noderuntime.access.tickets import ReplayGuard, TicketError, TicketVerifier
 from noderuntime.control.admission import (
     PROBE_ROWS,
@@ -44,9 +37,8 @@ from noderuntime.control.admission import (
 from noderuntime.control.ledger import USAGE_DOMAIN, UsageBody
 from noderuntime.gateway.app import Gateway, client_of
 from noderuntime.gateway.auth import ApiKeys
-from noderuntime.operations.httpserve import serve_http
 from noderuntime.runner.line import LineFull, RunningSessions, WaitLine
-from noderuntime.tracker.app import MAX_TICKET_SECONDS, Tracker
+from noderuntime.tracker.app import MAX_TICKET_SECONDS
 from noderuntime.tracker.audits import (
     MAX_OPEN_AUDITS,
     MAX_OPEN_AUDITS_PER_CLIENT,
@@ -56,7 +48,7 @@ from noderuntime.tracker.audits import (
     network_prefix,
 )
 from noderuntime.tracker.audits import Grant as AuditGrant
-from noderuntime.tracker.messages import RecordJSON, Registration
+from noderuntime.tracker.messages import RecordJSON
 from noderuntime.tracker.records import NodeRecord
 from noderuntime.tracker.registry import TrackerState
 from noderuntime.transport import relay_messages
@@ -64,92 +56,7 @@ from noderuntime.transport.relay_client import RelayListener
 from protocol import Hop, Span, UsageRecord
 from relay.server import Relay
 from relay.server import serve as relay_serve
-
-ARTIFACT = "ab" * 32
-RECIPE = "0123456789abcdef"
-
-
-def registration(me: Identity, layers: tuple[int, int] = (0, 30), **changes: Any) -> dict[str, Any]:
-    """A registration of ``me`` for ``layers`` of the 30-layer test artifact, its capability signed."""
-    body: dict[str, Any] = {
-        "node_id": me.node_id.hex(),
-        "artifact": ARTIFACT,
-        "model_name": "m",
-        "n_layer": 30,
-        "layers": list(layers),
-        "recipe": RECIPE,
-        "address": "127.0.0.1:1",
-        "relay": "",
-        "tls_cert_sha256": "",
-        "slots": 4,
-        "ctx_per_session": 512,
-    }
-    body.update(changes)
-    body.setdefault(
-        "capability",
-        capability_record(
-            me,
-            artifact=body["artifact"],
-            layers=(body["layers"][0], body["layers"][1]),
-            recipe=body["recipe"],
-            capability=Capability(2.0, ((1, 10.0), (4, 12.0)), 1, 1, 1, 2),
-        ),
-    )
-    return body
-
-
-def beat(me: Identity, **changes: Any) -> dict[str, Any]:
-    """A heartbeat of ``me``, idle unless ``changes`` say otherwise."""
-    return {"node_id": me.node_id.hex(), "active_sessions": 0, "free_slots": 4, "queue_depth": 0, "step_ms": 3.0} | (
-        changes
-    )
-
-
-@attrs.define
-class Swarm:
-    """A tracker on loopback and an HTTP client that speaks to it, signed as any identity."""
-
-    tracker: Tracker
-    url: str
-    client: httpx.AsyncClient
-    _stamp: int = 0
-
-    async def post(self, path: str, body: Any, signer: Identity | None = None, **headers: str) -> httpx.Response:
-        """POST ``body`` as JSON (raw text when it is ``str``), signed by ``signer`` when given."""
-        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-        sent = {"content-type": "application/json", **headers}
-        if signer is not None:
-            # distinct timestamps: one signer's equal requests are not replays of each other
-            self._stamp += 1
-            sent |= sign(signer, "POST", path, data, int(time.time() * 1000) + self._stamp % 1000)
-        return await self.client.post(self.url + path, content=data, headers=sent)
-
-    async def register(self, me: Identity, layers: tuple[int, int] = (0, 30), **changes: Any) -> httpx.Response:
-        """Register ``me`` (see :func:`registration`)."""
-        return await self.post("/v1/nodes/register", registration(me, layers, **changes), me)
-
-    async def route(self, **changes: Any) -> httpx.Response:
-        """Ask for a route of the test artifact."""
-        return await self.post("/v1/routes", {"artifact": ARTIFACT, "tokens": 100} | changes)
-
-    async def honest_service(self) -> None:
-        """Every read an honest party makes answers 200, and a route is granted."""
-        for path in ("/v1/status", "/v1/nodes", "/v1/status/nodes", "/v1/artifacts", "/status"):
-            answer = await self.client.get(self.url + path)
-            assert answer.status_code == 200, (path, answer.text)
-        granted = await self.route()
-        assert granted.status_code == 200, granted.text
-
-
-@asynccontextmanager
-async def open_swarm(**options: Any) -> AsyncIterator[Swarm]:
-    """A tracker built with ``options``, served over HTTP on loopback for the test's duration."""
-    tracker = Tracker(Identity.generate(), **options)
-    async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=30) as client:
-        url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
-        yield Swarm(tracker, url, client)
-        nursery.cancel_scope.cancel()
-
+from tests.adversary_swarm import ARTIFACT, RECIPE, Swarm, beat, open_swarm, registration
 
 # --- attack 3: one number that breaks the tracker
 
@@ -810,87 +717,3 @@ async def test_a_node_placed_by_a_secret_only_tracker_shows_its_join_secret(
     assert done.returncode == 1, stderr[-2000:]
     assert "private swarm" not in stderr, stderr[-2000:]
     assert re.search(r"placed this node on layers 0:\d+", stderr), stderr[-2000:]
-
-
-# --- every number bounded: property-based tests of the HTTP APIs
-
-SCHEMA_EXAMPLES = 6  # per operation: a bounded test, not a fuzzing campaign (benchmarks.fuzz_network is that)
-SCHEMA_SECONDS = 90.0  # operations not reached by then are left for the next run
-
-
-@contextlib.contextmanager
-def served_in_thread(app: Any) -> Iterator[str]:
-    """``app`` served over HTTP on loopback by a trio loop in a thread of its own: its base URL."""
-    ready: queue.Queue[tuple[str, trio.lowlevel.TrioToken, trio.CancelScope]] = queue.Queue()
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            url = await nursery.start(serve_http, app, "127.0.0.1:0")
-            ready.put((url, trio.lowlevel.current_trio_token(), nursery.cancel_scope))
-
-    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
-    thread.start()
-    url, token, scope = ready.get(timeout=30)
-    try:
-        yield url
-    finally:
-        trio.from_thread.run_sync(scope.cancel, trio_token=token)
-        thread.join(timeout=30)
-
-
-def no_server_errors(base: str) -> collections.Counter[str]:
-    """Every operation of ``base``'s OpenAPI document, called with a few generated cases (a fixed
-    seed): the statuses, and each 5xx with what asked for it."""
-    import requests
-    import schemathesis
-    from hypothesis import HealthCheck, given, settings
-
-    schema = schemathesis.openapi.from_url(base + "/openapi.json")
-    statuses: collections.Counter[str] = collections.Counter()
-    errors: list[str] = []
-    deadline = time.monotonic() + SCHEMA_SECONDS
-    with requests.Session() as session:
-        for result in schema.get_all_operations():
-            if time.monotonic() > deadline:
-                break
-            operation = cast(Any, result).ok()
-
-            @settings(
-                max_examples=SCHEMA_EXAMPLES,
-                deadline=None,
-                derandomize=True,
-                database=None,
-                suppress_health_check=list(HealthCheck),
-            )
-            @given(case=operation.as_strategy())
-            def run(case: Any) -> None:
-                response = case.call(base_url=base, session=session, timeout=30)
-                statuses[str(response.status_code)] += 1
-                # the one 5xx the API states: 503 "no route exists now" (its JSON says so), not a fault
-                stated = response.status_code == 503 and response.text.startswith('{"error"')
-                if response.status_code >= 500 and not stated:
-                    errors.append(f"{case.method} {case.formatted_path} {case.body!r:.200} -> {response.text[:200]}")
-
-            run()
-    assert not errors, errors
-    return statuses
-
-
-def test_the_trackers_api_never_answers_5xx_to_generated_requests() -> None:
-    """Schemathesis cases of every tracker operation, against a tracker with two nodes."""
-    tracker = Tracker(Identity.generate())
-    for layers in ((0, 15), (15, 30)):
-        body = Registration.model_validate(registration(Identity.generate(), layers))
-        record = NodeRecord.of(body)
-        tracker.state.register(record, time.time())
-    with served_in_thread(tracker.app) as url:
-        statuses = no_server_errors(url)
-    assert sum(statuses.values()) > 0
-
-
-def test_the_gateways_api_never_answers_5xx_to_generated_requests() -> None:
-    """Schemathesis cases of every gateway operation, against a gateway whose tracker is not there."""
-    gateway = Gateway([], "http://127.0.0.1:9", None)
-    with served_in_thread(gateway.app) as url:
-        statuses = no_server_errors(url)
-    assert sum(statuses.values()) > 0
