@@ -42,24 +42,24 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def seconds(text: str) -> float:
+def _positive_finite(text: str, unit: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number {unit}, got {text!r}") from None
     if not 0 < value < math.inf:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {text}")
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number {unit}, got {text}")
     return value
+
+
+def seconds(text: str) -> float:
+    """A positive, finite number of seconds."""
+    return _positive_finite(text, "of seconds")
 
 
 def per_second(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number per second, got {text!r}") from None
-    if not 0 < value < math.inf:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"expected a positive, finite number per second, got {text}")
-    return value
+    """A positive, finite rate, per second."""
+    return _positive_finite(text, "per second")
 
 
 def seconds_or_never(text: str) -> float:
