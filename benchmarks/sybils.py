@@ -98,31 +98,22 @@ def _beat(me: Any) -> dict[str, Any]:
 
 def _usage(me: Any, node_id: bytes, session: str, *, audit: bool, output: str) -> dict[str, Any]:
     """A usage record for layers 0:10 of ``session`` that says ``node_id`` gave out ``output``, signed by ``me``."""
-    from noderuntime.control.ledger import USAGE_DOMAIN, UsageBody
+    from noderuntime.testing.usage import signed_usage
     from noderuntime.tracker.messages import RecordJSON
-    from protocol import UsageRecord
 
-    body = UsageBody(
-        node_id=node_id.hex(),
+    record = signed_usage(
+        me,
+        node_id=node_id,
         layers=(0, 10),
-        request_id="r",
-        session_id=session,
-        epoch=0,
+        session=session,
         artifact="00" * 32,
-        prefill_tokens=5,
-        decode_tokens=2,
-        compute_ms=1.0,
-        bytes_in=0,
-        bytes_out=0,
-        started=0.0,
-        ended=1.0,
         audit=audit,
         input_rows=5,
         input_digest="11" * 32,
         output_rows=5,
         output_digest=output,
-    ).encode()
-    return RecordJSON.of(UsageRecord(body, node_id, me.sign(USAGE_DOMAIN, body))).model_dump()
+    )
+    return RecordJSON.of(record).model_dump()
 
 
 class _Attack:

@@ -34,10 +34,10 @@ from noderuntime.control.admission import (
     ProbeReferences,
     capability_record,
 )
-from noderuntime.control.ledger import USAGE_DOMAIN, UsageBody
 from noderuntime.gateway.app import Gateway, client_of
 from noderuntime.gateway.auth import ApiKeys
 from noderuntime.runner.line import LineFull, RunningSessions, WaitLine
+from noderuntime.testing.usage import signed_usage
 from noderuntime.tracker.app import MAX_TICKET_SECONDS
 from noderuntime.tracker.audits import (
     MAX_OPEN_AUDITS,
@@ -53,7 +53,7 @@ from noderuntime.tracker.records import NodeRecord
 from noderuntime.tracker.registry import TrackerState
 from noderuntime.transport import relay_messages
 from noderuntime.transport.relay_client import RelayListener
-from protocol import Hop, Span, UsageRecord
+from protocol import Hop, Span
 from relay.server import Relay
 from relay.server import serve as relay_serve
 from tests.adversary_swarm import ARTIFACT, RECIPE, Swarm, beat, open_swarm, registration
@@ -521,27 +521,18 @@ async def test_a_client_cannot_steer_its_audits_to_auditors_of_its_choosing() ->
 def usage(me: Identity, session: str, *, audit: bool, output: str) -> dict[str, str]:
     """A usage record signed by ``me`` for layers 0:30 of ``session`` (hex): it took in the same rows as
     every other record here, and gave out ``output`` (a digest)."""
-    body = UsageBody(
-        node_id=me.node_id.hex(),
+    record = signed_usage(
+        me,
         layers=(0, 30),
-        request_id="r",
-        session_id=session,
-        epoch=0,
+        session=session,
         artifact=ARTIFACT,
-        prefill_tokens=5,
-        decode_tokens=2,
-        compute_ms=1.0,
-        bytes_in=0,
-        bytes_out=0,
-        started=0.0,
-        ended=1.0,
         audit=audit,
         input_rows=5,
         input_digest="11" * 32,
         output_rows=5,
         output_digest=output,
-    ).encode()
-    return RecordJSON.of(UsageRecord(body, me.node_id, me.sign(USAGE_DOMAIN, body))).model_dump()
+    )
+    return RecordJSON.of(record).model_dump()
 
 
 HONEST_ROWS, FORGED_ROWS = "22" * 32, "33" * 32

@@ -14,9 +14,10 @@ import pytest
 
 from noderuntime.access.identity import Identity
 from noderuntime.control.commitments import Commitment, as_received, tokens_digest
-from noderuntime.control.ledger import USAGE_DOMAIN, UsageBody, check
+from noderuntime.control.ledger import check
 from noderuntime.runner.audits import Served, commitment_problems
 from noderuntime.seams.client import GenerationRequest
+from noderuntime.testing.usage import signed_usage
 from noderuntime.tracker.audits import AuditBook, AuditError, Grant, detection_probability
 from noderuntime.tracker.client import RouteGrant
 from protocol import Encoding, Hop, Span, UsageRecord
@@ -61,24 +62,7 @@ GENERATED = (11, 12, 13)
 def _record(
     me: Identity, layers: tuple[int, int], session: bytes, *, audit: bool = False, **digests: object
 ) -> UsageRecord:
-    body = UsageBody(
-        node_id=me.node_id.hex(),
-        layers=layers,
-        request_id="r",
-        session_id=session.hex(),
-        epoch=0,
-        artifact="aa" * 32,
-        prefill_tokens=5,
-        decode_tokens=2,
-        compute_ms=1.0,
-        bytes_in=0,
-        bytes_out=0,
-        started=0.0,
-        ended=1.0,
-        audit=audit,
-        **digests,  # type: ignore[arg-type]
-    ).encode()
-    return UsageRecord(body, me.node_id, me.sign(USAGE_DOMAIN, body))
+    return signed_usage(me, layers=layers, session=session.hex(), artifact="aa" * 32, audit=audit, **digests)
 
 
 def _route(session: bytes, nodes: list[Identity], rows: list[np.ndarray], *, audit: bool = False) -> list[UsageRecord]:
