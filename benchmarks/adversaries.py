@@ -66,6 +66,7 @@ import httpx
 import trio
 
 from benchmarks import _common
+from benchmarks.burst import stream_chat
 from benchmarks.serving import DEFAULT_SYSTEM, PROMPTS, system_message
 from benchmarks.sybils import (
     ATTACKER_KEY,
@@ -107,34 +108,12 @@ WARM_REGISTRATIONS = 200
 
 async def _honest_request(url: str, model: str, key: str, prompt: str) -> dict[str, Any]:
     """One streamed chat under ``key``: its status, TTFT and tokens, or its error."""
-    body = {
-        "model": model,
-        "messages": [{"role": "system", "content": system_message("unique")}, {"role": "user", "content": prompt}],
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "stream": True,
-    }
-    arrivals: list[float] = []
     async with httpx.AsyncClient(timeout=300, headers={"authorization": f"Bearer {key}"}) as client:
-        started = time.perf_counter()
-        try:
-            async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    return {"status": response.status_code, "error": response.text[:200], "ttft": None, "tokens": 0}
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    data = json.loads(line[6:])
-                    if "error" in data:
-                        return {"status": 200, "error": str(data["error"])[:200], "ttft": None, "tokens": len(arrivals)}
-                    for choice in data.get("choices", []):
-                        if (choice.get("delta") or {}).get("content"):
-                            arrivals.append(time.perf_counter())
-        except httpx.HTTPError as exc:
-            return {"status": 0, "error": f"{type(exc).__name__}: {exc}"[:200], "ttft": None, "tokens": len(arrivals)}
-    ttft = arrivals[0] - started if arrivals else None
-    return {"status": 200, "error": "" if arrivals else "no token", "ttft": ttft, "tokens": len(arrivals)}
+        done = await stream_chat(client, url, model, prompt, MAX_TOKENS)
+    arrivals = done["arrivals"]
+    error = done["error"] or ("" if arrivals or done["status"] != 200 else "no token")
+    ttft = arrivals[0] - done["started"] if arrivals and not done["error"] else None
+    return {"status": done["status"], "error": error, "ttft": ttft, "tokens": len(arrivals)}
 
 
 async def _honest_load(url: str, model: str, keys: list[str], requests_each: int) -> list[dict[str, Any]]:

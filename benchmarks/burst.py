@@ -51,7 +51,7 @@ CTX = 1024
 LANES = ("llama_server", "one_node", "one_node_no_line", "local_system")
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+async def stream_chat(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     """One streamed chat: its status, when it was sent, when each content chunk came, and any error."""
     body = {
         "model": model,
@@ -93,7 +93,7 @@ async def burst(url: str, model: str, requests_each: int, max_tokens: int) -> tu
     async def client_loop(i: int) -> None:
         async with httpx.AsyncClient(timeout=300) as client:
             for r in range(requests_each):
-                results.append(await _one(client, url, model, PROMPTS[(i + r) % len(PROMPTS)], max_tokens))
+                results.append(await stream_chat(client, url, model, PROMPTS[(i + r) % len(PROMPTS)], max_tokens))
 
     began = time.perf_counter()
     async with trio.open_nursery() as nursery:
