@@ -483,7 +483,7 @@ class RouteRun:
                     raise route_error(exc) from None
                 await self._repair(exc)
                 event, self._pending = self._pending, None
-        if event is None:  # a head that ended without a finished event
+        if event is None:  # Generation.next gives None only once finished, which _finished marks first
             self._finished = self.complete = True
             return None
         for token in event.token_ids:
