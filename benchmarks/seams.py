@@ -284,7 +284,7 @@ async def _route_rate(
         request,
         artifact=cluster.artifact,
         recipe=cluster.recipe,
-        ticket=cluster.ticket(session),
+        ticket=cluster.ticket(session, client=dialer.node_id),
         session_id=session,
     ) as gen:
         while await gen.next() is not None:

@@ -40,7 +40,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from protocol.errors import StatusCode
 from protocol.noise import MAX_MESSAGE, TAGLEN, CipherState, Handshake, NoiseError, Role
 
-# the first bytes a dialer sends: "noderuntime relay seam", format version 1. A peer that
+# the first bytes a dialer sends: "noderuntime relay seam" (a name from when only relayed seams
+# were sealed; direct ones are too now), format version 1. A peer that
 # speaks another version (or plaintext frames) is told so, not misread
 MAGIC = b"NRS\x01"
 PROLOGUE = b"noderuntime-relay-seam-v1"
@@ -162,7 +163,7 @@ class DialerHandshake:
             payload = self._noise.read_message(message)
         except NoiseError as exc:
             raise ChannelError(f"the handshake's answer did not verify: {exc}", StatusCode.UNAUTHENTICATED) from None
-        who = "the node behind the relay"
+        who = "the node it dials"
         _check_peer(payload, self._noise.remote_static, self.binding.acceptor, self._verify, who)
         return self._noise.write_message(self._keys.payload())
 
@@ -190,12 +191,12 @@ class AcceptorHandshake:
         if not message.startswith(MAGIC):
             if message[:3] == MAGIC[:3]:
                 raise ChannelError(
-                    f"the dialer speaks relay seam version {message[3]}; this node speaks {MAGIC[3]}",
+                    f"the dialer speaks seam version {message[3]}; this node speaks {MAGIC[3]}",
                     StatusCode.FAILED_PRECONDITION,
                 )
             raise ChannelError(
-                "the dialer did not open an end-to-end encrypted seam; this node accepts relayed seams only "
-                f"encrypted (relay seam version {MAGIC[3]}): upgrade the dialing side",
+                "the dialer did not open a sealed seam; this node accepts seams only sealed end to end (seam "
+                f"version {MAGIC[3]}): upgrade the dialing side, or start both ends with --insecure-plaintext-seams",
                 StatusCode.FAILED_PRECONDITION,
             )
         try:
@@ -205,7 +206,9 @@ class AcceptorHandshake:
         binding = Binding.decode(payload)
         if binding.acceptor != self._keys.node_id:
             raise ChannelError(
-                "the relay paired this node with a seam meant for another node", StatusCode.PERMISSION_DENIED
+                "the seam was meant for another node (a relay paired it wrongly, or its address was given for "
+                "another node's)",
+                StatusCode.PERMISSION_DENIED,
             )
         self.binding = binding
         try:

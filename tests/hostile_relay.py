@@ -18,6 +18,9 @@ its message 1):
 - ``inject-d:N`` / ``inject-a:N``: send random bytes of the same length before message N.
 - ``splice:N``: once two pairs run, send each dialer's messages from its message N on
   to the other pair's acceptor.
+- ``close-d:N`` / ``close-a:N``: in place of message N, close the connection it was going
+  to with a status close code that claims the far end refused the seam
+  (PERMISSION_DENIED), as the relay would pass on a peer's own refusal.
 - ``wrong-node``: pair a dialer with another node connected to the relay than the one
   it asked for.
 """
@@ -37,6 +40,8 @@ from noderuntime.access.identity import load_public_key
 from noderuntime.access.tickets import TicketVerifier
 from noderuntime.services import ready
 from noderuntime.services.ready import RelayReady
+from noderuntime.transport import relay_messages as m
+from protocol import StatusCode
 from relay.server import Relay, _Pair, serve
 
 
@@ -113,6 +118,10 @@ class HostileRelay(Relay):
                         held, sends = message, []
                     elif kind == "inject":
                         sends = [os.urandom(len(message)), message]
+                    elif kind == "close":
+                        forged = m.CLOSE_STATUS_BASE + int(StatusCode.PERMISSION_DENIED)
+                        await out.aclose(forged, "the node refuses to serve you")
+                        break
                 elif held is not None:
                     sends, held = [message, held], None
                 for item in sends:

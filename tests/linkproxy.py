@@ -46,6 +46,9 @@ class LinkProxy:
         self.port = 0
         self.connections = 0
         self.bytes_up: list[int] = []  # client -> target bytes, per connection in order of arrival
+        # with ``record``, what a tap on the link reads: (connection, "up" or "down") -> the bytes
+        self.record = False
+        self.recorded: dict[tuple[int, str], bytearray] = {}
         self._links: set[trio.CancelScope] = set()
         self._listeners: list[trio.SocketListener] = []
         self._token: trio.lowlevel.TrioToken | None = None
@@ -129,12 +132,17 @@ class LinkProxy:
             with link:
                 async with client, server, trio.open_nursery() as nursery:
                     nursery.start_soon(self._pump, client, server, nursery.cancel_scope, index)
-                    nursery.start_soon(self._pump, server, client, nursery.cancel_scope, None)
+                    nursery.start_soon(self._pump, server, client, nursery.cancel_scope, None, index)
         finally:
             self._links.discard(link)
 
     async def _pump(
-        self, src: trio.SocketStream, dst: trio.SocketStream, done: trio.CancelScope, index: int | None
+        self,
+        src: trio.SocketStream,
+        dst: trio.SocketStream,
+        done: trio.CancelScope,
+        index: int | None,
+        down_of: int | None = None,
     ) -> None:
         try:
             while True:
@@ -146,6 +154,9 @@ class LinkProxy:
                 await self._hold_while_dark()  # it went dark while we waited: what came stays here
                 if index is not None:
                     self.bytes_up[index] += len(data)  # counted before the target can see it
+                if self.record:
+                    key = (index, "up") if index is not None else (down_of or 0, "down")
+                    self.recorded.setdefault(key, bytearray()).extend(data)
                 await dst.send_all(data)
                 if self.mode == "trickle":
                     await trio.sleep(len(data) / self.rate)

@@ -2,7 +2,8 @@
 
     python -m tests.route_client SPEC.json
 
-SPEC holds the hops, ticket, fingerprints and request; optionally ``kill_pid`` and
+SPEC holds the hops, ticket, fingerprints and request, and ``client_key``: the PEM key
+file of the client the ticket names (the head serves only it); optionally ``kill_pid`` and
 ``kill_after`` (tokens): the client SIGKILLs that process after that many tokens and
 reports how long the route took to report the failure. Prints one JSON line.
 """
@@ -17,6 +18,7 @@ import time
 
 import trio
 
+from noderuntime.access.identity import load_or_create_key
 from noderuntime.seams.client import GenerationRequest, RouteError, open_route_generation
 from noderuntime.seams.dialer import open_dialer
 from noderuntime.tracker.messages import decode_hops
@@ -29,7 +31,7 @@ async def main(spec: dict) -> dict:  # type: ignore[type-arg]
     tokens: list[int] = []
     try:
         async with (
-            open_dialer() as dialer,
+            open_dialer(identity=load_or_create_key(spec["client_key"])) as dialer,
             open_route_generation(
                 dialer,
                 hops,

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
@@ -26,7 +27,9 @@ from noderuntime.seams.dialer import open_dialer
 from noderuntime.testing.clusters import Cluster, running_cluster
 from noderuntime.transport import StreamBroken
 from noderuntime.transport.relay_client import RelayDialer
+from noderuntime.transport.sealed import seal_dialer
 from protocol import Hop, Span, StatusCode
+from protocol.channel import Binding
 
 pytestmark = pytest.mark.slow
 REQUEST = GenerationRequest((1, 504, 3937, 260, 2), 24)
@@ -41,7 +44,7 @@ def cluster(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 async def _attempt(
     cluster: Cluster, ticket: bytes, session: bytes, *, hops: tuple[Hop, ...] | None = None, artifact: bytes = b""
 ) -> StatusCode:
-    async with open_dialer() as dialer:
+    async with open_dialer(identity=cluster.client) as dialer:
         try:
             async with cluster.open(
                 dialer, REQUEST, session_id=session, ticket=ticket, hops=hops, artifact=artifact or None
@@ -121,19 +124,22 @@ async def test_a_relay_pair_needs_a_valid_ticket(cluster: Cluster) -> None:
 
 @pytest.mark.parametrize("hop", [0, 1], ids=["grpc", "relay"])
 async def test_a_seam_whose_first_frame_is_not_a_frame_gets_a_typed_status_at_once(cluster: Cluster, hop: int) -> None:
-    """Bytes that never become a session leave no Error frame to send; the stream's end carries the status."""
+    """Bytes that never become a session leave no Error frame to send; the seam's sealed end carries the status."""
     from noderuntime.transport.grpc import AsyncioThread, GrpcConnector
 
     session = os.urandom(16)
+    keys = channel_keys(cluster.client)
     async with trio.open_nursery() as nursery:
         runtime = connector = None
         if hop == 0:
             runtime = AsyncioThread()
             connector = GrpcConnector(runtime, max_frame_bytes=1 << 20)
-            stream: Any = await connector.open(cluster.infos[0].address)
+            binding = Binding(session, 0, keys.node_id, cluster.hops[0].node_id)
+            raw = await connector.open(cluster.infos[0].address)
+            stream: Any = await seal_dialer(raw, keys, binding, "the head")
         else:
             assert cluster.relay_info is not None
-            stream = await RelayDialer(nursery, channel_keys(Identity.generate())).dial(
+            stream = await RelayDialer(nursery, keys).dial(
                 cluster.relay_info.url,
                 cluster.hops[1].node_id,
                 session_id=session,
@@ -156,13 +162,32 @@ async def test_a_seam_whose_first_frame_is_not_a_frame_gets_a_typed_status_at_on
     await cluster.wait_idle()
 
 
+async def test_a_plaintext_seam_is_refused_with_the_reason(cluster: Cluster) -> None:
+    """A dialer that skips the handshake (an old peer, or one started with --insecure-plaintext-seams) learns why."""
+    from noderuntime.seams.network import NetworkConnector
+    from noderuntime.transport.grpc import AsyncioThread, GrpcConnector
+
+    runtime = AsyncioThread()
+    connector = GrpcConnector(runtime, max_frame_bytes=1 << 20)
+    try:
+        plain = NetworkConnector(connector, None, channel_keys(cluster.client), plaintext=True)
+        with pytest.raises(RouteError) as refused:
+            await cluster.generate(plain, REQUEST)
+        assert "accepts seams only sealed" in str(refused.value), refused.value
+        assert "--insecure-plaintext-seams" in str(refused.value)
+    finally:
+        await connector.close()
+        runtime.close()
+    await cluster.wait_idle()
+
+
 async def test_nobody_else_joins_or_reads_a_relayed_session(cluster: Cluster) -> None:
     assert cluster.relay_info is not None
     tail = cluster.hops[1]
     session = os.urandom(16)
     ticket = cluster.ticket(session)
     long = GenerationRequest(REQUEST.prompt_tokens, 200)
-    async with open_dialer() as dialer, trio.open_nursery() as nursery:
+    async with open_dialer(identity=cluster.client) as dialer, trio.open_nursery() as nursery:
         tokens: list[int] = []
 
         async def legitimate() -> None:
@@ -294,3 +319,79 @@ async def test_a_node_cannot_speak_for_another_at_the_tracker() -> None:
             assert response.status_code == 403, (path, response.text)
         nursery.cancel_scope.cancel()
     assert victim.node_id not in tracker.state.nodes
+
+
+def _grpc_messages(data: bytes, *, client_side: bool) -> list[bytes]:
+    """Every gRPC message a tap reads out of one direction of an HTTP/2 connection's bytes."""
+    import h2.config
+    import h2.connection
+    import h2.events
+    import h2.settings
+
+    # parse as the far end would: it reads what ``client_side`` sent
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=not client_side, header_encoding=None))
+    conn.initiate_connection()
+    # the ends agreed on larger frames and windows than h2's defaults: take them as given
+    conn.local_settings.update({h2.settings.SettingCodes.MAX_FRAME_SIZE: (1 << 24) - 1})
+    conn.local_settings.acknowledge()
+    if not client_side:  # the reader plays the client, whose call is stream 1
+        conn.send_headers(1, [(b":method", b"POST"), (b":path", b"/"), (b":scheme", b"http"), (b":authority", b"x")])
+    bodies: dict[int, bytearray] = {}
+    for at in range(0, len(data), 1024):
+        for event in conn.receive_data(data[at : at + 1024]):
+            if isinstance(event, h2.events.DataReceived):
+                bodies.setdefault(event.stream_id, bytearray()).extend(event.data)
+                conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+    messages = []
+    for body in bodies.values():
+        at = 0
+        while at + 5 <= len(body):
+            size = struct.unpack(">I", body[at + 1 : at + 5])[0]
+            messages.append(bytes(body[at + 5 : at + 5 + size]))
+            at += 5 + size
+    return messages
+
+
+def _packed(tokens: tuple[int, ...] | list[int]) -> bytes:
+    """Token ids as protobuf packs them (varints, back to back)."""
+    out = bytearray()
+    for token in tokens:
+        while True:
+            byte, token = token & 0x7F, token >> 7
+            out.append(byte | (0x80 if token else 0))
+            if not token:
+                break
+    return bytes(out)
+
+
+async def test_a_tap_on_a_direct_seam_decodes_no_frame_and_reads_no_token(cluster: Cluster) -> None:
+    """What a recording proxy between a gateway and a head sees of a session: sealed messages only."""
+    from protocol import Direction, FrameEncoder, OpenRoute, Phase, SeamEndpoint
+    from protocol import Identity as SessionIdentity
+    from tests.linkproxy import link_proxy
+
+    from .test_relay_e2e import _decoded
+
+    prompt = (1, 504, 3937, 260, 17023, 9876, 12345, 2)
+    head = cluster.hops[0]
+    async with link_proxy(int(head.address.rsplit(":", 1)[1])) as proxy:
+        proxy.record = True
+        hops = (attrs.evolve(head, address=f"127.0.0.1:{proxy.port}"), *cluster.hops[1:])
+        async with open_dialer(identity=cluster.client) as dialer:
+            reply = await cluster.generate(dialer, GenerationRequest(prompt, 24), hops=hops)
+    assert len(reply) == 24
+    up = bytes(proxy.recorded[(0, "up")])
+    down = bytes(proxy.recorded[(0, "down")])
+    sent, received = _grpc_messages(up, client_side=True), _grpc_messages(down, client_side=False)
+    # the tap parsed the connection: the handshake, the OpenRoute and a message a token or more
+    assert len(sent) >= 3 and len(received) >= len(reply) // 2, (len(sent), len(received))
+    assert _decoded(sent) == [] and _decoded(received) == []
+    assert _packed(prompt) not in up and _packed(reply[:4]) not in down
+    # the control: the same decoder reads a plaintext frame of this very session
+    session = os.urandom(16)
+    identity = SessionIdentity("req-tap", session, 0, cluster.artifact, cluster.recipe, Span(0, 15))
+    header = SeamEndpoint(identity, Direction.DOWNSTREAM).header(Phase.PREFILL)
+    sampling = GenerationRequest(prompt, 24).sampling
+    event = OpenRoute(header, cluster.hops, sampling, prompt, 24, (), 0, cluster.ticket(session))
+    plain = FrameEncoder().encode(event)[0]
+    assert _packed(prompt) in plain and len(_decoded([plain])) == 1

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import pytest
 
-from noderuntime.access.identity import Identity
+from noderuntime.access.identity import Identity, load_or_create_key
 from noderuntime.access.tickets import issue
 from noderuntime.services.cluster import ROOT, ManagedProcess, stop_all
 from noderuntime.services.ready import NodeReady, RelayReady, expect
@@ -127,9 +127,13 @@ def test_route_across_hosts_with_a_relay_only_node(smollm2: Path, tmp_path: Path
             artifact = bytes.fromhex(infos[0].artifact)
             status_urls = [(host, info.http) for (host, _, _), info in zip(specs, infos, strict=True)]
 
+            client_key = tmp_path / "client.pem"
+            client = load_or_create_key(client_key)  # whom the tickets let reach the head
+
             def spec(session: bytes, request: Any, **extra: Any) -> dict[str, Any]:
-                ticket = issue(issuer, session_id=session, epoch=0, artifact=artifact, hops=plan)
+                ticket = issue(issuer, session_id=session, epoch=0, artifact=artifact, hops=plan, client=client.node_id)
                 return {
+                    "client_key": str(client_key),
                     "hops": encode_hops(plan),
                     "artifact": infos[0].artifact,
                     "recipe": infos[0].recipe,

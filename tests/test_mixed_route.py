@@ -100,7 +100,7 @@ def _chain_greedy(model: Path, runtime: BackendRuntime, prompt: list[int], n: in
 
 async def _serve_one(url: str, artifact: str, prompt: list[int], n: int) -> tuple[RouteGrant, list[int]]:
     async with httpx.AsyncClient() as client, open_dialer() as dialer:
-        grant = await request_route(client, url, artifact, len(prompt) + n)
+        grant = await request_route(client, url, artifact, len(prompt) + n, client_id=dialer.node_id)
         request = GenerationRequest(tuple(prompt), n)
         async with open_route_generation(
             dialer,

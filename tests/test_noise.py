@@ -221,7 +221,7 @@ def test_a_plaintext_peer_and_another_version_are_told_what_they_lack() -> None:
     _, acceptor = _keys()
     with pytest.raises(ChannelError) as plaintext:
         AcceptorHandshake(acceptor, verify).read_first(b"\x0a\x10some protobuf frame")
-    assert plaintext.value.code == StatusCode.FAILED_PRECONDITION and "encrypted" in str(plaintext.value)
+    assert plaintext.value.code == StatusCode.FAILED_PRECONDITION and "only sealed" in str(plaintext.value)
     with pytest.raises(ChannelError) as newer:
         AcceptorHandshake(acceptor, verify).read_first(MAGIC[:3] + b"\x02" + os.urandom(120))
     assert newer.value.code == StatusCode.FAILED_PRECONDITION and "version 2" in str(newer.value)

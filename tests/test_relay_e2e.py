@@ -157,7 +157,7 @@ async def test_an_unencrypted_dialer_is_refused_and_what_a_tap_would_have_read(r
     finally:
         rig.attack("honest")
     assert refused.value.code == StatusCode.FAILED_PRECONDITION
-    assert "encrypted" in str(refused.value)
+    assert "only sealed" in str(refused.value)
     # the control: the same tap decodes a plaintext frame, so its silence above is the channel's doing
     assert [type(e) for e in _decoded([m for _, m in read_tap(rig.tap)])] == [OpenRoute]
     await cluster.wait_idle()
@@ -205,8 +205,21 @@ async def test_a_new_dialer_refuses_an_acceptor_that_does_not_speak_the_channel(
             await dialer.dial(rig.url, old_node.node_id, session_id=session, epoch=0, ticket=ticket)
         listener.stop()
         nursery.cancel_scope.cancel()
-    assert refused.value.code in (StatusCode.INVALID_ARGUMENT, StatusCode.FAILED_PRECONDITION)
-    assert "does not speak" in str(refused.value) or "refused the end-to-end" in str(refused.value)
+    # the old node's refusal came as a websocket close, which the relay could have written: the path's word
+    assert refused.value.code == StatusCode.UNAVAILABLE
+    assert "did not answer the seam handshake" in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("attack", ["close-a:0", "close-a:1"], ids=["in-handshake", "before-first-frame"])
+async def test_a_relay_close_before_the_peer_sealed_a_word_is_the_relays_not_the_peers(
+    rig: Rig, reference: dict[str, list[int]], attack: str
+) -> None:
+    """A relay that closes with a status code claiming the node refused is reported as the path, UNAVAILABLE."""
+    await _honest(rig, reference)
+    tokens, code, message = await _generate(rig, attack)
+    assert (tokens, code) == ([], StatusCode.UNAVAILABLE), message
+    assert "PERMISSION_DENIED" in message and ("the path says" in message or "did not answer" in message), message
+    await rig.cluster.wait_idle()
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
@@ -22,7 +23,7 @@ from noderuntime.access.identity import Identity, channel_keys, self_signed, ver
 from noderuntime.access.tickets import TicketVerifier, issue
 from noderuntime.services.running import server_tls
 from noderuntime.testing.seams import KINDS, grpc_peer, seam
-from noderuntime.transport import FrameStream, StreamBroken, TransportError, sealed
+from noderuntime.transport import FrameStream, StreamBroken, StreamClosed, TransportError, sealed
 from noderuntime.transport import relay_messages as messages
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
@@ -781,3 +782,42 @@ async def _hello_with_wrong_signature(url: str, claimed: bytes) -> int:
             assert exc.reason is not None
             return exc.reason.code
     return 0
+
+
+@pytest.mark.parametrize("impostor", ["substituted-key", "another-node"])
+async def test_a_direct_seam_to_anyone_but_the_named_node_fails_before_a_frame(impostor: str) -> None:
+    """Whoever answers at a hop's address must prove the node id the route names, or gets no frame."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    from noderuntime.access.identity import x25519_public_bytes
+    from protocol.channel import STATIC_KEY_DOMAIN
+
+    honest, other = Identity.generate(), Identity.generate()
+    if impostor == "substituted-key":
+        # a man in the middle claims the honest node id with a handshake key of its own,
+        # vouched for by its own node key: the only signature it can make
+        static = X25519PrivateKey.generate()
+        keys = ChannelKeys(honest.node_id, static, other.sign(STATIC_KEY_DOMAIN, x25519_public_bytes(static)))
+    else:
+        keys = channel_keys(other)  # a real node, answering at an address given for another
+    dialer = channel_keys(Identity.generate())
+    async with grpc_peer(1 << 20) as (connector, port, streams), trio.open_nursery() as nursery:
+        raw = await connector.open(f"127.0.0.1:{port}")
+        far_end = sealed.seal_acceptor(await streams.receive(), keys, "the dialer")
+        heard: list[bytes] = []
+
+        async def impostor_reads() -> None:
+            with contextlib.suppress(StreamBroken, StreamClosed):
+                heard.append(await far_end.receive())
+
+        nursery.start_soon(impostor_reads)
+        binding = Binding(os.urandom(16), 0, dialer.node_id, honest.node_id)
+        with trio.fail_after(10), pytest.raises(StreamBroken) as refused:
+            await sealed.seal_dialer(raw, dialer, binding, "the node at the hop's address")
+    assert heard == []
+    if impostor == "substituted-key":
+        assert refused.value.code == StatusCode.UNAUTHENTICATED, refused.value
+        assert "did not sign" in str(refused.value)
+    else:  # the other node refuses a seam bound to someone else; its refusal is the path's word to the dialer
+        assert refused.value.code == StatusCode.UNAVAILABLE, refused.value
+        assert "meant for another node" in str(refused.value)

@@ -173,6 +173,7 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
         device=args.device,
         gpu_layers=args.gpu_layers,
         join_secret=_join_secret(args.join_secret_file),
+        insecure_plaintext_seams=args.insecure_plaintext_seams,
     )
 
 
@@ -308,6 +309,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         running_per_key=args.running_per_key,
         ledger=Path(args.ledger),
         audit_rate=args.audit_rate,
+        insecure_plaintext_seams=args.insecure_plaintext_seams,
     )
     trio.run(running.run_until_signal, lambda **kw: noderun.run_gateway(opts, **kw))
     return 0
@@ -422,6 +424,12 @@ def _add_up(sub: Any) -> None:
     p.add_argument("--tls-cert", type=Path, help="PEM certificate for the gRPC listener")
     p.add_argument("--tls-key", type=Path, help="PEM key for the gRPC listener")
     p.add_argument("--tls-self-signed", action="store_true", help="make (once) and use a self-signed certificate")
+    p.add_argument(
+        "--insecure-plaintext-seams",
+        action="store_true",
+        help="leave direct seams unencrypted and unauthenticated, to measure what sealing costs; every peer "
+        "must be started with it too (the others refuse such seams)",
+    )
     p.add_argument("--idle-timeout", type=seconds, default=60.0, help="seconds a session may make no progress")
     p.add_argument(
         "--prefix-cache",
@@ -667,6 +675,12 @@ def _add_gateway(sub: Any) -> None:
         "--ledger",
         default=str(default_data_dir().with_name("gateway") / "ledger.sqlite"),
         help="the SQLite usage ledger (one entry per request, with every shard's signed record)",
+    )
+    p.add_argument(
+        "--insecure-plaintext-seams",
+        action="store_true",
+        help="open seams to heads unencrypted and unauthenticated, to measure what sealing costs; only heads "
+        "started with it answer",
     )
     p.set_defaults(func=_cmd_gateway)
 

@@ -18,21 +18,25 @@ from noderuntime.seams.network import NetworkConnector
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector
 from noderuntime.transport.relay_client import RelayDialer
 from protocol import Limits
+from protocol.channel import sealed_size
 
 
 @asynccontextmanager
-async def open_dialer(limits: Limits = Limits(), identity: Identity | None = None) -> AsyncIterator[NetworkConnector]:
+async def open_dialer(
+    limits: Limits = Limits(), identity: Identity | None = None, *, plaintext: bool = False
+) -> AsyncIterator[NetworkConnector]:
     """A connector with its own gRPC runtime and relay connections, closed on exit.
 
-    ``identity``: whom it proves to be on relayed seams (a fresh key when None); the
-    tickets of the sessions it opens must name it as their client.
+    ``identity``: whom it proves to be at the far end of its seams (a fresh key when
+    None); where the nodes check tickets, the tickets of the sessions it opens must name
+    it as their client. ``plaintext``: see :class:`NetworkConnector`.
     """
     keys = channel_keys(identity or Identity.generate())
     runtime = AsyncioThread()
-    grpc = GrpcConnector(runtime, max_frame_bytes=limits.max_frame_bytes)
+    grpc = GrpcConnector(runtime, max_frame_bytes=sealed_size(limits.max_frame_bytes))
     try:
         async with trio.open_nursery() as nursery:
-            yield NetworkConnector(grpc, RelayDialer(nursery, keys))
+            yield NetworkConnector(grpc, RelayDialer(nursery, keys), keys, plaintext)
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # the nursery only hosts websocket readers: an error is the caller's own, unwrap it

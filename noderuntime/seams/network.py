@@ -1,4 +1,9 @@
-"""Reaching the next hop: direct gRPC when it advertises an address, else (or on failure) its relay."""
+"""Reaching the next hop: direct gRPC when it advertises an address, else (or on failure) its relay.
+
+Either way the seam is sealed end to end and pinned to the node id the route plan names
+(:mod:`noderuntime.transport.sealed`); plaintext direct seams only where both ends were
+started with ``--insecure-plaintext-seams``.
+"""
 
 from __future__ import annotations
 
@@ -10,25 +15,34 @@ from noderuntime.access.tickets import TicketError, TicketVerifier
 from noderuntime.transport import FrameStream, TransportError
 from noderuntime.transport.grpc import GrpcConnector
 from noderuntime.transport.relay_client import RelayDialer
+from noderuntime.transport.sealed import seal_dialer
 from protocol import Hop, OpenRoute, RemoteProtocolError, StatusCode
+from protocol.channel import Binding, ChannelKeys
 
 log = logging.getLogger(__name__)
 
 
 @attrs.define
 class NetworkConnector:
-    """Opens the seam to a hop: gRPC to its address, falling back to its relay."""
+    """Opens the seam to a hop: gRPC to its address, falling back to its relay; sealed either way.
+
+    ``keys``: whom it proves to be at the far end of every seam it opens.
+    ``plaintext``: direct seams go unsealed (``--insecure-plaintext-seams``, for measuring
+    what sealing costs); a node not started with it refuses them.
+    """
 
     grpc: GrpcConnector | None
     relay: RelayDialer | None
+    keys: ChannelKeys
+    plaintext: bool = False
     direct_attempts: int = 0
     relay_attempts: int = 0
     fallbacks: int = 0
 
     @property
     def node_id(self) -> bytes:
-        """The node id this connector proves on relayed seams (empty without a relay dialer)."""
-        return self.relay.node_id if self.relay is not None else b""
+        """The node id this connector proves at the far end of its seams."""
+        return self.keys.node_id
 
     async def connect(self, hop: Hop, open_route: OpenRoute) -> FrameStream:
         """A frame stream to ``hop`` for the session ``open_route`` opens."""
@@ -36,7 +50,12 @@ class NetworkConnector:
         if hop.address and self.grpc is not None:
             self.direct_attempts += 1
             try:
-                return await self.grpc.open(hop.address, tls_cert_sha256=hop.tls_cert_sha256)
+                stream = await self.grpc.open(hop.address, tls_cert_sha256=hop.tls_cert_sha256)
+                if self.plaintext:
+                    return stream
+                ident = open_route.header.identity
+                binding = Binding(ident.session_id, ident.epoch, self.keys.node_id, hop.node_id)
+                return await seal_dialer(stream, self.keys, binding, f"the node at {hop.address}")
             except TransportError as exc:
                 if not hop.relay:
                     raise

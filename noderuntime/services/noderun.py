@@ -51,7 +51,9 @@ from noderuntime.tracker.roundtrips import RoundTrips, measure_round_trips
 from noderuntime.tracker.trackers import TrackerLinks, first_issuer_keys
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer, parse_address
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
+from noderuntime.transport.sealed import accept_sealed
 from protocol import Hop, Limits, Span
+from protocol.channel import sealed_size
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,8 @@ class NodeOptions:
     device: str = "cpu"  # where the layers and KV live: "cpu", "vulkan:0", "cuda:1", ... (Recipe.device)
     gpu_layers: int | None = None  # on a GPU, how many local layers it holds (None: all)
     join_secret: bytes | None = None  # a private swarm's: its proof goes with each registration
+    # direct seams unsealed, in and out: only to measure what sealing costs, with every peer started so
+    insecure_plaintext_seams: bool = False
 
     @property
     def tracker(self) -> str | None:
@@ -150,12 +154,14 @@ async def run_node(
     )
     limits = Limits()
     runtime = AsyncioThread()
-    grpc_connector = GrpcConnector(runtime, max_frame_bytes=limits.max_frame_bytes)
+    # every frame goes sealed, a little larger than itself (protocol.channel.sealed_size)
+    grpc_connector = GrpcConnector(runtime, max_frame_bytes=sealed_size(limits.max_frame_bytes))
     server: GrpcServer | None = None
     switch: NodeSwitch | None = None
     try:
         async with trio.open_nursery() as nursery:
             verifier = TicketVerifier(issuer_keys)
+            keys = identity.channel_keys(me)
             config = NodeConfig(
                 layers=Span(layers.start, layers.end),
                 n_layer=info.n_layer,
@@ -174,7 +180,7 @@ async def run_node(
                 engine,
                 config,
                 me.node_id,
-                NetworkConnector(grpc_connector, RelayDialer(nursery, identity.channel_keys(me))),
+                NetworkConnector(grpc_connector, RelayDialer(nursery, keys), keys, opts.insecure_plaintext_seams),
                 ticket_check=ticket_check(verifier, me.node_id),
                 signer=lambda body: me.sign(b"noderuntime-usage-v1", body),
                 engine_thread=engine_thread,
@@ -185,7 +191,8 @@ async def run_node(
             address = ""
             if opts.listen is not None:
                 host, port = parse_address(opts.listen, listen=True)
-                server = GrpcServer(runtime, switch.accept, max_frame_bytes=limits.max_frame_bytes)
+                accept = switch.accept if opts.insecure_plaintext_seams else accept_sealed(switch.accept, keys)
+                server = GrpcServer(runtime, accept, max_frame_bytes=sealed_size(limits.max_frame_bytes))
                 bound = await server.start(host, port, tls)
                 address = opts.advertise or f"{host}:{bound}"
             listener: RelayListener | None = None
@@ -504,6 +511,7 @@ class GatewayOptions:
     running_per_key: int = 256  # sessions one API key (or client address) runs at once
     ledger: Path | None = None
     audit_rate: float = 0.0  # the share of sessions audited after they end (runner/audits.py)
+    insecure_plaintext_seams: bool = False  # as NodeOptions': seams to heads unsealed
 
 
 async def run_gateway(
@@ -531,7 +539,10 @@ async def run_gateway(
             ServedModel(model_id, info.fingerprint, vocab, template, int(time.time()), opts.ctx or info.context_length)
         )
     me = identity.Identity.generate()  # the key its tickets name and its repairs are signed with
-    async with open_dialer(identity=me) as dialer, trio.open_nursery() as nursery:
+    async with (
+        open_dialer(identity=me, plaintext=opts.insecure_plaintext_seams) as dialer,
+        trio.open_nursery() as nursery,
+    ):
         gateway = Gateway(
             served,
             opts.trackers,

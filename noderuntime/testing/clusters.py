@@ -35,6 +35,8 @@ class Cluster:
     relay: ManagedProcess | None
     relay_info: RelayReady | None
     hops: tuple[Hop, ...]
+    # whom the tickets name as their client: a connector opened with this identity reaches the head
+    client: Identity = attrs.Factory(Identity.generate)
 
     @property
     def artifact(self) -> bytes:
@@ -52,16 +54,17 @@ class Cluster:
         hops: Sequence[Hop] | None = None,
         ttl: float = 600.0,
         issuer: Identity | None = None,
-        client: bytes = b"",
+        client: bytes | None = None,
     ) -> bytes:
-        """A ticket for ``session_id`` on the cluster's route; ``client``: whom it lets reach a relayed head."""
+        """A ticket for ``session_id`` on the cluster's route; ``client``: whom it lets reach the head
+        (:attr:`client` when None)."""
         return issue(
             issuer or self.issuer,
             session_id=session_id,
             epoch=epoch,
             artifact=self.artifact,
             hops=hops or self.hops,
-            client=client,
+            client=self.client.node_id if client is None else client,
             ttl_seconds=ttl,
         )
 
@@ -103,7 +106,7 @@ class Cluster:
     ) -> AbstractAsyncContextManager[Any]:
         """A route generation over the cluster (or ``hops``), with a fresh ticket unless given one.
 
-        The fresh ticket names ``connector``'s relay key as its client, as a tracker's would.
+        The fresh ticket names ``connector``'s key as its client, as a tracker's would.
         """
         session_id = session_id or os.urandom(16)
         hops = hops or self.hops

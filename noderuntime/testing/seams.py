@@ -14,10 +14,12 @@ from noderuntime.access.tickets import TicketVerifier, issue
 from noderuntime.transport import FrameStream, memory_stream_pair
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
+from noderuntime.transport.sealed import seal_acceptor, seal_dialer
 from protocol import Hop, Span
+from protocol.channel import Binding, sealed_size
 from relay.server import Relay, serve
 
-KINDS = ("memory", "grpc", "relay")
+KINDS = ("memory", "grpc", "sealed_grpc", "relay")
 # the relayed seam without its end-to-end channel, for benchmarks that measure what the channel costs
 PLAINTEXT_RELAY = "relay_plaintext"
 
@@ -51,6 +53,18 @@ async def seam(kind: str) -> AsyncIterator[tuple[FrameStream, FrameStream]]:
         async with grpc_peer(8 << 20) as (connector, port, streams):
             client = await connector.open(f"127.0.0.1:{port}")
             yield client, await streams.receive()
+        return
+    if kind == "sealed_grpc":
+        # a direct seam as nodes open it: gRPC, the handshake in its first messages, then sealed frames
+        async with grpc_peer(sealed_size(8 << 20)) as (connector, port, streams):
+            near, far = channel_keys(Identity.generate()), channel_keys(Identity.generate())
+            binding = Binding(os.urandom(16), 0, near.node_id, far.node_id)
+            raw = await connector.open(f"127.0.0.1:{port}")
+            server_end = seal_acceptor(await streams.receive(), far, "the dialer")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(server_end.handshake)
+                sealed = await seal_dialer(raw, near, binding, "the acceptor")
+            yield sealed, server_end
         return
     send, receive = trio.open_memory_channel[FrameStream](4)
     issuer, node = Identity.generate(), Identity.generate()

@@ -47,7 +47,10 @@ class FrameStream(Protocol):
     seam's end-to-end channel), or None where the transport proves nothing of it.
     """
 
-    authenticated: PeerAuthentication | None
+    @property
+    def authenticated(self) -> PeerAuthentication | None:
+        """What the stream's own handshake proved of its peer, or None."""
+        ...
 
     async def send(self, frame: bytes) -> None:
         """Send one frame."""

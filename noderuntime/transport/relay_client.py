@@ -16,7 +16,7 @@ from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
 from noderuntime.access.identity import Identity, channel_keys
 from noderuntime.transport import relay_messages as m
 from noderuntime.transport.base import FrameStream, StreamBroken
-from noderuntime.transport.sealed import open_acceptor_side, open_dialer_side, plaintext_for_benchmarks
+from noderuntime.transport.sealed import plaintext_for_benchmarks, seal_acceptor, seal_dialer
 from noderuntime.transport.websocket import (
     KEEPALIVE_SECONDS,
     MAX_MESSAGE_BYTES,
@@ -107,7 +107,8 @@ class RelayDialer:
             if self._plaintext:
                 return WebSocketFrameStream(ws, relay_url)
             binding = Binding(session_id, epoch, self.keys.node_id, target)
-            return await open_dialer_side(ws, self.keys, binding, relay_url)
+            stream = WebSocketFrameStream(ws, relay_url)
+            return await seal_dialer(stream, self.keys, binding, f"the node behind {relay_url}")
         except ConnectionClosed:
             raise StreamBroken(f"the relay at {relay_url} closed the dial", StatusCode.UNAVAILABLE) from None
         except BaseException:
@@ -216,11 +217,11 @@ class RelayListener:
         try:
             ws = await _connect(nursery, f"{self.url}/accept/{pair}", self._tls)
             await _expect_paired(ws, self.url)
-            stream: FrameStream = (
-                WebSocketFrameStream(ws, self.url)
-                if self._plaintext
-                else await open_acceptor_side(ws, self._keys, self.url)
-            )
+            stream: FrameStream = WebSocketFrameStream(ws, self.url)
+            if not self._plaintext:
+                sealed = seal_acceptor(stream, self._keys, f"the dialer through {self.url}")
+                await sealed.handshake()
+                stream = sealed
         except StreamBroken as exc:
             log.warning("could not accept a relayed seam: %s", exc)
             self.refused += 1

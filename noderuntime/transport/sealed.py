@@ -1,24 +1,36 @@
-"""Relayed seams sealed end to end: the handshake of :mod:`protocol.channel` over a paired websocket, then frames.
+"""Seams sealed end to end: the handshake of :mod:`protocol.channel` over a frame stream, then sealed frames.
 
-The relay pairs the two websocket connections; both ends then run the handshake in
-them (:func:`open_dialer_side`, :func:`open_acceptor_side`) and exchange sealed frames
-(:class:`SealedFrameStream`). Nothing here trusts what the relay adds: a close it
-sends once the channel is up reads as a cut seam (UNAVAILABLE), whatever code it
-names; the peer's own end comes in a sealed close record.
+Every seam is sealed, direct as relayed: the dialer runs its half of the handshake over
+the stream it opened (:func:`seal_dialer`: a gRPC stream, or a websocket a relay
+paired), the acceptor its half over the stream it was handed
+(:func:`seal_acceptor`), and each frame then crosses as one sealed message of the
+stream underneath (:class:`SealedStream`). The handshake pins the acceptor to the node
+id the route plan names and proves the dialer's node id, which the acceptor checks
+against the session's ticket; both hashes cover the session id and epoch.
+
+Nothing the path adds is believed. A stream's own end (a gRPC status, a websocket
+close code) can be written by whoever carries it: a relay, or anyone on a direct link.
+Before the peer sealed its first record such an end is reported as the path's word,
+with UNAVAILABLE; once the channel is up, only a sealed close record ends a seam with
+the peer's code, and any other end reads as a cut.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
+from collections.abc import Callable
 from typing import NoReturn
 
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from noderuntime.access.identity import verify
-from noderuntime.transport import relay_messages as m
-from noderuntime.transport.base import PeerAuthentication, StreamBroken, StreamClosed
+from noderuntime.transport.base import (
+    FrameStream,
+    PeerAuthentication,
+    StreamBroken,
+    StreamClosed,
+    TransportError,
+)
 from protocol import StatusCode
 from protocol.channel import (
     AcceptorHandshake,
@@ -30,8 +42,10 @@ from protocol.channel import (
     SealedChannel,
 )
 
-# the three handshake messages take a round trip and a half through the relay
+# the three handshake messages take a round trip and a half (through a relay, or direct)
 HANDSHAKE_TIMEOUT = 10.0
+# how long an end waits to send its sealed close record before it resets the stream instead
+CLOSE_RECORD_SECONDS = 0.5
 
 # Benchmarks only: with this set to 1 on both ends, relayed seams go unencrypted, so that
 # benchmarks.seams can measure what sealing costs side by side. A node without it refuses
@@ -44,174 +58,220 @@ def plaintext_for_benchmarks() -> bool:
     return os.environ.get(PLAINTEXT_ENV) == "1"
 
 
-def _status_of(exc: ConnectionClosed) -> tuple[StatusCode, str]:
-    """The status a websocket close names (unauthenticated: the relay may have written it)."""
-    reason = exc.reason
-    code = reason.code if reason is not None else None
-    text = (reason.reason or "") if reason is not None else ""
-    if m.is_status_close(code):
-        assert code is not None
-        return StatusCode.coerce(code - m.CLOSE_STATUS_BASE), text
-    return StatusCode.UNAVAILABLE, f"closed ({code}{': ' + text if text else ''})"
+def _path_word(exc: TransportError) -> str:
+    return f"{type(exc).__name__}, status {exc.code.name}: {exc}"
 
 
-async def _close_with(ws: WebSocketConnection, code: StatusCode, message: str) -> None:
-    """End a websocket whose channel is not up, with ``code`` in its close code (the relay passes it on)."""
-    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-        await ws.aclose(m.CLOSE_STATUS_BASE + int(code), message.encode()[:120].decode(errors="ignore"))
+class SealedStream:
+    """The FrameStream interface over another stream whose every frame is one sealed message.
 
+    Made by :func:`seal_dialer` with its channel up, or by :func:`seal_acceptor` with the
+    handshake still to come: an acceptor's stream runs it on its first :meth:`receive`
+    (or on :meth:`handshake`), so that a node's wait for a seam's first frame bounds the
+    handshake too. ``authenticated`` is None until the handshake is done.
+    """
 
-class SealedFrameStream:
-    """The FrameStream interface over a relayed websocket whose every message is sealed (see module doc)."""
-
-    kind = "relay"
-
-    def __init__(self, ws: WebSocketConnection, relay: str, channel: SealedChannel) -> None:
-        self.ws = ws
-        self.peer = relay
+    def __init__(
+        self,
+        inner: FrameStream,
+        peer: str,
+        *,
+        channel: SealedChannel | None = None,
+        accepting: ChannelKeys | None = None,
+    ) -> None:
+        assert (channel is None) != (accepting is None)
+        self.inner = inner
+        self.peer = peer
+        self.kind: str = getattr(inner, "kind", "sealed")
         self._channel = channel
-        self.authenticated: PeerAuthentication | None = PeerAuthentication(
-            channel.peer, channel.binding.session_id, channel.binding.epoch
-        )
-        self.closed = trio.Event()
+        self._keys = accepting
+        self._handshake_failed: StreamBroken | None = None
         # sealing takes the next nonce: a message must go out in the order it was sealed
         self._sending = trio.StrictFIFOLock()
-        self._heard = False  # a sealed message came in: from now on only sealed ends count
+        self._heard = False  # a sealed record came in: from now on only sealed ends count
+        self._ended = False
+
+    @property
+    def authenticated(self) -> PeerAuthentication | None:
+        """The node id and session the handshake proved, once it is done."""
+        channel = self._channel
+        if channel is None:
+            return None
+        return PeerAuthentication(channel.peer, channel.binding.session_id, channel.binding.epoch)
 
     async def send(self, frame: bytes) -> None:
-        """Seal ``frame`` and send it as one message."""
+        """Seal ``frame`` and send it as one message of the stream underneath."""
+        channel = self._channel
+        if channel is None:
+            raise StreamClosed(f"the seam with {self.peer} has no channel yet: the dialer speaks first")
         try:  # uncontended (one sender per seam), taking the turn costs no checkpoint
             self._sending.acquire_nowait()
         except trio.WouldBlock:
             await self._sending.acquire()
         try:
             try:
-                message = self._channel.seal(frame)
+                message = channel.seal(frame)
             except ChannelError as exc:
-                raise StreamClosed(f"the seam through {self.peer} is closed: {exc}") from None
+                raise StreamClosed(f"the seam with {self.peer} is closed: {exc}") from None
             try:
-                await self.ws.send_message(message)
-            except ConnectionClosed as exc:
-                self.closed.set()
+                await self.inner.send(message)
+            except TransportError as exc:
                 raise self._cut(exc) from None
         finally:
             self._sending.release()
 
     async def receive(self) -> bytes:
         """The next frame; a message that does not open ends the seam (DATA_LOSS)."""
+        channel = self._channel
+        if channel is None:
+            channel = await self.handshake()
         try:
-            message = await self.ws.get_message()
-        except ConnectionClosed as exc:
-            self.closed.set()
+            message = await self.inner.receive()
+        except TransportError as exc:
             raise self._cut(exc) from None
-        if not isinstance(message, bytes):
-            await self._fail(ChannelError("a text message on a sealed seam", StatusCode.DATA_LOSS))
         try:
-            frame = self._channel.open(message)
+            frame = channel.open(message)
         except ChannelClosed as end:
-            self.closed.set()
+            self._ended = True
+            await self._close_inner()
             if end.code == StatusCode.OK:
-                raise StreamClosed(f"the peer through {self.peer} closed the seam") from None
-            raise StreamBroken(f"the peer through {self.peer} ended the seam: {end.reason}", end.code) from None
+                raise StreamClosed(f"{self.peer} closed the seam") from None
+            raise StreamBroken(f"{self.peer} ended the seam: {end.reason}", end.code) from None
         except ChannelError as exc:
             await self._fail(exc)
         self._heard = True
         return frame
 
+    async def handshake(self) -> SealedChannel:
+        """The acceptor's half of the handshake (once); :class:`StreamBroken` if it fails.
+
+        A dialer that fails it hears why in the stream's own end, there being no channel
+        yet to seal it in.
+        """
+        if self._channel is not None:
+            return self._channel
+        if self._handshake_failed is not None:
+            raise self._handshake_failed
+        assert self._keys is not None
+        handshake = AcceptorHandshake(self._keys, verify)
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                await self.inner.send(handshake.read_first(await self.inner.receive()))
+                self._channel = handshake.read_third(await self.inner.receive())
+        except TransportError as exc:
+            self._handshake_failed = StreamBroken(
+                f"the dialer from {self.peer} left during the seam handshake ({_path_word(exc)})",
+                StatusCode.UNAVAILABLE,
+            )
+        except ChannelError as exc:
+            await self.inner.abort(exc.code, str(exc))
+            self._handshake_failed = StreamBroken(f"refused a seam from {self.peer}: {exc}", exc.code)
+        except trio.TooSlowError:
+            await self.inner.abort(StatusCode.DEADLINE_EXCEEDED, "the seam handshake took too long")
+            self._handshake_failed = StreamBroken(
+                f"a dialer from {self.peer} did not finish the seam handshake", StatusCode.UNAVAILABLE
+            )
+        if self._handshake_failed is not None:
+            raise self._handshake_failed
+        assert self._channel is not None
+        return self._channel
+
+    def _cut(self, exc: TransportError) -> StreamBroken:
+        """What an end of the stream underneath means: never the peer's word, which comes sealed."""
+        if self._heard:
+            return StreamBroken(f"the seam with {self.peer} was cut ({exc})", StatusCode.UNAVAILABLE)
+        return StreamBroken(
+            f"the seam with {self.peer} ended before the peer sealed a word; the path says: {_path_word(exc)}",
+            StatusCode.UNAVAILABLE,
+        )
+
     async def _fail(self, exc: ChannelError) -> NoReturn:
         # nothing more is read on it; the sending direction is intact, so the peer hears why, sealed
-        await self._end(exc.code, str(exc), sealed=True)
-        raise StreamBroken(f"the seam through {self.peer}: {exc}", exc.code)
+        await self._end(exc.code, str(exc))
+        raise StreamBroken(f"the seam with {self.peer}: {exc}", exc.code)
 
-    def _cut(self, exc: ConnectionClosed) -> StreamBroken:
-        code, text = _status_of(exc)
-        if self._heard:
-            # the peer ends a seam in a sealed record; a bare close came from the path
-            return StreamBroken(f"the seam through {self.peer} was cut ({text})", StatusCode.UNAVAILABLE)
-        return StreamBroken(f"the seam through {self.peer} closed before it answered: {text}", code)
-
-    async def _end(self, code: StatusCode, message: str, *, sealed: bool) -> None:
-        self.closed.set()
+    async def _end(self, code: StatusCode, message: str) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        sent = False
+        channel = self._channel
         with trio.CancelScope(shield=True):
-            # after the send under way (a heartbeat, say); a sender stuck on a peer that stops
-            # reading holds the turn past the wait, and then the close goes unsealed
-            with trio.move_on_after(0.5):
-                if sealed and not self._channel.closed:
+            if channel is not None and not channel.closed:
+                # after the send under way (a heartbeat, say); a sender stuck on a peer that
+                # stops reading holds the turn past the wait, and then the stream is reset
+                with trio.move_on_after(CLOSE_RECORD_SECONDS):
                     async with self._sending:
-                        if not self._channel.closed:
-                            with contextlib.suppress(ConnectionClosed):
-                                await self.ws.send_message(self._channel.seal_close(code, message))
-            with trio.move_on_after(1.0):
-                await self.ws.aclose()
+                        if not channel.closed:
+                            try:
+                                await self.inner.send(channel.seal_close(code, message))
+                                sent = True
+                            except TransportError:
+                                pass  # the stream is gone already: there is nobody to tell
+            if sent or code == StatusCode.OK:
+                await self._close_inner()
+            else:
+                await self.inner.abort(code, message)
+
+    async def _close_inner(self) -> None:
+        with trio.CancelScope(shield=True):
+            await self.inner.aclose()
 
     async def aclose(self) -> None:
-        """End the seam cleanly (a sealed close, then the websocket's); idempotent, bounded."""
-        await self._end(StatusCode.OK, "", sealed=True)
+        """End the seam cleanly (a sealed close, then the stream's own end); idempotent, bounded."""
+        await self._end(StatusCode.OK, "")
 
     async def abort(self, code: StatusCode, message: str) -> None:
-        """End the seam telling the peer ``code`` and ``message``, sealed."""
-        await self._end(code, message, sealed=True)
+        """End the seam telling the peer ``code`` and ``message``: sealed once the channel is up."""
+        if self._channel is None:
+            self._ended = True
+            with trio.CancelScope(shield=True):
+                await self.inner.abort(code, message)
+            return
+        await self._end(code, message)
 
 
-async def open_dialer_side(
-    ws: WebSocketConnection, keys: ChannelKeys, binding: Binding, relay: str
-) -> SealedFrameStream:
-    """Run the dialer's half of the handshake on a paired connection; the sealed stream, or StreamBroken."""
+async def seal_dialer(inner: FrameStream, keys: ChannelKeys, binding: Binding, peer: str) -> SealedStream:
+    """Run the dialer's half of the handshake over ``inner``; the sealed stream, or StreamBroken.
+
+    ``binding.acceptor`` is the node id the route plan names: any other key at the far
+    end fails the handshake (UNAUTHENTICATED), whoever answers at the address.
+    """
     handshake = DialerHandshake(keys, binding, verify)
     try:
         with trio.fail_after(HANDSHAKE_TIMEOUT):
-            await ws.send_message(handshake.first())
-            answer = await ws.get_message()
-            if not isinstance(answer, bytes):
-                raise ChannelError("the handshake's answer is not binary", StatusCode.INVALID_ARGUMENT)
-            await ws.send_message(handshake.read_second(answer))
-    except ConnectionClosed as exc:
-        code, text = _status_of(exc)
+            await inner.send(handshake.first())
+            await inner.send(handshake.read_second(await inner.receive()))
+    except TransportError as exc:
+        with trio.CancelScope(shield=True):
+            await inner.aclose()
         raise StreamBroken(
-            f"the node behind {relay} refused the end-to-end seam handshake ({text}); a node that does not speak "
-            "it cannot be reached through a relay",
-            code if code != StatusCode.UNAVAILABLE else StatusCode.FAILED_PRECONDITION,
-        ) from None
-    except ChannelError as exc:
-        await _close_with(ws, exc.code, str(exc))
-        raise StreamBroken(f"the seam through {relay}: {exc}", exc.code) from None
-    except trio.TooSlowError:
-        await _close_with(ws, StatusCode.DEADLINE_EXCEEDED, "the handshake took too long")
-        raise StreamBroken(
-            f"the node behind {relay} did not finish the seam handshake in {HANDSHAKE_TIMEOUT:.0f} s",
+            f"{peer} did not answer the seam handshake ({_path_word(exc)}); every seam is sealed, and a node "
+            "started with --insecure-plaintext-seams answers only dialers started with it",
             StatusCode.UNAVAILABLE,
         ) from None
-    return SealedFrameStream(ws, relay, handshake.channel())
-
-
-async def open_acceptor_side(ws: WebSocketConnection, keys: ChannelKeys, relay: str) -> SealedFrameStream:
-    """Run the acceptor's half of the handshake on a paired connection; the sealed stream, or StreamBroken.
-
-    A dialer that fails the handshake hears why in the websocket's close (there is no
-    channel yet to seal it in).
-    """
-    handshake = AcceptorHandshake(keys, verify)
-    try:
-        with trio.fail_after(HANDSHAKE_TIMEOUT):
-            first = await ws.get_message()
-            if not isinstance(first, bytes):
-                raise ChannelError("a text message in place of the seam handshake", StatusCode.INVALID_ARGUMENT)
-            await ws.send_message(handshake.read_first(first))
-            third = await ws.get_message()
-            if not isinstance(third, bytes):
-                raise ChannelError("a text message in place of the seam handshake", StatusCode.INVALID_ARGUMENT)
-            channel = handshake.read_third(third)
-    except ConnectionClosed as exc:
-        _code, text = _status_of(exc)
-        raise StreamBroken(
-            f"the dialer left {relay} during the seam handshake ({text})", StatusCode.UNAVAILABLE
-        ) from None
     except ChannelError as exc:
-        await _close_with(ws, exc.code, str(exc))
-        raise StreamBroken(f"refused a seam through {relay}: {exc}", exc.code) from None
+        with trio.CancelScope(shield=True):
+            await inner.abort(exc.code, str(exc))
+        raise StreamBroken(f"the seam with {peer}: {exc}", exc.code) from None
     except trio.TooSlowError:
-        await _close_with(ws, StatusCode.DEADLINE_EXCEEDED, "the seam handshake took too long")
+        with trio.CancelScope(shield=True):
+            await inner.abort(StatusCode.DEADLINE_EXCEEDED, "the handshake took too long")
         raise StreamBroken(
-            f"a dialer through {relay} did not finish the seam handshake", StatusCode.UNAVAILABLE
+            f"{peer} did not finish the seam handshake in {HANDSHAKE_TIMEOUT:.0f} s", StatusCode.UNAVAILABLE
         ) from None
-    return SealedFrameStream(ws, relay, channel)
+    return SealedStream(inner, peer, channel=handshake.channel())
+
+
+def seal_acceptor(inner: FrameStream, keys: ChannelKeys, peer: str) -> SealedStream:
+    """``inner`` as a sealed stream whose handshake runs on its first receive (see :class:`SealedStream`)."""
+    return SealedStream(inner, peer, accepting=keys)
+
+
+def accept_sealed(on_stream: Callable[[FrameStream], None], keys: ChannelKeys) -> Callable[[FrameStream], None]:
+    """A server's stream handler that hands ``on_stream`` each stream sealed (see :func:`seal_acceptor`)."""
+
+    def accept(stream: FrameStream) -> None:
+        on_stream(seal_acceptor(stream, keys, f"the dialer from {getattr(stream, 'peer', 'a peer')}"))
+
+    return accept
