@@ -252,7 +252,7 @@ def swarm_phases(root: Path, sybils: int, requests_each: int) -> dict[str, Any]:
         tracker = ManagedProcess(
             "tracker",
             [
-                *("tracker", "--listen", "127.0.0.1:0", "--data-dir", str(root / "t")),
+                *("tracker", "--local-swarm", "--listen", "127.0.0.1:0", "--data-dir", str(root / "t")),
                 *("--probe-references", str(refs), "--require-probe"),
             ],
         )
@@ -281,7 +281,17 @@ def swarm_phases(root: Path, sybils: int, requests_each: int) -> dict[str, Any]:
         gateway = ManagedProcess(
             "gateway",
             [
-                *("gateway", "--tracker", tracker_url, "--listen", "127.0.0.1:0", "--model", f"smol={model}"),
+                *(
+                    "gateway",
+                    "--data-dir",
+                    str(root / "gateway"),
+                    "--tracker",
+                    tracker_url,
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--model",
+                    f"smol={model}",
+                ),
                 *("--api-key-file", str(root / "keys"), "--running-per-key", str(RUNNING_PER_KEY)),
             ],
         )

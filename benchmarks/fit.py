@@ -218,7 +218,9 @@ def serving(model: Path, ranges: Sequence[LayerRange | None], cap: int | None, r
 
     try:
         processes.append(
-            ManagedProcess("tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(root / "tracker")])
+            ManagedProcess(
+                "tracker", ["tracker", "--local-swarm", "--listen", "127.0.0.1:0", "--data-dir", str(root / "tracker")]
+            )
         )
         tracker = expect(processes[0].start(120), TrackerReady)
         nodes = []
@@ -240,6 +242,8 @@ def serving(model: Path, ranges: Sequence[LayerRange | None], cap: int | None, r
             "gateway",
             [
                 "gateway",
+                "--data-dir",
+                str(root / "gateway"),
                 "--tracker",
                 tracker.url,
                 "--listen",

@@ -264,7 +264,17 @@ def real_swarm(root: Path) -> dict[str, Any]:
 
     try:
         tracker = ManagedProcess(
-            "tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(root / "t"), "--expire-after", "2"]
+            "tracker",
+            [
+                "tracker",
+                "--local-swarm",
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+                str(root / "t"),
+                "--expire-after",
+                "2",
+            ],
         )
         processes.append(tracker)
         tracker_url = expect(tracker.start(), TrackerReady).url
@@ -277,7 +287,18 @@ def real_swarm(root: Path) -> dict[str, Any]:
         ranges = [tuple(r.layers) for r in ready]
         covered = set().union(*(range(a, b) for a, b in ranges))
         gateway = ManagedProcess(
-            "gateway", ["gateway", "--tracker", tracker_url, "--listen", "127.0.0.1:0", "--model", f"smol={model}"]
+            "gateway",
+            [
+                "gateway",
+                "--data-dir",
+                str(root / "gateway"),
+                "--tracker",
+                tracker_url,
+                "--listen",
+                "127.0.0.1:0",
+                "--model",
+                f"smol={model}",
+            ],
         )
         processes.append(gateway)
         gateway_url = expect(gateway.start(), GatewayReady).url

@@ -101,7 +101,7 @@ class Swarm:
 @asynccontextmanager
 async def open_swarm(**options: Any) -> AsyncIterator[Swarm]:
     """A tracker built with ``options``, served over HTTP on loopback for the test's duration."""
-    tracker = Tracker(Identity.generate(), **options)
+    tracker = Tracker(Identity.generate(), **{"local_swarm": True, **options})  # its nodes are on loopback
     async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=30) as client:
         url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
         yield Swarm(tracker, url, client)

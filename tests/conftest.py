@@ -283,6 +283,7 @@ TIERS = {
         "test_placement",
         "test_sessions",
         "test_swarm",
+        "test_swarm_bounds",
         "test_tracker",
         "test_trackers",
     ),

@@ -101,7 +101,7 @@ async def test_a_ticket_for_another_route_is_refused(cluster: Cluster) -> None:
 
 async def test_a_ticket_for_another_model_is_refused(cluster: Cluster) -> None:
     session = os.urandom(16)
-    ticket = issue(cluster.issuer, session_id=session, epoch=0, artifact=os.urandom(32), hops=cluster.hops)
+    ticket = issue(cluster.issuer, session_id=session, epoch=0, artifact=os.urandom(32), hops=cluster.hops, local=True)
     assert await _attempt(cluster, ticket, session) == StatusCode.PERMISSION_DENIED
 
 
@@ -116,7 +116,9 @@ async def test_a_relay_pair_needs_a_valid_ticket(cluster: Cluster) -> None:
                 await dialer.dial(cluster.relay_info.url, tail.node_id, session_id=session, epoch=0, ticket=ticket)
             assert refused.value.code == StatusCode.PERMISSION_DENIED
         # a ticket for the session that names another node is not a ticket to this one
-        wrong = issue(cluster.issuer, session_id=session, epoch=0, artifact=cluster.artifact, hops=cluster.hops[:1])
+        wrong = issue(
+            cluster.issuer, session_id=session, epoch=0, artifact=cluster.artifact, hops=cluster.hops[:1], local=True
+        )
         with pytest.raises(StreamBroken) as refused:
             await dialer.dial(cluster.relay_info.url, tail.node_id, session_id=session, epoch=0, ticket=wrong)
         assert refused.value.code == StatusCode.PERMISSION_DENIED
@@ -294,7 +296,7 @@ async def test_a_node_cannot_speak_for_another_at_the_tracker() -> None:
 
     from .test_tracker import _registration
 
-    tracker = Tracker(Identity.generate())
+    tracker = Tracker(Identity.generate(), local_swarm=True)
     victim, impostor = Identity.generate(), Identity.generate()
     bodies = {
         "/v1/nodes/register": _registration(victim),

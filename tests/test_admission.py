@@ -235,6 +235,7 @@ def test_the_tracker_routes_only_shards_that_pass_their_probe(smollm2: Path, tmp
             "tracker",
             [
                 "tracker",
+                "--local-swarm",
                 "--listen",
                 "127.0.0.1:0",
                 "--data-dir",

@@ -84,7 +84,7 @@ def test_unreadable_probe_references_stop_the_tracker_at_once(problem: str, tmp_
     if problem == "not JSON":
         references.write_text("{ not json\n")
     line = _run(
-        *("tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "tracker")),
+        *("tracker", "--local-swarm", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "tracker")),
         *("--probe-references", str(references)),
     )
     assert line.startswith(f"noderuntime: error: cannot read probe references {references}")

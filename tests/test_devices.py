@@ -82,7 +82,9 @@ async def _generate(cluster: Cluster, prompt: list[int], n: int) -> list[int]:
 def test_a_node_on_vulkan_serves_and_reports_its_device(
     vulkan: BackendRuntime, tiny_model: Path, tmp_path: Path
 ) -> None:
-    tracker = ManagedProcess("tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t")])
+    tracker = ManagedProcess(
+        "tracker", ["tracker", "--local-swarm", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t")]
+    )
     url = expect(tracker.start(), TrackerReady).url
     try:
         extra = (*ON_VULKAN, "--tracker", url)

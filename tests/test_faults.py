@@ -101,6 +101,7 @@ class Rig:
             "tracker",
             [
                 "tracker",
+                "--local-swarm",
                 "--listen",
                 f"127.0.0.1:{port}",
                 "--data-dir",
@@ -154,6 +155,8 @@ class Rig:
             "gateway",
             [
                 "gateway",
+                "--data-dir",
+                str(self.root / "gateway"),
                 "--tracker",
                 self.tracker_url,
                 "--listen",

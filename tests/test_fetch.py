@@ -389,6 +389,7 @@ def _registered_node(demo: Served, tmp_path: Path, node_args: list[str]) -> dict
         "tracker",
         [
             "tracker",
+            "--local-swarm",
             "--listen",
             "127.0.0.1:0",
             "--data-dir",

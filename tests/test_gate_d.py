@@ -131,7 +131,9 @@ def test_route_across_hosts_with_a_relay_only_node(smollm2: Path, tmp_path: Path
             client = load_or_create_key(client_key)  # whom the tickets let reach the head
 
             def spec(session: bytes, request: Any, **extra: Any) -> dict[str, Any]:
-                ticket = issue(issuer, session_id=session, epoch=0, artifact=artifact, hops=plan, client=client.node_id)
+                ticket = issue(
+                    issuer, session_id=session, epoch=0, artifact=artifact, hops=plan, client=client.node_id, local=True
+                )
                 return {
                     "client_key": str(client_key),
                     "hops": encode_hops(plan),

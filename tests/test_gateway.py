@@ -241,7 +241,16 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
     try:
         tracker = launch(
             "tracker",
-            ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t"), "--expire-after", str(EXPIRE)],
+            [
+                "tracker",
+                "--local-swarm",
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+                str(tmp_path / "t"),
+                "--expire-after",
+                str(EXPIRE),
+            ],
             TrackerReady,
         )
         # the four nodes start together, as a local system's do
@@ -256,6 +265,8 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
             "gateway",
             [
                 "gateway",
+                "--data-dir",
+                str(tmp_path / "gateway"),
                 "--tracker",
                 tracker.url,
                 "--listen",
@@ -350,7 +361,9 @@ def test_generated_requests_never_get_a_server_error(system: localsystem.LocalSy
 def test_a_full_route_waits_briefly_then_answers_429(smollm2: Path, tmp_path: Path) -> None:
     processes: list[ManagedProcess] = []
     try:
-        tracker = ManagedProcess("tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t")])
+        tracker = ManagedProcess(
+            "tracker", ["tracker", "--local-swarm", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t")]
+        )
         processes.append(tracker)
         tracker_url = expect(tracker.start(), TrackerReady).url
         node = ManagedProcess(
@@ -377,6 +390,8 @@ def test_a_full_route_waits_briefly_then_answers_429(smollm2: Path, tmp_path: Pa
             "gateway",
             [
                 "gateway",
+                "--data-dir",
+                str(tmp_path / "gateway"),
                 "--tracker",
                 tracker_url,
                 "--listen",

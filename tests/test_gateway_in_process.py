@@ -465,7 +465,7 @@ async def _gateway_over(
 
         urls = []
         for scope in trackers or [trio.CancelScope()]:
-            url = await nursery.start(serve, Tracker(Identity.generate(), expire_after=60.0), scope)
+            url = await nursery.start(serve, Tracker(Identity.generate(), expire_after=60.0, local_swarm=True), scope)
             urls.append(url)
             for node in members:
                 body = json.dumps(_registration(node)).encode()

@@ -73,7 +73,16 @@ def test_nodes_without_layers_cover_a_model_none_can_hold_serve_it_and_a_newcome
     try:
         tracker = ManagedProcess(
             "tracker",
-            ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t"), "--expire-after", "2"],
+            [
+                "tracker",
+                "--local-swarm",
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+                str(tmp_path / "t"),
+                "--expire-after",
+                "2",
+            ],
         )
         processes.append(tracker)
         tracker_url = expect(tracker.start(), TrackerReady).url
@@ -89,7 +98,17 @@ def test_nodes_without_layers_cover_a_model_none_can_hold_serve_it_and_a_newcome
         localsystem._wait_routable(tracker_url, artifact)
         gateway = ManagedProcess(
             "gateway",
-            ["gateway", "--tracker", tracker_url, "--listen", "127.0.0.1:0", "--model", f"smol={smollm2}"],
+            [
+                "gateway",
+                "--data-dir",
+                str(tmp_path / "gateway"),
+                "--tracker",
+                tracker_url,
+                "--listen",
+                "127.0.0.1:0",
+                "--model",
+                f"smol={smollm2}",
+            ],
         )
         processes.append(gateway)
         url = expect(gateway.start(), GatewayReady).url
@@ -163,7 +182,9 @@ def test_a_node_that_cannot_be_placed_says_why(smollm2: Path, tmp_path: Path, me
 
 
 def test_a_node_that_stops_before_it_registers_frees_its_range_at_once(smollm2: Path, tmp_path: Path) -> None:
-    tracker = ManagedProcess("tracker", ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t")])
+    tracker = ManagedProcess(
+        "tracker", ["tracker", "--local-swarm", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t")]
+    )
     try:
         url = expect(tracker.start(), TrackerReady).url
         placed = []

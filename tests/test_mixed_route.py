@@ -122,6 +122,7 @@ def test_a_tracker_given_the_certificate_serves_a_route_across_devices(
     pair = covered_pair(contract.load(certificate[0]))
     args = [
         "tracker",
+        "--local-swarm",
         "--listen",
         "127.0.0.1:0",
         "--data-dir",
@@ -168,7 +169,17 @@ def test_a_tracker_refuses_a_certificate_it_cannot_trust(certificate: tuple[Path
     missing = tmp_path / "absent.json"
     for path, says in ((tmp_path / "tampered.json", "altered since signing"), (missing, "cannot read")):
         done = subprocess.run(
-            [sys.executable, "-m", "noderuntime", "tracker", "--listen", "127.0.0.1:0", "--certificate", str(path)],
+            [
+                sys.executable,
+                "-m",
+                "noderuntime",
+                "tracker",
+                "--local-swarm",
+                "--listen",
+                "127.0.0.1:0",
+                "--certificate",
+                str(path),
+            ],
             capture_output=True,
             text=True,
             timeout=60,

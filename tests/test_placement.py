@@ -213,7 +213,7 @@ def _signed_poster(
 
 
 async def test_the_tracker_places_signed_joiners_apart_and_refuses_bad_requests_with_a_4xx() -> None:
-    tracker = Tracker(Identity.generate())
+    tracker = Tracker(Identity.generate(), local_swarm=True)
     one, two, other = Identity.generate(), Identity.generate(), Identity.generate()
     async with trio.open_nursery() as nursery, httpx.AsyncClient() as client:
         url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
@@ -401,7 +401,7 @@ def test_the_hold_down_ends_and_is_forgotten_with_it() -> None:
 
 
 async def test_the_tracker_tells_a_signed_serving_node_to_stay_or_move_and_holds_it_down() -> None:
-    tracker = Tracker(Identity.generate(), move_hold_down=300.0)
+    tracker = Tracker(Identity.generate(), move_hold_down=300.0, local_swarm=True)
     a, b, c, other = (Identity.generate() for _ in range(4))
     async with trio.open_nursery() as nursery, httpx.AsyncClient() as client:
         url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")

@@ -148,7 +148,7 @@ def test_a_client_that_leaves_while_it_waits_leaves_no_trace(system: localsystem
 
 
 def test_beyond_the_lines_bound_or_its_timeout_a_request_gets_429_with_retry_after(
-    system: localsystem.LocalSystem, smollm2: Path
+    system: localsystem.LocalSystem, smollm2: Path, tmp_path: Path
 ) -> None:
     _wait_for(lambda: _idle(system), "idle")
     # a second gateway of the same swarm, whose line holds one request for at most 2 s
@@ -156,6 +156,8 @@ def test_beyond_the_lines_bound_or_its_timeout_a_request_gets_429_with_retry_aft
         "gateway-small-line",
         [
             "gateway",
+            "--data-dir",
+            str(tmp_path / "gateway"),
             "--tracker",
             system.tracker_url,
             "--listen",
@@ -198,13 +200,15 @@ def test_beyond_the_lines_bound_or_its_timeout_a_request_gets_429_with_retry_aft
         stop_all([gateway])
 
 
-def test_turns_in_line_go_round_the_api_keys(system: localsystem.LocalSystem, smollm2: Path) -> None:
+def test_turns_in_line_go_round_the_api_keys(system: localsystem.LocalSystem, smollm2: Path, tmp_path: Path) -> None:
     """One key's burst does not keep another key's request waiting behind all of it."""
     _wait_for(lambda: _idle(system), "idle")
     gateway = ManagedProcess(
         "gateway-keys",
         [
             "gateway",
+            "--data-dir",
+            str(tmp_path / "gateway"),
             "--tracker",
             system.tracker_url,
             "--listen",

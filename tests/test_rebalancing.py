@@ -125,7 +125,16 @@ def test_a_placed_node_moves_make_before_break_while_requests_through_the_gatewa
     try:
         tracker = ManagedProcess(
             "tracker",
-            ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t"), "--expire-after", "5"],
+            [
+                "tracker",
+                "--local-swarm",
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+                str(tmp_path / "t"),
+                "--expire-after",
+                "5",
+            ],
         )
         processes.append(tracker)
         tracker_url = expect(tracker.start(), TrackerReady).url
@@ -137,7 +146,9 @@ def test_a_placed_node_moves_make_before_break_while_requests_through_the_gatewa
         localsystem._wait_routable(tracker_url, first.artifact)
         # no audits: every session on the mover is a reply's, each handed-over one repaired by the gateway
         serve = ["--listen", "127.0.0.1:0", "--model", f"smol={smollm2}", "--audit-rate", "0"]
-        gateway = ManagedProcess("gateway", ["gateway", "--tracker", tracker_url, *serve])
+        gateway = ManagedProcess(
+            "gateway", ["gateway", "--data-dir", str(tmp_path / "gateway"), "--tracker", tracker_url, *serve]
+        )
         processes.append(gateway)
         url = expect(gateway.start(), GatewayReady).url
 

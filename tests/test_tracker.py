@@ -122,7 +122,7 @@ def test_a_registration_speaks_the_node_description_and_the_record_keeps_all_of_
 
 
 async def test_api_authenticates_nodes_and_issues_verifiable_tickets() -> None:
-    tracker = Tracker(Identity.generate(), expire_after=2.0, api_key="gw-secret")
+    tracker = Tracker(Identity.generate(), local_swarm=True, expire_after=2.0, api_key="gw-secret")
     me, other = Identity.generate(), Identity.generate()
     async with trio.open_nursery() as nursery, httpx.AsyncClient() as client:
         url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
@@ -178,7 +178,7 @@ async def test_api_authenticates_nodes_and_issues_verifiable_tickets() -> None:
 
 async def test_a_mixed_grant_names_each_hops_recipe_and_the_session_names_them_together() -> None:
     cpu, gpu = "c" * 16, "9" * 16
-    tracker = Tracker(Identity.generate(), mixes=[CoveredPair(ARTIFACT, cpu, gpu)])
+    tracker = Tracker(Identity.generate(), local_swarm=True, mixes=[CoveredPair(ARTIFACT, cpu, gpu)])
     head, tail = Identity.generate(), Identity.generate()
     async with trio.open_nursery() as nursery, httpx.AsyncClient() as client:
         url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
@@ -219,7 +219,7 @@ async def test_a_registration_that_peers_could_not_use_is_refused_and_the_tracke
     change: dict[str, Any],
 ) -> None:
     """What routes hand to peers must be dialable; JSON that breaks parsers is a 4xx, not a crash."""
-    tracker = Tracker(Identity.generate(), expire_after=2.0)
+    tracker = Tracker(Identity.generate(), local_swarm=True, expire_after=2.0)
     me = Identity.generate()
     async with trio.open_nursery() as nursery, httpx.AsyncClient() as client:
         url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
@@ -259,7 +259,7 @@ async def test_a_malformed_route_grant_is_a_tracker_error(body: bytes) -> None:
 
 async def test_nodes_register_again_after_a_tracker_restart() -> None:
     me = Identity.generate()
-    first = Tracker(Identity.generate(), expire_after=2.0)
+    first = Tracker(Identity.generate(), local_swarm=True, expire_after=2.0)
     async with trio.open_nursery() as nursery:
         scope = trio.CancelScope()
         gone = trio.Event()
@@ -284,7 +284,7 @@ async def test_nodes_register_again_after_a_tracker_restart() -> None:
         assert me.node_id in first.state.nodes
         scope.cancel()  # the tracker goes away...
         await gone.wait()  # (its port free again)
-        second = Tracker(Identity.generate(), expire_after=2.0)
+        second = Tracker(Identity.generate(), local_swarm=True, expire_after=2.0)
         scope, gone = trio.CancelScope(), trio.Event()
         await nursery.start(serve, second, port)  # ...and comes back empty
         # the tracker stores the node before the link has read the answer: wait for both
@@ -301,7 +301,7 @@ async def test_a_node_the_tracker_counts_full_heartbeats_as_soon_as_a_slot_frees
     """TrackerLink.slot_freed: the tracker takes a slot off per route it grants, so a node it may count
     full (one route on its way allowed for) says at once when one frees; one with room waits."""
     me = Identity.generate()
-    tracker = Tracker(Identity.generate())
+    tracker = Tracker(Identity.generate(), local_swarm=True)
     load = {"free_slots": 4, "sessions_opened": 0}
     async with trio.open_nursery() as nursery:
         url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
@@ -369,7 +369,7 @@ async def test_a_node_beats_at_the_interval_the_trackers_latest_answer_gives(mon
     when the swarm grows, and the tracker expires it by the interval it told it."""
     monkeypatch.setattr(registry, "HEARTBEAT_SECONDS", 0.2)
     monkeypatch.setattr(registry, "HEARTBEATS_PER_SECOND", 10.0)
-    tracker = Tracker(Identity.generate(), expire_after=0.5)
+    tracker = Tracker(Identity.generate(), local_swarm=True, expire_after=0.5)
     me = Identity.generate()
     beats: list[float] = []  # when each heartbeat left
     kept: list[bool] = []  # whether the tracker's sweep kept the node then, the longest it had been silent
@@ -408,7 +408,7 @@ async def test_a_node_that_refuses_for_want_of_a_slot_tells_the_tracker_at_once_
     """TrackerLink.slot_refused: slots another tracker's routes took are news to this one; a node whose
     last heartbeat said it was full sends no more for each refusal."""
     me = Identity.generate()
-    tracker = Tracker(Identity.generate())
+    tracker = Tracker(Identity.generate(), local_swarm=True)
     load = {"free_slots": 4, "sessions_opened": 0}
     leases = LeaseManager(4, 64)
     async with trio.open_nursery() as nursery:

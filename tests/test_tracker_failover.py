@@ -84,7 +84,7 @@ def test_killing_one_of_two_trackers_under_steady_load_fails_no_request(smollm2:
         return made
 
     def tracker(name: str, listen: str) -> ManagedProcess:
-        return process(name, ["tracker", "--listen", listen, "--data-dir", str(tmp_path / name)])
+        return process(name, ["tracker", "--local-swarm", "--listen", listen, "--data-dir", str(tmp_path / name)])
 
     stop = threading.Event()
     clients: list[Client] = []
@@ -114,6 +114,8 @@ def test_killing_one_of_two_trackers_under_steady_load_fails_no_request(smollm2:
             "gateway",
             [
                 "gateway",
+                "--data-dir",
+                str(tmp_path / "gateway"),
                 *given,
                 "--listen",
                 "127.0.0.1:0",

@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from noderuntime.access.identity import Identity
+from noderuntime.access.known_trackers import KnownTrackers
 from noderuntime.access.tickets import TicketVerifier
 from noderuntime.operations.httpserve import serve_http
 from noderuntime.tracker.app import Tracker
@@ -185,7 +186,7 @@ async def test_a_node_links_to_each_tracker_trusts_each_and_a_client_fails_over(
     up it trusts its key and registers there too. A client then gets routes from the first until it
     stops, then from the second, and the node accepts the tickets of both."""
     me = Identity.generate()
-    first, second = Tracker(Identity.generate(), expire_after=5.0), Tracker(Identity.generate(), expire_after=5.0)
+    first, second = (Tracker(Identity.generate(), expire_after=5.0, local_swarm=True) for _ in range(2))
     second_url = f"http://127.0.0.1:{_free_port()}"
 
     def load() -> NodeLoad:
@@ -200,7 +201,7 @@ async def test_a_node_links_to_each_tracker_trusts_each_and_a_client_fails_over(
 
         first_url = await nursery.start(serve, first, "127.0.0.1:0", first_scope)
         with trio.fail_after(10):
-            keys = await first_issuer_keys([first_url, second_url])  # the second refuses: not waited for
+            keys = await first_issuer_keys([first_url, second_url], KnownTrackers(None))  # the second: not waited for
         assert keys == {first_url: first.identity.node_id}
         verifier = TicketVerifier(keys.values())
         links = TrackerLinks(

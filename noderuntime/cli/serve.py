@@ -167,6 +167,7 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
         prefix_cache=args.prefix_cache,
         http=args.http,
         trackers=tuple(args.tracker),
+        tracker_keys=_tracker_keys(args),
         memory_limit=args.memory_limit,
         mmap=args.mmap,
         backend=args.backend,
@@ -175,6 +176,23 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
         join_secret=_join_secret(args.join_secret_file),
         insecure_plaintext_seams=args.insecure_plaintext_seams,
     )
+
+
+def _tracker_keys(args: argparse.Namespace) -> tuple[tuple[str, bytes], ...]:
+    """The keys --tracker-key gives, by tracker URL."""
+    from noderuntime.access.known_trackers import KnownTrackersError, parse_given
+
+    try:
+        return tuple(parse_given(args.tracker_key, args.tracker).items())
+    except KnownTrackersError as exc:
+        raise CliError(str(exc)) from None
+
+
+TRACKER_KEY_HELP = (
+    "the ticket-issuer key (64 hex digits, or a file with them) a --tracker must show, as URL=KEY (a bare KEY "
+    "with one --tracker); repeatable. Pinned in the data directory's known_trackers in place of the key pinned "
+    "at first contact: how to accept a tracker's new key on purpose, or to pin one before any contact"
+)
 
 
 def _join_secret(path: str | None) -> bytes | None:
@@ -257,6 +275,7 @@ def _cmd_tracker(args: argparse.Namespace) -> int:
             mixes=mixes,
             manifests=manifests,
             status_key=args.status_key,
+            local_swarm=args.local_swarm,
             **kw,
         ),
     )
@@ -300,7 +319,9 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         models=tuple(served),
         api_keys=gateway_keys(args),
         cors_origins=tuple(args.cors_origin),
-        tracker_key=args.tracker_key,
+        tracker_api_key=args.tracker_api_key,
+        data_dir=Path(args.data_dir),
+        tracker_keys=_tracker_keys(args),
         request_timeout=args.request_timeout,
         ctx=args.ctx,
         queue_timeout=args.queue_timeout,
@@ -461,6 +482,7 @@ def _add_up(sub: Any) -> None:
         "heartbeats with each (one that is down does not stop it starting with the others), and a node "
         "without --layers asks the first that answers where to serve",
     )
+    p.add_argument("--tracker-key", action="append", default=[], metavar="[URL=]KEY", help=TRACKER_KEY_HELP)
     p.add_argument(
         "--max-layers",
         type=positive_int,
@@ -603,6 +625,13 @@ def _add_tracker(sub: Any) -> None:
         help="a signed manifest (from `noderuntime models manifest`) to serve at /v1/manifests/ARTIFACT, "
         "for nodes that fetch only their layers; repeatable",
     )
+    p.add_argument(
+        "--local-swarm",
+        action="store_true",
+        help="the swarm runs on this machine or one private network: nodes may register loopback, private and "
+        "link-local addresses, and the tickets this tracker signs let nodes and gateways dial them (without it "
+        "such registrations are refused, and a node's direct address must be a literal public IP)",
+    )
     p.set_defaults(func=_cmd_tracker)
 
 
@@ -637,7 +666,15 @@ def _add_gateway(sub: Any) -> None:
         default=[],
         help="an origin browsers may call the API from (e.g. https://app.example); repeatable, '*' for any",
     )
-    p.add_argument("--tracker-key", help="bearer key for route requests to the trackers (the same for each)")
+    p.add_argument("--tracker-key", action="append", default=[], metavar="[URL=]KEY", help=TRACKER_KEY_HELP)
+    p.add_argument(
+        "--tracker-api-key", help="bearer key for route requests to the trackers (the same for each; their --api-key)"
+    )
+    p.add_argument(
+        "--data-dir",
+        default=str(default_data_dir().with_name("gateway")),
+        help="where the gateway keeps the keys its trackers showed at first contact (known_trackers)",
+    )
     p.add_argument("--request-timeout", type=seconds, default=600.0, help="seconds a request may take")
     p.add_argument("--ctx", type=positive_int, help="context per session the nodes offer (default: the model's)")
     p.add_argument(

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from noderuntime.access.identity import Identity
+from noderuntime.access.known_trackers import KnownTrackers
 from noderuntime.control.ledger import Ledger
 from noderuntime.gateway.auth import ApiKeys, client_identity
 from noderuntime.gateway.errors import RETRY_AFTER_SECONDS, ApiError, error_response, run_error
@@ -58,7 +59,7 @@ from noderuntime.runner.policy import RunError
 from noderuntime.runner.runner import Client, RouteRunner
 from noderuntime.seams.client import GenerationRequest
 from noderuntime.tracker.client import TrackerError
-from noderuntime.tracker.trackers import Trackers
+from noderuntime.tracker.trackers import IssuerKeys, Trackers
 from noderuntime.web import add_pages
 from protocol import TokenLogprob
 
@@ -92,7 +93,8 @@ class Gateway:
         *,
         api_keys: Sequence[str] = (),
         cors_origins: Sequence[str] = (),
-        tracker_key: str | None = None,
+        tracker_api_key: str | None = None,
+        tracker_pins: KnownTrackers | None = None,
         request_timeout: float = 600.0,
         queue_timeout: float = 10.0,
         queue_limit: int = 256,
@@ -107,7 +109,9 @@ class Gateway:
         on relayed seams, which route tickets name and which signs the gateway's route repairs
         and audits (a fresh one when None). ``audit_rate``: the share of sessions audited after
         they end (:mod:`noderuntime.runner.audits`; run by ``runner.audits.run``, which the
-        caller starts).
+        caller starts). ``tracker_api_key``: the bearer key route requests carry;
+        ``tracker_pins``: the key each tracker must show, pinned at first contact (in memory
+        when None), under which every route's ticket is checked before a prompt leaves.
 
         When every route is full a request waits in line (:mod:`noderuntime.runner.line`) up to
         ``queue_timeout`` seconds; at most ``queue_limit`` requests wait, ``queue_per_key`` of them
@@ -129,7 +133,8 @@ class Gateway:
             http=self.http,
             identity=identity or Identity.generate(),
             metrics=self.metrics,
-            tracker_key=tracker_key,
+            tracker_api_key=tracker_api_key,
+            issuers=IssuerKeys(self.http, tracker_pins or KnownTrackers(None)),
             request_timeout=request_timeout,
             queue_timeout=queue_timeout,
             queue_limit=queue_limit,

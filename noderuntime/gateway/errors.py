@@ -49,6 +49,8 @@ _RUN_ERRORS = {
     "no_route": (503, "service_unavailable"),
     "tracker": (503, "service_unavailable"),
     "route_failed": (503, "service_unavailable"),
+    # a route reply that is not the tracker's: the gateway's upstream is not who it should be
+    "untrusted_route": (502, "service_unavailable"),
     "deadline_exceeded": (504, "timeout"),
 }
 

@@ -37,7 +37,8 @@ import trio
 from noderuntime.access import untrusted
 from noderuntime.control.commitments import tokens_digest
 from noderuntime.control.ledger import CheckedRecord
-from noderuntime.runner.opening import open_granted
+from noderuntime.runner.opening import Issuers, open_granted
+from noderuntime.runner.policy import RunError
 from noderuntime.seams.client import GenerationRequest, RouteError
 from noderuntime.tracker.audits import AuditError, commitments
 from noderuntime.tracker.client import RequestSigner, RouteGrant, TrackerError, report_audit, request_audit
@@ -115,10 +116,12 @@ class Audits:
         http: httpx.AsyncClient,
         trackers: Trackers,
         signer: RequestSigner,
+        issuers: Issuers,
         on_dispute: Callable[[str, bytes, str], Awaitable[None]] | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        """``on_dispute(request id, node id, why)``: a node the tracker excluded on an audit of that request.
+        """``on_dispute(request id, node id, why)``: a node the tracker excluded on an audit of that request;
+        ``issuers``: the key each tracker signs with, under which an audit route's ticket is checked.
 
         A session is audited by the tracker (of ``trackers``) that issued its ticket, the only
         one that can read it, and the audit is reported to that one; while it does not
@@ -130,6 +133,7 @@ class Audits:
         self.http = http
         self.trackers = trackers
         self.signer = signer
+        self.issuers = issuers
         self._rng = rng or random.SystemRandom()
         self._send, self._receive = trio.open_memory_channel[Served](QUEUE)
         self.counters: dict[str, float] = {
@@ -166,7 +170,7 @@ class Audits:
             async for served in self._receive:
                 try:
                     await self.audit(served)
-                except (TrackerError, RouteError, AuditError, httpx.HTTPError) as exc:
+                except (TrackerError, RouteError, RunError, AuditError, httpx.HTTPError) as exc:
                     # the swarm could not audit it now (no auditors, a failed route): counted, not judged
                     if isinstance(exc, TrackerError) and exc.status == 503:
                         key = "skipped_no_auditors"
@@ -244,7 +248,7 @@ class Audits:
             prompt_length=len(original.prompt_tokens),
             audit_from=start,
         )
-        async with open_granted(self.connector, grant, audit, artifact=served.artifact) as gen:
+        async with open_granted(self.connector, grant, audit, artifact=served.artifact, issuers=self.issuers) as gen:
             while await gen.next() is not None:
                 pass
         return grant, tuple(gen.usage or ())

@@ -20,11 +20,21 @@ class RunError(Exception):
 
     ``routes_full`` and ``queue_full``: every route is busy (try again soon); ``client_closed``:
     the client left while it waited; ``no_route``, ``tracker`` and ``route_failed``: no route
-    can serve it now; ``deadline_exceeded``: its time ran out.
+    can serve it now; ``untrusted_route``: a route's ticket is not the tracker's (forged on the
+    way, or the tracker's key changed), so nothing was sent; ``deadline_exceeded``: its time ran out.
     """
 
     CODES = frozenset(
-        {"routes_full", "queue_full", "client_closed", "no_route", "tracker", "route_failed", "deadline_exceeded"}
+        {
+            "routes_full",
+            "queue_full",
+            "client_closed",
+            "no_route",
+            "tracker",
+            "route_failed",
+            "untrusted_route",
+            "deadline_exceeded",
+        }
     )
 
     def __init__(self, code: str, message: str) -> None:

@@ -38,7 +38,7 @@ from noderuntime.operations.telemetry import GatewayMetrics
 from noderuntime.runner.affinity import PrefixAffinity
 from noderuntime.runner.audits import Audits, Served, commitment_problems
 from noderuntime.runner.line import LineFull, Waiter, WaitLine
-from noderuntime.runner.opening import open_granted
+from noderuntime.runner.opening import Issuers, open_granted
 from noderuntime.runner.policy import (
     DEADLINE_GRACE_SECONDS,
     MAX_ATTEMPTS,
@@ -100,7 +100,8 @@ class RouteRunner:
         http: httpx.AsyncClient,
         identity: Identity,
         metrics: GatewayMetrics,
-        tracker_key: str | None = None,
+        issuers: Issuers,
+        tracker_api_key: str | None = None,
         request_timeout: float = 600.0,
         queue_timeout: float = 10.0,
         queue_limit: int = 256,
@@ -109,7 +110,10 @@ class RouteRunner:
         on_dispute: Callable[[str, bytes, str], Awaitable[None]] | None = None,
     ) -> None:
         """``identity``: the key ``connector`` proves on relayed seams, which tickets name and which
-        signs repairs and audits. ``request_timeout``: a repaired session's ticket lives as long.
+        signs repairs and audits. ``issuers``: the key each tracker signs tickets with, under which
+        every grant's ticket is checked before its head is dialled (:func:`checked`).
+        ``tracker_api_key``: the bearer key route requests carry. ``request_timeout``: a
+        repaired session's ticket lives as long.
         ``queue_*``: the wait line's bounds (:class:`WaitLine`). ``audit_rate``: the share of
         sessions audited (:class:`Audits`, whose :meth:`Audits.run` the caller starts)."""
         self.trackers = trackers
@@ -118,13 +122,20 @@ class RouteRunner:
         self.identity = identity
         self.signer = RequestSigner(identity)
         self.metrics = metrics
-        self.tracker_key = tracker_key
+        self.issuers = issuers
+        self.tracker_api_key = tracker_api_key
         self.request_timeout = request_timeout
         self.queue_timeout = queue_timeout
         self.line = WaitLine(limit=queue_limit, per_key=queue_per_key)
         self.affinity = PrefixAffinity()
         self.audits = Audits(
-            audit_rate, connector=connector, http=http, trackers=trackers, signer=self.signer, on_dispute=on_dispute
+            audit_rate,
+            connector=connector,
+            http=http,
+            trackers=trackers,
+            signer=self.signer,
+            issuers=issuers,
+            on_dispute=on_dispute,
         )
         self.counters: dict[str, int] = {"retries": 0, "repairs": 0, "repairs_failed": 0}
 
@@ -210,7 +221,11 @@ class RouteRunner:
                         try:
                             gen = await stack.enter_async_context(
                                 open_granted(
-                                    self.connector, grant, session_request, artifact=bytes.fromhex(target.artifact)
+                                    self.connector,
+                                    grant,
+                                    session_request,
+                                    artifact=bytes.fromhex(target.artifact),
+                                    issuers=self.issuers,
                                 )
                             )
                             timeline.mark("gateway.opened")
@@ -276,7 +291,7 @@ class RouteRunner:
             artifact=target.artifact,
             tokens=tokens,
             exclude=list(exclude),
-            api_key=self.tracker_key,
+            api_key=self.tracker_api_key,
             client_id=self.identity.node_id,
             prefer=prefer,
         )

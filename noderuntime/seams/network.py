@@ -11,7 +11,8 @@ import logging
 
 import attrs
 
-from noderuntime.access.tickets import TicketError, TicketVerifier
+from noderuntime.access.addresses import AddressError, check_address, check_relay_resolved
+from noderuntime.access.tickets import TicketError, TicketVerifier, declares_local
 from noderuntime.transport import FrameStream, TransportError
 from noderuntime.transport.grpc import GrpcConnector
 from noderuntime.transport.relay_client import RelayDialer
@@ -20,6 +21,30 @@ from protocol import Hop, OpenRoute, RemoteProtocolError, StatusCode
 from protocol.channel import Binding, ChannelKeys
 
 log = logging.getLogger(__name__)
+
+
+class AddressRefused(TransportError):
+    """A hop names an address or relay that a swarm not declared local may not dial (loopback, private, ...)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, StatusCode.PERMISSION_DENIED)
+
+
+async def check_dialable(hop: Hop, open_route: OpenRoute) -> None:
+    """:class:`AddressRefused` unless ``hop``'s address and relay are public, or its ticket declares the swarm local.
+
+    The ticket is one its holder verified already (a node's admission check; a gateway's
+    :func:`~noderuntime.runner.opening.checked`); it binds the hop's address and relay too.
+    """
+    if declares_local(open_route.ticket):
+        return
+    try:
+        if hop.address:
+            check_address(hop.address)
+        if hop.relay:
+            await check_relay_resolved(hop.relay)
+    except AddressError as exc:
+        raise AddressRefused(f"not dialling hop {hop.layers.start}:{hop.layers.end}: {exc}") from None
 
 
 @attrs.define
@@ -38,6 +63,7 @@ class NetworkConnector:
     direct_attempts: int = 0
     relay_attempts: int = 0
     fallbacks: int = 0
+    addresses_refused: int = 0  # hops not dialled: they named private addresses outside a local swarm
 
     @property
     def node_id(self) -> bytes:
@@ -46,6 +72,11 @@ class NetworkConnector:
 
     async def connect(self, hop: Hop, open_route: OpenRoute) -> FrameStream:
         """A frame stream to ``hop`` for the session ``open_route`` opens."""
+        try:
+            await check_dialable(hop, open_route)
+        except AddressRefused:
+            self.addresses_refused += 1
+            raise
         error: TransportError | None = None
         if hop.address and self.grpc is not None:
             self.direct_attempts += 1

@@ -138,6 +138,8 @@ def start(
                 "--probe-references",
                 str(references),
                 "--require-probe",
+                # every process listens on loopback: a swarm declared local may name those addresses
+                "--local-swarm",
                 *tracker_options,
             ],
             TrackerReady,
@@ -188,6 +190,8 @@ def start(
                 str(ctx),
                 "--ledger",
                 str(root / "gateway" / "ledger.sqlite"),
+                "--data-dir",
+                str(root / "gateway"),
                 *gateway_options,
             ],
         )

@@ -18,7 +18,8 @@ from typing import Any
 import attrs
 import trio
 
-from noderuntime.access import identity
+from noderuntime.access import identity, known_trackers
+from noderuntime.access.known_trackers import KnownTrackers
 from noderuntime.access.signing import join_proof
 from noderuntime.access.tickets import TicketVerifier
 from noderuntime.control import admission
@@ -87,6 +88,8 @@ class NodeOptions:
     expected_fingerprint: str | None = None
     # register with each of these trackers, and trust their issuer keys unless issuer_keys were given
     trackers: tuple[str, ...] = ()
+    # keys given for trackers (--tracker-key), by URL: pinned in the data directory in place of any other
+    tracker_keys: tuple[tuple[str, bytes], ...] = ()
     http: str | None = "127.0.0.1:0"  # status (and metrics) endpoint
     memory_limit: int | None = None  # bytes: refuse a shard that would not fit, load weights unmapped
     mmap: bool = True  # map the model file (pages shared with the page cache) or read the shard's weights
@@ -121,9 +124,11 @@ async def run_node(
     me = identity.load_or_create(opts.data_dir)
     issuer_keys = opts.issuer_keys
     tracker_keys: dict[str, bytes] = {}
+    # each tracker must show the key pinned for it (at first contact, or by --tracker-key)
+    pins = KnownTrackers.in_data_dir(opts.data_dir, dict(opts.tracker_keys))
     if opts.trackers and not issuer_keys:
         # the keys of those that answer now (one at least); the others' once they answer (TrackerLinks)
-        tracker_keys = await first_issuer_keys(opts.trackers)
+        tracker_keys = await first_issuer_keys(opts.trackers, pins)
         issuer_keys = tuple(dict.fromkeys(tracker_keys.values()))
     # bad certificate files fail here, before the model loads
     tls = server_tls(opts.tls_cert, opts.tls_key) if opts.tls_cert and opts.tls_key else None
@@ -253,6 +258,7 @@ async def run_node(
                     on_probe=answer_probe,
                     verifier=None if opts.issuer_keys else verifier,
                     trusted=tracker_keys,
+                    pins=pins,
                 )
                 await nursery.start(links.run)  # registered with one tracker; the others' links keep trying
                 node.on_leave.append(links.leave)
@@ -502,7 +508,10 @@ class GatewayOptions:
     models: tuple[tuple[str, Path], ...]  # (model id, GGUF file holding its vocabulary)
     api_keys: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
-    tracker_key: str | None = None
+    tracker_api_key: str | None = None  # the bearer key route requests carry (the trackers' --api-key)
+    # where the trackers' keys are pinned (known_trackers); None: in memory, for this process only
+    data_dir: Path | None = None
+    tracker_keys: tuple[tuple[str, bytes], ...] = ()  # given by --tracker-key, by URL
     request_timeout: float = 600.0
     ctx: int | None = None
     queue_timeout: float = 10.0
@@ -549,7 +558,10 @@ async def run_gateway(
             dialer,
             api_keys=opts.api_keys,
             cors_origins=opts.cors_origins,
-            tracker_key=opts.tracker_key,
+            tracker_api_key=opts.tracker_api_key,
+            tracker_pins=KnownTrackers(
+                opts.data_dir / known_trackers.FILE if opts.data_dir is not None else None, dict(opts.tracker_keys)
+            ),
             request_timeout=opts.request_timeout,
             queue_timeout=opts.queue_timeout,
             queue_limit=opts.queue_limit,

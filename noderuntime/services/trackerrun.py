@@ -38,11 +38,13 @@ async def run_tracker(
     mixes: Sequence[CoveredPair] = (),
     manifests: Sequence[Manifest] = (),  # served to nodes that fetch only their layers
     status_key: str | None = None,
+    local_swarm: bool = False,
     task_status: trio.TaskStatus[TrackerReady] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve a tracker until cancelled; ``mixes`` are the recipe pairs certified to share routes;
     ``status_key``, when given, is needed to read the swarm map and the node lists; ``referees``: the nodes
-    whose re-execution may confirm an audit (see :class:`~noderuntime.tracker.app.Tracker`)."""
+    whose re-execution may confirm an audit; ``local_swarm``: nodes may register loopback and private
+    addresses, and its tickets let them be dialled (see :class:`~noderuntime.tracker.app.Tracker`)."""
     from noderuntime.tracker.app import Tracker
 
     tracker_identity = identity.load_or_create(data_dir)
@@ -64,6 +66,7 @@ async def run_tracker(
         mixes=mixes,
         manifests=manifests,
         status_key=status_key,
+        local_swarm=local_swarm,
     )
     for signed in manifests:
         log.info(
@@ -76,6 +79,8 @@ async def run_tracker(
     if allow_nodes or join_secret is not None:
         secret = ", and holders of the join secret" if join_secret is not None else ""
         log.info("a private swarm: %d node(s) allow-listed%s", len(allow_nodes), secret)
+    if local_swarm:
+        log.warning("a local swarm: nodes may register loopback and private addresses, and are dialled there")
     for referee in referees:
         log.info("referee %s may confirm audits", referee.hex()[:12])
     if probe_references:

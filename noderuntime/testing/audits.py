@@ -60,7 +60,10 @@ class AuditSwarm:
         referee = identity.load_or_create(self.root / "h0").node_id.hex()  # h0's key, made before it starts
         tracker = ManagedProcess(
             "tracker",
-            ["tracker", "--listen", "127.0.0.1:0", "--data-dir", str(self.root / "t"), "--referee", referee],
+            [
+                *("tracker", "--listen", "127.0.0.1:0", "--data-dir", str(self.root / "t")),
+                *("--referee", referee, "--local-swarm"),
+            ],
         )
         self.processes.append(tracker)
         self.tracker = expect(tracker.start(60), TrackerReady).url
@@ -73,6 +76,7 @@ class AuditSwarm:
                 *("gateway", "--tracker", self.tracker, "--listen", "127.0.0.1:0"),
                 *("--model", f"tiny={self.model}", "--ctx", "256"),
                 *("--audit-rate", str(self.audit_rate), "--ledger", str(self.ledger)),
+                *("--data-dir", str(self.root / "gateway")),
             ],
         )
         self.processes.append(gateway)

@@ -17,11 +17,9 @@ import trio
 from noderuntime.access.identity import Identity
 from noderuntime.access.tickets import issue
 from noderuntime.engine.cores import machine_cores
-from noderuntime.runner.opening import open_granted
-from noderuntime.seams.client import GenerationRequest
+from noderuntime.seams.client import GenerationRequest, open_route_generation
 from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
 from noderuntime.services.ready import NodeReady, RelayReady, expect
-from noderuntime.tracker.client import RouteGrant
 from protocol import Hop
 
 
@@ -66,6 +64,7 @@ class Cluster:
             hops=hops or self.hops,
             client=self.client.node_id if client is None else client,
             ttl_seconds=ttl,
+            local=True,  # the cluster runs on loopback, as a tracker's --local-swarm says
         )
 
     async def status(self, index: int) -> dict[str, Any]:
@@ -106,14 +105,24 @@ class Cluster:
     ) -> AbstractAsyncContextManager[Any]:
         """A route generation over the cluster (or ``hops``), with a fresh ticket unless given one.
 
-        The fresh ticket names ``connector``'s key as its client, as a tracker's would.
+        The fresh ticket names ``connector``'s key as its client, as a tracker's would. The
+        client does not check the ticket itself (a gateway does: ``runner.opening``), so that
+        a test may present the nodes any ticket.
         """
         session_id = session_id or os.urandom(16)
         hops = hops or self.hops
         client = getattr(connector, "node_id", b"")
         ticket = self.ticket(session_id, hops=hops, client=client) if ticket is None else ticket
-        grant = RouteGrant(hops, session_id, 0, ticket, self.recipe)  # as a tracker would grant it
-        return open_granted(connector, grant, request, artifact=artifact or self.artifact)
+        return open_route_generation(
+            connector,
+            hops,
+            request,
+            artifact=artifact or self.artifact,
+            recipe=self.recipe,
+            ticket=ticket,
+            session_id=session_id,
+            epoch=0,
+        )
 
     async def generate(
         self,

@@ -46,6 +46,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from noderuntime.access import tickets
+from noderuntime.access.addresses import AddressError, check_endpoints
 from noderuntime.access.identity import Identity
 from noderuntime.access.signing import SignatureChecker, SignatureError, join_proof
 from noderuntime.control.admission import AdmissionError, ProbeAnswer, ProbeReferences, check_capability, compare
@@ -122,6 +123,7 @@ class Tracker:
         referees: Iterable[bytes] = (),
         allow_nodes: Iterable[bytes] = (),
         join_secret: bytes | None = None,
+        local_swarm: bool = False,
     ) -> None:
         """``references`` let the tracker probe shards; ``require_probe`` admits no shard it cannot probe;
         ``mixes`` are the pairs of recipes that certificates let share a route; ``status_key``, when
@@ -134,7 +136,9 @@ class Tracker:
         audits never exclude, they make the reporting gateway avoid a node). ``allow_nodes`` and
         ``join_secret`` make the swarm private: only a node allow-listed, or one that proves it holds
         the secret (:func:`~noderuntime.access.signing.join_proof`), may register or be placed; with
-        neither, the swarm is open."""
+        neither, the swarm is open. ``local_swarm``: the swarm runs on one machine or a private
+        network: nodes may register loopback and private addresses, and every ticket says so, so
+        that nodes and gateways dial them (else they are refused: :mod:`noderuntime.access.addresses`)."""
         if join_secret is not None and not join_secret:
             raise ValueError("a join secret must not be empty")
         self.allow_nodes = frozenset(allow_nodes)
@@ -144,6 +148,7 @@ class Tracker:
         self.status_key = status_key
         self._swarm_cache: tuple[float, dict[str, Any]] | None = None
         self.identity = identity
+        self.local_swarm = local_swarm
         self.manifests = {m.artifact: m for m in manifests}
         self.mixes = tuple(mixes)
         by_artifact: dict[str, set[frozenset[str]]] = {}
@@ -291,6 +296,8 @@ class Tracker:
     async def _info(self) -> dict[str, Any]:
         return {
             "issuer_key": self.identity.node_id.hex(),
+            # informative: what nodes and gateways honour is the same flag in each ticket, signed
+            "local_swarm": self.local_swarm,
             "heartbeat_seconds": self.state.heartbeat_seconds,
             "expire_after_seconds": self.state.expires_after(self.state.heartbeat_seconds),
         }
@@ -321,6 +328,12 @@ class Tracker:
             raise HTTPException(400, f"artifact {body.artifact[:16]}… has {shape} layers by its manifest")
         if not body.address and not body.relay:
             raise HTTPException(400, "a node needs an address, a relay, or both")
+        if not self.local_swarm:
+            try:
+                check_endpoints(body.address, body.relay)
+            except AddressError as exc:
+                self.metrics.errors.labels("address").inc()
+                raise HTTPException(400, f"{exc}; this tracker's swarm is not declared local") from None
         try:
             measured = check_capability(
                 body.capability, node_id=node_id, artifact=body.artifact, layers=(start, end), recipe=body.recipe
@@ -576,6 +589,7 @@ class Tracker:
             hops=hops,
             client=bytes.fromhex(body.client),
             ttl_seconds=ttl,
+            local=self.local_swarm,
         )
         self.outstanding.take(names, now, now + ttl)
         self.state.note_session(n.node_id for n in choice.nodes)
@@ -658,6 +672,7 @@ class Tracker:
             hops=hops,
             client=requester,
             ttl_seconds=min(body.ttl_seconds, MAX_TICKET_SECONDS),
+            local=self.local_swarm,
         )
         try:
             self.audits.grant(
@@ -780,6 +795,7 @@ class Tracker:
             hops=hops,
             client=ticket.client,
             ttl_seconds=min(body.ttl_seconds, MAX_TICKET_SECONDS),
+            local=self.local_swarm,
         )
         self.state.note_session(n.node_id for n in choice.nodes)
         self.metrics.routes.labels("repaired").inc()

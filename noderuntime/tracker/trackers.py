@@ -5,8 +5,8 @@ and the keys it signs tickets with. So a swarm may run more than one, and none i
 point of failure:
 
 - a node registers and heartbeats with every tracker it is given (``--tracker``,
-  repeatable; :class:`TrackerLinks`), trusts the session tickets of each, and tells each
-  when it leaves;
+  repeatable; :class:`TrackerLinks`), trusts the session tickets of each (under the key
+  pinned for it: :mod:`noderuntime.access.known_trackers`), and tells each when it leaves;
 - a gateway asks the trackers in the order given (:class:`Trackers`): each request goes to
   the first that answers. One that does not (unreachable, timed out, a server error) is
   passed over and rests for a back-off (1 s, doubling to 30 s) before it is asked first
@@ -34,6 +34,7 @@ import httpx
 import trio
 
 from noderuntime.access.identity import Identity
+from noderuntime.access.known_trackers import KnownTrackers, TrackerKeyChanged
 from noderuntime.access.tickets import TicketVerifier
 from noderuntime.tracker.client import NodeLoad, TrackerError, TrackerLink, fetch_info
 from noderuntime.tracker.messages import Registration
@@ -185,22 +186,31 @@ class Trackers:
         )
 
 
-async def issuer_key(client: httpx.AsyncClient, url: str) -> bytes:
-    """The ticket-issuer key of the tracker at ``url`` (its ``/v1/info``); :class:`TrackerError` if it does
-    not answer with one."""
+async def issuer_key(client: httpx.AsyncClient, url: str, pins: KnownTrackers) -> bytes:
+    """The ticket-issuer key of the tracker at ``url`` (its ``/v1/info``), checked against ``pins``
+    (pinned there at first contact).
+
+    :class:`TrackerError` if it does not answer with one; :class:`TrackerKeyChanged` if it shows
+    another key than the one pinned for it.
+    """
     info = await fetch_info(client, url)
     try:
-        return bytes.fromhex(info["issuer_key"])
+        key = bytes.fromhex(info["issuer_key"])
     except (KeyError, TypeError, ValueError):
         raise TrackerError(f"{url}/v1/info names no issuer key", 200) from None
+    if len(key) != 32:
+        raise TrackerError(f"{url}/v1/info names no issuer key", 200)
+    pins.accept(url, key)
+    return key
 
 
-async def wait_issuer_key(client: httpx.AsyncClient, url: str) -> bytes:
-    """The ticket-issuer key of the tracker at ``url``, waiting as long as it does not answer."""
+async def wait_issuer_key(client: httpx.AsyncClient, url: str, pins: KnownTrackers) -> bytes:
+    """The ticket-issuer key of the tracker at ``url``, waiting as long as it does not answer
+    (:class:`TrackerKeyChanged` at once if it shows another key than the one pinned)."""
     level = logging.WARNING
     while True:
         try:
-            return await issuer_key(client, url)
+            return await issuer_key(client, url, pins)
         except TrackerError as exc:
             # said once: a tracker that stays down must not fill the node's log, a line a second
             log.log(level, "waiting for the tracker at %s: %s", url, exc)
@@ -208,8 +218,9 @@ async def wait_issuer_key(client: httpx.AsyncClient, url: str) -> bytes:
             await trio.sleep(KEY_RETRY_SECONDS)
 
 
-async def first_issuer_keys(urls: Sequence[str]) -> dict[str, bytes]:
-    """The ticket-issuer keys of the trackers at ``urls`` that answer, by URL.
+async def first_issuer_keys(urls: Sequence[str], pins: KnownTrackers) -> dict[str, bytes]:
+    """The ticket-issuer keys of the trackers at ``urls`` that answer, by URL, each checked against
+    ``pins`` (:class:`TrackerKeyChanged` for one that shows another key than the one pinned).
 
     Waits for one at least, as long as none answers; the others have until each one's
     first try ended (a tracker that is down costs the node no more than a refused
@@ -220,14 +231,17 @@ async def first_issuer_keys(urls: Sequence[str]) -> dict[str, bytes]:
     keys: dict[str, bytes] = {}
     tried: set[str] = set()
     changed = trio.Event()
+    refused: list[TrackerKeyChanged] = []
 
     async def fetch(client: httpx.AsyncClient, url: str) -> None:
         nonlocal changed
         while True:
             try:
-                keys[url] = await issuer_key(client, url)
+                keys[url] = await issuer_key(client, url, pins)
             except TrackerError as exc:
                 log.warning("waiting for the tracker at %s: %s", url, exc)
+            except TrackerKeyChanged as exc:
+                refused.append(exc)  # raised as it is, out of the nursery, for the node's start to fail with
             tried.add(url)
             changed.set()
             if url in keys:
@@ -237,13 +251,45 @@ async def first_issuer_keys(urls: Sequence[str]) -> dict[str, bytes]:
     async with httpx.AsyncClient() as client, trio.open_nursery() as nursery:
         for url in urls:
             nursery.start_soon(fetch, client, url)
-        while not (keys and len(tried) == len(urls)):
+        while not (refused or (keys and len(tried) == len(urls))):
             await changed.wait()
             changed = trio.Event()
         nursery.cancel_scope.cancel()
+    if refused:
+        raise refused[0]
     for url, key in keys.items():
         log.info("trusting session tickets from the tracker %s: key %s", url, key.hex())
     return keys
+
+
+class IssuerKeys:
+    """The ticket-issuer key of each tracker a client is granted routes by, as the client checks them.
+
+    Asked the first time a tracker's grant is checked (:meth:`key_of`), then kept: a tracker
+    that does not answer at the client's start costs nothing until it grants a route.
+    """
+
+    def __init__(
+        self, http: httpx.AsyncClient | None, pins: KnownTrackers, *, known: Mapping[str, bytes] | None = None
+    ) -> None:
+        """``http``: the client trackers are asked with; ``pins``: what each must show;
+        ``known``: keys given by URL, asked of no tracker (a swarm whose tickets one key signs)."""
+        self._http = http
+        self._pins = pins
+        self._keys = {url.rstrip("/"): key for url, key in (known or {}).items()}
+
+    async def key_of(self, url: str) -> bytes:
+        """The key the tracker at ``url`` signs tickets with: :class:`TrackerError` if it does not
+        say, :class:`TrackerKeyChanged` if it shows another key than the one pinned for it."""
+        url = url.rstrip("/")
+        key = self._keys.get(url)
+        if key is not None:
+            return key
+        if self._http is None:
+            raise TrackerError(f"no key is known for the tracker {url or '(none named)'}", 200)
+        key = await issuer_key(self._http, url, self._pins)
+        self._keys[url] = key
+        return key
 
 
 class TrackerLinks:
@@ -259,14 +305,17 @@ class TrackerLinks:
         on_probe: Callable[[int], Awaitable[dict[str, Any]]] | None = None,
         verifier: TicketVerifier | None = None,
         trusted: Mapping[str, bytes] | None = None,
+        pins: KnownTrackers | None = None,
     ) -> None:
         """``verifier``: where the node checks tickets; given, the node trusts each tracker's key
         before it registers there (so that no tracker routes to it with tickets it refuses),
         taking it from ``trusted`` (by URL) or, for those not in it, from the tracker when it
-        answers. None: the node's keys were given (``--issuer-key``), and it takes none."""
+        answers, checked against ``pins`` (in memory only when None). None: the node's keys
+        were given (``--issuer-key``), and it takes none."""
         self.links = [TrackerLink(url, identity, registration, load, on_probe=on_probe) for url in tracker_urls(urls)]
         self._verifier = verifier
         self._trusted = dict(trusted or {})
+        self._pins = pins or KnownTrackers(None)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run every link until cancelled; ``started`` once the node registered with one tracker.
@@ -285,8 +334,13 @@ class TrackerLinks:
         if self._verifier is not None:
             key = self._trusted.get(link.url)
             if key is None:
-                async with httpx.AsyncClient() as client:
-                    key = await wait_issuer_key(client, link.url)
+                try:
+                    async with httpx.AsyncClient() as client:
+                        key = await wait_issuer_key(client, link.url, self._pins)
+                except TrackerKeyChanged as exc:
+                    # refused: neither trusted nor registered with; the node goes on with the others
+                    log.error("not joining the tracker %s: %s", link.url, exc)
+                    return
                 log.info("trusting session tickets from the tracker %s: key %s", link.url, key.hex())
             self._verifier.trust(key)
         await nursery.start(link.run)
@@ -310,6 +364,7 @@ class TrackerLinks:
 
 
 __all__ = [
+    "IssuerKeys",
     "TrackerLinks",
     "TrackerStanding",
     "Trackers",
