@@ -40,12 +40,13 @@ CAPABILITY = Capability(
 
 
 def damaged_copy(model: Path, dst: Path, tensor: str = "blk.20.ffn_down.weight") -> Path:
-    """The model with the middle of one tensor overwritten: same fingerprint, other weights.
+    """The model with the middle of one tensor overwritten: other weights, and so another fingerprint.
 
-    The fingerprint samples each tensor's first and last 4 KiB only, so this is the kind
-    of damage (or substitution) only running the weights can reveal. Everything between
-    those samples is overwritten: on a small stacked-expert tensor a narrower band hit
-    one expert's rows only, and 1 probe seed in 100 routed around it.
+    The fingerprint covers every byte, so a node that runs these weights under the real
+    artifact's name (``tests/cheating_node.py``'s ``quant=PATH``, or a key of the real
+    artifact in a probe's references) is what only running the weights can reveal.
+    Everything but each end's first and last 4 KiB is overwritten: on a small stacked-expert
+    tensor a narrower band hit one expert's rows only, and 1 probe seed in 100 routed around it.
     """
     shutil.copyfile(model, dst)
     entry = next(t for t in ggufio.read(dst).tensors if t.name == tensor)
@@ -53,7 +54,7 @@ def damaged_copy(model: Path, dst: Path, tensor: str = "blk.20.ffn_down.weight")
     with open(dst, "r+b") as f:
         f.seek(entry.offset + margin)
         f.write(os.urandom(entry.n_bytes - 2 * margin))
-    assert artifacts.inspect(dst).fingerprint == artifacts.inspect(model).fingerprint
+    assert artifacts.inspect(dst).fingerprint != artifacts.inspect(model).fingerprint
     return dst
 
 
@@ -172,6 +173,7 @@ def test_probe_answers_are_reproducible_and_catch_damaged_weights(smollm2: Path,
         ((r["artifact"], tuple(r["layers"]), r["recipe"]), ProbeAnswer.from_json(r)) for r in references
     )
     damaged = damaged_copy(smollm2, tmp_path / "damaged.gguf")
+    claimed = artifacts.inspect(smollm2).fingerprint  # what a node running the damaged weights says it runs
     for path, layers, expect in (
         (smollm2, (0, 15), True),
         (smollm2, (15, 30), True),
@@ -181,7 +183,7 @@ def test_probe_answers_are_reproducible_and_catch_damaged_weights(smollm2: Path,
         # another thread count, another slot count, another sequence slot than the reference
         recipe = Recipe(n_threads=1, n_seq_max=4)
         with ShardEngine(path, recipe, LayerRange(*layers)) as engine:
-            key = (engine.info.fingerprint, layers, recipe.fingerprint(engine.info.quant))
+            key = (claimed, layers, recipe.fingerprint(engine.info.quant))
             seeds = refs.seeds(key)
             assert len(seeds) == 2
             for seed in seeds:
@@ -250,12 +252,14 @@ def test_the_tracker_routes_only_shards_that_pass_their_probe(smollm2: Path, tmp
         for name, path, layers in (
             ("head", smollm2, "0:15"),
             ("tail", smollm2, "15:30"),
-            ("damaged", damaged, "15:30"),
+            ("damaged", smollm2, "15:30"),  # registers the model, computes with the damaged copy
             ("odd", smollm2, "15:29"),  # no reference covers it: routed (not --require-probe) but never probed
         ):
+            cheat = [f"quant={damaged}"] if name == "damaged" else []
             node = ManagedProcess(
                 name,
                 [
+                    *cheat,
                     "up",
                     "--model",
                     str(path),
@@ -274,6 +278,7 @@ def test_the_tracker_routes_only_shards_that_pass_their_probe(smollm2: Path, tmp
                     "--ctx",
                     "512",
                 ],
+                module="tests.cheating_node" if cheat else "noderuntime",
             )
             processes.append(node)
         for node, line in zip(processes[1:], start_all(processes[1:]), strict=True):  # the four start together

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import threading
@@ -14,6 +15,7 @@ import pytest
 
 from noderuntime.models import artifacts, synth
 from noderuntime.models import catalogue as models
+from noderuntime.models import gguf as ggufio
 from noderuntime.models.artifacts import ArtifactError, LayerRange
 
 from .conftest import TINY_SHAPE
@@ -91,6 +93,125 @@ def test_edited_shard_weights_are_refused(tiny_model: Path, tmp_path: Path) -> N
     path.write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="differs from the parent model"):
         artifacts.inspect(path)
+
+
+def _flip(path: Path, offset: int) -> None:
+    """Change one byte of ``path`` in place: same size, same inode."""
+    with path.open("r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _middle_of_largest(path: Path) -> int:
+    """The offset of a byte in the middle of ``path``'s largest tensor, far from its first and last 4 KiB."""
+    tensor = max(ggufio.read(path).tensors, key=lambda t: t.n_bytes)
+    assert tensor.n_bytes > 4 * 4096
+    return tensor.offset + tensor.n_bytes // 2
+
+
+def _age(path: Path, seconds: float = 60.0) -> None:
+    """Date ``path`` as written ``seconds`` ago (its digests may then be kept; a fresh file's are not)."""
+    then = time.time_ns() - int(seconds * 1e9)
+    os.utime(path, ns=(then, then))
+
+
+def test_one_byte_changed_in_the_middle_of_a_tensor_changes_the_fingerprint(tiny_model: Path, tmp_path: Path) -> None:
+    altered = tmp_path / "altered.gguf"
+    shutil.copyfile(tiny_model, altered)
+    _flip(altered, _middle_of_largest(altered))  # outside the 4 KiB at each end a sampled fingerprint read
+    assert artifacts.inspect(altered).fingerprint != artifacts.inspect(tiny_model).fingerprint
+
+
+def test_a_shard_altered_in_the_middle_of_a_tensor_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    (path,) = artifacts.split(tiny_model, [LayerRange(0, 2)], tmp_path)
+    artifacts.inspect(path)
+    _flip(path, _middle_of_largest(path))
+    with pytest.raises(ArtifactError, match="differs from the parent model"):
+        artifacts.inspect(path)
+    assert artifacts.inspect(path, verify=False).fingerprint == artifacts.inspect(tiny_model).fingerprint  # claimed
+
+
+def _bytes_read() -> int:
+    """Bytes this process has read with read() and its kin (Linux: /proc/self/io), the page cache included."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def test_tensor_digests_are_kept_against_the_file_and_taken_again_when_it_changes(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    path = tmp_path / "model.gguf"
+    shutil.copyfile(tiny_model, path)
+    _age(path)
+    cache = artifacts.DigestCache(tmp_path / "cache")
+    first = artifacts.inspect(path, cache=cache)
+    assert cache.statistics() == artifacts.DigestStatistics(hits=0, misses=1, bytes_hashed=first.tensor_bytes)
+    before = _bytes_read()
+    again = artifacts.inspect(path, cache=cache)
+    read = _bytes_read() - before
+    assert again == first and cache.statistics().hits == 1
+    assert read < first.tensor_bytes // 4, read  # the kept digests (a few KB), not the tensors
+    moved = path.rename(tmp_path / "renamed.gguf")  # the same file under another name: still kept
+    assert artifacts.inspect(moved, cache=cache).fingerprint == first.fingerprint
+    assert cache.statistics().hits == 2
+    _flip(moved, _middle_of_largest(moved))
+    _age(moved, 30.0)  # another modification time, the same size and inode
+    changed = artifacts.inspect(moved, cache=cache)
+    assert changed.fingerprint != first.fingerprint and cache.statistics().misses == 2
+
+
+def test_a_file_changed_within_its_timestamp_tick_is_hashed_again(tiny_model: Path, tmp_path: Path) -> None:
+    """A file written just before it is hashed is not kept: a write within the same tick of a coarse
+    clock would leave its size, inode and modification time as they were."""
+    path = tmp_path / "model.gguf"
+    shutil.copyfile(tiny_model, path)
+    written = path.stat()
+    cache = artifacts.DigestCache(tmp_path / "cache")
+    first = artifacts.inspect(path, cache=cache)
+    _flip(path, _middle_of_largest(path))
+    os.utime(path, ns=(written.st_atime_ns, written.st_mtime_ns))  # as if in the same tick
+    assert artifacts.inspect(path, cache=cache).fingerprint != first.fingerprint
+    assert cache.statistics().misses == 2 and not list((tmp_path / "cache").glob("*.json"))
+
+
+def test_a_cache_entry_for_another_layout_or_damaged_is_not_believed(tiny_model: Path, tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    shutil.copyfile(tiny_model, path)
+    _age(path)
+    cache = artifacts.DigestCache(tmp_path / "cache")
+    first = artifacts.inspect(path, cache=cache)
+    (entry,) = (tmp_path / "cache").glob("*.json")
+    data = json.loads(entry.read_text())
+    data["tensors"][0][3] = "zz"
+    entry.write_text(json.dumps(data))
+    assert artifacts.inspect(path, cache=cache) == first and cache.statistics().misses == 2
+    entry.write_text("{")
+    assert artifacts.inspect(path, cache=cache) == first and cache.statistics().misses == 3
+
+
+def test_the_cache_keeps_at_most_its_files(tiny_model: Path, tmp_path: Path) -> None:
+    cache = artifacts.DigestCache(tmp_path / "cache", max_files=2)
+    for i in range(4):
+        path = tmp_path / f"m{i}.gguf"
+        shutil.copyfile(tiny_model, path)
+        _age(path)
+        artifacts.inspect(path, cache=cache)
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 2
+
+
+def test_unverified_inspection_reads_no_tensor_byte(tiny_model: Path, tmp_path: Path) -> None:
+    info = artifacts.inspect(tiny_model, verify=False)
+    assert (info.fingerprint, info.file_fingerprint) == ("", "")  # unknown without the bytes
+    assert info.n_tensors == artifacts.inspect(tiny_model).n_tensors
+    header = tmp_path / "header.gguf"
+    with header.open("wb") as f:  # a header and a hole where the tensors were: what a header copy is
+        f.write(tiny_model.read_bytes()[: ggufio.read(tiny_model).data_offset])
+        f.truncate(tiny_model.stat().st_size)
+    assert artifacts.inspect(header, verify=False).n_layer == info.n_layer
 
 
 def test_shard_of_another_model_is_refused(tiny_model: Path, tmp_path: Path) -> None:

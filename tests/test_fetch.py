@@ -122,7 +122,10 @@ def _share(signed: Manifest, layers: LayerRange) -> tuple[int, int]:
 
 
 def _pull(server: RangeServer, served: Served, layers: str, out: Path, **options: Any) -> fetch.PulledShard:
+    """A pull of ``layers``, its manifest's publisher pinned unless told otherwise."""
     options.setdefault("backoff", 0.0)
+    if not options.get("trust_source"):
+        options.setdefault("publisher", bytes.fromhex(served.manifest.publisher))
     return fetch.pull_layers(
         server.url(served.name), LayerRange.parse(layers), str(served.manifest_path), out, **options
     )
@@ -315,7 +318,7 @@ def test_a_manifest_changed_after_signing_or_signed_by_another_key_is_refused(
     tampered = tmp_path / "tampered.json"
     tampered.write_text(json.dumps(data))
     with pytest.raises(ManifestError, match="does not carry a valid signature"):
-        fetch.pull_layers(server.url(demo.name), LayerRange(0, 10), str(tampered), tmp_path / "out")
+        fetch.pull_layers(server.url(demo.name), LayerRange(0, 10), str(tampered), tmp_path / "out", trust_source=True)
     other = tmp_path / "other.json"
     other.write_text(demo.manifest.signed(Identity.generate()).dumps())
     with pytest.raises(ManifestError, match="not by the publisher key given"):
@@ -325,6 +328,109 @@ def test_a_manifest_changed_after_signing_or_signed_by_another_key_is_refused(
     assert server.sent == 0  # refused before a byte of the model was read
     with pytest.raises(ManifestError, match="does not carry a valid signature"):
         manifest.load(tampered)
+
+
+def test_weights_altered_outside_the_sampled_bytes_cannot_pass_as_the_artifact(
+    demo: Served, publisher: Identity, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    """A model host serves weights altered in one byte mid-tensor, and an accomplice signs their manifest."""
+    (tensor,) = (t for t in demo.manifest.tensors if t.name == "blk.15.ffn_up.weight")
+    assert tensor.n_bytes > 4 * 4096  # the byte lies far from the 4 KiB at each end a sampled fingerprint read
+    root = _damaged_copy(demo, tmp_path / "served", demo.name, tensor.offset + tensor.n_bytes // 2)
+    accomplice = Identity.generate()
+    forged = manifest.make(root / demo.name, accomplice)
+    assert forged.artifact != demo.manifest.artifact == artifacts.inspect(demo.whole).fingerprint
+    # the manifest of the altered weights, under the real artifact's name: its index no longer gives it
+    passing = forged.model_copy(update={"artifact": demo.manifest.artifact}).signed(accomplice)
+    (tmp_path / "passing.json").write_text(passing.dumps())
+    (tmp_path / "forged.json").write_text(forged.dumps())
+    server = serve(root)
+    url = server.url(demo.name)
+    with pytest.raises(ManifestError, match="do not give the manifest's artifact"):
+        fetch.pull_layers(url, LayerRange(10, 20), str(tmp_path / "passing.json"), tmp_path / "a", trust_source=True)
+    with pytest.raises(ManifestError, match="not by the publisher key given"):
+        fetch.pull_layers(
+            url, LayerRange(10, 20), str(tmp_path / "forged.json"), tmp_path / "b", publisher=publisher.node_id
+        )
+    # with the real manifest, the altered tensor is refused as it arrives
+    with pytest.raises(FetchError, match=r"tensor blk\.15\.ffn_up\.weight from .* does not have the sha256"):
+        _pull(server, attrs.evolve(demo, root=root), "10:20", tmp_path / "c")
+    assert not list(tmp_path.glob("[abc]/*.gguf"))
+
+
+def test_a_manifest_no_pinned_key_signs_is_refused_unless_its_source_is_trusted(
+    demo: Served, serve: Callable[[Path], RangeServer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = serve(demo.root)
+    url = server.url(demo.name)
+    with pytest.raises(fetch.UntrustedManifestError, match=r"--publisher-key KEY .* or --trust-tracker-manifests"):
+        fetch.pull_layers(url, LayerRange(10, 20), str(demo.manifest_path), tmp_path)
+    with pytest.raises(fetch.UntrustedManifestError):
+        fetch.header_copy(url, tmp_path, str(demo.manifest_path))
+    assert server.sent == 0 and not server.requests  # refused before any request
+    pulled = _pull(server, demo, "10:20", tmp_path, trust_source=True)  # the operator's word: any signature
+    assert pulled.publisher == demo.manifest.publisher
+    argv = ["models", "pull", url, "--layers", "10:20", "--manifest", str(demo.manifest_path), "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "cli")]) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--publisher-key" in line and "--trust-tracker-manifests" in line, line
+    assert main([*argv, "--out", str(tmp_path / "cli"), "--trust-tracker-manifests"]) == 0
+
+
+def test_a_header_copy_names_the_artifact_its_manifest_gives(
+    demo: Served, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    server = serve(demo.root)
+    pin = bytes.fromhex(demo.manifest.publisher)
+    copy = fetch.header_copy(server.url(demo.name), tmp_path, str(demo.manifest_path), publisher=pin)
+    assert copy.artifact == demo.manifest.artifact
+    assert copy.path.stat().st_size == demo.whole.stat().st_size
+    assert server.sent == demo.manifest.parts[0].data_offset  # the header alone
+    assert artifacts.inspect(copy.path, verify=False).n_layer == demo.manifest.n_layer
+
+
+def _huge_header_model(folder: Path, declared: int) -> Path:
+    """A sparse 1 GiB "model" whose first metadata key says it is ``declared`` bytes long."""
+    folder.mkdir()
+    path = folder / "huge.gguf"
+    with path.open("wb") as f:
+        f.write(b"GGUF" + (3).to_bytes(4, "little") + (1).to_bytes(8, "little") + (1).to_bytes(8, "little"))
+        f.write(declared.to_bytes(8, "little"))
+        f.truncate(1 << 30)
+    return path
+
+
+@pytest.mark.parametrize("how", ["header copy", "pull"])
+def test_a_header_declaring_a_huge_size_is_refused_before_it_is_read(
+    how: str, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    path = _huge_header_model(tmp_path / "served", 512 << 20)
+    server = serve(path.parent)
+    tracker = "http://127.0.0.1:9"  # never asked: the header it would be found by is refused first
+    with pytest.raises(fetch.HeaderTooLargeError, match="over the 64 MiB"):
+        if how == "pull":
+            fetch.pull_layers(server.url(path.name), LayerRange(0, 1), tracker, tmp_path, trust_source=True)
+        else:
+            fetch.header_copy(server.url(path.name), tmp_path, tracker, trust_source=True)
+    assert server.sent <= fetch.HEADER_FIRST_READ  # the first read; nothing grown for the declared size
+
+
+def test_a_manifest_declaring_a_huge_header_is_refused_before_it_is_read(
+    demo: Served, serve: Callable[[Path], RangeServer], tmp_path: Path
+) -> None:
+    server = serve(demo.root)
+    data = json.loads(demo.manifest_path.read_text())
+    data["parts"][0]["data_offset"] = 1 << 40
+    data["parts"][0]["size"] = 1 << 41
+    for tensor in data["tensors"]:
+        tensor["offset"] += 1 << 40
+    huge = Manifest.model_validate(data).signed(Identity.generate())
+    (tmp_path / "huge.json").write_text(huge.dumps())
+    with pytest.raises(fetch.HeaderTooLargeError):
+        fetch.pull_layers(
+            server.url(demo.name), LayerRange(10, 20), str(tmp_path / "huge.json"), tmp_path, trust_source=True
+        )
+    assert server.sent == 0
 
 
 def test_the_commands_make_a_manifest_and_pull_a_range_with_it(
@@ -344,7 +450,7 @@ def test_the_commands_make_a_manifest_and_pull_a_range_with_it(
     for args, message in (
         (["models", "pull", url, "--layers", "0:10"], "signed manifest"),
         (["models", "pull", url, "--manifest", str(made)], "--layers"),
-        (["models", "pull", url, "--layers", "0:40", "--manifest", str(made)], "outside the model"),
+        (["models", "pull", url, "--layers", "0:40", "--manifest", str(made), "--trust-tracker-manifests"], "outside"),
         (["models", "pull", "smollm2-135m", "--layers", "0:10"], "a URL"),
         (["up", "--model", url, "--listen", "127.0.0.1:0", "--issuer-key", "00" * 32], "--layers"),
         (["up", "--model", url, "--layers", "0:10", "--listen", "127.0.0.1:0", "--issuer-key", "00" * 32], "manifest"),

@@ -73,6 +73,7 @@ def _cmd_models_pull(args: argparse.Namespace) -> int:
         args.manifest,
         args.out or models.models_dir(),
         publisher=args.publisher_key,
+        trust_source=args.trust_tracker_manifests,
         progress=not args.quiet,
     )
     how = "already fetched and verified" if pulled.reused else f"fetched {pulled.fetched_bytes / 1e6:.1f} MB"
@@ -212,6 +213,11 @@ def add_commands(sub: Any) -> None:
     )
     p.add_argument(
         "--publisher-key", type=public_key, help="accept only a manifest signed by this key (hex or a file with it)"
+    )
+    p.add_argument(
+        "--trust-tracker-manifests",
+        action="store_true",
+        help="without --publisher-key: accept a manifest signed by any key, on the word of its --manifest source",
     )
     p.add_argument("--out", type=Path, help="with a URL: the folder of the shard file (default: the model cache)")
     p.add_argument("--quiet", action="store_true")

@@ -124,6 +124,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         url=args.model if fetch.is_url(args.model) else None,
         manifest=args.manifest,
         publisher_key=args.publisher_key,
+        trust_tracker_manifests=args.trust_tracker_manifests,
         max_layers=args.max_layers,
         rebalance_every=args.rebalance_every,
         tls_self_signed=args.tls_self_signed,
@@ -533,6 +534,12 @@ def _add_up(sub: Any) -> None:
         "--publisher-key",
         type=public_key,
         help="with --model URL: accept only a manifest signed by this key (hex or a file with it)",
+    )
+    p.add_argument(
+        "--trust-tracker-manifests",
+        action="store_true",
+        help="with --model URL and no --publisher-key: accept a manifest signed by any key, on the word of the "
+        "tracker (or --manifest) that serves it",
     )
     p.set_defaults(func=_cmd_up)
 

@@ -1,29 +1,36 @@
 """Model Artifacts: GGUF inspection, fingerprints, and slicing into shard files.
 
 An artifact is identified by its *fingerprint*: a sha256 over its metadata and its
-tensor index (name, type, shape, size, and a digest of a small sample of each
-tensor's bytes), not over the whole file, so that a multi-GB model is fingerprinted
-in well under a second and a shard file can prove which artifact it was cut from.
+tensor index (name, type, shape, size, and the sha256 of each tensor's whole bytes, the
+digest a manifest lists), so that no byte of the weights can change under the same
+fingerprint, and a shard file can prove which artifact it was cut from. Hashing every
+byte of a multi-GB model takes seconds: each file is hashed once, and the digests are
+kept against the file's identity in a :class:`DigestCache`.
 
 A *shard file* holds the tensors of one layer range with absolute block numbers, the
 range keys the patched llama.cpp reads (``shard.layer_start`` / ``shard.layer_end``),
 the parent's fingerprint and the parent's whole tensor index. From those the parent
-fingerprint is recomputed and every local tensor is checked against the parent index
-at load, so a file edited or cut from another model is refused.
+fingerprint is recomputed and every local tensor's bytes are checked against the
+parent index's digest at load, so a file edited or cut from another model is refused.
 
 This module reads GGUF with the ``gguf`` package; it never imports ``llama_cpp``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
+import json
+import logging
 import os
 import re
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
+import platformdirs
 from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
@@ -39,9 +46,16 @@ PARENT_INDEX_KEY = "noderuntime.parent.tensor_index"
 _NON_IDENTITY_PREFIXES = ("shard.", "noderuntime.", "GGUF.", "split.")
 
 SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen3", "qwen3moe", "gemma3"})
-_FINGERPRINT_DOMAIN = b"noderuntime-artifact-v1\n"
-_SAMPLE_BYTES = 4096
+_FINGERPRINT_DOMAIN = b"noderuntime-artifact-v2\n"
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+HASH_CHUNK = 16 << 20
+# A file whose mtime is this close to when its hashing began may still be written within the
+# same timestamp tick (coarse kernel clocks, 2 s on FAT): its digests are not kept (git's "racy" rule).
+RACY_NS = 2_000_000_000
+MAX_CACHED_FILES = 1024
+
+log = logging.getLogger(__name__)
 
 
 class ArtifactError(Exception):
@@ -99,21 +113,23 @@ class TensorEntry:
     ggml_type: int
     shape: tuple[int, ...]  # ggml order: ne0 first
     n_bytes: int
-    sample_digest: str
+    sha256: str  # of the tensor's whole bytes, its padding excluded (the manifest's digest)
 
     def line(self) -> str:
         """The canonical text form stored in shard files and hashed into fingerprints."""
         shape = ",".join(str(d) for d in self.shape)
-        return f"{self.name}\t{self.ggml_type}\t{shape}\t{self.n_bytes}\t{self.sample_digest}"
+        return f"{self.name}\t{self.ggml_type}\t{shape}\t{self.n_bytes}\t{self.sha256}"
 
     @classmethod
     def from_line(cls, line: str) -> TensorEntry:
         """Parse :meth:`line` output; raises ``ArtifactError`` on malformed text."""
         try:
             name, ggml_type, shape, n_bytes, digest = line.split("\t")
+            if not _SHA256_RE.match(digest):
+                raise ValueError(digest)
             return cls(name, int(ggml_type), tuple(int(d) for d in shape.split(",")), int(n_bytes), digest)
         except ValueError:
-            raise ArtifactError(f"malformed tensor index line {line!r}") from None
+            raise ArtifactError(f"malformed tensor index line {line[:200]!r}") from None
 
 
 @attrs.frozen
@@ -121,8 +137,8 @@ class ArtifactInfo:
     """What a GGUF file holds, as far as routing and loading need to know."""
 
     path: Path
-    fingerprint: str  # of the whole model: the parent's for a shard file
-    file_fingerprint: str  # of this file's own metadata and tensors
+    fingerprint: str  # of the whole model: the parent's for a shard file ("" unverified: see inspect)
+    file_fingerprint: str  # of this file's own metadata and tensors ("" unverified)
     architecture: str
     name: str
     n_layer: int
@@ -182,23 +198,164 @@ def _identity_fields(gguf: ggufio.GGUFFile) -> list[tuple[str, bytes]]:
     return sorted((key, field.raw) for key, field in gguf.fields.items() if not key.startswith(_NON_IDENTITY_PREFIXES))
 
 
-def _tensor_index(gguf: ggufio.GGUFFile) -> list[TensorEntry]:
-    entries = []
-    with gguf.path.open("rb") as f:
+def tensor_sha256(fd: int, offset: int, n_bytes: int, progress: Callable[[int], object] | None = None) -> str:
+    """The sha256 of the ``n_bytes`` at ``offset`` of the open file ``fd``: a tensor's digest.
+
+    ``progress`` is called with the bytes read after each chunk.
+    """
+    digest = hashlib.sha256()
+    buf = bytearray(min(n_bytes, HASH_CHUNK))
+    view = memoryview(buf)
+    at, end = offset, offset + n_bytes
+    while at < end:
+        got = os.preadv(fd, [view[: min(len(buf), end - at)]], at)
+        if got <= 0:
+            raise ArtifactError(f"the file ended inside a tensor, at byte {at}")
+        digest.update(view[:got])  # hashlib lets go of the GIL for large updates: the pool runs in parallel
+        at += got
+        if progress is not None:
+            progress(got)
+    return digest.hexdigest()
+
+
+def _hash_tensors(gguf: ggufio.GGUFFile, progress: Callable[[int], object] | None) -> list[str]:
+    """The sha256 of every tensor of ``gguf``, in file order, read on a few threads."""
+    workers = max(1, min(8, os.cpu_count() or 1, len(gguf.tensors)))
+    with (
+        gguf.path.open("rb") as f,
+        concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tensor-sha256") as pool,
+    ):
         fd = f.fileno()
-        for t in gguf.tensors:
-            end = t.offset + t.n_bytes
-            head = os.pread(fd, min(t.n_bytes, _SAMPLE_BYTES), t.offset)
-            tail_start = max(t.offset, end - _SAMPLE_BYTES)
-            tail = os.pread(fd, end - tail_start, tail_start)
-            digest = hashlib.sha256(head + tail).hexdigest()[:16]
-            entries.append(TensorEntry(t.name, t.ggml_type, t.shape, t.n_bytes, digest))
-    return entries
+        jobs = [pool.submit(tensor_sha256, fd, t.offset, t.n_bytes, progress) for t in gguf.tensors]
+        return [job.result() for job in jobs]
 
 
-def tensor_index(gguf: ggufio.GGUFFile) -> list[TensorEntry]:
-    """The tensor index of a file's tensors, in file order (it reads each tensor's sampled bytes)."""
-    return _tensor_index(gguf)
+@attrs.frozen
+class DigestStatistics:
+    """What a :class:`DigestCache` did: files answered from the cache, files hashed, bytes hashed."""
+
+    hits: int
+    misses: int
+    bytes_hashed: int
+
+
+def default_cache_dir() -> Path:
+    """Where tensor digests are kept: ``$NODERUNTIME_DIGESTS``, or the user cache directory's ``tensor-digests``."""
+    env = os.environ.get("NODERUNTIME_DIGESTS")
+    return Path(env) if env else Path(platformdirs.user_cache_dir("noderuntime")) / "tensor-digests"
+
+
+class DigestCache:
+    """The sha256 of each tensor of a model file, computed once and kept against the file's identity.
+
+    The identity is the file's device, inode, size and modification time: a file written
+    again, in place or anew, is hashed again. The path is recorded but not compared, so a
+    file verified under a temporary name and renamed into place (what a pull and a split
+    do) is not read twice. A file modified within :data:`RACY_NS` of its hashing is not
+    kept: a write in the same timestamp tick would leave its identity unchanged. A hit
+    reads no tensor byte. At most ``max_files`` files are kept, the least recent dropped.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str] | None = None, *, max_files: int = MAX_CACHED_FILES) -> None:
+        self.folder = Path(folder) if folder is not None else default_cache_dir()
+        self.max_files = max_files
+        self._hits = self._misses = self._bytes = 0
+
+    def statistics(self) -> DigestStatistics:
+        """A snapshot of what this cache did."""
+        return DigestStatistics(self._hits, self._misses, self._bytes)
+
+    def digests(self, gguf: ggufio.GGUFFile, progress: Callable[[int], object] | None = None) -> list[str]:
+        """The sha256 of each of ``gguf``'s tensors, in file order: kept ones, else read and kept."""
+        started = time.time_ns()
+        try:
+            before = os.stat(gguf.path)
+        except OSError as exc:
+            raise ArtifactError(f"cannot read {gguf.path}: {exc}") from None
+        entry = self.folder / f"{before.st_dev}-{before.st_ino}.json"
+        layout = [[t.name, t.offset, t.n_bytes] for t in gguf.tensors]
+        kept = self._read(entry, before, layout)
+        if kept is not None:
+            self._hits += 1
+            return kept
+        self._misses += 1
+        try:
+            digests = _hash_tensors(gguf, progress)
+        except OSError as exc:
+            raise ArtifactError(f"cannot read {gguf.path}: {exc}") from None
+        self._bytes += sum(t.n_bytes for t in gguf.tensors)
+        after = os.stat(gguf.path)
+        if _identity(after) == _identity(before) and before.st_mtime_ns <= started - RACY_NS:
+            self._write(entry, gguf.path, before, [[*row, d] for row, d in zip(layout, digests, strict=True)])
+        return digests
+
+    def _read(self, entry: Path, stat: os.stat_result, layout: list[list[Any]]) -> list[str] | None:
+        try:
+            data = json.loads(entry.read_bytes())
+        except (OSError, ValueError):
+            return None  # none kept, or one a crash cut short: hash again
+        if not isinstance(data, dict) or data.get("identity") != list(_identity(stat)):
+            return None
+        rows = data.get("tensors")
+        if not isinstance(rows, list) or [row[:3] for row in rows if isinstance(row, list)] != layout:
+            return None
+        digests = [row[3] for row in rows if len(row) == 4]
+        if len(digests) != len(layout) or not all(isinstance(d, str) and _SHA256_RE.match(d) for d in digests):
+            return None
+        return digests
+
+    def _write(self, entry: Path, path: Path, stat: os.stat_result, rows: list[list[Any]]) -> None:
+        data = {"path": str(path.resolve()), "identity": list(_identity(stat)), "tensors": rows}
+        tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(data, separators=(",", ":")))
+            os.replace(tmp, entry)
+            self._prune()
+        except OSError as exc:  # a read-only or full cache costs time, never a refusal
+            tmp.unlink(missing_ok=True)
+            log.warning("cannot keep the tensor digests of %s in %s: %s", path, self.folder, exc)
+
+    def _prune(self) -> None:
+        files = list(self.folder.glob("*.json"))
+        if len(files) <= self.max_files:
+            return
+        by_age = sorted(files, key=lambda f: f.stat().st_mtime_ns)
+        for old in by_age[: len(files) - self.max_files]:
+            old.unlink(missing_ok=True)
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+_default_cache: DigestCache | None = None
+
+
+def default_cache() -> DigestCache:
+    """The process's cache in :func:`default_cache_dir` (made on first use)."""
+    global _default_cache
+    if _default_cache is None or _default_cache.folder != default_cache_dir():
+        _default_cache = DigestCache()
+    return _default_cache
+
+
+def tensor_index(
+    gguf: ggufio.GGUFFile,
+    *,
+    cache: DigestCache | None = None,
+    progress: Callable[[int], object] | None = None,
+) -> list[TensorEntry]:
+    """The tensor index of a file's tensors, in file order, each with the sha256 of its bytes.
+
+    The digests come from ``cache`` (:func:`default_cache` when None) when it holds this very
+    file; otherwise every tensor is read, and ``progress`` called with the bytes read.
+    """
+    digests = (cache or default_cache()).digests(gguf, progress)
+    return [
+        TensorEntry(t.name, t.ggml_type, t.shape, t.n_bytes, digest)
+        for t, digest in zip(gguf.tensors, digests, strict=True)
+    ]
 
 
 def fingerprint_of(gguf: ggufio.GGUFFile, index: Iterable[TensorEntry]) -> str:
@@ -259,10 +416,22 @@ def tensor_belongs(name: str, layers: LayerRange, n_layer: int, tied_output: boo
     return True  # global tensors every block may use (rope factors)
 
 
-def inspect(path: str | os.PathLike[str], *, verify: bool = True) -> ArtifactInfo:
-    """Read a GGUF file's identity; for a shard file, ``verify`` checks it against its parent."""
-    path = Path(path)
-    gguf = _open(path)
+def inspect(path: str | os.PathLike[str], *, verify: bool = True, cache: DigestCache | None = None) -> ArtifactInfo:
+    """Read a GGUF file's identity.
+
+    ``verify``: every tensor's bytes are hashed (once per file: ``cache``, :func:`default_cache`
+    when None), which gives the fingerprints, and a shard file is checked against its parent
+    index. Without it only the header is read (cheap enough for a loop, and what a sparse
+    copy of a header allows): a shard file's ``fingerprint`` is then the parent's as its
+    header claims it, a whole file's is ``""`` (unknown), and ``file_fingerprint`` is ``""``.
+    """
+    return _inspect(Path(path), _open(Path(path)), verify, cache)[0]
+
+
+def _inspect(
+    path: Path, gguf: ggufio.GGUFFile, verify: bool, cache: DigestCache | None
+) -> tuple[ArtifactInfo, list[TensorEntry] | None]:
+    """The file's info, and its tensor index when ``verify`` (what reading it took)."""
     arch = _scalar(gguf, "general.architecture")
     if not isinstance(arch, str):
         raise ArtifactError(f"{path} has no general.architecture")
@@ -271,8 +440,8 @@ def inspect(path: str | os.PathLike[str], *, verify: bool = True) -> ArtifactInf
     if not isinstance(n_layer, int) or not isinstance(n_embd, int) or n_layer <= 0 or n_embd <= 0:
         raise ArtifactError(f"{path} lacks {arch}.block_count or {arch}.embedding_length")
     fields = _identity_fields(gguf)
-    index = _tensor_index(gguf)
-    file_fingerprint = _fingerprint(fields, index)
+    index = tensor_index(gguf, cache=cache) if verify else None
+    file_fingerprint = _fingerprint(fields, index) if index is not None else ""
     start = _integer(gguf, SHARD_START_KEY, None, path)
     end = _integer(gguf, SHARD_END_KEY, None, path)
     if start is None and end is None:
@@ -284,13 +453,13 @@ def inspect(path: str | os.PathLike[str], *, verify: bool = True) -> ArtifactInf
         except ValueError as exc:
             raise ArtifactError(f"{path}: {exc}") from None
         fingerprint = _scalar(gguf, PARENT_FINGERPRINT_KEY, "")
-        if verify:
+        if index is not None:
             _verify_slice(path, gguf, fields, index, layer_range, n_layer)
     file_type = _integer(gguf, "general.file_type", -1, path)
-    types = {entry.ggml_type for entry in index if _BLOCK_RE.match(entry.name) and len(entry.shape) >= 2}
+    types = {t.ggml_type for t in gguf.tensors if _BLOCK_RE.match(t.name) and len(t.shape) >= 2}
     quant = "+".join(sorted(GGMLQuantizationType(t).name for t in types)) if types else "unknown"
     n_head = _integer(gguf, f"{arch}.attention.head_count", 0, path)
-    return ArtifactInfo(
+    info = ArtifactInfo(
         path=path,
         fingerprint=str(fingerprint),
         file_fingerprint=file_fingerprint,
@@ -304,12 +473,13 @@ def inspect(path: str | os.PathLike[str], *, verify: bool = True) -> ArtifactInf
         context_length=_integer(gguf, f"{arch}.context_length", 0, path) or 0,
         file_type=file_type if file_type is not None else -1,
         quant=quant,
-        n_tensors=len(index),
-        tensor_bytes=sum(entry.n_bytes for entry in index),
+        n_tensors=len(gguf.tensors),
+        tensor_bytes=sum(t.n_bytes for t in gguf.tensors),
         file_bytes=path.stat().st_size,
         layer_range=layer_range,
         has_chat_template="tokenizer.chat_template" in gguf.fields,
     )
+    return info, index
 
 
 def _parent_index(path: Path, gguf: ggufio.GGUFFile) -> list[TensorEntry]:
@@ -365,7 +535,9 @@ def split(
 ) -> list[Path]:
     """Write one shard file per range (with a progress bar if asked); returns their paths."""
     model = Path(model)
-    info = inspect(model)
+    gguf = _open(model)
+    info, parent = _inspect(model, gguf, True, None)
+    assert parent is not None  # verified: its index was read
     if info.is_shard_file:
         raise ArtifactError(f"{model} is already a shard file ({info.layer_range}); split the whole model")
     if info.architecture not in SUPPORTED_ARCHITECTURES:
@@ -377,8 +549,6 @@ def split(
             layers.check_within(info.n_layer)
         except ValueError as exc:
             raise ArtifactError(str(exc)) from None
-    gguf = _open(model)
-    parent = _tensor_index(gguf)
     tied = tied_output(parent)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

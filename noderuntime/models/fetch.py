@@ -19,7 +19,14 @@ beside the partial file) and the next run goes on from there.
 
 A ranged pull without a manifest is refused: a shard file carries its parent's whole
 tensor index, which only the manifest gives without reading every tensor, and nothing
-else could tell a damaged or substituted range from the real one.
+else could tell a damaged or substituted range from the real one. So is one whose
+manifest is not signed by the publisher key the operator pins, unless the operator says
+to take the manifest's source (a tracker, a URL, a file) at its word
+(:class:`UntrustedManifestError`): anyone can sign a manifest of altered weights.
+
+Every size a server states is bounded before anything is allocated for it: a header is
+at most :data:`MAX_HEADER_BYTES`, a document (a manifest, a listing) at most
+:data:`MAX_DOCUMENT_BYTES`.
 """
 
 from __future__ import annotations
@@ -50,7 +57,15 @@ NO_MANIFEST = (
     "a ranged pull is checked against the artifact's signed manifest: give --manifest with a manifest file, "
     "a manifest URL, or the URL of a tracker that serves it (`noderuntime models manifest` makes one)"
 )
+UNTRUSTED_MANIFEST = (
+    "no publisher key is pinned for the manifest of {url}: give --publisher-key KEY (the key the model's "
+    "publisher signs its manifests with), or --trust-tracker-manifests to accept a manifest signed by any key "
+    "on the word of its source (your tracker, your --manifest)"
+)
 HEADER_FIRST_READ = 256 << 10  # then doubled until the header parses, when the manifest is not yet known
+# the largest GGUF headers (256k-token vocabularies, with their merges) are tens of MB
+MAX_HEADER_BYTES = 64 << 20
+MAX_DOCUMENT_BYTES = 64 << 20
 MERGE_GAP = 64 << 10  # bytes between two wanted tensors worth reading rather than making another request
 CHUNK = 1 << 20
 SAVE_EVERY = 16 << 20  # what a killed pull may have to fetch again
@@ -63,6 +78,14 @@ log = logging.getLogger(__name__)
 
 class FetchError(ArtifactError):
     """A ranged pull could not finish; what it verified is kept for the next run."""
+
+
+class UntrustedManifestError(FetchError):
+    """A manifest signed by a key the operator did not pin, and no word to trust its source."""
+
+
+class HeaderTooLargeError(FetchError):
+    """A server's file declares a header over :data:`MAX_HEADER_BYTES`: nothing is allocated for it."""
 
 
 class _Transient(Exception):
@@ -229,8 +252,12 @@ class _Ranges:
         buf = bytearray()
 
         def append(offset: int, chunk: bytes) -> None:
+            if offset + len(chunk) > MAX_HEADER_BYTES:  # read asks no more; a server may send it anyway
+                raise _too_large(url, offset + len(chunk))
             buf.extend(chunk)
 
+        if exact is not None and exact > MAX_HEADER_BYTES:
+            raise _too_large(url, exact)
         want = exact if exact is not None else HEADER_FIRST_READ
         name = Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path)).name
         while True:
@@ -240,10 +267,14 @@ class _Ranges:
             except ggufio.HeaderIncomplete as exc:
                 if len(buf) >= self.sizes[url]:
                     raise FetchError(f"{url} is not a GGUF file: {exc}") from None
-                want = max(exc.needed, 2 * len(buf))
+                if exc.needed > MAX_HEADER_BYTES:  # a string or array the server says is that long
+                    raise _too_large(url, exc.needed) from None
+                want = min(max(exc.needed, 2 * len(buf)), MAX_HEADER_BYTES)
                 continue
             except ggufio.GGUFError as exc:
                 raise FetchError(f"{url} is not a GGUF file: {exc}") from None
+            if gguf.data_offset > MAX_HEADER_BYTES:
+                raise _too_large(url, gguf.data_offset)
             if len(buf) < gguf.data_offset:  # the padding up to the data is part of the header too
                 want = gguf.data_offset
                 continue
@@ -260,11 +291,18 @@ class _Ranges:
                 body = bytearray()
                 for chunk in response.iter_bytes(CHUNK):
                     body += chunk
-                    if len(body) > 64 << 20:
-                        raise FetchError(f"{url} answered with more than 64 MiB: not a manifest")
+                    if len(body) > MAX_DOCUMENT_BYTES:
+                        raise FetchError(f"{url} answered with over {MAX_DOCUMENT_BYTES >> 20} MiB: not a manifest")
                 return bytes(body)
         except httpx.TransportError as exc:
             raise FetchError(f"cannot read {url}: {_describe(exc)}") from None
+
+
+def _too_large(url: str, size: int) -> HeaderTooLargeError:
+    return HeaderTooLargeError(
+        f"{url} declares a GGUF header of at least {size} bytes, over the {MAX_HEADER_BYTES >> 20} MiB "
+        "a model's header can need: not read"
+    )
 
 
 def _describe(exc: BaseException) -> str:
@@ -382,6 +420,35 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _require_trust(url: str, publisher: bytes | None, trust_source: bool) -> None:
+    """Refuse, before any request, a pull whose manifest nothing vouches for."""
+    if publisher is None and not trust_source:
+        raise UntrustedManifestError(UNTRUSTED_MANIFEST.format(url=url))
+    if publisher is None:
+        log.warning("%s: accepting a manifest signed by any key, on the word of its source", url)
+
+
+def _manifest_and_header(
+    url: str, manifest_source: str, publisher: bytes | None, ranges: _Ranges
+) -> tuple[Manifest, ggufio.GGUFFile, bytes]:
+    """The checked manifest of the model at ``url`` and its first file's header, which the manifest names
+    and which, with the manifest's tensor index, gives its artifact."""
+    if is_url(manifest_source) and not _manifest_url(manifest_source):
+        # a tracker finds the manifest by the file's header, which is read first
+        gguf, header = ranges.header(url, None)
+        manifest = _from_tracker(manifest_source, header, ranges.sizes[url], ranges).check(publisher)
+    else:
+        manifest = _load_manifest(manifest_source, ranges).check(publisher)
+        gguf, header = ranges.header(url, manifest.parts[0].data_offset)
+    _check_part(manifest, 0, url, gguf, header, ranges.sizes[url])
+    if artifacts.fingerprint_of(gguf, manifest.index()) != manifest.artifact:
+        raise ManifestError(
+            f"the metadata of {url} and the manifest's tensor index do not give the manifest's artifact "
+            f"{manifest.artifact[:16]}…"
+        )
+    return manifest, gguf, header
+
+
 def pull_layers(
     url: str,
     layers: LayerRange,
@@ -389,6 +456,7 @@ def pull_layers(
     out_dir: str | os.PathLike[str],
     *,
     publisher: bytes | None = None,
+    trust_source: bool = False,
     progress: bool = False,
     retries: int = 4,
     backoff: float = 1.0,
@@ -398,7 +466,9 @@ def pull_layers(
 
     ``manifest_source``: a manifest file, a manifest's URL, or a tracker's URL (the tracker
     serves the manifest of the file's header). ``publisher``: the only key whose manifest
-    is accepted; any valid signature when not given. A shard fetched and verified before
+    is accepted; without it, ``trust_source`` must say to accept any valid signature (on
+    the word of the manifest's source), else :class:`UntrustedManifestError` before any
+    request. A shard fetched and verified before
     (for the same URL and range, against the same artifact) is reused without a byte read.
     ``retries``: how many times in a row a request that brought nothing is asked again,
     ``backoff`` seconds apart, doubling, before the pull stops (and keeps what it verified).
@@ -407,6 +477,7 @@ def pull_layers(
         raise FetchError(f"{url!r} is not an http:// or https:// URL")
     if manifest_source is None:
         raise FetchError(NO_MANIFEST)
+    _require_trust(url, publisher, trust_source)
     source = _Source.of(url)
     out = Path(out_dir)
     target = out / artifacts.shard_file_name(source.stem, layers)
@@ -421,15 +492,34 @@ def pull_layers(
         return _Pull(source, layers, target, ranges, progress).run(manifest_source, publisher)
 
 
-def header_copy(url: str, out_dir: str | os.PathLike[str], *, timeout: float = 30.0) -> Path:
+@attrs.frozen
+class HeaderCopy:
+    """A sparse copy of a model's header (:func:`header_copy`) and the artifact its manifest names."""
+
+    path: Path
+    artifact: str
+
+
+def header_copy(
+    url: str,
+    out_dir: str | os.PathLike[str],
+    manifest_source: str,
+    *,
+    publisher: bytes | None = None,
+    trust_source: bool = False,
+    timeout: float = 30.0,
+) -> HeaderCopy:
     """A sparse copy of the model at ``url``: its GGUF header read by range, the rest a hole of the file's size.
 
-    What sizing a shard needs (the memory planner's dry run reads the header only) and what
-    names its artifact (the fingerprint covers metadata and tensor index, not the bytes),
-    without fetching the weights. A model stored as parts is not copied (its layers span files).
+    What sizing a shard needs (the memory planner's dry run reads the header only), without
+    fetching the weights. The header must be the one the manifest (checked as
+    :func:`pull_layers` checks it) names: the manifest gives the artifact, which covers
+    bytes a header copy does not hold. A model stored as parts is not copied (its layers
+    span files).
     """
     if not is_url(url):
         raise FetchError(f"{url!r} is not an http:// or https:// URL")
+    _require_trust(url, publisher, trust_source)
     source = _Source.of(url)
     if source.count > 1:
         raise FetchError(f"{url} is part 1 of {source.count}: size a split model's range by hand, with --layers")
@@ -438,14 +528,17 @@ def header_copy(url: str, out_dir: str | os.PathLike[str], *, timeout: float = 3
     target = out / f"{source.stem}.header.gguf"
     with httpx.Client(follow_redirects=True, timeout=httpx.Timeout(timeout)) as client:
         ranges = _Ranges(client, retries=2, backoff=0.5)
-        _gguf, header = ranges.header(url, None)
-        size = ranges.sizes[url]
+        manifest, _gguf, header = _manifest_and_header(url, manifest_source, publisher, ranges)
     partial = target.with_name(target.name + ".part")
-    with open(partial, "wb") as f:
-        f.write(header)
-        f.truncate(size)
+    try:
+        with open(partial, "wb") as f:
+            f.write(header)
+            f.truncate(manifest.parts[0].size)  # a hole: no disk block is allocated for it
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise FetchError(f"cannot write a header copy of {url} of {manifest.parts[0].size} bytes: {exc}") from None
     partial.replace(target)
-    return target
+    return HeaderCopy(target, manifest.artifact)
 
 
 def _reuse(
@@ -492,22 +585,10 @@ class _Pull:
 
     def run(self, manifest_source: str, publisher: bytes | None) -> PulledShard:
         first = self.source.url
-        if is_url(manifest_source) and not _manifest_url(manifest_source):
-            # a tracker finds the manifest by the file's header, which is read first
-            gguf, header = self.ranges.header(first, None)
-            manifest = _from_tracker(manifest_source, header, self.ranges.sizes[first], self.ranges).check(publisher)
-        else:
-            manifest = _load_manifest(manifest_source, self.ranges).check(publisher)
-            gguf, header = self.ranges.header(first, manifest.parts[0].data_offset)
+        manifest, gguf, _header = _manifest_and_header(first, manifest_source, publisher, self.ranges)
         if len(manifest.parts) != self.source.count:
             raise FetchError(
                 f"{first} names a model in {self.source.count} file(s); its manifest lists {len(manifest.parts)}"
-            )
-        _check_part(manifest, 0, first, gguf, header, self.ranges.sizes[first])
-        if artifacts.fingerprint_of(gguf, manifest.index()) != manifest.artifact:
-            raise ManifestError(
-                f"the metadata of {first} and the manifest's tensor index do not give the manifest's artifact "
-                f"{manifest.artifact[:16]}…"
             )
         wanted = self._wanted(manifest, gguf)
         for number in sorted({t.part for t in wanted} - {0}):
@@ -690,4 +771,15 @@ class _Pull:
         self.state_path.unlink(missing_ok=True)
 
 
-__all__ = ["NO_MANIFEST", "FetchError", "PulledShard", "is_url", "pull_layers"]
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "NO_MANIFEST",
+    "FetchError",
+    "HeaderCopy",
+    "HeaderTooLargeError",
+    "PulledShard",
+    "UntrustedManifestError",
+    "header_copy",
+    "is_url",
+    "pull_layers",
+]

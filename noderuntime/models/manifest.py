@@ -1,9 +1,9 @@
 """Signed manifests of Model Artifacts: what a node needs to fetch only its layers, and to check them.
 
 A byte range of a model file cannot be checked against a sha256 of the whole file. A
-manifest lists, for every tensor of an artifact, the sha256 of its bytes (of the bytes
-alone: where the tensor lies does not change it), the line of the tensor index that the
-artifact's fingerprint covers, and where the tensor lies in the file, or in which of the
+manifest lists, for every tensor of an artifact, its line of the tensor index that the
+artifact's fingerprint covers (name, type, shape, size and the sha256 of its bytes alone:
+where the tensor lies does not change it), and where the tensor lies in the file, or in which of the
 gguf-split parts (``NAME-00001-of-00003.gguf``, ...) the model is stored as; for each file
 it gives the size and the sha256 of its header. The publisher signs all of it with an
 Ed25519 key (:mod:`noderuntime.access.identity`, domain :data:`SIGNATURE_DOMAIN`).
@@ -32,8 +32,9 @@ from noderuntime.models import artifacts
 from noderuntime.models import gguf as ggufio
 from noderuntime.models.artifacts import ArtifactError, TensorEntry
 
-FORMAT: Literal["noderuntime-manifest-1"] = "noderuntime-manifest-1"
-SIGNATURE_DOMAIN = b"noderuntime-manifest-v1"
+# 2: the tensor index carries each tensor's whole sha256 (1 carried a digest of 4 KiB samples)
+FORMAT: Literal["noderuntime-manifest-2"] = "noderuntime-manifest-2"
+SIGNATURE_DOMAIN = b"noderuntime-manifest-v2"
 HEX32 = r"^[0-9a-f]{64}$"
 MAX_MANIFEST_BYTES = 64 << 20  # a few hundred bytes a tensor: room for tens of thousands
 MAX_PARTS = 9999
@@ -68,14 +69,13 @@ class ManifestTensor(BaseModel):
     ggml_type: int = Field(ge=0, lt=1 << 16)
     shape: tuple[Annotated[int, Field(gt=0)], ...] = Field(min_length=1, max_length=8)
     n_bytes: int = Field(gt=0)
-    sample_digest: str = Field(pattern=r"^[0-9a-f]{16}$")
-    sha256: str = Field(pattern=HEX32)  # of the tensor's bytes, its padding excluded
+    sha256: str = Field(pattern=HEX32)  # of the tensor's bytes, its padding excluded: the index's digest
     part: int = Field(ge=0)  # which of the manifest's parts holds it
     offset: int = Field(ge=0)  # absolute, in that part's file
 
     def entry(self) -> TensorEntry:
         """The tensor index line of this tensor."""
-        return TensorEntry(self.name, self.ggml_type, self.shape, self.n_bytes, self.sample_digest)
+        return TensorEntry(self.name, self.ggml_type, self.shape, self.n_bytes, self.sha256)
 
 
 class Manifest(BaseModel):
@@ -83,7 +83,7 @@ class Manifest(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    format: Literal["noderuntime-manifest-1"] = FORMAT
+    format: Literal["noderuntime-manifest-2"] = FORMAT
     artifact: str = Field(pattern=HEX32)  # the fingerprint (artifacts.inspect)
     name: str = Field(max_length=300)
     architecture: str = Field(max_length=100)
@@ -216,7 +216,8 @@ def make(
 ) -> Manifest:
     """The signed manifest of the model in ``model`` (a GGUF file, or the first of its gguf-split parts).
 
-    It reads every tensor once, for its sha256; ``progress`` is called with the bytes read.
+    It reads every tensor once, for its sha256 (or takes the digests
+    :func:`artifacts.tensor_index` kept of this very file); ``progress`` is called with the bytes read.
     """
     paths = model_parts(model)
     ggufs = [_read(path) for path in paths]
@@ -229,22 +230,24 @@ def make(
         raise ManifestError(f"{paths[0]} has no general.architecture and block count")
     parts, tensors, index = [], [], []
     for number, (path, gguf) in enumerate(zip(paths, ggufs, strict=True)):
-        with path.open("rb") as f:
-            header = f.read(gguf.data_offset)
-            part_index = artifacts.tensor_index(gguf)
-            for info, entry in zip(gguf.tensors, part_index, strict=True):
-                tensors.append(
-                    ManifestTensor(
-                        name=info.name,
-                        ggml_type=info.ggml_type,
-                        shape=info.shape,
-                        n_bytes=info.n_bytes,
-                        sample_digest=entry.sample_digest,
-                        sha256=_sha256_of(f, info.offset, info.n_bytes, progress),
-                        part=number,
-                        offset=info.offset,
-                    )
+        try:
+            with path.open("rb") as f:
+                header = f.read(gguf.data_offset)
+        except OSError as exc:
+            raise ManifestError(f"cannot read {path}: {exc}") from None
+        part_index = artifacts.tensor_index(gguf, progress=progress)
+        for info, entry in zip(gguf.tensors, part_index, strict=True):
+            tensors.append(
+                ManifestTensor(
+                    name=info.name,
+                    ggml_type=info.ggml_type,
+                    shape=info.shape,
+                    n_bytes=info.n_bytes,
+                    sha256=entry.sha256,
+                    part=number,
+                    offset=info.offset,
                 )
+            )
         index += part_index
         parts.append(
             ManifestPart(
@@ -266,21 +269,6 @@ def make(
         publisher=identity.node_id.hex(),
     )
     return unsigned.signed(identity)
-
-
-def _sha256_of(f: Any, offset: int, n_bytes: int, progress: Callable[[int], None] | None) -> str:
-    digest = hashlib.sha256()
-    f.seek(offset)
-    left = n_bytes
-    while left:
-        chunk = f.read(min(left, 16 << 20))
-        if not chunk:
-            raise ManifestError(f"{f.name} ended inside a tensor")
-        digest.update(chunk)
-        left -= len(chunk)
-        if progress is not None:
-            progress(len(chunk))
-    return digest.hexdigest()
 
 
 def load_key(path: str | os.PathLike[str]) -> Identity:

@@ -71,8 +71,9 @@ class JoinOptions:
     has none and a tracker), its model file (fetched, for a URL), its TLS files (made, for
     ``tls_self_signed``) and how it re-plans. ``url``: the model's URL, of which only the
     range served is fetched, checked against the signed manifest at ``manifest`` (a file, a
-    URL, or a tracker's URL; None: the node's first tracker), signed by ``publisher_key``
-    when given; ``node.model`` is then the folder the ranges are fetched into.
+    URL, or a tracker's URL; None: the node's first tracker), signed by ``publisher_key``,
+    or by any key when ``trust_tracker_manifests`` (one of the two is required);
+    ``node.model`` is then the folder the ranges are fetched into.
     ``max_layers``: a placed node holds at most this many; ``rebalance_every``: seconds
     between a placed node's questions whether to move (0: never).
     """
@@ -81,6 +82,7 @@ class JoinOptions:
     url: str | None = None
     manifest: str | None = None
     publisher_key: bytes | None = None
+    trust_tracker_manifests: bool = False
     max_layers: int | None = None
     rebalance_every: float = REBALANCE_SECONDS
     tls_self_signed: bool = False
@@ -200,11 +202,14 @@ def place(
     patience: float = TRACKER_PATIENCE,
     max_layers: int | None = None,
     join_secret: bytes | None = None,
+    artifact: str | None = None,
 ) -> Placed:
     """The range a node of ``recipe`` should serve of the whole model ``model``, as the first of ``trackers``
     that answers gives it.
 
-    ``model`` may be a copy of the model's header alone (its tensors' bytes are not read).
+    ``model`` may be a copy of the model's header alone, when ``artifact`` names the artifact
+    it is the header of (its manifest's); without ``artifact`` the file's fingerprint is
+    taken, which reads every tensor once (then kept: :class:`artifacts.DigestCache`).
     ``prefix_cache``: the bytes the operator gave the prefix cache (None: the default, which
     under a memory limit takes only what the shard leaves); ``max_layers``: at most this many,
     whatever fits; ``join_secret``: a private swarm's, proved to its tracker. With the range comes
@@ -213,6 +218,8 @@ def place(
     info = inspect(model, verify=False)
     if info.layer_range != LayerRange(0, info.n_layer):
         raise JoinError(f"{model} is a shard file of layers {info.layer_range}: it serves those, with --layers or not")
+    if artifact is None:
+        artifact = inspect(model).fingerprint
     limit = budget(recipe, memory_limit)
     cache = (
         prefix_cache if prefix_cache is not None else 0 if memory_limit is not None else memplan.DEFAULT_PREFIX_CACHE
@@ -236,7 +243,7 @@ def place(
         describe(limit, recipe.device),
     )
     reply = trio.run(
-        lambda: ask(trackers, me, info.fingerprint, info.n_layer, most, patience=patience, join_secret=join_secret)
+        lambda: ask(trackers, me, artifact, info.n_layer, most, patience=patience, join_secret=join_secret)
     )
     start, end = reply.layers
     capacity = "nobody served it" if reply.weakest_capacity == 0 else f"{reply.weakest_capacity:.1f} tokens/s"
@@ -256,8 +263,9 @@ def main(opts: JoinOptions) -> int:
     if sizing is None:
         return _serve(opts, opts.node.layers)
     node = opts.node
+    sizing_path, artifact = sizing
     placed = place(
-        sizing,
+        sizing_path,
         node_recipe(node),
         node.trackers,
         load_or_create(node.data_dir),
@@ -265,6 +273,7 @@ def main(opts: JoinOptions) -> int:
         prefix_cache=node.prefix_cache,
         max_layers=opts.max_layers,
         join_secret=node.join_secret,
+        artifact=artifact,
     )
     try:
         return _serve(opts, placed.layers, rebalancing=_rebalancing(opts, placed.max_layers))
@@ -273,15 +282,23 @@ def main(opts: JoinOptions) -> int:
         release(node.trackers, load_or_create(node.data_dir))
 
 
-def _sizing_file(opts: JoinOptions) -> Path | None:
+def _sizing_file(opts: JoinOptions) -> tuple[Path, str | None] | None:
     """What a node the tracker places sizes its shard by: the whole model's file, or a copy of the header
-    of the model at its URL; None for a node that serves the range it was given (or its shard file's)."""
+    of the model at its URL with the artifact its manifest names; None for a node that serves the range
+    it was given (or its shard file's)."""
     node = opts.node
     if node.layers is not None or not node.trackers or node.backend != "llama.cpp":
         return None
     if opts.url is not None:
-        return fetch.header_copy(opts.url, node.data_dir / "headers")
-    return node.model if node.model.is_file() and _whole(node.model) else None
+        copy = fetch.header_copy(
+            opts.url,
+            node.data_dir / "headers",
+            _manifest_source(opts),
+            publisher=opts.publisher_key,
+            trust_source=opts.trust_tracker_manifests,
+        )
+        return copy.path, copy.artifact
+    return (node.model, None) if node.model.is_file() and _whole(node.model) else None
 
 
 def _whole(model: Path) -> bool:
@@ -347,20 +364,26 @@ def _pull_range(opts: JoinOptions, url: str, layers: LayerRange | None) -> fetch
             "--model URL fetches one layer range of the model: give it with --layers A:B, "
             "or give a --tracker that places this node"
         )
+    return fetch.pull_layers(
+        url,
+        layers,
+        _manifest_source(opts),
+        opts.node.model,
+        publisher=opts.publisher_key,
+        trust_source=opts.trust_tracker_manifests,
+        progress=sys.stderr.isatty(),
+    )
+
+
+def _manifest_source(opts: JoinOptions) -> str:
+    """Where the manifest of a URL model comes from: ``--manifest``, else the node's first tracker."""
     source = opts.manifest or opts.node.tracker
     if source is None:
         raise OptionsError(
             "--model URL: the range fetched is checked against the model's signed manifest; give --manifest "
             "(a file, a URL, or a tracker's URL), or a --tracker that serves it"
         )
-    return fetch.pull_layers(
-        url,
-        layers,
-        source,
-        opts.node.model,
-        publisher=opts.publisher_key,
-        progress=sys.stderr.isatty(),
-    )
+    return source
 
 
 __all__ = [
