@@ -32,7 +32,7 @@ def _run_quick(name: str, out: Path, timeout: float = 900, prefix: Sequence[str]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["codec", "fuzz_frames", "engine", "suite_cpu_share", "swarm"])
+@pytest.mark.parametrize("name", ["codec", "fuzz_frames", "engine", "fingerprint", "suite_cpu_share", "swarm"])
 def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
     out = tmp_path / f"{name}.json"
     done = subprocess.run(
