@@ -5,11 +5,14 @@
 Against the local system (tracker, relay, a gRPC head node, a relay-only tail node,
 gateway), all real processes on loopback:
 
-- **gRPC seams** of the head node: streams of random bytes; ``OpenRoute`` frames with
+- **gRPC seams** of the head node: streams of random bytes in place of the seam's
+  handshake; then, sealed as every seam is (the fuzzer proves a key of its own, which its
+  routes' tickets name as their client): random frames; ``OpenRoute`` frames with
   a real ticket, mutated; a valid ``OpenRoute`` followed by mutated, random or
   out-of-place frames (which start a real session first); well-formed ``OpenRoute``
   frames built to break what reads them (:data:`HOSTILE_OPENINGS`: ticket bodies that
-  nest deeply or overflow an integer, next hops no resolver takes, a sampler window of
+  nest deeply or overflow an integer, next hops no resolver takes (which the ticket's
+  plan, binding each hop's address, no longer matches), a sampler window of
   2**31 tokens); the first chunk of a large step before any session;
 - **relay** websocket paths (``/control``, ``/dial``, ``/accept/…``, unknown): random
   text and binary messages, mutated control messages, and JSON nested to break a parser;
@@ -138,9 +141,10 @@ def _get(url: str) -> dict[str, Any]:
 # --- gRPC seams
 
 
-async def _route(http: httpx.AsyncClient, tracker: str, artifact: str) -> RouteReply:
+async def _route(http: httpx.AsyncClient, tracker: str, artifact: str, client: bytes = b"") -> RouteReply:
+    body: dict[str, Any] = {"artifact": artifact, "tokens": 64} | ({"client": client.hex()} if client else {})
     for _ in range(100):
-        response = await http.post(tracker + "/v1/routes", json={"artifact": artifact, "tokens": 64})
+        response = await http.post(tracker + "/v1/routes", json=body)
         if response.status_code == 200:
             return RouteReply.model_validate_json(response.content)
         await trio.sleep(0.2)  # the head is full of sessions still ending
@@ -158,7 +162,7 @@ def _open_route_frames(
     if hostile.startswith("ticket_"):  # the issuer's signature cannot be forged: the body is parsed first
         body = {"ticket_nested": b"[" * 3000, "ticket_overflow": b'{"epoch":1e999,"exp":1e999}'}[hostile]
         ticket = tickets.MAGIC + struct.pack(">H", len(body)) + body + bytes(64)
-    elif hostile.startswith("next_hop_"):  # the ticket binds node ids and layers, not addresses
+    elif hostile.startswith("next_hop_"):  # the ticket binds addresses too: its check refuses these
         address, relay = {
             "next_hop_long_label": ("a" * 64 + ":7000", ""),
             "next_hop_no_port": ("no-port", ""),
@@ -186,8 +190,13 @@ def _open_route_frames(
     return encoder.encode(opening), endpoint, encoder
 
 
-async def _fuzz_grpc(address: str, tracker: str, artifact: str, count: int, rng: random.Random) -> dict[str, Any]:
+async def _fuzz_grpc(
+    address: str, head: bytes, tracker: str, artifact: str, count: int, rng: random.Random
+) -> dict[str, Any]:
     import numpy as np
+
+    from noderuntime.access.identity import channel_keys
+    from protocol.channel import Binding
 
     outcomes: collections.Counter[str] = collections.Counter()
     kinds: collections.Counter[str] = collections.Counter()
@@ -196,10 +205,11 @@ async def _fuzz_grpc(address: str, tracker: str, artifact: str, count: int, rng:
     # inputs go in side by side (a peer opening many streams at once is part of the test);
     # each waits up to REPLY_SECONDS for an answer
     limiter = trio.Semaphore(GRPC_PARALLEL)
+    keys = channel_keys(NodeIdentity.generate())  # whom the fuzzer's routes name as their client
 
-    async def one(frames: list[bytes]) -> None:
+    async def one(frames: list[bytes], binding: Binding | None) -> None:
         try:
-            outcomes[await _send_and_listen(connector, address, frames)] += 1
+            outcomes[await _send_and_listen(connector, address, frames, keys, binding)] += 1
         finally:
             limiter.release()
 
@@ -208,6 +218,7 @@ async def _fuzz_grpc(address: str, tracker: str, artifact: str, count: int, rng:
             for _ in range(count):
                 kind = rng.choice(
                     (
+                        "unsealed",
                         "random",
                         "mutated_open",
                         "open_then_mutated",
@@ -220,20 +231,23 @@ async def _fuzz_grpc(address: str, tracker: str, artifact: str, count: int, rng:
                 if kind == "hostile_open":
                     kind = f"hostile_open:{rng.choice(HOSTILE_OPENINGS)}"
                 kinds[kind] += 1
-                if kind == "random":
+                route: RouteReply | None = None
+                if kind in ("unsealed", "random"):
                     frames = [rng.randbytes(rng.choice((0, 1, 7, 64, 1000, 70000))) for _ in range(rng.randint(1, 3))]
                 elif kind.startswith("hostile_open:"):
-                    route = await _route(http, tracker, artifact)
+                    route = await _route(http, tracker, artifact, keys.node_id)
                     frames, _, _ = _open_route_frames(route, artifact, kind.removeprefix("hostile_open:"))
                 elif kind == "chunked_first":  # the first chunk of a large step, before any session
-                    _, endpoint, _ = _open_route_frames(await _route(http, tracker, artifact), artifact)
+                    route = await _route(http, tracker, artifact, keys.node_id)
+                    _, endpoint, _ = _open_route_frames(route, artifact)
                     array = np.zeros((64, 576), np.float32)
                     step = Activations(
                         endpoint.header(Phase.PREFILL, Span(0, 64)), (NamedTensor("hidden_states", array),)
                     )
                     frames = FrameEncoder(Limits(max_frame_bytes=16 << 10)).encode(step)[:1]
                 else:
-                    opening, endpoint, encoder = _open_route_frames(await _route(http, tracker, artifact), artifact)
+                    route = await _route(http, tracker, artifact, keys.node_id)
+                    opening, endpoint, encoder = _open_route_frames(route, artifact)
                     if kind == "mutated_open":
                         frames = [_mutate(rng, f) for f in opening]
                     else:
@@ -252,19 +266,27 @@ async def _fuzz_grpc(address: str, tracker: str, artifact: str, count: int, rng:
                                 _mutate(rng, f) for f in encoder.encode(Release(endpoint.header(Phase.RELEASE), "x"))
                             ]
                         frames = [*opening, *follow]
+                session = bytes.fromhex(route.session_id) if route is not None else os.urandom(16)
+                binding = None if kind == "unsealed" else Binding(session, 0, keys.node_id, head)
                 await limiter.acquire()
-                nursery.start_soon(one, frames)
+                nursery.start_soon(one, frames, binding)
     finally:
         await connector.close()
         runtime.close()
     return {"inputs": count, "by_kind": dict(kinds), "outcomes": dict(outcomes)}
 
 
-async def _send_and_listen(connector: GrpcConnector, address: str, frames: list[bytes]) -> str:
+async def _send_and_listen(connector: GrpcConnector, address: str, frames: list[bytes], keys: Any, binding: Any) -> str:
+    """``frames`` in a seam to ``address``: sealed under ``binding``, or (None) as they are."""
     try:
-        stream = await connector.open(address)
+        stream: Any = await connector.open(address)
     except TransportError as exc:
         return f"connect_failed:{exc.code.name}"
+    if binding is not None:
+        try:
+            stream = await sealed.seal_dialer(stream, keys, binding, address)
+        except TransportError as exc:
+            return f"handshake_failed:{exc.code.name}"
     decoder = FrameDecoder(Limits())
     try:
         for frame in frames:
@@ -593,7 +615,10 @@ def main() -> int:
             artifact = head.artifact
             started = time.monotonic()
             entries: dict[str, Any] = {}
-            entries["grpc_seam"] = trio.run(_fuzz_grpc, head.address, system.tracker_url, artifact, per_entry, rng)
+            head_id = bytes.fromhex(head.node_id)
+            entries["grpc_seam"] = trio.run(
+                _fuzz_grpc, head.address, head_id, system.tracker_url, artifact, per_entry, rng
+            )
             entries["relay"] = trio.run(_fuzz_relay, relay.url, per_entry, rng)
             tail = expect(next(p.info for p in system.processes if p.name == "node1"), NodeReady)
             entries["relayed_seam"] = trio.run(
