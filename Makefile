@@ -9,6 +9,8 @@ STAMP  := $(VENV)/.bootstrapped
 # pytest-xdist workers, each pinned to its share of the cores (tests/conftest.py): while one
 # worker's test waits on a deadline, a process start or an import, the other computes
 PYTEST_WORKERS ?= 2
+# each run ends with where its time went: the suite's budget is 12 minutes on 2 cores
+PYTEST_ARGS ?= --durations=25
 
 .PHONY: test demo bootstrap lint clean
 
