@@ -3,6 +3,7 @@ sends it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -19,11 +20,37 @@ from noderuntime.control.admission import (
     Capability,
     capability_record,
 )
+from noderuntime.models import gguf as ggufio
+from noderuntime.models.artifacts import TensorEntry, fingerprint_of_digests
+from noderuntime.models.artifacts import field_digest as digest_of
 from noderuntime.operations.httpserve import serve_http
+from noderuntime.tracker import shapes
 from noderuntime.tracker.app import Tracker
 
 ARTIFACT = "ab" * 32
 RECIPE = "0123456789abcdef"
+
+
+def made_up_model(n_layer: int = 30) -> tuple[list[tuple[str, bytes]], list[TensorEntry]]:
+    """The identity fields (in key order) and tensor index of a made-up ``n_layer``-layer Llama: what its
+    fingerprint hashes (:func:`shaped_artifact`)."""
+    fields = [
+        ("general.architecture", ggufio.string_field("general.architecture", "llama")),
+        ("general.name", ggufio.string_field("general.name", "made up")),
+        ("llama.block_count", ggufio.uint32_field("llama.block_count", n_layer)),
+        ("llama.embedding_length", ggufio.uint32_field("llama.embedding_length", 64)),
+    ]
+    names = ["token_embd.weight", "output_norm.weight"]
+    names += [f"blk.{i}.{t}.weight" for i in range(n_layer) for t in ("attn_q", "attn_k", "ffn_up")]
+    index = [TensorEntry(n, 8, (64, 64), 4352, hashlib.sha256(n.encode()).hexdigest()) for n in names]
+    return fields, index
+
+
+def shaped_artifact(n_layer: int = 30) -> tuple[str, dict[str, Any]]:
+    """A made-up ``n_layer``-layer artifact's fingerprint, and the proof of its shape a node sends (JSON)."""
+    fields, index = made_up_model(n_layer)
+    artifact = fingerprint_of_digests((digest_of(k, raw) for k, raw in fields), sorted(e.line() for e in index))
+    return artifact, shapes.prove(fields, index).model_dump(mode="json")
 
 
 def registration(me: Identity, layers: tuple[int, int] = (0, 30), **changes: Any) -> dict[str, Any]:

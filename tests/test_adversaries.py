@@ -56,7 +56,7 @@ from noderuntime.transport.relay_client import RelayListener
 from protocol import Hop, Span
 from relay.server import Relay
 from relay.server import serve as relay_serve
-from tests.adversary_swarm import ARTIFACT, RECIPE, Swarm, beat, open_swarm, registration
+from tests.adversary_swarm import ARTIFACT, RECIPE, Swarm, beat, open_swarm, registration, shaped_artifact
 
 # --- attack 3: one number that breaks the tracker
 
@@ -429,6 +429,48 @@ async def test_unadmitted_sybils_on_a_range_do_not_make_it_look_served_to_placem
         asked = {"node_id": joiner.node_id.hex(), "artifact": ARTIFACT, "n_layer": 30, "max_layers": 15}
         placed = await swarm.post("/v1/placement", asked, joiner)
         assert placed.status_code == 200 and placed.json()["layers"] == [0, 15], placed.text
+
+
+async def test_sybils_claiming_another_layer_count_on_default_settings_cannot_take_the_model_away() -> None:
+    """No manifest, no probes: three sybils claim the 30-layer artifact has 31 layers, before the
+    honest nodes come and after. The honest nodes' registrations prove its 30 by its fingerprint:
+    the sybils that came first are dropped, and every sybil registration after is refused, whether
+    it sends no proof, the artifact's own proof, or one that shows 31."""
+    artifact, proof = shaped_artifact(30)
+    sybil_ranges = ((0, 16), (16, 31), (0, 31))
+    async with open_swarm() as swarm:
+        early = [Identity.generate() for _ in sybil_ranges]
+        for sybil, layers in zip(early, sybil_ranges, strict=True):
+            assert (await swarm.register(sybil, layers, artifact=artifact, n_layer=31)).status_code == 200
+        for layers in ((0, 15), (15, 30)):
+            answer = await swarm.register(Identity.generate(), layers, artifact=artifact, shape=proof)
+            assert answer.status_code == 200, answer.text
+        for sybil in early:  # dropped: told to register again, and refused then
+            assert (await swarm.post("/v1/nodes/heartbeat", beat(sybil), sybil)).status_code == 404
+        forged = {**proof, "n_layer": 31}
+        for shape in (None, proof, forged):
+            for layers in sybil_ranges:
+                sybil = Identity.generate()
+                answer = await swarm.register(sybil, layers, artifact=artifact, n_layer=31, shape=shape)
+                assert answer.status_code == 409, answer.text
+        assert {r.n_layer for r in swarm.tracker.state.nodes.values()} == {30}
+        granted = await swarm.route(artifact=artifact)
+        assert granted.status_code == 200, granted.text
+        assert (await swarm.client.get(swarm.url + "/v1/artifacts")).json()["artifacts"][artifact]["n_layer"] == 30
+        joiner = Identity.generate()
+        asked = {"node_id": joiner.node_id.hex(), "artifact": artifact, "n_layer": 31, "max_layers": 15}
+        assert (await swarm.post("/v1/placement", asked, joiner)).status_code == 409
+
+
+async def test_a_forged_shape_proof_for_an_artifact_nobody_proved_yet_is_refused() -> None:
+    """The first registrant of an artifact cannot set its shape with a proof that does not hash to it."""
+    artifact, proof = shaped_artifact(30)
+    _, other = shaped_artifact(31)  # a real proof, of another artifact
+    async with open_swarm() as swarm:
+        for shape in ({**proof, "n_layer": 31}, other):
+            answer = await swarm.register(Identity.generate(), (0, 31), artifact=artifact, n_layer=31, shape=shape)
+            assert answer.status_code == 400 and "shape proof" in answer.text, answer.text
+        assert swarm.tracker.state.shape_of(artifact) is None and not swarm.tracker.state.nodes
 
 
 def test_a_manifest_gives_the_shape_and_no_vote_changes_it() -> None:

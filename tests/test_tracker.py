@@ -3,12 +3,15 @@ choice itself is tests/test_route_choice.py."""
 
 from __future__ import annotations
 
+import base64
 import functools
 import itertools
 import json
 import time
+import zlib
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -18,17 +21,20 @@ from noderuntime.access.identity import Identity
 from noderuntime.access.signing import sign
 from noderuntime.access.tickets import TicketVerifier
 from noderuntime.control.admission import Capability, capability_record
+from noderuntime.models import gguf as ggufio
+from noderuntime.models.artifacts import field_digest
 from noderuntime.node.leases import LeaseManager
 from noderuntime.operations.httpserve import serve_http
-from noderuntime.tracker import registry
+from noderuntime.tracker import registry, shapes
 from noderuntime.tracker.app import Tracker
 from noderuntime.tracker.client import NodeLoad, TrackerError, TrackerLink, request_route
-from noderuntime.tracker.messages import MAX_PEERS, Registration
+from noderuntime.tracker.messages import MAX_PEERS, MAX_SHAPE_FIELDS, MAX_SHAPE_INDEX_CHARS, Registration, ShapeProof
 from noderuntime.tracker.records import NodeRecord
 from noderuntime.tracker.registry import TrackerState
 from noderuntime.tracker.roundtrips import RoundTrips, connect_ms, measure_round_trips
 from noderuntime.verify.certificates import CoveredPair
 from protocol import Hop, Span, route_recipe
+from tests.adversary_swarm import made_up_model, shaped_artifact
 from tests.swarm_records import ARTIFACT, node, node_id
 
 
@@ -113,6 +119,7 @@ def test_a_registration_speaks_the_node_description_and_the_record_keeps_all_of_
         "kernel_class",
         "capability",
         "join_proof",
+        "shape",
     }
     record = NodeRecord.of(registration, probe_required=True)
     assert record.node_id == me.node_id and record.tls_cert_sha256 == b"\xab" * 32 and record.probe_required
@@ -445,3 +452,86 @@ def _beats_a_minute_apart_after_the_first(monkeypatch: pytest.MonkeyPatch) -> No
     """From the answer to its first heartbeat on, a node registered now beats a minute apart (the longest
     interval): within a test, every heartbeat but the first is an early one."""
     monkeypatch.setattr(registry, "HEARTBEAT_SECONDS", registry.MAX_HEARTBEAT_SECONDS)
+
+
+# --- an artifact's shape, proven by its fingerprint
+
+
+def test_a_shape_proof_proves_the_layer_count_its_fingerprint_hashes_and_nothing_else() -> None:
+    """The proof of a model's shape gives its layer count; shown another count, fields that hash
+    otherwise, another index, or sent for another artifact, it proves nothing."""
+    artifact, sent = shaped_artifact(30)
+    proof = ShapeProof(**sent)
+    assert shapes.proven_layers(artifact, proof) == 30
+    fields, index = made_up_model(30)
+    swapped = [field_digest("llama.block_count", ggufio.uint32_field("llama.block_count", 31)).hex()]
+    at = [key for key, _ in fields].index("llama.block_count")
+    packed = base64.b64encode(zlib.compress("\n".join(sorted(e.line() for e in index[1:])).encode())).decode()
+    forged = [
+        proof.model_copy(update={"n_layer": 31}),  # the count shown is not the one hashed
+        proof.model_copy(update={"n_layer": 31, "fields": [*proof.fields[:at], *swapped, *proof.fields[at + 1 :]]}),
+        proof.model_copy(update={"architecture": "qwen3"}),
+        proof.model_copy(update={"index": packed}),  # a tensor left out
+        proof.model_copy(update={"n_layer_type": 6}),  # a float32 is no block count
+        proof.model_copy(update={"n_layer_type": 0}),  # 30 as a uint8: another field's bytes
+    ]
+    for wrong in forged:
+        with pytest.raises(shapes.ShapeError):
+            shapes.proven_layers(artifact, wrong)
+    with pytest.raises(shapes.ShapeError, match="do not hash"):
+        shapes.proven_layers(shaped_artifact(31)[0], proof)
+
+
+def test_an_oversized_shape_proof_is_refused_before_anything_is_decoded() -> None:
+    """Too many fields, or a packed index past its bound, fail the message's own check; an index that
+    unpacks past its bound stops there (a zip bomb inflates no further); a broken one is refused."""
+    artifact, sent = shaped_artifact(30)
+    with pytest.raises(ValueError, match="at most"):
+        ShapeProof(**{**sent, "fields": ["00" * 32] * (MAX_SHAPE_FIELDS + 1)})
+    with pytest.raises(ValueError, match="at most"):
+        ShapeProof(**{**sent, "index": "A" * (MAX_SHAPE_INDEX_CHARS + 1)})
+    bomb = base64.b64encode(zlib.compress(b"x" * (16 << 20), 9)).decode()
+    assert len(bomb) < MAX_SHAPE_INDEX_CHARS
+    with pytest.raises(shapes.ShapeError, match="more than"):
+        shapes.proven_layers(artifact, ShapeProof(**{**sent, "index": bomb}))
+    lines = base64.b64encode(zlib.compress(b"\n" * shapes.MAX_INDEX_TENSORS)).decode()
+    with pytest.raises(shapes.ShapeError, match="more than"):
+        shapes.proven_layers(artifact, ShapeProof(**{**sent, "index": lines}))
+    for broken in ("AAAA", sent["index"][:-8]):
+        with pytest.raises(shapes.ShapeError):
+            shapes.proven_layers(artifact, ShapeProof(**{**sent, "index": broken}))
+
+
+def test_proven_shapes_are_kept_while_their_artifact_is_served_and_bounded_after() -> None:
+    """A shape stays while a node of its artifact is registered; of artifacts nobody serves, the longest
+    idle go first past the bound, and all go after the time kept."""
+    kept = shapes.ProvenShapes(kept=2, keep_seconds=100.0)
+    kept.prove("served", 30, 0.0)
+    kept.in_use("served")
+    for k in range(5):
+        kept.prove(f"made-up {k}", 31, float(k))
+    assert kept.get("served") == 30 and len(kept) == 3
+    assert kept.get("made-up 4") == 31 and kept.get("made-up 0") is None
+    kept.expire(500.0)
+    assert kept.get("served") == 30 and len(kept) == 1
+    kept.idle("served", 500.0)
+    kept.expire(550.0)
+    assert kept.get("served") == 30
+    kept.expire(601.0)
+    assert kept.get("served") is None and len(kept) == 0
+
+
+def test_a_proven_shape_drops_the_nodes_that_claimed_another_and_goes_some_time_after_the_last_node() -> None:
+    """Learning an artifact's shape drops its nodes of another count; once its last node leaves, the shape
+    is kept for a while, then forgotten."""
+    state = TrackerState()
+    for k, n_layer in enumerate((31, 31, 30)):
+        state.register(attrs.evolve(node(chr(ord("a") + k), (0, n_layer)), n_layer=n_layer), 0.0)
+    assert state.learn_shape(ARTIFACT, 30, 0.0) == [node_id("a"), node_id("b")]
+    assert list(state.nodes) == [node_id("c")] and state.shape(ARTIFACT) == 30
+    assert state.departed[-1][2] == "refused"
+    state.leave(node_id("c"), 10.0)
+    state.expire(10.0 + state.proven.keep_seconds / 2)
+    assert state.shape_of(ARTIFACT) == 30
+    state.expire(11.0 + state.proven.keep_seconds)
+    assert state.shape_of(ARTIFACT) is None

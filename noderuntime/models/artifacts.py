@@ -395,13 +395,39 @@ def tied_output(index: Iterable[TensorEntry]) -> bool:
 
 
 def _fingerprint(fields: Iterable[tuple[str, bytes]], index: Iterable[TensorEntry]) -> str:
+    return fingerprint_of_digests((field_digest(name, blob) for name, blob in fields), sorted(e.line() for e in index))
+
+
+def field_digest(key: str, raw: bytes) -> bytes:
+    """What a fingerprint hashes of one identity field: a party shown the digests of the others
+    and one field whole can check that field against the fingerprint (``tracker.shapes``)."""
+    return hashlib.sha256(key.encode() + b"\0" + raw).digest()
+
+
+def fingerprint_of_digests(field_digests: Iterable[bytes], index_lines: Iterable[str]) -> str:
+    """The fingerprint of a model whose identity fields, in key order, have ``field_digests``
+    (:func:`field_digest`) and whose tensor index is ``index_lines`` (:meth:`TensorEntry.line`, sorted)."""
     digest = hashlib.sha256(_FINGERPRINT_DOMAIN)
-    for name, blob in fields:
-        digest.update(hashlib.sha256(name.encode() + b"\0" + blob).digest())
+    for one in field_digests:
+        digest.update(one)
     digest.update(b"tensors\n")
-    for line in sorted(entry.line() for entry in index):
+    for line in index_lines:
         digest.update(line.encode() + b"\n")
     return digest.hexdigest()
+
+
+def identity(
+    path: str | os.PathLike[str], *, cache: DigestCache | None = None
+) -> tuple[list[tuple[str, bytes]], list[TensorEntry]]:
+    """What the fingerprint of the model in ``path`` is a hash of: its identity fields (key, raw
+    bytes) in key order, and the model's tensor index (a shard file's copy of its parent's).
+
+    A whole file's tensors are hashed unless ``cache`` (:func:`default_cache` when None) holds
+    their digests already, as it does once the file has been inspected.
+    """
+    gguf = _open(Path(path))
+    shard = PARENT_INDEX_KEY in gguf.fields
+    return _identity_fields(gguf), _parent_index(Path(path), gguf) if shard else tensor_index(gguf, cache=cache)
 
 
 def tensor_belongs(name: str, layers: LayerRange, n_layer: int, tied_output: bool) -> bool:

@@ -53,7 +53,7 @@ from noderuntime.control.admission import AdmissionError, ProbeAnswer, ProbeRefe
 from noderuntime.models.manifest import Manifest
 from noderuntime.operations.httpserve import BodyLimit
 from noderuntime.operations.telemetry import TrackerMetrics, exposition, trio_tasks
-from noderuntime.tracker import swarm
+from noderuntime.tracker import shapes, swarm
 from noderuntime.tracker.audits import AUDIT_GRANT_SECONDS, AuditBook, AuditError, auditor_weight, network_prefix
 from noderuntime.tracker.audits import Grant as AuditGrant
 from noderuntime.tracker.limits import Outstanding, RateLimits
@@ -323,9 +323,7 @@ class Tracker:
         start, end = body.layers
         if not 0 <= start < end <= body.n_layer:
             raise HTTPException(400, f"layers {start}:{end} do not lie in 0:{body.n_layer}")
-        shape = self.state.shapes.get(body.artifact)
-        if shape is not None and shape != body.n_layer:
-            raise HTTPException(400, f"artifact {body.artifact[:16]}… has {shape} layers by its manifest")
+        proven = self._proven_shape(body)
         if not body.address and not body.relay:
             raise HTTPException(400, "a node needs an address, a relay, or both")
         if not self.local_swarm:
@@ -347,6 +345,9 @@ class Tracker:
             body, measured=measured, probe_required=self.require_probe or bool(self.references.seeds(key))
         )
         now = time.time()
+        if proven is not None:
+            for wrong in self.state.learn_shape(body.artifact, proven, now):
+                log.warning("node %s dropped: its layer count is not its artifact's %d", wrong.hex()[:12], proven)
         # a node that audits excluded stays out, however often it registers again
         record = attrs.evolve(record, audit_failed=self.audits.excluded(node_id))
         self.state.register(record, now)
@@ -366,6 +367,25 @@ class Tracker:
         elif record.probe_required:
             log.warning("node %s: no probe references for its shard; kept out of routes", node_id.hex()[:12])
         return answer
+
+    def _proven_shape(self, body: Registration) -> int | None:
+        """The layer count ``body``'s shape proof newly proves of its artifact (None: the shape is known
+        already, or nothing is sent); 409 when the claimed count is not the artifact's, 400 when the
+        proof does not hold. An artifact's shape comes from its manifest or its fingerprint, never
+        from a vote: with neither, the nodes that claim the most admitted count stand in."""
+        known = self.state.shape_of(body.artifact)
+        if known is None and body.shape is not None:
+            try:
+                proven = shapes.proven_layers(body.artifact, body.shape)
+            except shapes.ShapeError as exc:
+                self.metrics.errors.labels("shape").inc()
+                raise HTTPException(400, f"the shape proof does not hold: {exc}") from None
+            if proven != body.n_layer:
+                raise HTTPException(409, f"artifact {body.artifact[:16]}… has {proven} layers, not {body.n_layer}")
+            return proven
+        if known is not None and known != body.n_layer:
+            raise HTTPException(409, f"artifact {body.artifact[:16]}… has {known} layers, not {body.n_layer}")
+        return None
 
     async def _heartbeat(self, body: Heartbeat, request: Request) -> dict[str, Any]:
         node_id = await self._authenticated(request, body.node_id)

@@ -89,12 +89,38 @@ class NodeDescription(BaseModel):
         return NodeDescription.model_validate(self.model_dump(include=set(NodeDescription.model_fields)))
 
 
+# A shape proof's bounds, refused before anything is decoded: the identity fields a GGUF model has
+# (33 in a Llama's), and its tensor index packed (zlib, base64: 17 KB for an 8B Llama's 291 tensors,
+# about 58 characters a tensor, so ~800 tensors fit, a 70B Llama's 723 among them).
+MAX_SHAPE_FIELDS = 128
+MAX_SHAPE_INDEX_CHARS = 48_000
+
+
+class ShapeProof(BaseModel):
+    """An artifact's layer count, bound by its fingerprint: the digests of the identity fields the
+    fingerprint hashes, two of them shown whole (the architecture and its block count), and the
+    tensor index, packed. The tracker recomputes the fingerprint from them (``tracker.shapes``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    architecture: str = Field(pattern=r"^[a-z0-9_]{1,64}$")
+    n_layer: int = Field(gt=0, le=MAX_LAYERS, strict=True)
+    n_layer_type: int = Field(ge=0, le=12, strict=True)  # the GGUF integer type the block count is stored as
+    # models.artifacts.field_digest of each identity field, in key order
+    fields: list[Annotated[str, StringConstraints(pattern=HEX32)]] = Field(max_length=MAX_SHAPE_FIELDS)
+    # the sorted lines of the tensor index (models.artifacts.TensorEntry.line), "\n"-joined, zlib'd, base64
+    index: str = Field(max_length=MAX_SHAPE_INDEX_CHARS, pattern=r"^[A-Za-z0-9+/=]*$")
+
+
 class Registration(NodeDescription):
     """A node's description of itself, with the capability it measured and signed (``admission.capability_record``)."""
 
     capability: dict[str, str]  # {"body": signed JSON text, "signature": hex}
     # for a private swarm's tracker: access.signing.join_proof of its join secret and this node's id
     join_proof: str = Field(default="", max_length=64, pattern=r"^([0-9a-f]{64})?$")
+    # its artifact's shape, proven by the artifact's fingerprint: what fixes the layer count where
+    # no manifest does (none: the node could not read it, as from a model in gguf-split parts)
+    shape: ShapeProof | None = None
 
     @classmethod
     def of(cls, description: NodeDescription, capability: dict[str, str]) -> Registration:

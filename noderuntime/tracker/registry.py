@@ -30,6 +30,7 @@ from noderuntime.tracker.columns import COST_CEILING_MS, SEAMS_KEPT, Columns
 from noderuntime.tracker.messages import MAX_PEERS, MAX_ROUND_TRIP_MS
 from noderuntime.tracker.records import HEARTBEAT_SECONDS, NodeRecord
 from noderuntime.tracker.routechoice import RouteChoice, layer_count, route_cost
+from noderuntime.tracker.shapes import ProvenShapes
 
 STEP_BUDGET_MS = 1000.0  # a node gets no more sessions than keep its decode step under this
 DEPARTED_KEPT = 64  # departed nodes remembered, for status pages
@@ -63,11 +64,13 @@ class TrackerState:
         large swarm's nodes beat less often, and are given ``EXPIRE_HEARTBEATS`` of their intervals);
         ``shapes``: by artifact, its layer count where a manifest says it (no vote of nodes then)."""
         self.shapes: dict[str, int] = dict(shapes or {})
+        # layer counts registrations proved (tracker.shapes): no vote of nodes either
+        self.proven = ProvenShapes()
         self.expire_after = expire_after
         self.step_budget_ms = step_budget_ms
         self.mixes: dict[str, frozenset[frozenset[str]]] = {a: frozenset(p) for a, p in (mixes or {}).items()}
         self.nodes: dict[bytes, NodeRecord] = {}
-        # the nodes that left lately, newest last: (record, when, why: "left" or "expired")
+        # the nodes that left lately, newest last: (record, when, why: "left", "expired" or "refused")
         self.departed: collections.deque[tuple[NodeRecord, float, str]] = collections.deque(maxlen=DEPARTED_KEPT)
         self._rng = rng or random.Random()
         self._columns: dict[str, Columns] = {}
@@ -149,15 +152,35 @@ class TrackerState:
         """Drop nodes silent for longer than their interval allows (:meth:`expires_after`); returns their ids."""
         gone = [nid for nid, r in self.nodes.items() if now - r.last_seen > self.expires_after(r.beat_seconds)]
         for nid in gone:
-            self.departed.append((self._drop(nid), now, "expired"))
+            self.departed.append((self._drop(nid, now), now, "expired"))
+        self.proven.expire(now)
         return gone
 
     def leave(self, node_id: bytes, now: float) -> bool:
         """Forget a node that says it leaves; False if it was not registered."""
         if node_id not in self.nodes:
             return False
-        self.departed.append((self._drop(node_id), now, "left"))
+        self.departed.append((self._drop(node_id, now), now, "left"))
         return True
+
+    def shape_of(self, artifact: str) -> int | None:
+        """``artifact``'s layer count where it is known: by its manifest, else proven by a registration."""
+        return self.shapes.get(artifact, self.proven.get(artifact))
+
+    def learn_shape(self, artifact: str, n_layer: int, now: float) -> list[bytes]:
+        """Take ``artifact``'s proven layer count (``tracker.shapes.proven_layers``): nodes registered with
+        another are dropped (they claimed what the artifact is not); returns their ids."""
+        self.proven.prove(artifact, n_layer, now)
+        columns = self._columns.get(artifact)
+        if columns is None:
+            return []
+        columns.shape = n_layer
+        wrong = [nid for nid, r in self.nodes.items() if r.artifact == artifact and r.n_layer != n_layer]
+        for nid in wrong:
+            self.departed.append((self._drop(nid, now), now, "refused"))
+        if artifact in self._columns:
+            self.proven.in_use(artifact)
+        return wrong
 
     def note_session(self, node_ids: Iterable[bytes]) -> None:
         """Count a routed session in its nodes' load until their next heartbeat reports the truth.
@@ -188,16 +211,18 @@ class TrackerState:
         self.nodes[record.node_id] = record
         columns = self._columns.get(record.artifact)
         if columns is None:
-            columns = self._columns[record.artifact] = Columns(record.artifact, self.shapes.get(record.artifact))
+            columns = self._columns[record.artifact] = Columns(record.artifact, self.shape_of(record.artifact))
+            self.proven.in_use(record.artifact)
         columns.put(record, self.step_budget_ms)
 
-    def _drop(self, node_id: bytes) -> NodeRecord:
+    def _drop(self, node_id: bytes, now: float) -> NodeRecord:
         self._forget_seams(node_id)  # before its row can go to another node
         record = self.nodes.pop(node_id)
         columns = self._columns[record.artifact]
         columns.remove(node_id)
         if not columns.rows:
             del self._columns[record.artifact]
+            self.proven.idle(record.artifact, now)
         return record
 
     # --- measured seams
@@ -330,17 +355,18 @@ class TrackerState:
             nodes = self.nodes_of(artifact)
             out[artifact] = {
                 "name": nodes[0].model_name,
-                "n_layer": self.shapes.get(artifact) or layer_count(nodes),
+                "n_layer": self.shape_of(artifact) or layer_count(nodes),
                 "nodes": len(nodes),
                 "routable": self.routable(artifact),
             }
         return out
 
     def shape(self, artifact: str) -> int | None:
-        """``artifact``'s layer count: its manifest's, else what its admitted nodes say; None when
-        neither is known (no manifest, no node admitted)."""
-        if artifact in self.shapes:
-            return self.shapes[artifact]
+        """``artifact``'s layer count: its manifest's or a proven one (:meth:`shape_of`), else what its
+        admitted nodes say; None when none is known (no manifest, no proof, no node admitted)."""
+        known = self.shape_of(artifact)
+        if known is not None:
+            return known
         admitted = [r for r in self.nodes_of(artifact) if r.admitted]
         return layer_count(admitted) if admitted else None
 
