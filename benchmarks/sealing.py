@@ -19,10 +19,8 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -79,72 +77,6 @@ async def _decode_lanes(model: Path, cuts: list[int], new_tokens: int, repeats: 
     }
 
 
-async def _seam_opens(count: int, tmp: Path) -> dict[str, Any]:
-    """Opening a seam plus its first decode-size round trip: plaintext, sealed and TLS; new and spare."""
-    from noderuntime.access.identity import Identity, channel_keys, self_signed
-    from noderuntime.services.running import server_tls
-    from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer
-    from noderuntime.transport.sealed import seal_acceptor, seal_dialer
-    from protocol.channel import Binding
-
-    payload = os.urandom(transport_costs.DECODE_FRAME)
-    cert = self_signed(tmp / "seam-opens")
-    near, far = channel_keys(Identity.generate()), channel_keys(Identity.generate())
-    modes = ("plaintext", "sealed", "tls")
-    times: dict[str, list[float]] = {f"{m}_{k}": [] for m in modes for k in ("new_connection", "spare_connection")}
-    runtime = AsyncioThread()
-    async with trio.open_nursery() as nursery:
-        servers = []
-        try:
-            for mode in modes:
-
-                def accept(stream: Any, mode: str = mode) -> None:
-                    end = seal_acceptor(stream, far, "the dialer") if mode == "sealed" else stream
-                    nursery.start_soon(transport_costs.echo, end)
-
-                server = GrpcServer(runtime, accept, max_frame_bytes=1 << 20)
-                servers.append(server)
-                tls = server_tls(cert.cert, cert.key) if mode == "tls" else None
-                address = f"127.0.0.1:{await server.start('127.0.0.1', 0, tls)}"
-                pin = cert.cert_sha256 if mode == "tls" else b""
-
-                async def open_seam(
-                    connector: GrpcConnector, mode: str = mode, address: str = address, pin: bytes = pin
-                ) -> Any:
-                    stream = await connector.open(address, tls_cert_sha256=pin)
-                    if mode != "sealed":
-                        return stream
-                    binding = Binding(os.urandom(16), 0, near.node_id, far.node_id)
-                    return await seal_dialer(stream, near, binding, "the echo")
-
-                warm = GrpcConnector(runtime, max_frame_bytes=1 << 20)
-                try:
-                    await (await open_seam(warm)).aclose()
-                    for _ in range(count):
-                        for kind in ("new_connection", "spare_connection"):
-                            fresh = kind == "new_connection"
-                            connector = GrpcConnector(runtime, max_frame_bytes=1 << 20) if fresh else warm
-                            await trio.sleep(0.05)  # the spare has connected
-                            started = time.perf_counter()
-                            stream = await open_seam(connector)
-                            await stream.send(payload)
-                            await stream.receive()
-                            times[f"{mode}_{kind}"].append(time.perf_counter() - started)
-                            await stream.aclose()
-                            if fresh:
-                                await connector.close()
-                finally:
-                    await warm.close()
-        finally:
-            for server in servers:
-                await server.close()
-            runtime.close()
-            nursery.cancel_scope.cancel()
-    return {f"{k}_p50_ms": statistics.median(v) * 1e3 for k, v in times.items()} | {
-        f"{k}_p95_ms": _common.percentile(v, 95) * 1e3 for k, v in times.items()
-    }
-
-
 def _frames(count: int, big_count: int, rounds: int = 5) -> dict[str, Any]:
     small: dict[str, list[float]] = {"grpc": [], "sealed_grpc": []}
     large: dict[str, list[float]] = {"grpc": [], "sealed_grpc": []}
@@ -178,7 +110,7 @@ def _main(args: Any, tmp: Path) -> int:
 
     quick = bool(args.quick)
     frames = _frames(50 if quick else 400, 10 if quick else 60)
-    opens = trio.run(_seam_opens, 20 if quick else 100, tmp)
+    opens = trio.run(transport_costs.seam_opens, 20 if quick else 100, tmp, ("plain", "sealed", "tls"))
     demo = models.pull(models.DEMO_MODEL, progress=False)
     lanes: dict[str, Any] = {
         "smollm2-135m": trio.run(_decode_lanes, demo, DEMO_CUTS, 32 if quick else 128, 3 if quick else 7)
@@ -220,7 +152,7 @@ def _main(args: Any, tmp: Path) -> int:
     print(_common.table(["model", "sealed tok/s", "plaintext tok/s", "sealed/plaintext"], rows))
     open_rows = [
         [mode, f"{opens[f'{mode}_new_connection_p50_ms']:.2f}", f"{opens[f'{mode}_spare_connection_p50_ms']:.2f}"]
-        for mode in ("plaintext", "sealed", "tls")
+        for mode in ("plain", "sealed", "tls")
     ]
     print(_common.table(["seam", "open+RTT new conn ms", "open+RTT spare ms"], open_rows))
     return 0

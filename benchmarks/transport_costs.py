@@ -47,43 +47,62 @@ async def round_trips(kind: str, size: int, count: int) -> list[float]:
     return times
 
 
-async def seam_opens(count: int, tmp: Path) -> dict[str, Any]:
+async def seam_opens(count: int, tmp: Path, modes: tuple[str, ...] = ("plain", "tls")) -> dict[str, Any]:
     """Opening a gRPC seam and its first decode-size round trip: on a new connection, and on a spare.
 
     A connector keeps one connected spare per peer it recently opened a seam to: a
     session's first seam to a new peer pays the handshakes (with TLS: fetching the pinned
     certificate, then the connection's own), later ones start with their first frame.
+    ``modes``: ``plain`` (h2c), ``sealed`` (the seam's own handshake inside the stream, as
+    nodes open every seam), ``tls`` (pinned to a certificate).
     """
-    from noderuntime.access.identity import self_signed
+    from noderuntime.access.identity import Identity, channel_keys, self_signed
     from noderuntime.services.running import server_tls
     from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer
+    from noderuntime.transport.sealed import seal_acceptor, seal_dialer
+    from protocol.channel import Binding
 
     payload = os.urandom(DECODE_FRAME)
     cert = self_signed(tmp / "seam-opens")
+    near, far = channel_keys(Identity.generate()), channel_keys(Identity.generate())
     times: dict[str, list[float]] = {
-        f"{mode}_{kind}": [] for mode in ("plain", "tls") for kind in ("new_connection", "spare_connection")
+        f"{mode}_{kind}": [] for mode in modes for kind in ("new_connection", "spare_connection")
     }
 
     runtime = AsyncioThread()
     async with trio.open_nursery() as nursery:
         servers = []
         try:
-            for mode in ("plain", "tls"):
-                server = GrpcServer(runtime, lambda stream: nursery.start_soon(echo, stream), max_frame_bytes=1 << 20)
+            for mode in modes:
+
+                def accept(stream: Any, sealed: bool = mode == "sealed") -> None:
+                    nursery.start_soon(echo, seal_acceptor(stream, far, "the dialer") if sealed else stream)
+
+                server = GrpcServer(runtime, accept, max_frame_bytes=1 << 20)
                 servers.append(server)
                 tls = server_tls(cert.cert, cert.key) if mode == "tls" else None
                 address = f"127.0.0.1:{await server.start('127.0.0.1', 0, tls)}"
                 pin = cert.cert_sha256 if mode == "tls" else b""
+
+                async def open_seam(
+                    connector: GrpcConnector, mode: str = mode, address: str = address, pin: bytes = pin
+                ) -> Any:
+                    stream = await connector.open(address, tls_cert_sha256=pin)
+                    if mode != "sealed":
+                        return stream
+                    binding = Binding(os.urandom(16), 0, near.node_id, far.node_id)
+                    return await seal_dialer(stream, near, binding, "the echo")
+
                 warm = GrpcConnector(runtime, max_frame_bytes=1 << 20)
                 try:
-                    await (await warm.open(address, tls_cert_sha256=pin)).aclose()
+                    await (await open_seam(warm)).aclose()
                     for _ in range(count):
                         for kind in ("new_connection", "spare_connection"):
                             fresh = kind == "new_connection"
                             connector = GrpcConnector(runtime, max_frame_bytes=1 << 20) if fresh else warm
                             await trio.sleep(0.05)  # the spare has connected
                             started = time.perf_counter()
-                            stream = await connector.open(address, tls_cert_sha256=pin)
+                            stream = await open_seam(connector)
                             await stream.send(payload)
                             await stream.receive()
                             times[f"{mode}_{kind}"].append(time.perf_counter() - started)
