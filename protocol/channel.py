@@ -1,10 +1,10 @@
-"""The end-to-end channel of a relayed seam, sans-IO: a Noise XX handshake pinned to node keys, then sealed records.
+"""The end-to-end channel of every seam, sans-IO: a Noise XX handshake pinned to node keys, then sealed records.
 
-A relay pairs two websocket connections and forwards their messages; it must learn
-nothing of what crosses it and change nothing unseen. So the two ends of a relayed
-seam (node to node, or gateway to a head behind NAT) first run a Noise XX handshake
-(:mod:`protocol.noise`) inside the paired connection, one handshake message per
-websocket message:
+Whatever carries a seam's messages (a gRPC stream, or a relay that pairs two websocket
+connections and forwards between them) must learn nothing of what crosses it and change
+nothing unseen. So the two ends of every seam (node to node, or gateway to head) first
+run a Noise XX handshake (:mod:`protocol.noise`) inside it, one handshake message per
+message of the stream underneath:
 
 1. dialer → acceptor: ``MAGIC``, then Noise message 1, whose (hashed, unencrypted)
    payload is the :class:`Binding`: session id, epoch, the dialer's node id and the
@@ -16,17 +16,18 @@ websocket message:
 Each side checks the other's signature and that the key is the one it expects: the
 dialer, the node the route plan names; the acceptor, the dialer the binding names
 (and later, at ``OpenRoute``, that the ticket puts that dialer before it). Every
-handshake message enters the handshake hash, so a relay that alters the binding, swaps
+handshake message enters the handshake hash, so a path that alters the binding, swaps
 a key or splices two handshakes fails the handshake. Afterwards each seam frame is one
-websocket message of sealed records; a relay that flips, drops, reorders, replays or
-injects a byte makes the next record fail to open (:class:`ChannelError`), and the
-session ends. What a relay still sees is said in ``docs/security.md``.
+message of sealed records; a path that flips, drops, reorders, replays or injects a
+byte makes the next record fail to open (:class:`ChannelError`), and the session ends.
+What a relay or a tap still sees is said in ``docs/security.md``.
 
 Records: a frame is cut into slices of at most :data:`SLICE` bytes; each slice is
 sealed with a one-byte kind in front (more follows / last slice / close), so the
 message holds full-size records and one shorter last one and needs no lengths. A
 close record carries a status code and a reason: a seam's end is authenticated too,
-and a bare websocket close from a relay reads as a cut, never as a clean end.
+and a bare end of the stream (a relay's websocket close, a gRPC status) reads as a cut,
+never as a clean end.
 """
 
 from __future__ import annotations
