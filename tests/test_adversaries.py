@@ -9,9 +9,11 @@ loopback; the sybils are throwaway keys that sign their own requests.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from trio_websocket import ConnectionClosed, open_websocket_url
 
+from benchmarks.burst import stream_chat
+from benchmarks.serving import PROMPTS
 from noderuntime.access import tickets
 from noderuntime.access.identity import Identity
 from noderuntime.access.signing import SignatureChecker, join_proof, read_join_secret
@@ -37,6 +41,7 @@ from noderuntime.control.admission import (
 from noderuntime.gateway.app import Gateway, client_of
 from noderuntime.gateway.auth import ApiKeys
 from noderuntime.runner.line import LineFull, RunningSessions, WaitLine
+from noderuntime.services import localsystem
 from noderuntime.testing.usage import signed_usage
 from noderuntime.tracker.app import MAX_TICKET_SECONDS
 from noderuntime.tracker.audits import (
@@ -57,6 +62,7 @@ from protocol import Hop, Span
 from relay.server import Relay
 from relay.server import serve as relay_serve
 from tests.adversary_swarm import ARTIFACT, RECIPE, Swarm, beat, open_swarm, registration, shaped_artifact
+from tests.conftest import local_system
 
 # --- attack 3: one number that breaks the tracker
 
@@ -335,6 +341,61 @@ async def test_a_client_holds_no_more_route_grants_at_once_than_its_limit() -> N
         later = time.time() + 200
         assert swarm.tracker.outstanding.held("address:127.0.0.2", later) == 0
         assert swarm.tracker.outstanding.held(f"key:{'ab' * 32}", later) == 0
+
+
+DRAINERS = 10  # addresses of the crowd, each asking for a route every DRAIN_PACE with a fresh client key
+DRAIN_PACE = 0.1
+
+
+@pytest.fixture
+def one_node_system(smollm2: Path, tmp_path: Path) -> Iterator[localsystem.LocalSystem]:
+    """A real system on loopback: one node serving every layer with 4 slots; its gateway lets a
+    request wait 6 s in line for a slot."""
+    yield from local_system(tmp_path, cuts=(0, 30), slots=4, ctx=512, gateway_options=("--queue-timeout", "6"))
+
+
+async def test_a_crowd_taking_route_grants_it_never_opens_cannot_keep_an_honest_gateway_out(
+    one_node_system: localsystem.LocalSystem,
+) -> None:
+    """A grant counts against its nodes' free slots until their next heartbeat. Ten addresses, each
+    far within its own limits and with a fresh client key per request, take routes and never open
+    them: every slot looked taken within moments of each heartbeat, and an honest gateway's requests
+    waited in line until they were refused. Others' grants a node has not confirmed weigh at most
+    half its free slots: every honest request completes."""
+    system = one_node_system
+    async with httpx.AsyncClient(timeout=30) as http:
+        (artifact,) = (await http.get(system.tracker_url + "/v1/artifacts")).json()["artifacts"]
+    granted = 0
+
+    async def drain(k: int) -> None:
+        nonlocal granted
+        transport = httpx.AsyncHTTPTransport(local_address=f"127.0.0.{2 + k}")
+        async with httpx.AsyncClient(transport=transport, timeout=30) as client:
+            while True:
+                asked = {"artifact": artifact, "tokens": 64, "ttl_seconds": 60, "client": os.urandom(32).hex()}
+                answer = await client.post(system.tracker_url + "/v1/routes", json=asked)
+                granted += answer.status_code == 200
+                await trio.sleep(DRAIN_PACE)
+
+    results: list[dict[str, Any]] = []
+
+    async def honest(i: int) -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            for r in range(3):
+                results.append(await stream_chat(client, system.gateway_url, system.model_id, PROMPTS[i + r], 8))
+
+    async with trio.open_nursery() as crowd:
+        for k in range(DRAINERS):
+            crowd.start_soon(drain, k)
+        await trio.sleep(3.0)  # a head start: the crowd holds grants through a heartbeat or two
+        with trio.fail_after(120):
+            async with trio.open_nursery() as clients:
+                for i in range(2):
+                    clients.start_soon(honest, i)
+        crowd.cancel_scope.cancel()
+    assert granted >= 20  # the crowd did take grants throughout
+    failed = [r for r in results if r["status"] != 200 or r["error"] or not r["arrivals"]]
+    assert len(results) == 6 and not failed, failed
 
 
 async def test_a_relay_spends_no_ticket_on_a_node_that_is_not_there() -> None:

@@ -12,7 +12,8 @@ import attrs
 import pytest
 from pydantic import ValidationError
 
-from noderuntime.tracker import routechoice
+from noderuntime.control.admission import Capability
+from noderuntime.tracker import registry, routechoice
 from noderuntime.tracker.messages import MAX_PEERS, MAX_ROUND_TRIP_MS, Heartbeat
 from noderuntime.tracker.records import DIRECT_SEAM_MS, NodeRecord
 from noderuntime.tracker.registry import TrackerState
@@ -132,6 +133,80 @@ def test_silent_nodes_expire_and_come_back_by_registering() -> None:
     assert state.expire(14.0) == []
     assert state.expire(16.0) == [b"a".ljust(32, b".")]
     assert not state.heartbeat(b"a".ljust(32, b"."), 16.5, active_sessions=0, free_slots=4, queue_depth=0, step_ms=9)
+
+
+# --- route grants a node has not confirmed (TrackerState.note_session)
+
+
+def _grant(state: TrackerState, client: str) -> bytes:
+    """A route for ``client``, counted as its grant; the head's node id."""
+    nodes = state.choose(ARTIFACT, 100, client=client).nodes
+    state.note_session((n.node_id for n in nodes), client)
+    return nodes[0].node_id
+
+
+def _grants_until_full(state: TrackerState, client: str, most: int = 64) -> int:
+    for granted in range(most):
+        try:
+            _grant(state, client)
+        except NoRoute as exc:
+            assert exc.full
+            return granted
+    return most
+
+
+def test_a_crowd_of_names_holding_unconfirmed_grants_leaves_every_other_client_half_the_free_slots() -> None:
+    """Grants not yet confirmed by a heartbeat count in full for the client that holds them, and all
+    other clients' together weigh at most half the room the node last reported: 100 names that each
+    took a grant on a node of 8 free slots leave an honest client 4 (every grant counted for everyone,
+    the first 8 names left it none). A heartbeat ends every count."""
+    state = state_with(node("a", (0, 30), slots=8))
+    for k in range(100):
+        _grant(state, f"sybil {k}")
+    assert _grants_until_full(state, "honest") == 4
+    # the node list and status pages still count every grant
+    assert state.nodes[node_id("a")].free_slots == 0 and state.nodes[node_id("a")].active_sessions == 104
+    state.heartbeat(node_id("a"), 1.0, active_sessions=0, free_slots=8, queue_depth=0, step_ms=10.0)
+    assert _grants_until_full(state, "honest") == 8  # alone now: its own grants count in full
+    # the next heartbeat says 5 of those 8 sessions opened: 3 free, of which others' grants weigh at most 1
+    state.heartbeat(node_id("a"), 2.0, active_sessions=5, free_slots=3, queue_depth=0, step_ms=10.0)
+    for k in range(10):
+        _grant(state, f"sybil {k}")
+    assert _grants_until_full(state, "honest") == 2
+
+
+def test_one_clients_burst_counts_its_own_unconfirmed_grants_in_full() -> None:
+    """A gateway's burst of 16 on two nodes of 8 slots goes 8 to each, then finds them full: its own
+    grants weigh in full, and the half that others' may weigh does not let it overbook a node."""
+    state = state_with(node("a", (0, 30), slots=8), node("b", (0, 30), slots=8))
+    heads = collections.Counter(_grant(state, "gateway") for _ in range(16))
+    assert heads == {node_id("a"): 8, node_id("b"): 8}
+    with pytest.raises(NoRoute) as full:
+        state.choose(ARTIFACT, 100, client="gateway")
+    assert full.value.full
+    assert _grants_until_full(state, "another") == 8  # half of each node's 8, whatever the gateway holds
+
+
+def test_others_unconfirmed_grants_weigh_at_most_half_a_measured_capacity_below_the_slots() -> None:
+    """A node whose measured step time admits 2 sessions of its 8 slots: others' grants weigh at most
+    one of those 2, whatever they number."""
+    slow = Capability(2.0, ((1, 400.0), (2, 800.0)), 1, 1, 1, 2)  # 1000 ms per step admits 2 sessions
+    state = state_with(attrs.evolve(node("a", (0, 30), slots=8), measured=slow))
+    for k in range(20):
+        _grant(state, f"sybil {k}")
+    assert _grants_until_full(state, "honest") == 1
+
+
+def test_a_node_counts_unconfirmed_grants_of_a_bounded_number_of_names() -> None:
+    """Past CLIENTS_COUNTED names on one node, a newcomer's grants count as others' for everyone, itself
+    included: what the node keeps is bounded, and the newcomer is only ever let take more (its grants
+    weigh at most half the room). Registering again starts afresh."""
+    state = state_with(node("a", (0, 30), slots=8))
+    for k in range(registry.CLIENTS_COUNTED):
+        _grant(state, f"sybil {k}")
+    assert _grants_until_full(state, "late", most=12) == 12  # 8 free, 4 of them others' at most, itself no more
+    state.register(node("a", (0, 30), slots=8), 3.0)
+    assert _grants_until_full(state, "late") == 8
 
 
 # --- route choice as a shortest path, against the brute force on small swarms

@@ -189,6 +189,17 @@ class Tracker:
             names.append(f"key:{key}")
         return names
 
+    @staticmethod
+    def _grantee(request: Request, client: bytes | str) -> str:
+        """Whom a route grant goes to, for the count of grants its nodes have not confirmed
+        (``TrackerState.note_session``): the address it connects from with the key it names.
+
+        Another's grants weigh little in a client's view and its own in full, so the name must
+        be one nobody else can take: a key alone is anyone's to name, an address is not.
+        """
+        key = client.hex() if isinstance(client, bytes) else client
+        return f"{request.client.host if request.client else ''} {key}"
+
     def _limit(self, request: Request, client: bytes | str) -> None:
         """Take one route grant from the requester's address and key; 429 when either has none left."""
         wait = self.route_limits.take(self._client_names(request, client), time.monotonic())
@@ -588,8 +599,9 @@ class Tracker:
             near = [bytes.fromhex(x) for x in body.prefer]
         except ValueError:
             raise HTTPException(400, "exclude and prefer hold hex node ids") from None
+        grantee = self._grantee(request, body.client)
         try:
-            choice = self.state.choose(body.artifact, body.tokens, exclude=exclude, near=near)
+            choice = self.state.choose(body.artifact, body.tokens, exclude=exclude, near=near, client=grantee)
         except NoRoute as exc:
             self.metrics.routes.labels("full" if exc.full else "none").inc()
             return JSONResponse({"error": str(exc), "full": exc.full}, status_code=429 if exc.full else 503)
@@ -612,7 +624,7 @@ class Tracker:
             local=self.local_swarm,
         )
         self.outstanding.take(names, now, now + ttl)
-        self.state.note_session(n.node_id for n in choice.nodes)
+        self.state.note_session((n.node_id for n in choice.nodes), grantee)
         self.routes_issued += 1
         self.metrics.routes.labels("issued").inc()
         reply = RouteReply(
@@ -650,6 +662,7 @@ class Tracker:
         exclude = audited_nodes | (set() if body.referee else self.audits.auditors_of(requester, ticket.session_id))
         artifact = ticket.artifact.hex()
         now = time.time()
+        grantee = self._grantee(request, requester)
         auditors: list[NodeRecord] = []
         refereed: list[bool] = []
         for node, start, end in ticket.hops:
@@ -661,7 +674,7 @@ class Tracker:
                 if n.artifact == artifact
                 and n.layers == (start, end)
                 and n.admitted
-                and n.free_slots > 0
+                and self.state.seen(n, grantee).free_slots > 0
                 and n.node_id not in exclude
                 and n.node_id not in {a.node_id for a in auditors}
                 and (audited is None or (n.recipe, n.kernel_class) == (audited.recipe, audited.kernel_class))
@@ -710,7 +723,7 @@ class Tracker:
             )
         except AuditError as exc:
             return JSONResponse({"error": str(exc), "full": True}, status_code=429)
-        self.state.note_session(n.node_id for n in auditors)
+        self.state.note_session((n.node_id for n in auditors), grantee)
         self.metrics.routes.labels("audit").inc()
         reply = RouteReply(
             session_id=session.hex(),
@@ -778,6 +791,7 @@ class Tracker:
         kept = [Hop(node, Span(a, b)) for node, a, b in ticket.hops[: body.keep]]
         start = kept[-1].layers.end if kept else 0
         artifact = ticket.artifact.hex()
+        grantee = self._grantee(request, requester)
         try:
             if kept:
                 choice = self.state.choose(
@@ -786,9 +800,10 @@ class Tracker:
                     exclude=[*exclude, *(h.node_id for h in kept)],
                     start=start,
                     recipe=body.recipe,
+                    client=grantee,
                 )
             else:
-                choice = self.state.choose(artifact, body.tokens, exclude=exclude, prefer=body.recipe)
+                choice = self.state.choose(artifact, body.tokens, exclude=exclude, prefer=body.recipe, client=grantee)
         except NoRoute as exc:
             self.metrics.routes.labels("repair_none").inc()
             return JSONResponse({"error": str(exc), "full": exc.full}, status_code=429 if exc.full else 503)
@@ -817,7 +832,7 @@ class Tracker:
             ttl_seconds=min(body.ttl_seconds, MAX_TICKET_SECONDS),
             local=self.local_swarm,
         )
-        self.state.note_session(n.node_id for n in choice.nodes)
+        self.state.note_session((n.node_id for n in choice.nodes), grantee)
         self.metrics.routes.labels("repaired").inc()
         route = route_recipe([bytes.fromhex(r) for r in recipes])
         reply = RouteReply(

@@ -45,6 +45,26 @@ HEARTBEATS_PER_SECOND = 200.0
 MAX_HEARTBEAT_SECONDS = 60.0
 # a node is dropped after this many of its intervals without a word (and never sooner than expire_after)
 EXPIRE_HEARTBEATS = 3.0
+# clients whose unconfirmed grants through one node are counted by name (note_session); past them, a
+# newcomer's grants count as others' for everyone, itself included
+CLIENTS_COUNTED = 256
+
+
+@attrs.define
+class Unconfirmed:
+    """The route grants through one node since its last heartbeat, by client, and the load that heartbeat reported."""
+
+    free_slots: int  # as the node reported them
+    active_sessions: int
+    room: int  # the sessions it had room for then: its free slots, or fewer where its measured capacity binds
+    total: int = 0
+    by_client: dict[str, int] = attrs.field(factory=dict)
+
+    def counted(self, client: str | None) -> int:
+        """The grants ``client`` sees taken: every one of its own, and others' up to half the room (see
+        :meth:`TrackerState.note_session`); None: a client with none of its own."""
+        own = self.by_client.get(client, 0) if client is not None else 0
+        return own + min(self.total - own, self.room // 2)
 
 
 class TrackerState:
@@ -81,6 +101,9 @@ class TrackerState:
         self._seams_into: dict[bytes, dict[bytes, float]] = {}
         self._seams_from: dict[bytes, set[bytes]] = {}
         self._seams_kept: dict[bytes, dict[bytes, float]] = {}  # what routes read: the slowest SEAMS_KEPT
+        # route grants through each node since its last heartbeat (note_session), and the nodes each client has some on
+        self._unconfirmed: dict[bytes, Unconfirmed] = {}
+        self._granted_to: dict[str, set[bytes]] = {}
 
     # --- the registry
 
@@ -99,6 +122,7 @@ class TrackerState:
         Its ``beat_seconds`` is the interval to tell it (:attr:`heartbeat_seconds`).
         """
         self._forget_seams(record.node_id)
+        self._confirm(record.node_id)
         beat = self.heartbeat_seconds
         self._store(attrs.evolve(record, last_seen=now, free_slots=record.slots, beat_seconds=beat))
         # what its neighbours measured of it still holds: it is the same host
@@ -127,6 +151,7 @@ class TrackerState:
         record = self.nodes.get(node_id)
         if record is None:
             return False
+        self._confirm(node_id)  # what it says now holds the sessions granted before it
         self._store(
             attrs.evolve(
                 record,
@@ -182,8 +207,8 @@ class TrackerState:
             self.proven.in_use(artifact)
         return wrong
 
-    def note_session(self, node_ids: Iterable[bytes]) -> None:
-        """Count a routed session in its nodes' load until their next heartbeat reports the truth.
+    def note_session(self, node_ids: Iterable[bytes], client: str = "") -> None:
+        """Count a session routed to ``client`` in its nodes' load until their next heartbeat reports the truth.
 
         The cost sees it, and so does the capacity of a node whose measured step time allows
         fewer sessions than its slots (see :meth:`NodeRecord.has_room`). Its free slots
@@ -192,17 +217,66 @@ class TrackerState:
         met refusals at the node (a third of 48 streams, with 16 clients on 8 slots). Slots
         freed before the next heartbeat are not seen until it comes, and a node counted
         full heartbeats as soon as one frees (``TrackerLink.slot_freed``).
+
+        Until then nothing tells a grant whose session is on its way from one never opened,
+        so each client sees a node through :meth:`seen`: its own grants count in full (its
+        burst spreads as before), and all other clients' together weigh at most half the
+        room the node last reported. Counted for everyone, a crowd of names that asks for
+        routes and never opens them, each within its limits, kept every node "full" from one
+        heartbeat to the next; now whatever their number, each other client still sees at
+        least half of every node's free slots, and a heartbeat ends every count. (A heartbeat
+        saying how many of the granted sessions were opened would come no sooner than the
+        free slots it reports, which already say it.) The cost: two clients bursting into
+        the same node at once may be granted up to half its slots more than it has, and the
+        node refuses those (``TrackerLink.slot_refused`` then heartbeats at once).
         """
         for nid in node_ids:
             record = self.nodes.get(nid)
-            if record is not None:
-                self._store(
-                    attrs.evolve(
-                        record,
-                        active_sessions=record.active_sessions + 1,
-                        free_slots=max(0, record.free_slots - 1),
-                    )
+            if record is None:
+                continue
+            grants = self._unconfirmed.get(nid)
+            if grants is None:
+                capacity = record.capacity(self.step_budget_ms)
+                room = record.free_slots
+                if capacity < record.slots:  # as in NodeRecord.has_room: the measured capacity binds
+                    room = min(room, max(0, capacity - record.active_sessions))
+                grants = self._unconfirmed[nid] = Unconfirmed(record.free_slots, record.active_sessions, room)
+            grants.total += 1
+            if client in grants.by_client or len(grants.by_client) < CLIENTS_COUNTED:
+                grants.by_client[client] = grants.by_client.get(client, 0) + 1
+                self._granted_to.setdefault(client, set()).add(nid)
+            # the record counts every grant (status pages, the node list); route choice reads seen()
+            self._store(
+                attrs.evolve(
+                    record,
+                    active_sessions=grants.active_sessions + grants.total,
+                    free_slots=max(0, grants.free_slots - grants.total),
                 )
+            )
+
+    def seen(self, record: NodeRecord, client: str | None = None) -> NodeRecord:
+        """``record`` as ``client`` sees it: the grants through it since its last heartbeat counted as
+        :meth:`note_session` says (None: a client with none of its own there)."""
+        grants = self._unconfirmed.get(record.node_id)
+        if grants is None:
+            return record
+        counted = grants.counted(client)
+        return attrs.evolve(
+            record,
+            active_sessions=grants.active_sessions + counted,
+            free_slots=max(0, grants.free_slots - counted),
+        )
+
+    def _confirm(self, node_id: bytes) -> None:
+        """Forget the grants through a node that reported its load (or registered, or left) since."""
+        grants = self._unconfirmed.pop(node_id, None)
+        if grants is None:
+            return
+        for client in grants.by_client:
+            nodes = self._granted_to[client]
+            nodes.discard(node_id)
+            if not nodes:
+                del self._granted_to[client]
 
     def _store(self, record: NodeRecord) -> None:
         old = self.nodes.get(record.node_id)
@@ -213,10 +287,11 @@ class TrackerState:
         if columns is None:
             columns = self._columns[record.artifact] = Columns(record.artifact, self.shape_of(record.artifact))
             self.proven.in_use(record.artifact)
-        columns.put(record, self.step_budget_ms)
+        columns.put(self.seen(record), self.step_budget_ms)  # as a client with no grants of its own sees it
 
     def _drop(self, node_id: bytes, now: float) -> NodeRecord:
         self._forget_seams(node_id)  # before its row can go to another node
+        self._confirm(node_id)
         record = self.nodes.pop(node_id)
         columns = self._columns[record.artifact]
         columns.remove(node_id)
@@ -388,12 +463,21 @@ class TrackerState:
         recipe: str | None = None,
         prefer: str | None = None,
         near: Collection[bytes] = (),
+        client: str = "",
     ) -> RouteChoice:
         """Pick a route for a session of ``tokens`` positions; raises :class:`~noderuntime.tracker.routechoice.NoRoute`.
 
         See :func:`noderuntime.tracker.routechoice.choose` for ``start``, ``recipe``, ``prefer``
-        and ``near``; the route is costed with its measured seams (:meth:`route_cost`).
+        and ``near``; the route is costed with its measured seams (:meth:`route_cost`). Nodes'
+        load is as ``client`` sees it (:meth:`seen`): its own grants since their last heartbeat
+        count in full, others' at most half their room.
         """
+        own: dict[bytes, routechoice.Seen] = {}
+        for node_id in self._granted_to.get(client, ()):
+            record = self.nodes[node_id]  # a node's grants are forgotten when it goes (_confirm)
+            if record.artifact == artifact:
+                seen = self.seen(record, client)
+                own[node_id] = routechoice.Seen(seen, seen.has_room(self.step_budget_ms))
         return routechoice.choose(
             self._columns.get(artifact),
             artifact,
@@ -406,6 +490,7 @@ class TrackerState:
             mixes=self.mixes.get(artifact, ()),
             rng=self._rng,
             route_cost=self.route_cost,
+            seen=own,
         )
 
     def routes_now(self, artifact: str) -> list[RouteChoice]:

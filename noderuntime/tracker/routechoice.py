@@ -28,7 +28,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 import attrs
 import numpy as np
 
-from noderuntime.tracker.columns import Cheapest, Columns, Costs, EdgeCosts, Mask
+from noderuntime.tracker.columns import COST_CEILING_MS, Cheapest, Columns, Costs, EdgeCosts, Mask
 from noderuntime.tracker.records import NodeRecord
 
 NEAR_EQUAL = 0.10  # routes within 10 % of the cheapest are equally good
@@ -41,6 +41,15 @@ class RouteChoice:
 
     nodes: tuple[NodeRecord, ...]
     cost_ms: float
+
+
+@attrs.frozen
+class Seen:
+    """A node as the requesting client sees it, where that is not what the columns hold: its own route
+    grants through it that the node has not yet confirmed count in full (``TrackerState.seen``)."""
+
+    record: NodeRecord
+    room: bool  # whether it has room for one more session of this client's
 
 
 class NoRoute(Exception):
@@ -64,6 +73,7 @@ def choose(
     mixes: Collection[frozenset[str]],
     rng: random.Random,
     route_cost: Callable[[Sequence[NodeRecord]], float],
+    seen: Mapping[bytes, Seen] | None = None,
 ) -> RouteChoice:
     """Pick a route over ``columns`` (``artifact``'s) for a session of ``tokens`` positions; raises :class:`NoRoute`.
 
@@ -74,7 +84,8 @@ def choose(
     the session's prefix (affinity): a route with room through most of them is taken,
     whatever it costs, and only when none has room do the others spread the load.
     ``mixes``: the pairs of recipes that may share a route; ``route_cost``: what a route
-    of records costs, its measured seams counted.
+    of records costs, its measured seams counted; ``seen``: by node id, the nodes the requesting client
+    sees otherwise than the columns hold them (its own grants there counted in full).
 
     The cheapest route with room is found as a shortest path; the route taken is drawn
     at random among those costing at most ``NEAR_EQUAL`` more (see :meth:`Columns.draw`).
@@ -88,8 +99,10 @@ def choose(
     # it: not over the candidates left after exclusions and full nodes, where a few could outvote the rest
     n_layer = columns.layer_count()
     rows = columns.layout().rows
-    costs = _costs(columns, _bonus(columns, usable, near) if near else None)
-    room = usable & columns.room[rows]
+    seen = seen or {}
+    has_room, step = _seen_by(columns, seen)
+    costs = _costs(columns, _bonus(columns, usable, near) if near else None, step)
+    room = usable & has_room
     found: list[Cheapest] = []
     if prefer is not None and prefer in columns.recipe_codes:
         alone = room & (columns.recipe[rows] == columns.recipe_codes[prefer])
@@ -103,11 +116,11 @@ def choose(
         raise NoRoute(f"the nodes of artifact {artifact[:16]}… do not cover its {what}", full=False)
     cheapest = min(found, key=lambda c: c.cost)
     # within NEAR_EQUAL of the cheapest route's own cost (its discount aside)
-    route = _records(columns, columns.draw(cheapest, costs, cheapest.cost, rng))
+    route = _records(columns, columns.draw(cheapest, costs, cheapest.cost, rng), seen)
     budget = cheapest.cost + NEAR_EQUAL * route_cost(route)
     # recipes that cannot share a route are searched apart: one of those with a route in the budget
     group = rng.choice([c for c in found if c.cost <= budget])
-    route = _records(columns, columns.draw(group, costs, budget, rng))
+    route = _records(columns, columns.draw(group, costs, budget, rng), seen)
     return RouteChoice(route, route_cost(route))
 
 
@@ -118,12 +131,26 @@ def routable(columns: Columns | None, mixes: Collection[frozenset[str]]) -> bool
     usable = _usable(columns, 1, (), None)
     if usable is None:
         return False
-    costs = _costs(columns, None)
+    costs = _costs(columns, None, columns.step[columns.layout().rows])
     return bool(_cheapest(columns, usable, None, 0, columns.layer_count(), costs, mixes))
 
 
-def _records(columns: Columns, positions: Sequence[int]) -> tuple[NodeRecord, ...]:
-    return tuple(columns.record_at(p) for p in positions)
+def _records(columns: Columns, positions: Sequence[int], seen: Mapping[bytes, Seen]) -> tuple[NodeRecord, ...]:
+    records = (columns.record_at(p) for p in positions)
+    return tuple(seen[r.node_id].record if r.node_id in seen else r for r in records)
+
+
+def _seen_by(columns: Columns, seen: Mapping[bytes, Seen]) -> tuple[Mask, Costs]:
+    """By position, room and step time as the requesting client sees them: the columns', but for ``seen``."""
+    layout = columns.layout()
+    room, step = columns.room[layout.rows], columns.step[layout.rows]  # copies: rows is an index array
+    for node_id, view in seen.items():
+        row = columns.rows.get(node_id)
+        if row is not None:
+            at = layout.position[row]
+            room[at] = view.room
+            step[at] = min(view.record.estimated_step_ms(), COST_CEILING_MS)
+    return room, step
 
 
 def _usable(columns: Columns, tokens: int, exclude: Iterable[bytes], recipe: str | None) -> Mask | None:
@@ -158,10 +185,10 @@ def _bonus(columns: Columns, usable: Mask, near: Collection[bytes]) -> Costs:
     return bonus
 
 
-def _costs(columns: Columns, bonus: Costs | None) -> EdgeCosts:
-    """By position, what entering each node costs: its step time and the seam into it, less its bonus."""
+def _costs(columns: Columns, bonus: Costs | None, step: Costs) -> EdgeCosts:
+    """By position, what entering each node costs: its step time (``step``) and the seam into it, less its bonus."""
     rows = columns.layout().rows
-    own = columns.step[rows]
+    own = step
     if bonus is not None:
         own = own - bonus
     measured = columns.seam_layout().round_trip + own[:, None]
