@@ -397,7 +397,8 @@ async def _register_many(url: str, count: int) -> float:
             while left > 0:
                 left -= 1
                 me = Identity.generate()
-                body = json.dumps(registration(me, swarm, (0, 30), 30, f"10.{w}.0.1:7000")).encode()
+                # public addresses: this tracker's swarm is not declared local (nothing dials them)
+                body = json.dumps(registration(me, swarm, (0, 30), 30, f"11.{w}.0.1:7000")).encode()
                 headers = {"content-type": "application/json"}
                 headers |= sign(me, "POST", "/v1/nodes/register", body, STAMPS.now_ms())
                 answer = await client.post(url + "/v1/nodes/register", content=body, headers=headers)
@@ -516,11 +517,11 @@ def default_tracker_layer_vote() -> dict[str, Any]:
             url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
             honest = [Identity.generate() for _ in range(2)]
             for me, layers in zip(honest, ((0, 15), (15, 30)), strict=True):
-                await post(client, url, "/v1/nodes/register", registration(me, swarm, layers, 30, "127.0.0.1:1"), me)
+                await post(client, url, "/v1/nodes/register", registration(me, swarm, layers, 30, "11.0.0.1:1"), me)
             statuses = []
             for layers in ((0, 16), (16, 31), (0, 31)):
                 me = Identity.generate()
-                body = registration(me, swarm, layers, 31, "127.0.0.1:2")
+                body = registration(me, swarm, layers, 31, "11.0.0.2:1")
                 statuses.append((await post(client, url, "/v1/nodes/register", body, me)).status_code)
             route = await post(client, url, "/v1/routes", {"artifact": swarm["artifact"], "tokens": 100})
             shown = (await client.get(url + "/v1/artifacts")).json()["artifacts"][swarm["artifact"]]
