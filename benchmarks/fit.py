@@ -53,6 +53,7 @@ from noderuntime.models.artifacts import LayerRange
 from noderuntime.services.cgroups import MemoryCap, available
 from noderuntime.services.cluster import ManagedProcess, ProcessError, stop_all
 from noderuntime.services.ready import GatewayReady, NodeReady, TrackerReady, expect
+from noderuntime.testing.clusters import local_tracker_args
 
 NAME = "fit"
 SLOTS = 2
@@ -217,11 +218,7 @@ def serving(model: Path, ranges: Sequence[LayerRange | None], cap: int | None, r
     caps: list[MemoryCap] = []
 
     try:
-        processes.append(
-            ManagedProcess(
-                "tracker", ["tracker", "--local-swarm", "--listen", "127.0.0.1:0", "--data-dir", str(root / "tracker")]
-            )
-        )
+        processes.append(ManagedProcess("tracker", local_tracker_args(root / "tracker")))
         tracker = expect(processes[0].start(120), TrackerReady)
         nodes = []
         for i, layers in enumerate(ranges):

@@ -52,6 +52,7 @@ import attrs
 import numpy as np
 
 from benchmarks import _common
+from noderuntime.testing.clusters import local_tracker_args
 from noderuntime.tracker.placement import Placement
 from noderuntime.tracker.records import NodeRecord
 from noderuntime.tracker.registry import TrackerState
@@ -265,16 +266,7 @@ def real_swarm(root: Path) -> dict[str, Any]:
     try:
         tracker = ManagedProcess(
             "tracker",
-            [
-                "tracker",
-                "--local-swarm",
-                "--listen",
-                "127.0.0.1:0",
-                "--data-dir",
-                str(root / "t"),
-                "--expire-after",
-                "2",
-            ],
+            local_tracker_args(root / "t", "--expire-after", "2"),
         )
         processes.append(tracker)
         tracker_url = expect(tracker.start(), TrackerReady).url

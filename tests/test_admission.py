@@ -26,6 +26,7 @@ from noderuntime.models import gguf as ggufio
 from noderuntime.models.artifacts import LayerRange
 from noderuntime.services import ready
 from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
+from noderuntime.testing.clusters import local_tracker_args
 from noderuntime.tracker.messages import RouteReply
 from noderuntime.tracker.records import NodeRecord
 
@@ -235,16 +236,7 @@ def test_the_tracker_routes_only_shards_that_pass_their_probe(smollm2: Path, tmp
     try:
         tracker = ManagedProcess(
             "tracker",
-            [
-                "tracker",
-                "--local-swarm",
-                "--listen",
-                "127.0.0.1:0",
-                "--data-dir",
-                str(tmp_path / "tracker"),
-                "--probe-references",
-                str(references),
-            ],
+            local_tracker_args(tmp_path / "tracker", "--probe-references", str(references)),
         )
         processes.append(tracker)
         url = ready.expect(tracker.start(), ready.TrackerReady).url

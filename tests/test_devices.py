@@ -29,7 +29,7 @@ from noderuntime.seams.client import GenerationRequest
 from noderuntime.seams.dialer import open_dialer
 from noderuntime.services.cluster import ROOT, ManagedProcess
 from noderuntime.services.ready import TrackerReady, expect
-from noderuntime.testing.clusters import Cluster, running_cluster
+from noderuntime.testing.clusters import Cluster, local_tracker_args, running_cluster
 from noderuntime.verify.mixed import greedy_decode
 from noderuntime.verify.procchain import ProcessChain
 
@@ -82,9 +82,7 @@ async def _generate(cluster: Cluster, prompt: list[int], n: int) -> list[int]:
 def test_a_node_on_vulkan_serves_and_reports_its_device(
     vulkan: BackendRuntime, tiny_model: Path, tmp_path: Path
 ) -> None:
-    tracker = ManagedProcess(
-        "tracker", ["tracker", "--local-swarm", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t")]
-    )
+    tracker = ManagedProcess("tracker", local_tracker_args(tmp_path / "t"))
     url = expect(tracker.start(), TrackerReady).url
     try:
         extra = (*ON_VULKAN, "--tracker", url)

@@ -28,6 +28,7 @@ import pytest
 
 from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
 from noderuntime.services.ready import GatewayReady, NodeReady, Ready, RelayReady, TrackerReady, expect
+from noderuntime.testing.clusters import local_tracker_args
 from tests.linkproxy import LinkProxy
 
 pytestmark = pytest.mark.slow
@@ -99,16 +100,7 @@ class Rig:
     def tracker(self, port: int = 0) -> str:
         info = self.launch(
             "tracker",
-            [
-                "tracker",
-                "--local-swarm",
-                "--listen",
-                f"127.0.0.1:{port}",
-                "--data-dir",
-                str(self.root / "tracker"),
-                "--expire-after",
-                "3",
-            ],
+            local_tracker_args(self.root / "tracker", "--expire-after", "3", listen=f"127.0.0.1:{port}"),
         )
         self.tracker_url = expect(info, TrackerReady).url
         return self.tracker_url

@@ -30,6 +30,7 @@ from noderuntime.models.manifest import Manifest, ManifestError
 from noderuntime.operations.httpserve import serve_http
 from noderuntime.services import ready
 from noderuntime.services.cluster import ManagedProcess
+from noderuntime.testing.clusters import local_tracker_args
 from noderuntime.tracker.app import Tracker
 
 from .rangeserver import RangeServer, write_split_parts
@@ -493,16 +494,7 @@ def _registered_node(demo: Served, tmp_path: Path, node_args: list[str]) -> dict
     """
     tracker = ManagedProcess(
         "tracker",
-        [
-            "tracker",
-            "--local-swarm",
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            str(tmp_path / "t"),
-            "--manifest",
-            str(demo.manifest_path),
-        ],
+        local_tracker_args(tmp_path / "t", "--manifest", str(demo.manifest_path)),
     )
     node = ManagedProcess("node", node_args)
     try:

@@ -20,6 +20,7 @@ from noderuntime.engine.llama import Vocab
 from noderuntime.services import localsystem
 from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
 from noderuntime.services.ready import GatewayReady, NodeReady, R, TrackerReady, expect
+from noderuntime.testing.clusters import local_tracker_args
 
 pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0, "max_tokens": 24}
@@ -241,16 +242,7 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
     try:
         tracker = launch(
             "tracker",
-            [
-                "tracker",
-                "--local-swarm",
-                "--listen",
-                "127.0.0.1:0",
-                "--data-dir",
-                str(tmp_path / "t"),
-                "--expire-after",
-                str(EXPIRE),
-            ],
+            local_tracker_args(tmp_path / "t", "--expire-after", str(EXPIRE)),
             TrackerReady,
         )
         # the four nodes start together, as a local system's do
@@ -361,9 +353,7 @@ def test_generated_requests_never_get_a_server_error(system: localsystem.LocalSy
 def test_a_full_route_waits_briefly_then_answers_429(smollm2: Path, tmp_path: Path) -> None:
     processes: list[ManagedProcess] = []
     try:
-        tracker = ManagedProcess(
-            "tracker", ["tracker", "--local-swarm", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t")]
-        )
+        tracker = ManagedProcess("tracker", local_tracker_args(tmp_path / "t"))
         processes.append(tracker)
         tracker_url = expect(tracker.start(), TrackerReady).url
         node = ManagedProcess(

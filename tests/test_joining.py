@@ -22,6 +22,7 @@ from noderuntime.services import localsystem
 from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
 from noderuntime.services.joining import holdable
 from noderuntime.services.ready import GatewayReady, NodeReady, TrackerReady, expect
+from noderuntime.testing.clusters import local_tracker_args
 
 from . import whole_model
 
@@ -73,16 +74,7 @@ def test_nodes_without_layers_cover_a_model_none_can_hold_serve_it_and_a_newcome
     try:
         tracker = ManagedProcess(
             "tracker",
-            [
-                "tracker",
-                "--local-swarm",
-                "--listen",
-                "127.0.0.1:0",
-                "--data-dir",
-                str(tmp_path / "t"),
-                "--expire-after",
-                "2",
-            ],
+            local_tracker_args(tmp_path / "t", "--expire-after", "2"),
         )
         processes.append(tracker)
         tracker_url = expect(tracker.start(), TrackerReady).url
@@ -182,9 +174,7 @@ def test_a_node_that_cannot_be_placed_says_why(smollm2: Path, tmp_path: Path, me
 
 
 def test_a_node_that_stops_before_it_registers_frees_its_range_at_once(smollm2: Path, tmp_path: Path) -> None:
-    tracker = ManagedProcess(
-        "tracker", ["tracker", "--local-swarm", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "t")]
-    )
+    tracker = ManagedProcess("tracker", local_tracker_args(tmp_path / "t"))
     try:
         url = expect(tracker.start(), TrackerReady).url
         placed = []

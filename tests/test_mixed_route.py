@@ -25,6 +25,7 @@ from noderuntime.seams.client import GenerationRequest, open_route_generation
 from noderuntime.seams.dialer import open_dialer
 from noderuntime.services.cluster import ROOT, ManagedProcess
 from noderuntime.services.ready import NodeReady, TrackerReady, expect
+from noderuntime.testing.clusters import local_tracker_args
 from noderuntime.tracker.client import RouteGrant, request_route
 from noderuntime.verify import contract
 from noderuntime.verify.certificates import covered_pair
@@ -120,17 +121,7 @@ def test_a_tracker_given_the_certificate_serves_a_route_across_devices(
     certificate: tuple[Path, str], vulkan: BackendRuntime, tiny_model: Path, tmp_path: Path
 ) -> None:
     pair = covered_pair(contract.load(certificate[0]))
-    args = [
-        "tracker",
-        "--local-swarm",
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        str(tmp_path / "t"),
-        "--certificate",
-        str(certificate[0]),
-    ]
-    tracker = ManagedProcess("tracker", args)
+    tracker = ManagedProcess("tracker", local_tracker_args(tmp_path / "t", "--certificate", str(certificate[0])))
     url = expect(tracker.start(), TrackerReady).url
     nodes: list[ManagedProcess] = []
     try:

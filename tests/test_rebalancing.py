@@ -24,6 +24,7 @@ from noderuntime.services import localsystem
 from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
 from noderuntime.services.ready import GatewayReady, NodeReady, TrackerReady, expect
 from noderuntime.services.rebalancing import JITTER, Rebalancing, room
+from noderuntime.testing.clusters import local_tracker_args
 from noderuntime.tracker.client import request_reconsider
 from noderuntime.tracker.messages import RebalanceReply, RebalanceRequest
 from noderuntime.tracker.placement import Piece, choose
@@ -125,16 +126,7 @@ def test_a_placed_node_moves_make_before_break_while_requests_through_the_gatewa
     try:
         tracker = ManagedProcess(
             "tracker",
-            [
-                "tracker",
-                "--local-swarm",
-                "--listen",
-                "127.0.0.1:0",
-                "--data-dir",
-                str(tmp_path / "t"),
-                "--expire-after",
-                "5",
-            ],
+            local_tracker_args(tmp_path / "t", "--expire-after", "5"),
         )
         processes.append(tracker)
         tracker_url = expect(tracker.start(), TrackerReady).url

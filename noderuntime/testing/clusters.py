@@ -23,6 +23,11 @@ from noderuntime.services.ready import NodeReady, RelayReady, expect
 from protocol import Hop
 
 
+def local_tracker_args(data_dir: str | os.PathLike[str], *extra: str, listen: str = "127.0.0.1:0") -> list[str]:
+    """``noderuntime tracker``'s arguments for a swarm on loopback (declared local), keeping its key in ``data_dir``."""
+    return ["tracker", "--local-swarm", "--listen", listen, "--data-dir", str(data_dir), *extra]
+
+
 @attrs.define
 class Cluster:
     """A running route of node processes (and a relay)."""
