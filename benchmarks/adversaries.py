@@ -503,13 +503,20 @@ class Memory:
 
 
 def default_tracker_layer_vote() -> dict[str, Any]:
-    """A tracker on the default settings (no probe references, no manifest): two honest nodes of a 30-layer
-    artifact and three sybils claiming 31. What the tracker shows, and whom a route goes through."""
+    """A tracker on the default settings (no probe references, no manifest): two honest nodes of the
+    30-layer demo model, each sending the proof of its shape that real nodes send, and three sybils
+    claiming 31. What the tracker shows, and whom a route goes through."""
     from noderuntime.access.identity import Identity
+    from noderuntime.models import artifacts
+    from noderuntime.models import catalogue as models
     from noderuntime.operations.httpserve import serve_http
+    from noderuntime.services.noderun import shape_proof
     from noderuntime.tracker.app import Tracker
 
-    swarm = {"artifact": "ab" * 32, "recipe": "0123456789abcdef"}
+    info = artifacts.inspect(models.pull(models.DEMO_MODEL, progress=False))
+    proof = shape_proof(info)
+    assert proof is not None, "the demo model gives a proof of its shape"
+    swarm = {"artifact": info.fingerprint, "recipe": "0123456789abcdef"}
 
     async def main() -> dict[str, Any]:
         tracker = Tracker(Identity.generate())
@@ -517,7 +524,8 @@ def default_tracker_layer_vote() -> dict[str, Any]:
             url = await nursery.start(serve_http, tracker.app, "127.0.0.1:0")
             honest = [Identity.generate() for _ in range(2)]
             for me, layers in zip(honest, ((0, 15), (15, 30)), strict=True):
-                await post(client, url, "/v1/nodes/register", registration(me, swarm, layers, 30, "11.0.0.1:1"), me)
+                body = registration(me, swarm, layers, 30, "11.0.0.1:1") | {"shape": proof.model_dump(mode="json")}
+                await post(client, url, "/v1/nodes/register", body, me)
             statuses = []
             for layers in ((0, 16), (16, 31), (0, 31)):
                 me = Identity.generate()
