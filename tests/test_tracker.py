@@ -7,6 +7,7 @@ import base64
 import functools
 import itertools
 import json
+import sys
 import time
 import zlib
 from typing import Any
@@ -18,7 +19,7 @@ import trio
 import trio.testing
 
 from noderuntime.access.identity import Identity
-from noderuntime.access.signing import sign
+from noderuntime.access.signing import WINDOW_MS, SignatureChecker, sign
 from noderuntime.access.tickets import TicketVerifier
 from noderuntime.control.admission import Capability, capability_record
 from noderuntime.models import gguf as ggufio
@@ -28,6 +29,7 @@ from noderuntime.operations.httpserve import serve_http
 from noderuntime.tracker import registry, shapes
 from noderuntime.tracker.app import Tracker
 from noderuntime.tracker.client import NodeLoad, TrackerError, TrackerLink, request_route
+from noderuntime.tracker.columns import MIN_CAPACITY
 from noderuntime.tracker.messages import MAX_PEERS, MAX_SHAPE_FIELDS, MAX_SHAPE_INDEX_CHARS, Registration, ShapeProof
 from noderuntime.tracker.records import NodeRecord
 from noderuntime.tracker.registry import TrackerState
@@ -535,3 +537,66 @@ def test_a_proven_shape_drops_the_nodes_that_claimed_another_and_goes_some_time_
     assert state.shape_of(ARTIFACT) == 30
     state.expire(11.0 + state.proven.keep_seconds)
     assert state.shape_of(ARTIFACT) is None
+
+
+def _compact(table: dict[Any, Any]) -> bool:
+    """Whether ``table`` takes no more than a copy of it would: it kept no table of a larger past."""
+    return sys.getsizeof(table) <= sys.getsizeof(dict(table))
+
+
+def test_the_registry_shrinks_back_after_a_flood_of_throwaway_nodes_expires() -> None:
+    """A flood registered around honest nodes of the same artifact and expired: the node map, the
+    artifact's columns (arrays, row map, records) are back at the size of what stays, and the honest
+    nodes' routes and measured seams are as before (their rows were renumbered)."""
+    flood = 4000
+    state = TrackerState()
+    for i in range(flood // 2):  # the honest nodes' rows lie in the middle of the flood's
+        state.register(node(f"flood{i}", (0, 30), recipe="0123456789abcdef"), 0.0)
+    for record in (node("a", (0, 15)), node("b", (15, 30)), node("c", (15, 30))):
+        state.register(record, 0.0)
+    for i in range(flood // 2, flood):
+        state.register(node(f"flood{i}", (0, 30), recipe=f"{i:016x}"), 0.0)
+    columns = state._columns[ARTIFACT]
+    assert columns.capacity >= flood and len(columns.recipe_codes) > flood // 2
+    now = 1000.0  # long past the flood's expiry; the honest nodes beat
+    for name, trips in (("a", {"b": 150.0, "c": 0.8}), ("b", {}), ("c", {})):
+        state.heartbeat(
+            node_id(name),
+            now,
+            active_sessions=0,
+            free_slots=4,
+            queue_depth=0,
+            step_ms=10.0,
+            round_trips={node_id(peer): ms for peer, ms in trips.items()},
+        )
+    gone = state.expire(now)
+    assert len(gone) == flood and set(state.nodes) == {node_id(n) for n in "abc"}
+    assert _compact(state.nodes) and state.compactions >= 1
+    columns = state._columns[ARTIFACT]
+    assert columns.capacity == MIN_CAPACITY and len(columns.records) <= MIN_CAPACITY and len(columns.vacant) < 64
+    assert len(columns.rows) == 3 and len(columns.recipe_codes) <= 16
+    assert sys.getsizeof(columns.rows) <= sys.getsizeof({i: i for i in range(MIN_CAPACITY)})
+    # the measured seam a -> b (150 ms) still steers every route through c
+    assert {tuple(r.node_id for r in state.choose(ARTIFACT, 10).nodes) for _ in range(30)} == {
+        (node_id("a"), node_id("c"))
+    }
+    assert state.choose(ARTIFACT, 10).cost_ms == pytest.approx(10 + 1.0 + 10 + 0.8)
+    state.register(node("d", (15, 30)), now)  # and newcomers take rows as before
+    assert columns.rows[node_id("d")] < MIN_CAPACITY and columns.capacity == MIN_CAPACITY
+
+
+def test_the_signature_replay_cache_shrinks_back_after_a_flood_of_keys_leaves_its_window() -> None:
+    """Thousands of fresh keys each sign one request; once their window passed, one request prunes
+    the cache, and its map of signers is back at the size of what it holds."""
+    checker = SignatureChecker()
+    now = 10_000_000
+    body = b"{}"
+    for _ in range(3000):
+        me = Identity.generate()
+        checker.check(sign(me, "POST", "/v1/nodes/register", body, now), "POST", "/v1/nodes/register", body, now)
+    assert checker.statistics() == (3000, 3000)
+    later = now + WINDOW_MS + 1
+    me = Identity.generate()
+    checker.check(sign(me, "POST", "/v1/nodes/leave", body, later), "POST", "/v1/nodes/leave", body, later)
+    assert checker.statistics() == (1, 1)
+    assert _compact(checker._seen)

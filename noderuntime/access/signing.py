@@ -9,6 +9,7 @@ import hmac
 import attrs
 
 from noderuntime.access.identity import Identity, verify
+from noderuntime.operations.memory import compacted
 
 DOMAIN = b"noderuntime-signed-request-v1"
 WINDOW_MS = 60_000
@@ -88,12 +89,16 @@ class SignatureChecker:
         message = _message(method, path, timestamp, body)
         if not verify(node_id, DOMAIN, message, signature):
             raise SignatureError("request signature does not verify for the claimed node id")
+        pruned = False
         while self._expiry and self._expiry[0][0] < now_ms - WINDOW_MS:
             _, signer, old = heapq.heappop(self._expiry)
             digests = self._seen[signer]
             digests.discard(old)
             if not digests:
                 del self._seen[signer]
+                pruned = True
+        if pruned:  # a flood of keys gone leaves its table behind otherwise (a dict never shrinks)
+            self._seen = compacted(self._seen)
         digest = hashlib.sha256(node_id + message).digest()
         mine = self._seen.get(node_id)
         if mine is not None and digest in mine:

@@ -52,6 +52,7 @@ from noderuntime.access.signing import SignatureChecker, SignatureError, join_pr
 from noderuntime.control.admission import AdmissionError, ProbeAnswer, ProbeReferences, check_capability, compare
 from noderuntime.models.manifest import Manifest
 from noderuntime.operations.httpserve import BodyLimit
+from noderuntime.operations.memory import compacted, release_free_pages
 from noderuntime.operations.telemetry import TrackerMetrics, exposition, trio_tasks
 from noderuntime.tracker import shapes, swarm
 from noderuntime.tracker.audits import AUDIT_GRANT_SECONDS, AuditBook, AuditError, auditor_weight, network_prefix
@@ -241,11 +242,22 @@ class Tracker:
     def expire(self, now: float) -> list[bytes]:
         """Drop nodes silent too long, lapsed reservations, and everything kept of a node that is gone
         (its probe challenge, when it was last probed): a map strangers can grow shrinks with them."""
+        compactions = self.state.compactions
         gone = self.state.expire(now)
         self.placement.expire(now)
         for kept in (self.challenges, self.last_probed, self.joined):
             for node_id in [n for n in kept if n not in self.state.nodes]:
                 del kept[node_id]
+        # maps that held a flood now gone are rebuilt at their size (a dict never shrinks its table)
+        self.challenges = compacted(self.challenges)
+        self.last_probed = compacted(self.last_probed)
+        self.joined = compacted(self.joined)
+        if self.state.compactions != compactions:
+            # Three quarters of the nodes went since the node map was last rebuilt: glibc keeps the
+            # pages their tables and records lay on until asked. 20,000 throwaway registrations
+            # over HTTP, expired: RSS 1.23-1.25x what it was before them with the maps rebuilt
+            # alone, 1.14-1.16x with this as well.
+            release_free_pages()
         return gone
 
     async def _authenticated(self, request: Request, claimed: str) -> bytes:

@@ -23,6 +23,7 @@ from noderuntime.tracker.records import DIRECT_SEAM_MS, NodeRecord
 SEAMS_KEPT = 8  # measured seams into one node that routes read: its slowest ones
 COST_CEILING_MS = 1e9  # a node's cost is clipped here, so that sums over routes stay finite
 LAYERS_CEILING = 1 << 15  # layer numbers route choice takes (int16)
+MIN_CAPACITY = 64  # rows an artifact's arrays start with, and never shrink below
 
 Rows = npt.NDArray[np.int64]
 Mask = npt.NDArray[np.bool_]
@@ -64,22 +65,38 @@ class Columns:
         self.seams_from = np.zeros((0, SEAMS_KEPT), np.int64)
         self.seams_ms = np.zeros((0, SEAMS_KEPT), np.float64)
         self.seams_count = np.zeros(0, np.int32)
-        self._grow(64)
+        self._grow(MIN_CAPACITY)
 
-    def _grow(self, capacity: int) -> None:
-        def grown(old: npt.NDArray[np.generic], fill: object) -> npt.NDArray[np.generic]:
+    # each array and what its vacant rows hold
+    _FILLS = (
+        ("present", False),
+        ("admitted", False),
+        ("room", False),
+        ("start", 0),
+        ("end", 0),
+        ("n_layer", 0),
+        ("ctx", 0),
+        ("recipe", 0),
+        ("seams_count", 0),
+        ("step", 0.0),
+        ("seam", 0.0),
+        ("seams_from", -1),
+        ("seams_ms", 0.0),
+    )
+
+    @property
+    def capacity(self) -> int:
+        """Rows the arrays have room for."""
+        return len(self.present)
+
+    def _grow(self, capacity: int, keep: Rows | None = None) -> None:
+        """Arrays of ``capacity`` rows holding the rows ``keep`` (all of them: None) first, in order."""
+        for name, fill in self._FILLS:
+            old = getattr(self, name)
+            kept = old if keep is None else old[keep]
             new = np.full((capacity, *old.shape[1:]), fill, old.dtype)
-            new[: len(old)] = old
-            return new
-
-        for name in ("present", "admitted", "room"):
-            setattr(self, name, grown(getattr(self, name), False))
-        for name in ("start", "end", "n_layer", "ctx", "recipe", "seams_count"):
-            setattr(self, name, grown(getattr(self, name), 0))
-        self.step = grown(self.step, 0.0)  # type: ignore[assignment]
-        self.seam = grown(self.seam, 0.0)  # type: ignore[assignment]
-        self.seams_from = grown(self.seams_from, -1)  # type: ignore[assignment]
-        self.seams_ms = grown(self.seams_ms, 0.0)  # type: ignore[assignment]
+            new[: len(kept)] = kept
+            setattr(self, name, new)
 
     def put(self, record: NodeRecord, step_budget_ms: float) -> None:
         """Add a node or bring its row up to date."""
@@ -131,6 +148,39 @@ class Columns:
         self.seams_from[row] = -1
         self.seams_count[row] = 0
         self.vacant.append(row)
+        self._layout = self._seams = self._unmeasured = None
+        # Fewer than a quarter of the rows in use are present: renumbered and shrunk. A flood of
+        # throwaway nodes on an artifact honest nodes serve left its arrays, row map and record
+        # list at the flood's size after it expired.
+        if self.capacity > MIN_CAPACITY and 4 * len(self.rows) < self.size:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Renumber the present rows 0..n-1 in their order, and shrink the arrays, the row map, the
+        record list and the recipe codes to them (with room for as many again).
+
+        Paid for by the three quarters of the rows that went since the last compaction.
+        Nothing outside keeps a row number from one call to the next (the registry asks
+        :attr:`rows` each time); seams name their previous hop by row, so they are renumbered too.
+        """
+        used = np.flatnonzero(self.present[: self.size])
+        renumbered = np.full(self.size, -1, np.int64)
+        renumbered[used] = np.arange(used.size)
+        self._grow(max(MIN_CAPACITY, 2 * used.size), keep=used)
+        named = self.seams_from[: used.size]
+        # a seam from a row no longer present leads nowhere (the registry forgets those first)
+        named[:] = np.where(named >= 0, renumbered[np.maximum(named, 0)], -1)
+        records = [self.records[row] for row in used.tolist()]
+        self.records = records
+        self.rows = {record.node_id: row for row, record in enumerate(records) if record is not None}
+        self.vacant = []
+        self.size = used.size
+        # recipe codes strangers named and no present node uses any longer go too
+        codes: dict[str, int] = {}
+        for row, record in enumerate(records):
+            if record is not None:
+                self.recipe[row] = codes.setdefault(record.recipe, len(codes))
+        self.recipe_codes = codes
         self._layout = self._seams = self._unmeasured = None
 
     def _uncount(self, record: NodeRecord) -> None:

@@ -41,6 +41,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from noderuntime.operations.memory import compacted
 from noderuntime.tracker.records import NodeRecord
 from noderuntime.tracker.registry import TrackerState
 
@@ -408,6 +409,8 @@ class Placement:
             del self.reservations[node_id]
         for node_id in [n for n, at in self.moved.items() if at + self.hold_down_seconds <= now]:
             del self.moved[node_id]
+        self.reservations = compacted(self.reservations)
+        self.moved = compacted(self.moved)
         return gone
 
 

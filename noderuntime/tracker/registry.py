@@ -25,6 +25,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import attrs
 
+from noderuntime.operations.memory import compacted
 from noderuntime.tracker import routechoice
 from noderuntime.tracker.columns import COST_CEILING_MS, SEAMS_KEPT, Columns
 from noderuntime.tracker.messages import MAX_PEERS, MAX_ROUND_TRIP_MS
@@ -104,6 +105,7 @@ class TrackerState:
         # route grants through each node since its last heartbeat (note_session), and the nodes each client has some on
         self._unconfirmed: dict[bytes, Unconfirmed] = {}
         self._granted_to: dict[str, set[bytes]] = {}
+        self.compactions = 0  # times the node map was rebuilt at its size (compact)
 
     # --- the registry
 
@@ -179,7 +181,23 @@ class TrackerState:
         for nid in gone:
             self.departed.append((self._drop(nid, now), now, "expired"))
         self.proven.expire(now)
+        self.compact()
         return gone
+
+    def compact(self) -> None:
+        """Rebuild the maps keyed by node that kept the table of a flood now gone (:func:`compacted`);
+        :attr:`compactions` counts the times the node map was (three quarters of its nodes went)."""
+        nodes = self.nodes
+        self.nodes = compacted(nodes)
+        self.compactions += self.nodes is not nodes
+        self._columns = compacted(self._columns)
+        self._round_trips = compacted(self._round_trips)
+        self._named_by = compacted(self._named_by)
+        self._seams_into = compacted(self._seams_into)
+        self._seams_from = compacted(self._seams_from)
+        self._seams_kept = compacted(self._seams_kept)
+        self._unconfirmed = compacted(self._unconfirmed)
+        self._granted_to = compacted(self._granted_to)
 
     def leave(self, node_id: bytes, now: float) -> bool:
         """Forget a node that says it leaves; False if it was not registered."""
