@@ -80,6 +80,7 @@ from benchmarks.sybils import (
     post,
     registration,
 )
+from noderuntime.testing.clusters import local_gateway_args
 
 NAME = "adversaries"
 RANGES = ((0, 10), (10, 20), (20, 30))
@@ -281,17 +282,7 @@ def swarm_phases(root: Path, sybils: int, requests_each: int) -> dict[str, Any]:
         gateway = ManagedProcess(
             "gateway",
             [
-                *(
-                    "gateway",
-                    "--data-dir",
-                    str(root / "gateway"),
-                    "--tracker",
-                    tracker_url,
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--model",
-                    f"smol={model}",
-                ),
+                *local_gateway_args(root / "gateway", tracker_url, f"smol={model}"),
                 *("--api-key-file", str(root / "keys"), "--running-per-key", str(RUNNING_PER_KEY)),
             ],
         )

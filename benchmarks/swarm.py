@@ -52,7 +52,7 @@ import attrs
 import numpy as np
 
 from benchmarks import _common
-from noderuntime.testing.clusters import local_tracker_args
+from noderuntime.testing.clusters import local_gateway_args, local_tracker_args
 from noderuntime.tracker.placement import Placement
 from noderuntime.tracker.records import NodeRecord
 from noderuntime.tracker.registry import TrackerState
@@ -280,17 +280,7 @@ def real_swarm(root: Path) -> dict[str, Any]:
         covered = set().union(*(range(a, b) for a, b in ranges))
         gateway = ManagedProcess(
             "gateway",
-            [
-                "gateway",
-                "--data-dir",
-                str(root / "gateway"),
-                "--tracker",
-                tracker_url,
-                "--listen",
-                "127.0.0.1:0",
-                "--model",
-                f"smol={model}",
-            ],
+            local_gateway_args(root / "gateway", tracker_url, f"smol={model}"),
         )
         processes.append(gateway)
         gateway_url = expect(gateway.start(), GatewayReady).url

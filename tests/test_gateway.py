@@ -20,7 +20,7 @@ from noderuntime.engine.llama import Vocab
 from noderuntime.services import localsystem
 from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
 from noderuntime.services.ready import GatewayReady, NodeReady, R, TrackerReady, expect
-from noderuntime.testing.clusters import local_tracker_args
+from noderuntime.testing.clusters import local_gateway_args, local_tracker_args
 
 pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0, "max_tokens": 24}
@@ -378,21 +378,9 @@ def test_a_full_route_waits_briefly_then_answers_429(smollm2: Path, tmp_path: Pa
         node.start()
         gateway = ManagedProcess(
             "gateway",
-            [
-                "gateway",
-                "--data-dir",
-                str(tmp_path / "gateway"),
-                "--tracker",
-                tracker_url,
-                "--listen",
-                "127.0.0.1:0",
-                "--model",
-                f"smollm2-135m={smollm2}",
-                "--ctx",
-                "1024",
-                "--queue-timeout",
-                "1",
-            ],
+            local_gateway_args(
+                tmp_path / "gateway", tracker_url, f"smollm2-135m={smollm2}", "--ctx", "1024", "--queue-timeout", "1"
+            ),
         )
         processes.append(gateway)
         url = expect(gateway.start(), GatewayReady).url

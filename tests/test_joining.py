@@ -22,7 +22,7 @@ from noderuntime.services import localsystem
 from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
 from noderuntime.services.joining import holdable
 from noderuntime.services.ready import GatewayReady, NodeReady, TrackerReady, expect
-from noderuntime.testing.clusters import local_tracker_args
+from noderuntime.testing.clusters import local_gateway_args, local_tracker_args
 
 from . import whole_model
 
@@ -90,17 +90,7 @@ def test_nodes_without_layers_cover_a_model_none_can_hold_serve_it_and_a_newcome
         localsystem._wait_routable(tracker_url, artifact)
         gateway = ManagedProcess(
             "gateway",
-            [
-                "gateway",
-                "--data-dir",
-                str(tmp_path / "gateway"),
-                "--tracker",
-                tracker_url,
-                "--listen",
-                "127.0.0.1:0",
-                "--model",
-                f"smol={smollm2}",
-            ],
+            local_gateway_args(tmp_path / "gateway", tracker_url, f"smol={smollm2}"),
         )
         processes.append(gateway)
         url = expect(gateway.start(), GatewayReady).url

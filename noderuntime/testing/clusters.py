@@ -28,6 +28,23 @@ def local_tracker_args(data_dir: str | os.PathLike[str], *extra: str, listen: st
     return ["tracker", "--local-swarm", "--listen", listen, "--data-dir", str(data_dir), *extra]
 
 
+def local_gateway_args(data_dir: str | os.PathLike[str], tracker: str, model: str, *extra: str) -> list[str]:
+    """``noderuntime gateway``'s arguments on loopback (any port) for ``tracker``, serving ``model``
+    (``ID=PATH``), its tracker keys pinned in ``data_dir``."""
+    return [
+        "gateway",
+        "--data-dir",
+        str(data_dir),
+        "--tracker",
+        tracker,
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        model,
+        *extra,
+    ]
+
+
 @attrs.define
 class Cluster:
     """A running route of node processes (and a relay)."""
