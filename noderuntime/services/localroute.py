@@ -106,7 +106,7 @@ async def open_local_route(
     throttle every barrier (see :mod:`noderuntime.engine.thread`). The ranges take turns,
     as they would have to on one machine's cores anyway.
     """
-    info = inspect(model)
+    info = await trio.to_thread.run_sync(inspect, model)  # may hash the file: off the trio thread
     ranges = [LayerRange(a, b) for a, b in itertools.pairwise(cuts)]
     engines: list[ShardEngine] = []
     thread = EngineThread("engines")

@@ -334,7 +334,8 @@ async def _load_engine(
     if opts.backend == "transformers":
         info, recipe, engine = await engine_thread.run(functools.partial(_torch_engine, opts))
         return info, recipe, engine.layers, engine, 0  # it cannot save a sequence
-    info = artifacts.inspect(opts.model)
+    # hashes every tensor of a file it has not seen (seconds for an 8B model): off the trio thread
+    info = await trio.to_thread.run_sync(artifacts.inspect, opts.model)
     layers = opts.layers or info.layer_range
     if opts.device != "cpu":
         # ggml asks the driver (for CUDA, the first call sets up its context): off the trio thread
@@ -558,7 +559,7 @@ async def run_gateway(
 
     served = []
     for model_id, path in opts.models:
-        info = artifacts.inspect(path)
+        info = await trio.to_thread.run_sync(artifacts.inspect, path)  # hashes the file once: off the trio thread
         vocab = await trio.to_thread.run_sync(Vocab, path)
         template = None
         if vocab.chat_template:
