@@ -11,7 +11,8 @@
    processes, seam over gRPC and over the relay, against the whole model decoding in one
    process with no network at all (the same engine, recipe and threads). Bytes per token
    counted on the wire between the shards. Goals: gRPC >= 0.90x, relay >= 0.85x. The relay
-   lane runs twice: sealed end to end, as nodes run it, and without its channel (goal:
+   lane runs twice: sealed end to end, as nodes run it, and with every seam of its cluster
+   unsealed (``--insecure-plaintext-seams``, the client's seam to the head too; goal:
    sealed >= 0.97x unsealed, side by side). The same
    again with each shard process pinned to its own core, against the whole model on one.
    And the whole model served by one node process to the same client: a route with no
@@ -349,7 +350,6 @@ async def _lanes(
     """
     from noderuntime.seams.dialer import open_dialer
     from noderuntime.testing.clusters import running_cluster
-    from noderuntime.transport.sealed import PLAINTEXT_ENV
 
     rates: dict[str, Any] = {k: [] for k in seam_figures.LANES if k not in seam_figures.ROUTES or k in route_names} | {
         "chained_engine_ms": []
@@ -362,7 +362,8 @@ async def _lanes(
             "one_node": ([cuts[0], cuts[-1]], {}),
             "grpc": (cuts, {}),
             "relay": (cuts, {"relay_only": [1]}),
-            "relay_plaintext": (cuts, {"relay_only": [1], "env": {PLAINTEXT_ENV: "1"}}),
+            # every seam of this cluster unsealed, its client's to the head included (see below)
+            "relay_plaintext": (cuts, {"relay_only": [1], "extra": ["--insecure-plaintext-seams"]}),
         }
         routes = {
             name: stack.enter_context(
@@ -370,16 +371,18 @@ async def _lanes(
             )
             for name in route_names
         }
-        async with open_dialer() as dialer:
-            for cluster in routes.values():
-                await _route_rate(cluster, dialer, 8)  # warm-up: connections, page cache
+        async with open_dialer() as sealed, open_dialer(plaintext=True) as plaintext:
+            dialers = {name: plaintext if name == "relay_plaintext" else sealed for name in routes}
+            for name, cluster in routes.items():
+                await _route_rate(cluster, dialers[name], 8)  # warm-up: connections, page cache
             for _ in range(repeats):
                 rates["whole"].append(await trio.to_thread.run_sync(_engine_decode, str(model), new_tokens))
                 rate, engine_ms = await trio.to_thread.run_sync(_chained_decode, str(model), new_tokens, cuts)
                 rates["chained"].append(rate)
                 rates["chained_engine_ms"].append(engine_ms)
                 for name, cluster in routes.items():
-                    rates[name].append(await _route_rate(cluster, dialer, new_tokens, ticks[name], engine[name]))
+                    rate = await _route_rate(cluster, dialers[name], new_tokens, ticks[name], engine[name])
+                    rates[name].append(rate)
                 for name, layers in (("head_alone", head), ("tail_alone", tail)):
                     rates[name].append(await trio.to_thread.run_sync(_engine_decode, str(model), new_tokens, 2, layers))
             for name in routes:

@@ -449,8 +449,8 @@ def _add_up(sub: Any) -> None:
     p.add_argument(
         "--insecure-plaintext-seams",
         action="store_true",
-        help="leave direct seams unencrypted and unauthenticated, to measure what sealing costs; every peer "
-        "must be started with it too (the others refuse such seams)",
+        help="leave seams, direct and relayed, unencrypted and unauthenticated, to measure what sealing costs; "
+        "every peer must be started with it too (the others refuse such seams)",
     )
     p.add_argument("--idle-timeout", type=seconds, default=60.0, help="seconds a session may make no progress")
     p.add_argument(

@@ -36,7 +36,7 @@ async def open_dialer(
     grpc = GrpcConnector(runtime, max_frame_bytes=sealed_size(limits.max_frame_bytes))
     try:
         async with trio.open_nursery() as nursery:
-            yield NetworkConnector(grpc, RelayDialer(nursery, keys), keys, plaintext)
+            yield NetworkConnector(grpc, RelayDialer(nursery, keys, plaintext=plaintext), keys, plaintext)
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # the nursery only hosts websocket readers: an error is the caller's own, unwrap it

@@ -54,7 +54,8 @@ class NetworkConnector:
 
     ``keys``: whom it proves to be at the far end of every seam it opens.
     ``plaintext``: direct seams go unsealed (``--insecure-plaintext-seams``, for measuring
-    what sealing costs); a node not started with it refuses them.
+    what sealing costs; the relay dialer is given the same); a node not started with it
+    refuses them.
     """
 
     grpc: GrpcConnector | None

@@ -99,7 +99,7 @@ class NodeOptions:
     device: str = "cpu"  # where the layers and KV live: "cpu", "vulkan:0", "cuda:1", ... (Recipe.device)
     gpu_layers: int | None = None  # on a GPU, how many local layers it holds (None: all)
     join_secret: bytes | None = None  # a private swarm's: its proof goes with each registration
-    # direct seams unsealed, in and out: only to measure what sealing costs, with every peer started so
+    # seams unsealed, in and out, direct and relayed: only to measure what sealing costs, every peer started so
     insecure_plaintext_seams: bool = False
 
     @property
@@ -186,7 +186,12 @@ async def run_node(
                 engine,
                 config,
                 me.node_id,
-                NetworkConnector(grpc_connector, RelayDialer(nursery, keys), keys, opts.insecure_plaintext_seams),
+                NetworkConnector(
+                    grpc_connector,
+                    RelayDialer(nursery, keys, plaintext=opts.insecure_plaintext_seams),
+                    keys,
+                    opts.insecure_plaintext_seams,
+                ),
                 ticket_check=ticket_check(verifier, me.node_id),
                 signer=lambda body: me.sign(b"noderuntime-usage-v1", body),
                 engine_thread=engine_thread,
@@ -203,7 +208,7 @@ async def run_node(
                 address = opts.advertise or f"{host}:{bound}"
             listener: RelayListener | None = None
             if opts.relay is not None:
-                listener = RelayListener(opts.relay, me, switch.accept)
+                listener = RelayListener(opts.relay, me, switch.accept, plaintext=opts.insecure_plaintext_seams)
                 await nursery.start(listener.run)
             http_url = ""
             if opts.http is not None:

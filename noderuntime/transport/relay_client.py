@@ -16,7 +16,7 @@ from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
 from noderuntime.access.identity import Identity, channel_keys
 from noderuntime.transport import relay_messages as m
 from noderuntime.transport.base import FrameStream, StreamBroken
-from noderuntime.transport.sealed import plaintext_for_benchmarks, seal_acceptor, seal_dialer
+from noderuntime.transport.sealed import seal_acceptor, seal_dialer
 from noderuntime.transport.websocket import (
     KEEPALIVE_SECONDS,
     MAX_MESSAGE_BYTES,
@@ -78,19 +78,19 @@ class RelayDialer:
         keys: ChannelKeys,
         tls: ssl.SSLContext | None = None,
         *,
-        plaintext: bool | None = None,
+        plaintext: bool = False,
     ) -> None:
         """``nursery`` hosts each connection's background reader; it must outlive the seams.
 
         ``keys``: the dialling side's (:func:`noderuntime.access.identity.channel_keys`); the
         ticket of each session dialled must name their node id before the node dialled.
-        ``plaintext``: seams without the end-to-end channel, for benchmarks and tests of
-        old peers only (None: as :data:`~noderuntime.transport.sealed.PLAINTEXT_ENV` says).
+        ``plaintext``: seams without the end-to-end channel (``--insecure-plaintext-seams``:
+        measuring what sealing costs, and tests of old peers), only with peers started so.
         """
         self._nursery = nursery
         self._tls = tls
         self.keys = keys
-        self._plaintext = plaintext_for_benchmarks() if plaintext is None else plaintext
+        self._plaintext = plaintext
 
     @property
     def node_id(self) -> bytes:
@@ -130,13 +130,13 @@ class RelayListener:
         tls: ssl.SSLContext | None = None,
         retry_seconds: float = 1.0,
         keepalive: float = KEEPALIVE_SECONDS,
-        plaintext: bool | None = None,
+        plaintext: bool = False,
     ) -> None:
-        """``plaintext``: as :class:`RelayDialer`'s, for benchmarks and tests of old peers only."""
+        """``plaintext``: as :class:`RelayDialer`'s."""
         self.url = relay_url.rstrip("/")
         self.identity = identity
         self._keys = channel_keys(identity)
-        self._plaintext = plaintext_for_benchmarks() if plaintext is None else plaintext
+        self._plaintext = plaintext
         self._on_stream = on_stream
         self._tls = tls
         self._retry = retry_seconds

@@ -17,7 +17,6 @@ the peer's code, and any other end reads as a cut.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -46,16 +45,6 @@ from protocol.channel import (
 HANDSHAKE_TIMEOUT = 10.0
 # how long an end waits to send its sealed close record before it resets the stream instead
 CLOSE_RECORD_SECONDS = 0.5
-
-# Benchmarks only: with this set to 1 on both ends, relayed seams go unencrypted, so that
-# benchmarks.seams can measure what sealing costs side by side. A node without it refuses
-# such a seam (fail closed), and one with it cannot talk to one without.
-PLAINTEXT_ENV = "NODERUNTIME_BENCHMARK_PLAINTEXT_RELAY_SEAMS"
-
-
-def plaintext_for_benchmarks() -> bool:
-    """Whether this process runs its relayed seams unencrypted (see :data:`PLAINTEXT_ENV`)."""
-    return os.environ.get(PLAINTEXT_ENV) == "1"
 
 
 def _path_word(exc: TransportError) -> str:
