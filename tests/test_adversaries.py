@@ -42,6 +42,9 @@ from noderuntime.gateway.app import Gateway, client_of
 from noderuntime.gateway.auth import ApiKeys
 from noderuntime.runner.line import LineFull, RunningSessions, WaitLine
 from noderuntime.services import localsystem
+from noderuntime.services.cluster import ManagedProcess
+from noderuntime.services.ready import TrackerReady, expect
+from noderuntime.testing.clusters import local_tracker_args
 from noderuntime.testing.usage import signed_usage
 from noderuntime.tracker.app import MAX_TICKET_SECONDS
 from noderuntime.tracker.audits import (
@@ -182,6 +185,26 @@ async def test_what_the_tracker_keeps_of_thousands_of_throwaway_nodes_goes_when_
         assert honest.node_id in tracker.challenges
         assert (await swarm.post("/v1/nodes/leave", {"node_id": honest.node_id.hex()}, honest)).status_code == 200
         assert honest.node_id not in tracker.challenges and honest.node_id not in tracker.last_probed
+
+
+@pytest.mark.parametrize("operator", [None, "pymalloc"], ids=["default", "operators-choice"])
+def test_the_tracker_command_runs_on_the_allocator_that_gives_a_floods_pages_back(
+    operator: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``noderuntime tracker`` replaces itself (same pid) with one whose Python objects live on glibc's
+    malloc, which ``malloc_trim`` empties page by page once a flood expired; an operator's
+    ``PYTHONMALLOC`` stands."""
+    monkeypatch.delenv("PYTHONMALLOC", raising=False)
+    env = None if operator is None else {"PYTHONMALLOC": operator}
+    process = ManagedProcess("tracker", local_tracker_args(tmp_path / "t"), env=env)
+    try:
+        ready = expect(process.start(), TrackerReady)
+        assert process.proc is not None and ready.pid == process.proc.pid
+        environ = Path(f"/proc/{ready.pid}/environ").read_bytes().split(b"\0")
+        assert ("PYTHONMALLOC=" + (operator or "malloc")).encode() in environ
+        assert httpx.get(ready.url + "/v1/status", timeout=10).status_code == 200
+    finally:
+        process.stop()
 
 
 async def test_a_flood_signed_with_free_keys_cannot_crowd_out_an_honest_nodes_heartbeats() -> None:

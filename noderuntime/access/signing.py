@@ -74,6 +74,7 @@ class SignatureChecker:
     signers: int = 65_536  # signers with live digests
     _seen: dict[bytes, set[bytes]] = attrs.Factory(dict)  # signer -> digests of its accepted requests
     _expiry: list[tuple[int, bytes, bytes]] = attrs.Factory(list)  # a heap: (timestamp, signer, digest)
+    compactions: int = 0  # times the signer map was rebuilt at its size (three quarters of it aged out)
 
     def check(self, headers: dict[str, str], method: str, path: str, body: bytes, now_ms: int) -> bytes:
         """The authenticated node id; :class:`SignatureError` otherwise."""
@@ -98,7 +99,9 @@ class SignatureChecker:
                 del self._seen[signer]
                 pruned = True
         if pruned:  # a flood of keys gone leaves its table behind otherwise (a dict never shrinks)
-            self._seen = compacted(self._seen)
+            seen = self._seen
+            self._seen = compacted(seen)
+            self.compactions += self._seen is not seen
         digest = hashlib.sha256(node_id + message).digest()
         mine = self._seen.get(node_id)
         if mine is not None and digest in mine:
