@@ -74,7 +74,7 @@ def test_placement_times_a_free_and_a_pinned_team_alone_and_beside_a_busy_proces
 
 @pytest.mark.slow
 def test_a_soak_loses_nothing_and_leaks_nothing(tmp_path: Path) -> None:
-    """The soak's ``make test`` version: every way of ending a request, for 30 s and at least 48 requests."""
+    """The soak's ``make test`` version: every way of ending a request, for 15 s and at least 48 requests."""
     figures = _run_quick("soak", tmp_path / "soak.json", timeout=600)
     assert figures["requests"] >= 48 and figures["completed"] >= 10 and figures["cancelled_by_client"] >= 10
     assert all(figures["requests_by_ending"].values())  # every ending was tried
