@@ -31,9 +31,8 @@ from noderuntime.operations.httpserve import serve_http
 from noderuntime.services import ready
 from noderuntime.services.cluster import ManagedProcess
 from noderuntime.testing.clusters import local_tracker_args
+from noderuntime.testing.rangeserver import RangeServer, write_split_parts
 from noderuntime.tracker.app import Tracker
-
-from .rangeserver import RangeServer, write_split_parts
 
 # what a pull may read beyond the headers and the range's tensors: the small gaps between
 # wanted tensors it reads rather than asking for each (fetch.MERGE_GAP a gap), a few

@@ -385,11 +385,15 @@ def write_model(
     seed: int = 0,
     name: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    weights: bool = True,
 ) -> Path:
     """Write a random-weight GGUF of ``shape``; ``progress(done_bytes, total_bytes)`` as it goes.
 
     ``embedding_quant`` stores the token embedding (also the output with ``tied_output``)
-    in another type, as converters often keep it at Q8_0 in a 4-bit file.
+    in another type, as converters often keep it at Q8_0 in a 4-bit file. ``weights=False``
+    writes the header alone and leaves the tensor data a hole of its size (a sparse file):
+    what the memory planner's dry run reads, for shapes larger than the disk holds, and
+    nothing a node can serve.
     """
     for q in (quant, embedding_quant or quant):
         if q not in QUANTS:
@@ -441,7 +445,9 @@ def write_model(
     fout = writer.fout[0]
     for (tensor_name, _), (ttype, n_rows, row_len, nbytes) in zip(shape.tensors(), plan, strict=True):
         writer.write_padding(fout, fout.tell())
-        if tensor_name.endswith("norm.weight"):
+        if not weights:
+            fout.seek(nbytes, os.SEEK_CUR)
+        elif tensor_name.endswith("norm.weight"):
             np.full(row_len, norm_gain(shape, tensor_name), dtype=np.float32).tofile(fout)
         else:
             row_bytes = nbytes // n_rows
@@ -454,6 +460,7 @@ def write_model(
                 if progress is not None:
                     progress(done, total)
         writer.write_padding(fout, nbytes)
+    fout.truncate()  # a header alone ends in a hole as long as its tensors
     writer.close()
     os.replace(tmp, path)
     return path

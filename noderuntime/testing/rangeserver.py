@@ -1,4 +1,4 @@
-"""A real HTTP file server on loopback for tests of ranged pulls, and a gguf-split part writer.
+"""A real HTTP file server on loopback for tests and benchmarks of ranged pulls, and a gguf-split part writer.
 
 The server answers single-range requests (``Range: bytes=A-B``) with 206, a
 ``Content-Range`` and an ETag, as a web server or a CDN does; it counts every body byte it
