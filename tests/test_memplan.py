@@ -124,3 +124,21 @@ def test_a_cap_kills_a_process_that_outgrows_it() -> None:
         assert done.returncode == 0
     finally:
         cap.remove()
+
+
+def test_the_planner_sizes_a_model_larger_than_the_disk_from_its_header_alone(tmp_path: Path) -> None:
+    """``synth.write_model(weights=False)``: Llama-3.1-70B's shape in Q4_0 (40 GB) as a header and a hole,
+    which the dry run sizes as it would the whole file (what ``benchmarks.full_size`` plans on paper)."""
+    from benchmarks.full_size import PAPER_SHAPES, placed_ranges
+    from noderuntime.models import artifacts, synth
+
+    path = synth.write_model(tmp_path / "70b.gguf", PAPER_SHAPES["Llama-3.1-70B"], quant="Q4_0", weights=False)
+    info = artifacts.inspect(path, verify=False)
+    assert info.n_layer == 80 and path.stat().st_size > 39e9 and path.stat().st_blocks * 512 < 16 << 20
+    recipe = Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=2, n_batch=64, n_ubatch=64)
+    middle = memplan.needs(path, LayerRange(10, 20), recipe)
+    # ten of its 80 blocks of Q4_0 weights: 8192 wide, FFN 28672, 64/8 heads of 128
+    block = (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672) * 18 // 32 + 2 * 8192 * 4
+    assert middle.weights == pytest.approx(10 * block, rel=0.001)
+    # machines that hold 30 layers each, joining one at a time: three cover the 80
+    assert placed_ranges(80, 30) == ["0:30", "30:60", "60:80"]
