@@ -60,8 +60,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # what the command was given, for a command that must run again in another environment
     # (a node on a GPU backend re-executes itself with that backend's build of llama.cpp)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    # only a process run as this command may replace itself (not one that calls main, as a test does)
-    args.own_process = argv is None
     _fix_mmap_threshold()
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -31,7 +31,6 @@ from noderuntime.cli.args import (
 from noderuntime.engine.cores import machine_cores
 from noderuntime.models import catalogue as models
 from noderuntime.models import fetch, manifest
-from noderuntime.operations import memory
 
 if TYPE_CHECKING:  # the node's services load the engine: not for a light install's commands
     from noderuntime.services.noderun import NodeOptions
@@ -244,24 +243,7 @@ def _load_manifests(paths: list[Path]) -> tuple[manifest.Manifest, ...]:
     return tuple(loaded.values())
 
 
-def _on_system_allocator(args: argparse.Namespace) -> None:
-    """Re-execute this process with its Python objects on the C allocator, where it is not already.
-
-    A tracker is what strangers grow with floods of throwaway registrations: on glibc's
-    malloc it gives their memory back once they expire, on pymalloc it keeps most of it
-    (:mod:`noderuntime.operations.memory`). The process replaces itself (same pid, same
-    output) before it opens a file or a socket. An operator's ``PYTHONMALLOC`` wins.
-    """
-    environ = memory.system_allocator_environ()
-    if environ is None or not args.own_process:
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "noderuntime", *args.argv], environ)
-
-
 def _cmd_tracker(args: argparse.Namespace) -> int:
-    _on_system_allocator(args)
     from noderuntime.services import running, trackerrun
     from noderuntime.verify.certificates import load_certificate
     from noderuntime.verify.contract import ContractError
