@@ -282,35 +282,43 @@ def _wait_routable(gateway: str, within: float = 120) -> None:
         time.sleep(0.25)
 
 
-def generate(gateway: str, prompt: str, max_tokens: int) -> dict[str, float]:
-    """One streamed greedy completion: TTFT, decode tokens/s, tokens."""
+def stream_completion(base: str, model: str, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
+    """One streamed greedy completion (text or token ids) of an OpenAI API at ``base``: when it
+    began and ended, the times its text chunks came, its tokens (the usage's, else the chunks')."""
     body = {
-        "model": "fit",
+        "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    started = time.perf_counter()
+    began = time.perf_counter()
     times: list[float] = []
     tokens = 0
-    with httpx.stream("POST", gateway + "/v1/completions", json=body, timeout=900) as response:
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=1800) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line[6:])
             if "error" in event:
-                raise SystemExit(f"the route failed: {event['error']}")
+                raise SystemExit(f"the completion failed: {event['error']}")
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
             elif event["choices"] and event["choices"][0].get("text"):
                 times.append(time.perf_counter())
+    return {"began": began, "ended": time.perf_counter(), "times": times, "tokens": tokens or len(times)}
+
+
+def generate(gateway: str, prompt: str, max_tokens: int) -> dict[str, float]:
+    """One streamed greedy completion: TTFT, decode tokens/s, tokens."""
+    run = stream_completion(gateway, "fit", prompt, max_tokens)
+    times, tokens = run["times"], run["tokens"]
     if not times:
         raise SystemExit("no token came back")
     decode = (tokens - 1) / (times[-1] - times[0]) if tokens > 1 and times[-1] > times[0] else float("nan")
-    return {"ttft_s": times[0] - started, "decode_tokens_per_s": decode, "tokens": tokens}
+    return {"ttft_s": times[0] - run["began"], "decode_tokens_per_s": decode, "tokens": tokens}
 
 
 def measure(system: dict[str, Any], lane: Lane) -> dict[str, Any]:

@@ -53,7 +53,7 @@ import attrs
 import httpx
 import numpy as np
 
-from benchmarks import _common, serving
+from benchmarks import _common, fit, serving
 from noderuntime.engine import memplan
 from noderuntime.engine.llama import Recipe
 from noderuntime.models import artifacts, manifest, synth
@@ -271,11 +271,8 @@ def swarm(lane: Lane, prepared: dict[str, Any], root: Path) -> Iterator[dict[str
                     }
                 )
                 print(f"node{i}: layers {layers}, {server.sent / 1e9:.2f} GB fetched", flush=True)
-            gateway_process = _gateway(root, tracker, model)
-            processes.append(gateway_process)
-            gateway = expect(gateway_process.start(600), GatewayReady).url
-            first_token_s = _first_served(gateway) - began
-            yield {"gateway": gateway, "nodes": nodes, "first_up_to_first_token_s": round(first_token_s, 1)}
+            gateway, first_token_s = _serve(processes, root, tracker, model, began)
+            yield {"gateway": gateway, "nodes": nodes, "first_up_to_first_token_s": first_token_s}
         finally:
             stop_all(processes)
             for cap in caps:
@@ -284,6 +281,15 @@ def swarm(lane: Lane, prepared: dict[str, Any], root: Path) -> Iterator[dict[str
 
 def _since(start: float | None, end: float | None) -> float | None:
     return None if start is None or end is None else round(end - start, 1)
+
+
+def _serve(processes: list[ManagedProcess], root: Path, tracker: str, model: Path, began: float) -> tuple[str, float]:
+    """Start the gateway (kept in ``processes``); its URL, and the seconds from ``began`` to the first
+    completion it served."""
+    gateway_process = _gateway(root, tracker, model)
+    processes.append(gateway_process)
+    gateway = expect(gateway_process.start(600), GatewayReady).url
+    return gateway, round(_first_served(gateway) - began, 1)
 
 
 def _first_served(gateway: str, within: float = 600) -> float:
@@ -312,11 +318,8 @@ def whole(model: Path, root: Path) -> Iterator[dict[str, Any]]:
         processes.append(node)
         began = time.monotonic()
         expect(node.start(1800), NodeReady)
-        gateway_process = _gateway(root, tracker, model)
-        processes.append(gateway_process)
-        gateway = expect(gateway_process.start(600), GatewayReady).url
-        first = _first_served(gateway) - began
-        yield {"gateway": gateway, "process": node, "up_to_first_token_s": round(first, 1)}
+        gateway, first = _serve(processes, root, tracker, model, began)
+        yield {"gateway": gateway, "process": node, "up_to_first_token_s": first}
     finally:
         stop_all(processes)
 
@@ -366,33 +369,8 @@ def _free_port() -> int:
 
 
 def stream(base: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """One streamed greedy completion of token ids: when it began, its text chunks' times, its tokens."""
-    body = {
-        "model": MODEL_ID,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    began = time.perf_counter()
-    times: list[float] = []
-    tokens = 0
-    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=1800) as answer:
-        answer.raise_for_status()
-        for line in answer.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise SystemExit(f"the completion failed: {event['error']}")
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            for choice in event.get("choices") or []:
-                if choice.get("text"):
-                    times.append(time.perf_counter())
-    ended = time.perf_counter()
-    return {"began": began, "ended": ended, "times": times, "tokens": tokens or len(times)}
+    """One streamed greedy completion of token ids (:func:`benchmarks.fit.stream_completion`)."""
+    return fit.stream_completion(base, MODEL_ID, prompt, max_tokens)
 
 
 def _prompt(seed: int, n: int) -> list[int]:
