@@ -18,12 +18,15 @@ process, one lane after another (median of repeated runs):
   0, 2, ..., 14 (the batcher and the lease manager keep ids low and together).
 - **no weight repacking** (llama-server repacks Q4_0, Q4_K, IQ4_NL and Q8_0 weights for its
   gemm, whose sums differ from its gemv's, so a row's bits would depend on the batch).
-  Measured on Gemma 3 270M Q4_K_M (SmolLM2's Q4_1 has no repacked layout): decode of
-  1 and 8 rows and a 41-token prefill, repack off and on.
+  Measured on Gemma 3 270M Q4_K_M (SmolLM2's Q4_1 has no repacked layout) and on a
+  4-layer cut of Qwen3-30B-A3B's shape in Q4_0 (random weights, 1.7 GB, written once into
+  ``~/.cache/noderuntime/invariance``; the full shape is ``benchmarks.full_size``'s):
+  decode of 1 and 8 rows and a 41-token prefill, repack off and on.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
@@ -135,6 +138,18 @@ def _repack(path: Path, repeats: int) -> dict[str, Any]:
     return out
 
 
+def _moe_model() -> Path:
+    """A 4-layer cut of Qwen3-30B-A3B's shape in Q4_0, written once and kept outside the clone."""
+    from noderuntime.models import synth
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "noderuntime" / NAME
+    path = cache / "qwen3-30b-a3b-shape-4l-q4_0.gguf"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        synth.write_model(path, synth.qwen3_30b_a3b_shape(4), quant="Q4_0", name="qwen3-30b-a3b-shape-4l")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _common.parser(NAME, __doc__ or "").parse_args(argv)
     from noderuntime.engine.llama import Recipe
@@ -147,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict[str, Any] = {
         "kv_streams": _streams_against_unified(smol, repeats),
         "repack_gemma3_q4_k_m": _repack(gemma, repeats),
+        "repack_qwen3moe_q4_0": _repack(_moe_model(), repeats),
     }
     streams, unified = figures["kv_streams"]["streams"], figures["kv_streams"]["unified"]
     # what a burst of 7 decoding sessions and 1 new prompt costs each way, and the 8-row decode
@@ -161,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         "repack_prefill41": figures["repack_gemma3_q4_k_m"]["off"]["prefill41_ms"]
         / figures["repack_gemma3_q4_k_m"]["on"]["prefill41_ms"],
     }
+    moe = figures["repack_qwen3moe_q4_0"]
+    for measure in ("decode1", "decode8", "prefill41"):
+        figures["cost_of_isolation"][f"repack_moe_q4_0_{measure}"] = (
+            moe["off"][f"{measure}_ms"] / moe["on"][f"{measure}_ms"]
+        )
     path = _common.out_path(NAME, args)
     _common.write(
         path,
@@ -181,13 +202,14 @@ def main(argv: list[str] | None = None) -> int:
         ["16 decode rows, unified", unified["decode16_ms"]],
         ["8 decode rows, streams, ids 0,2,..,14", streams["decode8_spread_ids_ms"]],
     ]
-    for lane in ("off", "on"):
-        r = figures["repack_gemma3_q4_k_m"][lane]
-        rows += [
-            [f"Gemma 3 Q4_K_M repack {lane}: decode 1", r["decode1_ms"]],
-            [f"Gemma 3 Q4_K_M repack {lane}: decode 8", r["decode8_ms"]],
-            [f"Gemma 3 Q4_K_M repack {lane}: prefill 41", r["prefill41_ms"]],
-        ]
+    for key, label in (("repack_gemma3_q4_k_m", "Gemma 3 Q4_K_M"), ("repack_qwen3moe_q4_0", "Qwen3-MoE Q4_0")):
+        for lane in ("off", "on"):
+            r = figures[key][lane]
+            rows += [
+                [f"{label} repack {lane}: decode 1", r["decode1_ms"]],
+                [f"{label} repack {lane}: decode 8", r["decode8_ms"]],
+                [f"{label} repack {lane}: prefill 41", r["prefill41_ms"]],
+            ]
     print(_common.table(["batch", "ms (p50)"], rows))
     print("\ncost of isolation (x):", {k: round(v, 3) for k, v in figures["cost_of_isolation"].items()})
     print(f"\nwrote {path}")
