@@ -35,6 +35,14 @@ def out_path(name: str, args: argparse.Namespace) -> Path:
     return RESULTS / (f"{name}.quick.json" if args.quick else f"{name}.json")
 
 
+def cache_dir(name: str) -> Path:
+    """Where benchmark ``name`` keeps what it makes once (large model files): the user cache
+    directory's ``noderuntime/benchmarks/NAME``, outside the clone, as the pulled models are."""
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("noderuntime")) / "benchmarks" / name
+
+
 def machine() -> dict[str, Any]:
     """The machine the figures were measured on."""
     cpu = platform.processor() or "unknown"

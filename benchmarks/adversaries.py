@@ -34,14 +34,13 @@ tracker's RSS.
 Memory, on a separate tracker (the same ``Tracker`` and HTTP app, in a subprocess of its
 own so that its RSS is its alone, on the allocator ``noderuntime tracker`` runs on), first:
 200 registrations to warm it, its RSS, then 100,000 throwaway registrations (``--quick``:
-10,000) over HTTP, then their expiry (the
-tracker's own ``expire`` with its clock an hour ahead, as its loop does once three heartbeat
-intervals pass: 180 s at that size). Once the replay window of their signatures (60 s) has
-passed, while the swarm runs, one signed request prunes the replay cache, the tracker's
-sweep runs, and RSS is taken again, and after a full collection. Goal: within 10 % of before. A last figure, after a
-``malloc_trim``, tells memory the allocator keeps from memory still held. And what a
-tracker on the default settings (no probe references, no manifest) makes of the layer
-vote, in process.
+10,000) over HTTP, then their expiry (the tracker's own ``expire`` with its clock an hour
+ahead, as its loop does once three heartbeat intervals pass: 180 s at that size). Once the
+replay window of their signatures (60 s) has passed, while the swarm runs, one signed
+request prunes the replay cache, the tracker's sweep runs, and RSS is taken again, and after
+a full collection. Goal: within 10 % of before. A last figure, after a ``malloc_trim``,
+tells memory the allocator keeps from memory still held. And what a tracker on the default
+settings (no probe references, no manifest) makes of the layer vote, in process.
 
 The attackers share this machine's cores with the swarm: what they spend (signing, HTTP)
 is CPU the honest nodes do not get, which a real attacker's machines would not take.
@@ -51,7 +50,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import gc
 import json
 import multiprocessing as mp
@@ -81,7 +79,7 @@ from benchmarks.sybils import (
     post,
     registration,
 )
-from noderuntime.operations.memory import ALLOCATOR_ENV, system_allocator_environ
+from noderuntime.operations.memory import ALLOCATOR_ENV, release_free_pages, system_allocator_environ
 from noderuntime.testing.clusters import local_gateway_args
 
 NAME = "adversaries"
@@ -368,7 +366,7 @@ def rss_tracker_main() -> None:
                 elif command == "gc":
                     gc.collect()
                 elif command == "trim":  # glibc gives the free pages of its heaps back (a diagnostic)
-                    ctypes.CDLL("libc.so.6").malloc_trim(0)
+                    release_free_pages()
                 print(json.dumps(stats()), flush=True)
             nursery.cancel_scope.cancel()
 

@@ -6,9 +6,9 @@ The model is Qwen3-30B-A3B's full shape with random weights (48 layers, 2048 wid
 heads and 4 KV heads of 128, 128 experts of which 8 are used, expert feed-forward 768,
 vocabulary 151,936, untied), in Q4_0: 17.3 GB, written by ``noderuntime models synth``
 (quantized blocks written directly) into a cache outside the clone (``--cache``; default
-``~/.cache/noderuntime/full_size``) and kept there. As a model host would, the lane signs
-its manifest (``noderuntime models manifest``) and serves the file from a real HTTP server
-that answers Range requests, on loopback (:mod:`noderuntime.testing.rangeserver`).
+``~/.cache/noderuntime/benchmarks/full_size``) and kept there. As a model host would, the
+lane signs its manifest (``noderuntime models manifest``) and serves the file from a real
+HTTP server that answers Range requests, on loopback (:mod:`noderuntime.testing.rangeserver`).
 
 1. **The swarm.** A tracker holding the manifest; three nodes, one after the other, each
    ``noderuntime up --model URL --memory-limit 7GiB`` with no ``--layers``, each in a
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import random
 import subprocess
 import sys
 import tempfile
@@ -327,28 +327,10 @@ def whole(model: Path, root: Path) -> Iterator[dict[str, Any]]:
 @contextmanager
 def llama_server(model: Path) -> Iterator[str]:
     """llama-server from the same sources on the same file, as many slots and the same batch."""
-    binary = serving._llama_server()
-    port = _free_port()
-    proc = subprocess.Popen(
-        [
-            *(str(binary), "--model", str(model), "--threads", str(THREADS), "--parallel", str(SLOTS)),
-            *("--ctx-size", str(CTX * SLOTS), "--batch-size", str(BATCH), "--ubatch-size", str(BATCH)),
-            *("--host", "127.0.0.1", "--port", str(port)),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    batch = ("--batch-size", str(BATCH), "--ubatch-size", str(BATCH))
+    port = serving.LLAMA_SERVER_PORT
+    proc = serving._start_llama_server(serving._llama_server(), model, port, SLOTS, CTX, *batch, within=1800)
     try:
-        deadline = time.monotonic() + 1800
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("llama-server did not start")
-            time.sleep(0.5)
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
@@ -356,13 +338,6 @@ def llama_server(model: Path) -> Iterator[str]:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 # --- what is measured
@@ -450,39 +425,15 @@ def on_paper(cache: Path) -> dict[str, Any]:
 
 
 def placed_ranges(n_layer: int, held: int) -> list[str]:
-    """The ranges the tracker's placement gives machines that each hold ``held`` layers, joining one
-    at a time until every layer is served (``tracker.placement``, in process)."""
-    from noderuntime.tracker.placement import Placement
-    from noderuntime.tracker.records import NodeRecord
-    from noderuntime.tracker.registry import TrackerState
+    """The ranges the tracker's placement gives identical machines that each hold ``held`` layers,
+    joining one at a time until every layer is served (``benchmarks.swarm``'s simulated swarm)."""
+    from benchmarks.swarm import Swarm
 
-    state = TrackerState(expire_after=1e12)
-    placement = Placement(state)
-    artifact = "ab" * 32
+    swarm = Swarm(random.Random(0), n_layer)
     ranges: list[str] = []
     covered = np.zeros(n_layer, dtype=bool)
-    now = 0.0
     while not covered.all() and len(ranges) < 4 * n_layer:
-        now += 1.0
-        node_id = (len(ranges) + 1).to_bytes(32, "big")
-        start, end = placement.assign(node_id, artifact, n_layer, held, now, tokens_per_s=10.0).layers
-        state.register(
-            NodeRecord(
-                node_id=node_id,
-                artifact=artifact,
-                n_layer=n_layer,
-                layers=(start, end),
-                recipe="0" * 16,
-                address=f"10.0.0.1:{len(ranges) + 1}",
-                relay="",
-                tls_cert_sha256=b"",
-                slots=SLOTS,
-                ctx_per_session=CTX,
-                step_ms=100.0,
-            ),
-            now,
-        )
-        placement.registered(node_id)
+        start, end = swarm.join(held, speed=10.0 * held)  # the same speed on every machine
         covered[start:end] = True
         ranges.append(f"{start}:{end}")
     return ranges
@@ -533,8 +484,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def main() -> None:
     """Run the lane and write its JSON and PNG."""
     parser = _common.parser(NAME, __doc__ or "")
-    default_cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "noderuntime" / NAME
-    parser.add_argument("--cache", type=Path, default=default_cache, help="where the model is written and kept")
+    parser.add_argument(
+        "--cache", type=Path, default=_common.cache_dir(NAME), help="where the model is written and kept"
+    )
     args = parser.parse_args()
     lane = QUICK if args.quick else FULL
     out = _common.out_path(NAME, args)

@@ -20,13 +20,12 @@ process, one lane after another (median of repeated runs):
   gemm, whose sums differ from its gemv's, so a row's bits would depend on the batch).
   Measured on Gemma 3 270M Q4_K_M (SmolLM2's Q4_1 has no repacked layout) and on a
   4-layer cut of Qwen3-30B-A3B's shape in Q4_0 (random weights, 1.7 GB, written once into
-  ``~/.cache/noderuntime/invariance``; the full shape is ``benchmarks.full_size``'s):
+  ``~/.cache/noderuntime/benchmarks/invariance``; the full shape is ``benchmarks.full_size``'s):
   decode of 1 and 8 rows and a 41-token prefill, repack off and on.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from pathlib import Path
@@ -142,7 +141,7 @@ def _moe_model() -> Path:
     """A 4-layer cut of Qwen3-30B-A3B's shape in Q4_0, written once and kept outside the clone."""
     from noderuntime.models import synth
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "noderuntime" / NAME
+    cache = _common.cache_dir(NAME)
     path = cache / "qwen3-30b-a3b-shape-4l-q4_0.gguf"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)

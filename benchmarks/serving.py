@@ -64,9 +64,9 @@ PROMPTS = [
 ]
 
 
-def _ready(proc: subprocess.Popen[bytes], url: str, what: str) -> subprocess.Popen[bytes]:
-    """``proc`` once ``url`` answers (within a minute); killed, and an error, if it does not."""
-    deadline = time.monotonic() + 60
+def _ready(proc: subprocess.Popen[bytes], url: str, what: str, within: float = 60) -> subprocess.Popen[bytes]:
+    """``proc`` once ``url`` answers (within ``within`` seconds); killed, and an error, if it does not."""
+    deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         try:
             urllib.request.urlopen(url, timeout=2)
@@ -249,7 +249,11 @@ LLAMA_SERVER_PORT = 18124
 LLAMA_CPP_PYTHON_PORT = 18123
 
 
-def _start_llama_server(binary: Path, model: Path, port: int, slots: int, ctx: int) -> subprocess.Popen[bytes]:
+def _start_llama_server(
+    binary: Path, model: Path, port: int, slots: int, ctx: int, *extra: str, within: float = 60
+) -> subprocess.Popen[bytes]:
+    """llama-server on ``model`` with ``slots`` of ``ctx`` each and 2 threads (and ``extra`` flags),
+    once its health answers (a large model loads for ``within`` seconds)."""
     proc = subprocess.Popen(
         [
             str(binary),
@@ -265,11 +269,12 @@ def _start_llama_server(binary: Path, model: Path, port: int, slots: int, ctx: i
             "127.0.0.1",
             "--port",
             str(port),
+            *extra,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    return _ready(proc, f"http://127.0.0.1:{port}/health", "llama-server")
+    return _ready(proc, f"http://127.0.0.1:{port}/health", "llama-server", within)
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:

@@ -80,8 +80,9 @@ HAND_ORDERS = 8  # shuffled join orders the hand plan tries besides the two sort
 class Swarm:
     """Simulated nodes on a tracker's state, joining through its placement."""
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, n_layer: int = N_LAYER) -> None:
         self.rng = rng
+        self.n_layer = n_layer
         self.state = TrackerState(expire_after=1e12)
         self.placement = Placement(self.state)
         self.speed: dict[bytes, float] = {}  # layer-tokens/s of each present node
@@ -94,20 +95,20 @@ class Swarm:
         """A new node's memory (layers it can hold) and speed (layer-tokens/s), at random."""
         return self.rng.randint(*MEMORY_LAYERS), SPEED_MEDIAN * float(np.exp(self.rng.gauss(0.0, SPEED_SIGMA)))
 
-    def join(self, memory: int, speed: float) -> None:
-        """One new node: placed, loaded, registered."""
+    def join(self, memory: int, speed: float) -> tuple[int, int]:
+        """One new node: placed, loaded, registered; the layers it was given."""
         self.count += 1
         node_id = self.count.to_bytes(32, "big")
         self.now += 1.0
         began = time.perf_counter()
-        given = self.placement.assign(node_id, ARTIFACT, N_LAYER, memory, self.now, tokens_per_s=speed / memory)
+        given = self.placement.assign(node_id, ARTIFACT, self.n_layer, memory, self.now, tokens_per_s=speed / memory)
         self.placed_ms.append((time.perf_counter() - began) * 1e3)
         start, end = given.layers
         tokens_per_s = speed / (end - start)
         record = NodeRecord(
             node_id=node_id,
             artifact=ARTIFACT,
-            n_layer=N_LAYER,
+            n_layer=self.n_layer,
             layers=(start, end),
             recipe="0" * 16,
             address=f"10.0.0.1:{self.count}",
@@ -121,6 +122,7 @@ class Swarm:
         self.placement.registered(node_id)
         self.speed[node_id] = speed
         self.memory[node_id] = memory
+        return start, end
 
     def rebalance(self) -> dict[str, Any]:
         """Every node asks whether to move, in random order, round after round, until a round moves none."""
@@ -158,8 +160,8 @@ class Swarm:
 
     def figures(self) -> dict[str, Any]:
         """Coverage, bottleneck and bound now."""
-        capacity = self.placement.capacity(ARTIFACT, N_LAYER, self.now)
-        bound = sum(self.speed.values()) / N_LAYER
+        capacity = self.placement.capacity(ARTIFACT, self.n_layer, self.now)
+        bound = sum(self.speed.values()) / self.n_layer
         bottleneck = float(capacity.min())
         return {
             "nodes": len(self.speed),
@@ -185,7 +187,7 @@ def hand_plan(nodes: list[tuple[int, float]], seed: int) -> dict[str, Any]:
         swarm = Swarm(random.Random(seed))
         for memory, speed in order:
             swarm.join(memory, speed)
-        bottleneck = float(swarm.placement.capacity(ARTIFACT, N_LAYER, swarm.now).min())
+        bottleneck = float(swarm.placement.capacity(ARTIFACT, swarm.n_layer, swarm.now).min())
         if bottleneck > best:
             best_name, best = name, bottleneck
     return {"order": best_name, "bottleneck_tokens_per_s": round(best, 2)}

@@ -92,13 +92,11 @@ def give_back() -> bool:
     return release_free_pages()
 
 
-def system_allocator_environ(environ: dict[str, str] | None = None) -> dict[str, str] | None:
-    """The environment to run a Python process in for its objects to live on the C allocator;
-    None where this process already does, where an operator chose an allocator (``PYTHONMALLOC``
-    set), or where the C library cannot give pages back (not glibc).
+def system_allocator_environ() -> dict[str, str] | None:
+    """This process's environment with its Python objects on the C allocator, for a process it
+    starts or becomes; None where an allocator is chosen already (``PYTHONMALLOC`` set: by an
+    operator, or by this re-execution) or where the C library cannot give pages back (not glibc).
     """
-    environ = dict(os.environ if environ is None else environ)
-    if ALLOCATOR_ENV in environ or _malloc_trim() is None:
+    if ALLOCATOR_ENV in os.environ or _malloc_trim() is None:
         return None
-    environ[ALLOCATOR_ENV] = "malloc"
-    return environ
+    return {**os.environ, ALLOCATOR_ENV: "malloc"}
