@@ -110,6 +110,9 @@ class FrameEncoder:
             )
             if event.logprobs or event.prompt_logprobs:
                 body += logprob_fields(event)  # rare (sessions that ask): the generated code writes them
+            if event.window or event.drafted:
+                body += wire.uint_field(6, event.window) + wire.uint_field(7, event.drafted)
+                body += wire.uint_field(8, event.accepted)
             return [self._frame(event.header, TOKENS, [body])]
         field, message = cold_body(event)
         return [self._frame(event.header, field, [bytes(message)])]
@@ -122,7 +125,10 @@ class FrameEncoder:
             if not 0 < tensor.array.ndim <= self.limits.max_tensor_dims:
                 raise LocalProtocolError(f"tensor {tensor.name!r} has {tensor.array.ndim} dimensions")
             encoded.append((tensor, encodings.encode(tensor.array, tensor.encoding)))
-        count = wire.uint_field(2, len(event.tensors))
+        if len(event.draft) > self.limits.max_window:
+            raise LocalProtocolError(f"a window carries at most {self.limits.max_window} drafts")
+        # every frame of a chunked step carries the drafts: each is checked on its own
+        count = wire.uint_field(2, len(event.tensors)) + wire.encode_packed_uint32(3, event.draft)
         whole = sum(len(payload) + CHUNK_OVERHEAD for _, payload in encoded)
         if whole <= self.limits.max_frame_bytes:
             parts: list[bytes | memoryview] = []
@@ -179,6 +185,7 @@ class _PendingTensor:
 class _PendingStep:
     header: Header
     tensor_count: int
+    draft: tuple[int, ...] = ()
     tensors: dict[str, _PendingTensor] = attrs.Factory(dict)
     done: dict[str, NamedTensor] = attrs.Factory(dict)
     order: list[str] = attrs.Factory(list)
@@ -247,6 +254,7 @@ class FrameDecoder:
     def _activations(self, header: Header, buf: bytes | memoryview, start: int, end: int) -> Activations | None:
         tensors: list[tuple[int, int]] = []
         tensor_count = 0
+        draft: list[int] = []
         for number, wire_type, a, b in wire.fields(buf, start, end):
             if number == 1:
                 wire.expect(wire_type, wire.LEN, number, "Activations")
@@ -258,6 +266,8 @@ class FrameDecoder:
             elif number == 2:
                 wire.expect(wire_type, wire.VARINT, number, "Activations")
                 tensor_count = wire.as_uint32(a, "tensor_count")
+            elif number == 3:
+                wire.repeated_uint32(buf, wire_type, a, b, draft, self.limits.max_window, "drafted tokens")
         if not tensors:
             raise RemoteProtocolError("Activations without tensors")
         if tensor_count == 0:
@@ -269,15 +279,17 @@ class FrameDecoder:
             raise RemoteProtocolError(
                 f"chunks of step {header.step_id} interleaved with incomplete step {step.header.step_id}"
             )
-        if step is not None and (step.header != header or step.tensor_count != tensor_count):
+        if step is not None and (
+            step.header != header or step.tensor_count != tensor_count or step.draft != tuple(draft)
+        ):
             raise RemoteProtocolError(f"chunks of step {header.step_id} disagree on their header")
         if step is None:
-            step = _PendingStep(header, tensor_count)
+            step = _PendingStep(header, tensor_count, tuple(draft))
         for a, b in tensors:
             self._chunk(step, buf, a, b)
         if len(step.done) == step.tensor_count:
             self._pending = None
-            return Activations(header, tuple(step.done[name] for name in step.order))
+            return Activations(header, tuple(step.done[name] for name in step.order), step.draft)
         if len(step.tensors) + len(step.done) > step.tensor_count:
             raise RemoteProtocolError(f"step {header.step_id} has more tensors than its tensor_count")
         self._pending = step

@@ -115,6 +115,7 @@ def cold_body(event: Event) -> tuple[int, Any]:
             prefix_offer=event.prefix_offer,
             audit=event.audit,
             audit_from=event.audit_from,
+            speculate=event.speculate,
         )
     if isinstance(event, Release):
         return RELEASE, pb.Release(reason=event.reason)
@@ -268,6 +269,10 @@ def open_route_event(header: Header, m: Any, limits: Limits) -> OpenRoute:
         )
     if m.audit_from and not m.audit:
         raise RemoteProtocolError("audit_from belongs to an audit")
+    if m.speculate > limits.max_window:
+        raise RemoteProtocolError(f"speculate = {m.speculate}: a window carries at most {limits.max_window} drafts")
+    if m.speculate and m.audit:
+        raise RemoteProtocolError("an audit recomputes what a route drew, teacher-forced: it drafts nothing")
     return OpenRoute(
         header,
         tuple(hops),
@@ -281,4 +286,5 @@ def open_route_event(header: Header, m: Any, limits: Limits) -> OpenRoute:
         m.prefix_offer,
         m.audit,
         m.audit_from,
+        m.speculate,
     )

@@ -16,7 +16,7 @@ import numpy as np
 from protocol.errors import StatusCode
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 5
+SCHEMA_MINOR = 6
 # the most likely tokens a TokenLogprob may list beside the chosen one (OpenAI's bound)
 MAX_TOP_LOGPROBS = 20
 
@@ -154,6 +154,8 @@ class OpenRoute:
     # commit to the rows from audit_from on (see seam.proto)
     audit: bool = False
     audit_from: int = 0
+    # the most drafted tokens a decode window may carry (since 1.6; 0: no speculation)
+    speculate: int = 0
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -181,6 +183,8 @@ class Activations:
 
     header: Header
     tensors: tuple[NamedTensor, ...]
+    # a decode window's drafted tokens, the input tokens of its rows 1.. (since 1.6)
+    draft: tuple[int, ...] = ()
 
     def tensor(self, name: str) -> np.ndarray:
         """The array of the tensor called ``name``; ``KeyError`` if absent."""
@@ -209,6 +213,11 @@ class Tokens:
     finish_reason: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the session asked (1.2)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.., in the first frame (1.2)
+    # speculation (1.6): the most drafted tokens a window may carry as far as the hops below
+    # take windows; for a window, how many tokens it drafted and how many the tail kept
+    window: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
 
 @attrs.frozen

@@ -143,6 +143,7 @@ def read_tokens(header: Header, buf: bytes | memoryview, start: int, end: int, l
     reason = ""
     logprobs: list[TokenLogprob] = []
     prompt_logprobs: list[TokenLogprob] = []
+    counts = [0, 0, 0]  # window, drafted, accepted
     for number, wire_type, a, b in wire.fields(buf, start, end):
         if number == 1:
             wire.repeated_uint32(buf, wire_type, a, b, tokens, limits.max_tokens, "token ids")
@@ -160,9 +161,20 @@ def read_tokens(header: Header, buf: bytes | memoryview, start: int, end: int, l
             if len(entries) >= limits.max_tokens:
                 raise RemoteProtocolError(f"more than {limits.max_tokens} logprobs in one frame")
             entries.append(_read_logprob(buf, a, b))
+        elif number in (6, 7, 8):
+            wire.expect(wire_type, wire.VARINT, number, "Tokens")
+            counts[number - 6] = wire.as_uint32(a, ("window", "drafted", "accepted")[number - 6])
     if logprobs and len(logprobs) != len(tokens):
         raise RemoteProtocolError(f"{len(logprobs)} logprobs for {len(tokens)} tokens: one each, or none")
-    return Tokens(header, tuple(tokens), finished, reason, tuple(logprobs), tuple(prompt_logprobs))
+    window, drafted, accepted = counts
+    if window > limits.max_window or drafted > limits.max_window:
+        raise RemoteProtocolError(f"a window carries at most {limits.max_window} drafts")
+    # a window keeps the drafts that agree with the tail's draws, then adds the tail's next token
+    if accepted > drafted or (drafted and len(tokens) > accepted + 1):
+        raise RemoteProtocolError(f"{len(tokens)} tokens from a window that kept {accepted} of {drafted} drafts")
+    return Tokens(
+        header, tuple(tokens), finished, reason, tuple(logprobs), tuple(prompt_logprobs), window, drafted, accepted
+    )
 
 
 def finite(value: float, what: str, low: float = -math.inf, high: float = math.inf) -> float:

@@ -22,6 +22,7 @@ class Limits:
     max_records: int = 64
     max_string_bytes: int = 4096
     max_grammar_bytes: int = 256 << 10  # a JSON schema's grammar runs to tens of KiB
+    max_window: int = 64  # drafted tokens in one decode window (speculative decoding)
 
     def __attrs_post_init__(self) -> None:
         if self.max_frame_bytes <= CHUNK_OVERHEAD * 2:

@@ -101,6 +101,7 @@ class _Track:
     state: State = State.IDLE
     last_step: int = -1
     kv_length: int = 0  # positions covered by accepted Activations (downstream only)
+    window_start: int = 0  # where the last Activations step began (downstream only)
 
 
 class SeamEndpoint:
@@ -174,12 +175,14 @@ class SeamEndpoint:
             raise LocalProtocolError(f"step {header.step_id} sent after step {track.last_step}")
         if isinstance(event, Activations):
             self._check_positions(track, header, LocalProtocolError)
-            track.kv_length = header.positions.end
+            track.window_start, track.kv_length = header.positions.start, header.positions.end
         if isinstance(event, OpenRoute):
             self.required_minor = max(self.required_minor, required_minor(event))
             self._offer = event.prefix_offer
         if isinstance(event, Prefix):
             self._take_prefix(self._in, event, LocalProtocolError)
+        if isinstance(event, Tokens):
+            _keep(self._in, event)
         track.last_step = header.step_id
         track.state = state
         return event
@@ -230,9 +233,11 @@ class SeamEndpoint:
         state = _next_state(track.direction, track.state, event, RemoteProtocolError)
         if isinstance(event, Activations):
             self._check_positions(track, header, RemoteProtocolError)
-            track.kv_length = header.positions.end
+            track.window_start, track.kv_length = header.positions.start, header.positions.end
         if isinstance(event, Prefix):
             self._take_prefix(self._out, event, RemoteProtocolError)
+        if isinstance(event, Tokens):
+            _keep(self._out, event)
         track.last_step = header.step_id
         track.state = state
         return event
@@ -270,6 +275,20 @@ class SeamEndpoint:
                 f"positions {header.positions.start}:{header.positions.end} do not continue from {track.kv_length}",
                 StatusCode.FAILED_PRECONDITION,
             )
+
+
+def _keep(track: _Track, event: Tokens) -> None:
+    """Tokens end where the next step starts: the rows of a decode window past it were not kept.
+
+    A window of rows ``start..end`` whose tail kept ``j`` of its drafts sends back tokens for
+    positions ``start + 1 .. start + j + 1``; the next step runs the last of them, at
+    ``start + j + 1``, so both ends of the seam hold KV up to there. A single row's tokens end
+    where its KV does, so this changes nothing without speculation; and no Tokens frame can
+    take back more than the last window's drafted rows.
+    """
+    kept = event.header.positions.end - 1
+    if event.token_ids and track.window_start < kept < track.kv_length:
+        track.kv_length = kept
 
 
 # From this schema minor on, a hop sends heartbeats (Credit frames toward the client) while

@@ -294,6 +294,7 @@ TIERS = {
         "test_hostile_peers",
         "test_node_core",
         "test_prefix",
+        "test_speculative",
     ),
     "processes": (  # real processes and sockets on loopback
         "test_access",

@@ -62,7 +62,7 @@ def _reference_activations(event: Activations) -> bytes:
                 payload=payload,
             )
         )
-    body = pb.Activations(tensors=tensors, tensor_count=len(tensors))
+    body = pb.Activations(tensors=tensors, tensor_count=len(tensors), draft=list(event.draft))
     crc = crc32c.crc32c(bytes(body))
     return bytes(pb.Frame(header=h.reference_header(event.header, crc), activations=body))
 
@@ -337,3 +337,50 @@ def test_lossy_encodings_refuse_non_finite_values() -> None:
     (frame,) = FrameEncoder().encode(nan32)
     with pytest.raises(RemoteProtocolError, match="NaN or Inf"):
         FrameDecoder().receive(frame)
+
+
+def test_a_window_crosses_the_seam_with_its_drafts_and_its_verdict() -> None:
+    """Speculative decoding (1.6): drafts ride the Activations, the verdict the Tokens; both
+    byte for byte as the generated code writes them."""
+    window = Activations(h.header(4, Phase.DECODE, Span(9, 13)), h.activations(rows=4).tensors, (5, 6, 7))
+    (frame,) = FrameEncoder().encode(window)
+    assert frame == _reference_activations(window)
+    decoded = FrameDecoder().receive(frame)
+    assert isinstance(decoded, Activations) and decoded.draft == (5, 6, 7) and decoded.header == window.header
+    verdict = Tokens(h.header(5, Phase.DECODE, Span(10, 13)), (5, 6, 8), window=8, drafted=3, accepted=2)
+    (frame,) = FrameEncoder().encode(verdict)
+    body = pb.Tokens(token_ids=[5, 6, 8], window=8, drafted=3, accepted=2)
+    assert frame == bytes(pb.Frame(header=h.reference_header(verdict.header, crc32c.crc32c(bytes(body))), tokens=body))
+    assert FrameDecoder().receive(frame) == verdict
+    opening = attrs.evolve(h.open_route(), speculate=8)
+    (frame,) = FrameEncoder().encode(opening)
+    assert FrameDecoder().receive(frame) == opening
+
+
+@pytest.mark.parametrize(
+    ("event", "problem"),
+    [
+        (attrs.evolve(h.open_route(), speculate=65), "at most 64"),
+        (attrs.evolve(h.open_route(), speculate=4, audit=True, prompt_length=2, audit_from=1), "drafts nothing"),
+        (Tokens(h.header(5), (1, 2, 3), drafted=4, accepted=1), "kept 1 of 4"),
+        (Tokens(h.header(5), (1,), drafted=2, accepted=3), "kept 3 of 2"),
+        (Tokens(h.header(5), (1,), window=1 << 20), "at most 64"),
+    ],
+    ids=["speculate-huge", "audit-speculates", "more-tokens-than-kept", "kept-more-than-drafted", "window-huge"],
+)
+def test_a_window_beyond_its_bounds_is_a_typed_refusal(event: object, problem: str) -> None:
+    (frame,) = FrameEncoder().encode(event)  # type: ignore[arg-type]
+    with pytest.raises(RemoteProtocolError) as refused:
+        FrameDecoder().receive(frame)
+    assert problem in str(refused.value)
+
+
+def test_too_many_drafts_are_refused_before_they_are_held() -> None:
+    limits = Limits(max_window=4)
+    window = Activations(h.header(4, Phase.DECODE, Span(9, 15)), h.activations(rows=6).tensors, (1, 2, 3, 4, 5))
+    with pytest.raises(LocalProtocolError):
+        FrameEncoder(limits).encode(window)
+    (frame,) = FrameEncoder().encode(window)
+    with pytest.raises(RemoteProtocolError) as refused:
+        FrameDecoder(limits).receive(frame)
+    assert "drafted tokens" in str(refused.value)

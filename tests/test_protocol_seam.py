@@ -205,3 +205,48 @@ def test_error_event_closes_the_peer() -> None:
     event = error_event(tail, failure, b"\x05" * 32)
     assert head.receive(tail.send(event)) is event
     assert event.code == StatusCode.DATA_LOSS and head.inbound_state is State.CLOSED
+
+
+def _decoding(head: SeamEndpoint, tail: SeamEndpoint, prompt: int = 5) -> None:
+    open_route = attrs.evolve(h.open_route(HEAD), header=head.header(Phase.PREFILL), speculate=4)
+    tail.receive(head.send(open_route))
+    tail.receive(
+        head.send(Activations(head.header(Phase.PREFILL, Span(0, prompt)), h.activations(rows=prompt).tensors))
+    )
+    head.receive(tail.send(Tokens(tail.header(Phase.DECODE, Span(prompt, prompt + 1)), (42,))))
+
+
+def test_a_windows_tokens_tell_both_ends_where_the_next_step_starts() -> None:
+    """A window of rows 5..9 whose tail kept one draft: tokens for 6 and 7, the next step at 7."""
+    head, tail = pair()
+    _decoding(head, tail)
+    window = Activations(head.header(Phase.DECODE, Span(5, 10)), h.activations(rows=5).tensors, (1, 2, 3, 4))
+    tail.receive(head.send(window))
+    assert head.kv_length == tail.kv_length == 10
+    head.receive(tail.send(Tokens(tail.header(Phase.DECODE, Span(6, 8)), (1, 9), drafted=4, accepted=1)))
+    assert head.kv_length == tail.kv_length == 7
+    step = Activations(head.header(Phase.DECODE, Span(7, 8)), h.activations().tensors)
+    assert tail.receive(head.send(step)) is step
+
+
+def test_tokens_cannot_take_back_more_than_the_last_windows_drafts() -> None:
+    """A tail that names an earlier end than its window's first row moves nothing: the rows
+    before a window were kept by earlier tokens, and stay so."""
+    head, tail = pair()
+    _decoding(head, tail)
+    window = Activations(head.header(Phase.DECODE, Span(5, 8)), h.activations(rows=3).tensors, (1, 2))
+    tail.receive(head.send(window))
+    head.receive(tail.send(Tokens(tail.header(Phase.DECODE, Span(2, 3)), (1,))))  # claims position 2
+    assert head.kv_length == tail.kv_length == 8
+    # and a plain step's tokens never move it
+    head2, tail2 = pair()
+    _decoding(head2, tail2)
+    tail2.receive(head2.send(Activations(head2.header(Phase.DECODE, Span(5, 6)), h.activations().tensors)))
+    head2.receive(tail2.send(Tokens(tail2.header(Phase.DECODE, Span(3, 4)), (1,))))
+    assert head2.kv_length == 6
+    with pytest.raises(RemoteProtocolError) as refused:  # a head that went back anyway is refused
+        tail2.receive(attrs.evolve(
+            Activations(head2.header(Phase.DECODE, Span(6, 7)), h.activations().tensors),
+            header=attrs.evolve(head2.header(Phase.DECODE, Span(3, 4)), cache_expectation=3),
+        ))  # fmt: skip
+    assert refused.value.code == StatusCode.FAILED_PRECONDITION

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from noderuntime.models import artifacts
 from noderuntime.models import catalogue as models
+from protocol import Limits
 
 
 class CliError(Exception):
@@ -39,6 +40,14 @@ def non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def window(text: str) -> int:
+    """Drafted tokens a speculative decode window may carry: 0 (none) to the protocol's bound."""
+    value = non_negative_int(text)
+    if value > (bound := Limits().max_window):
+        raise argparse.ArgumentTypeError(f"a window carries at most {bound} drafted tokens, not {value}")
     return value
 
 

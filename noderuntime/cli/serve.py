@@ -27,6 +27,7 @@ from noderuntime.cli.args import (
     share,
     size,
     url,
+    window,
 )
 from noderuntime.engine.cores import machine_cores
 from noderuntime.models import catalogue as models
@@ -331,6 +332,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         running_per_key=args.running_per_key,
         ledger=Path(args.ledger),
         audit_rate=args.audit_rate,
+        speculate=args.speculate,
         insecure_plaintext_seams=args.insecure_plaintext_seams,
     )
     trio.run(running.run_until_signal, lambda **kw: noderun.run_gateway(opts, **kw))
@@ -714,6 +716,15 @@ def _add_gateway(sub: Any) -> None:
         default=0.03,
         help="the share of sessions recomputed by other nodes after they end, to catch a node that computes "
         "something else than its recipe (default 0.03; 0: none)",
+    )
+    p.add_argument(
+        "--speculate",
+        type=window,
+        default=8,
+        metavar="K",
+        help="speculative decoding: each decode step of a route may carry up to K tokens the head drafts "
+        "from the conversation; the tail keeps those its own sampler picks, so replies are unchanged "
+        "(default 8; 0: none)",
     )
     p.add_argument(
         "--ledger",

@@ -29,6 +29,10 @@ class Rows:
     outputs: np.ndarray  # bool [n]: rows whose logits the tail should produce
     tokens: np.ndarray | None = None  # int32 [n], head shard
     hidden: np.ndarray | None = None  # float32 [n, n_embd], other shards
+    # int32 [n] or None: per row, the drafted token its sequence's next row was given (-1: none).
+    # A sampled row whose draw differs ends its sequence's draws: its later rows were computed
+    # on a draft the model did not pick (speculative decoding), so they draw nothing
+    drafts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -130,6 +134,10 @@ class Engine(Protocol):
         """Drop a sequence's KV."""
         ...
 
+    def truncate_sequence(self, seq_id: int, keep: int) -> None:
+        """Drop a sequence's KV from position ``keep`` on (a decode window's rows that were not kept)."""
+        ...
+
     def new_sampler(self, params: Sampling, history: Sequence[int] = (), generated: Sequence[int] = ()) -> Any:
         """A sampler chain for a session, primed with ``history`` (the prompt) for penalties.
 
@@ -162,9 +170,19 @@ class SavesSequences(Protocol):
         """Put saved KV into the empty ``seq_id``, keeping its first ``keep`` positions."""
         ...
 
+    def truncate_sequence(self, seq_id: int, keep: int) -> None:
+        """Drop a sequence's KV from position ``keep`` on."""
+        ...
+
     def positions(self, seq_id: int) -> tuple[int, int] | None:
         """(first, last) position ``seq_id`` holds in KV, or ``None`` when empty."""
         ...
+
+
+def draws_to_keep(rows: Rows, row: int, token: int) -> bool:
+    """Whether ``row``'s sequence draws on after ``token`` was drawn there: yes unless the
+    next row was given a draft that differs from it."""
+    return rows.drafts is None or rows.drafts[row] < 0 or int(rows.drafts[row]) == token
 
 
 def draw_seed(seed: int, position: int) -> int:

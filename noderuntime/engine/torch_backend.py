@@ -57,6 +57,7 @@ from noderuntime.engine.base import (
     Rows,
     StepResult,
     draw_seed,
+    draws_to_keep,
     token_logprob,
     transformers_versions,
 )
@@ -520,10 +521,15 @@ class TorchEngine:
                     if want_logits:
                         logits = all_logits.copy()
                     where = {int(r): k for k, r in enumerate(out_rows)}
+                    ended: set[int] = set()  # samplers whose draw left their drafts
                     for row, sampler in (samplers or {}).items():
                         if row not in where:
                             raise EngineError(f"row {row} has a sampler but asked for no output")
+                        if id(sampler) in ended:
+                            continue
                         sampled[row] = sampler.pick(all_logits[where[row]], int(rows.positions[row]))
+                        if not draws_to_keep(rows, row, sampled[row]):
+                            ended.add(id(sampler))
                         if sampler.params.logprobs:
                             top = sampler.params.top_logprobs
                             logprobs[row] = token_logprob(all_logits[where[row]], sampled[row], top)
@@ -589,6 +595,12 @@ class TorchEngine:
     def remove_sequence(self, seq_id: int) -> None:
         """Drop the cache of ``seq_id``; idempotent."""
         self._caches.pop(seq_id, None)
+
+    def truncate_sequence(self, seq_id: int, keep: int) -> None:
+        """Drop the cache of ``seq_id`` from position ``keep`` on."""
+        cache = self._caches.get(seq_id)
+        if cache is not None:
+            cache.length = min(cache.length, max(0, keep))
 
     def positions(self, seq_id: int) -> tuple[int, int] | None:
         """(first, last) position held for ``seq_id``, or ``None`` when empty."""

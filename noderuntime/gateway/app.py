@@ -103,6 +103,7 @@ class Gateway:
         identity: Identity | None = None,
         audit_rate: float = 0.0,
         max_running_per_key: int = 256,
+        speculate: int = 8,
     ) -> None:
         """``trackers``: the tracker's URL, or several in order of preference (each request goes
         to the first that answers: :class:`Trackers`). ``identity``: the key ``connector`` proves
@@ -116,7 +117,9 @@ class Gateway:
         When every route is full a request waits in line (:mod:`noderuntime.runner.line`) up to
         ``queue_timeout`` seconds; at most ``queue_limit`` requests wait, ``queue_per_key`` of them
         under one API key. ``max_running_per_key``: sessions one API key (or, with no keys, one
-        client address) may run at once; past them a request is refused 429 (0: no cap)."""
+        client address) may run at once; past them a request is refused 429 (0: no cap).
+        ``speculate``: the most drafted tokens a decode window of a route may carry (speculative
+        decoding, exact where the route's engines are; 0: none)."""
         if any(not key for key in api_keys):
             raise ValueError("an API key must not be empty: it would let in every request that sends none")
         self.models = {m.model_id: m for m in models}
@@ -124,6 +127,7 @@ class Gateway:
         self.api_keys = set(api_keys)
         self.cors_origins = tuple(cors_origins)
         self.request_timeout = request_timeout
+        self.speculate = speculate
         self.ledger = ledger
         self.metrics = GatewayMetrics()
         self.http = httpx.AsyncClient()
@@ -253,6 +257,8 @@ class Gateway:
             run.first.prompt_logprobs,
             run.repairs,
             run.cached_tokens,
+            run.drafted,
+            run.accepted,
         )
         yield Emitted("", done=done, fingerprint=fingerprint)
 
@@ -429,7 +435,9 @@ class Gateway:
             grammar = await trio.to_thread.run_sync(
                 constraint_grammar, model.vocab, constraint, limiter=self._tokenizing
             )
-            generation = generation_request(model, body, prompt, max_tokens, grammar, timeout=self.request_timeout)
+            generation = generation_request(
+                model, body, prompt, max_tokens, grammar, timeout=self.request_timeout, speculate=self.speculate
+            )
             # the prompt opened a think block (a template that always thinks): the reply starts in it
             opened = model.vocab.detokenize(prompt[-3:], special=True).endswith(THINK_OPEN + "\n")
             output = functools.partial(
@@ -455,7 +463,9 @@ class Gateway:
             grammar = await trio.to_thread.run_sync(
                 constraint_grammar, model.vocab, body.constraint(), limiter=self._tokenizing
             )
-            generation = generation_request(model, body, prompt, body.max_tokens, grammar, timeout=self.request_timeout)
+            generation = generation_request(
+                model, body, prompt, body.max_tokens, grammar, timeout=self.request_timeout, speculate=self.speculate
+            )
             echo = None
             if body.echo:
                 echo = body.prompt_text() if body.prompt_tokens() is None else model.vocab.detokenize(prompt)
@@ -578,7 +588,11 @@ class Gateway:
             **shapes[0].envelope(kind, fingerprint),
             "choices": [shape.whole_choice(r) for shape, r in zip(shapes, done, strict=True)],
             "usage": usage_counts(
-                len(generation.prompt_tokens), sum(r.completion_tokens for r in done), done[0].cached_tokens
+                len(generation.prompt_tokens),
+                sum(r.completion_tokens for r in done),
+                done[0].cached_tokens,
+                sum(r.drafted_tokens for r in done),
+                sum(r.accepted_tokens for r in done),
             ),
             "route": done[0].route,
             # a route that failed mid-reply and the ones that took over, per choice (bit_exact
@@ -667,7 +681,7 @@ class Gateway:
 
         pending: dict[int, Emitted | None] = dict(enumerate(firsts))
         tokens = 0
-        cached = 0
+        cached = drafted = accepted = 0
         finished = False
         try:
             for shape, first in zip(shapes, firsts, strict=True):
@@ -690,6 +704,8 @@ class Gateway:
                         await self._record(shape.model, generations[i], shape.created, done)
                         tokens += done.completion_tokens
                         cached = cached or done.cached_tokens
+                        drafted += done.drafted_tokens
+                        accepted += done.accepted_tokens
                         repaired = {"repairs": done.repairs} if done.repairs else {}
                         yield chunk(shape.chunk_choice(finish=done.finish_reason), route=done.route, **repaired)
                         del pending[i]
@@ -708,7 +724,7 @@ class Gateway:
                     {
                         **envelope,
                         "choices": [],
-                        "usage": usage_counts(len(generations[0].prompt_tokens), tokens, cached),
+                        "usage": usage_counts(len(generations[0].prompt_tokens), tokens, cached, drafted, accepted),
                     }
                 )
             finished = True

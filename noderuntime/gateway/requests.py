@@ -29,6 +29,7 @@ def generation_request(
     grammar: str,
     *,
     timeout: float,
+    speculate: int = 0,
 ) -> GenerationRequest:
     """What a route runs for ``body``: its prompt checked against the context, its sampler, and a
     deadline ``timeout`` seconds away; :class:`ApiError` for what no route could serve."""
@@ -88,4 +89,5 @@ def generation_request(
         deadline,
         f"req-{uuid.uuid4().hex[:16]}",
         reuse_prefix=body.cache_prompt is not False,
+        speculate=speculate,
     )

@@ -33,6 +33,9 @@ class Generated:
     # why, the new route, the stall, and whether the continuation stayed bit-exact
     repairs: list[dict[str, Any]] = attrs.Factory(list)
     cached_tokens: int = 0  # prompt positions the route took from its nodes' prefix caches
+    # speculative decoding: tokens the route's head drafted, and of them those the tail kept
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @attrs.frozen
@@ -174,11 +177,20 @@ def check_logprobs(model: ServedModel, request: GenerationRequest, event: Tokens
             raise bad_route("its logprobs name tokens outside the vocabulary")
 
 
-def usage_counts(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
-    """OpenAI's usage object; ``cached``: prompt tokens whose KV the route reused (as OpenAI reports them)."""
+def usage_counts(prompt: int, completion: int, cached: int = 0, drafted: int = 0, accepted: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached``: prompt tokens whose KV the route reused (as OpenAI reports them).
+
+    ``drafted`` and ``accepted``: speculative decoding's drafts, and those kept, in OpenAI's
+    fields for predicted tokens (``completion_tokens_details``); the completion's count is its
+    tokens alone, as without speculation.
+    """
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        },
     }

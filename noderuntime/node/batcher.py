@@ -75,6 +75,13 @@ class StepRequest:
     # many of the most likely tokens beside it (a prompt's logprobs, for OpenAI's echo)
     score: np.ndarray | None = None
     score_top: int = 0
+    # a decode window (speculative decoding): the input tokens of rows 1.. were drafted; the
+    # tail samples every row in order and stops at the first draw that differs from the
+    # draft the next row was given
+    draft: tuple[int, ...] = ()
+    # drop the sequence's KV from ``start`` on before running (the rows of the last window
+    # that were not kept)
+    truncate: bool = False
 
     @property
     def single_decode(self) -> bool:
@@ -99,7 +106,13 @@ class StepOutput:
     seconds: float  # engine time of that batch
     logprob: TokenLogprob | None = None  # of the sampled token, when its chain asks
     scored: tuple[TokenLogprob, ...] = ()  # of the scored rows, in row order
-    drawn: tuple[int, ...] = ()  # every sampled row's token, in row order (``token`` is the last)
+    # every sampled row's token, in row order (``token`` is the last; by default ``token`` alone)
+    drawn: tuple[int, ...] = attrs.field(
+        default=attrs.Factory(lambda self: () if self.token is None else (self.token,), takes_self=True)
+    )
+    drawn_logprobs: tuple[TokenLogprob, ...] = attrs.field(  # theirs, when the chain asks
+        default=attrs.Factory(lambda self: () if self.logprob is None else (self.logprob,), takes_self=True)
+    )
 
 
 @attrs.define(eq=False)
@@ -198,6 +211,9 @@ class Batcher:
             raise ValueError(f"a step has 1 to {self.max_batch_tokens} rows, not {request.n_rows}")
         if not 0 < request.sample_rows <= request.n_rows:
             raise ValueError(f"a step samples 1 to {request.n_rows} rows, not {request.sample_rows}")
+        if request.draft and len(request.draft) != request.n_rows - 1:
+            n = request.n_rows
+            raise ValueError(f"a window of {n} rows takes {n - 1} drafts, not {len(request.draft)}")
         work = _Work(request)
         timeline.mark("step.submitted")
         if request.single_decode:
@@ -394,6 +410,10 @@ class Batcher:
         works = sorted((by_seq[step.seq_id] for step in plan.steps), key=lambda w: w.request.seq_id)
         taken = {id(w) for w in works}
         self._waiting = [w for w in self._waiting if id(w) not in taken]
+        for work in works:
+            if work.request.truncate:
+                # between runs, on the loop: llama.cpp's seq_rm only marks cells free
+                self.engine.truncate_sequence(work.request.seq_id, work.request.start)
         rows, samplers, scores = self._assemble(works)
         self._running = True
         started = time.perf_counter()
@@ -430,20 +450,26 @@ class Batcher:
         for work in works:
             n = work.request.n_rows
             hidden = result.hidden[offset : offset + n] if result.hidden is not None else None
-            token = result.sampled.get(offset + n - 1) if work.request.sampler is not None else None
-            logprob = result.logprobs.get(offset + n - 1) if token is not None else None
             scored: tuple[TokenLogprob, ...] = ()
             if work.request.score is not None:
                 scored = tuple(result.logprobs[offset + int(i)] for i in np.flatnonzero(work.request.score >= 0))
             drawn: tuple[int, ...] = ()
+            drawn_logprobs: tuple[TokenLogprob, ...] = ()
+            token = logprob = None
             if work.request.sampler is not None:
-                drawn = tuple(result.sampled[offset + n - k] for k in range(work.request.sample_rows, 0, -1))
-            work.output = StepOutput(hidden, token, len(rows), result.seconds, logprob, scored, drawn)
+                # a window's draws end at the first that left its drafts: the rows after drew nothing
+                sampled_rows = [offset + n - k for k in range(work.request.sample_rows, 0, -1)]
+                sampled_rows = [r for r in sampled_rows if r in result.sampled]
+                drawn = tuple(result.sampled[r] for r in sampled_rows)
+                drawn_logprobs = tuple(result.logprobs[r] for r in sampled_rows if r in result.logprobs)
+                token = drawn[-1]
+                logprob = drawn_logprobs[-1] if drawn_logprobs else None
+            work.output = StepOutput(hidden, token, len(rows), result.seconds, logprob, scored, drawn, drawn_logprobs)
             work.done.set()
             offset += n
 
     def _assemble(self, works: list[_Work]) -> tuple[Rows, dict[int, Any], dict[int, tuple[int, int]]]:
-        seq_ids, positions, outputs = [], [], []
+        seq_ids, positions, outputs, drafts = [], [], [], []
         samplers: dict[int, Any] = {}
         scores: dict[int, tuple[int, int]] = {}
         offset = 0
@@ -463,13 +489,25 @@ class Batcher:
                     out[i] = True
                     scores[offset + i] = (int(request.score[i]), request.score_top)
             outputs.append(out)
+            drafted = np.full(n, -1, np.int32)
+            if request.draft:
+                drafted[: n - 1] = request.draft
+            drafts.append(drafted)
             offset += n
         tokens = hidden = None
         if self.engine.is_head:
             tokens = np.concatenate([w.request.tokens for w in works if w.request.tokens is not None])
         else:
             hidden = np.concatenate([w.request.hidden for w in works if w.request.hidden is not None])
-        rows = Rows(np.concatenate(seq_ids), np.concatenate(positions), np.concatenate(outputs), tokens, hidden)
+        windows = any(w.request.draft for w in works)
+        rows = Rows(
+            np.concatenate(seq_ids),
+            np.concatenate(positions),
+            np.concatenate(outputs),
+            tokens,
+            hidden,
+            np.concatenate(drafts) if windows else None,
+        )
         return rows, samplers, scores
 
 

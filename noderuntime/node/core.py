@@ -78,6 +78,14 @@ class NodeConfig:
     max_session_seconds: float = 3600.0
     encoding: Encoding = Encoding.F32
     limits: Limits = Limits()
+    # speculative decoding: the most drafted tokens a decode window may carry through this
+    # node (where its engine's rows are exact in a window), and the draft rows a tick may
+    # take at a head, shared by its sessions: under load, windows shrink first
+    max_window: int = 8
+    draft_rows: int = 8
+    # every draft the head's drafter offers goes, whatever it costs (a fixed window: for
+    # benchmarks to measure against the adaptive one, and tests that roll windows back often)
+    eager_windows: bool = False
 
     max_opening: int = 64  # streams that have not yet opened a session
     open_timeout: float = 10.0  # for a new stream's OpenRoute
@@ -90,6 +98,8 @@ class NodeConfig:
                 raise ValueError(f"{name} must be a positive number of seconds")
         if self.max_opening < 1:
             raise ValueError("max_opening must be at least 1")
+        if not 0 <= self.max_window <= self.limits.max_window or self.draft_rows < 0:
+            raise ValueError(f"max_window must lie in 0..{self.limits.max_window}, draft_rows be at least 0")
 
 
 @attrs.frozen
@@ -174,6 +184,10 @@ class Node:
             prefix_cache=self.prefix_cache,
             save_state=self._save_state,
             restore_state=self._restore_state,
+            max_window=config.max_window if getattr(engine, "exact_windows", False) else 0,
+            draft_rows=self._draft_rows,
+            n_swa=getattr(engine, "n_swa", 0),
+            eager_windows=config.eager_windows,
         )
 
     # --- running
@@ -215,6 +229,10 @@ class Node:
         log.info("refused a seam: %s", refusal)
         self._spawn(self._refuse_stream, stream, refusal)
 
+    def _draft_rows(self) -> int:
+        """The draft rows one session at this head may add to a tick: the budget, shared."""
+        return self.config.draft_rows // max(1, self.leases.leased)
+
     async def _save_state(self, seq_id: int, positions: int) -> bytes:
         assert isinstance(self.engine, SavesSequences)
         engine = self.engine
@@ -222,6 +240,10 @@ class Node:
         def save() -> bytes:
             # the KV must be what the session's steps say, or the cache would file it under wrong tokens
             held = engine.positions(seq_id)
+            if held is not None and held[0] == 0 and held[1] >= positions:
+                # the rows of the session's last decode window that were not kept
+                engine.truncate_sequence(seq_id, positions)
+                held = engine.positions(seq_id)
             if held != (0, positions - 1):
                 raise EngineError(f"sequence {seq_id} holds positions {held}, not the session's {positions}")
             return engine.save_sequence(seq_id)

@@ -15,6 +15,13 @@ Roles follow from the hop's place in the route plan:
   chain and sends the token upstream, ending on a stop token or max tokens;
 - every hop: runs the Activations it receives and passes them on; passes Tokens and
   Usage upstream.
+
+Speculative decoding (:mod:`noderuntime.node.drafting`): where the route takes windows, the
+head drafts tokens from the session's own and sends them with the tail's last token as one
+decode step of several rows. The tail samples the rows in order while they agree with the
+drafts and sends back what it drew; the next step starts after those tokens, and every hop
+drops the KV of the rows past it (the seam's own bookkeeping agrees, ``protocol.seam``).
+A window's drafted rows enter the hop's commitments only once they are known to be kept.
 """
 
 from __future__ import annotations
@@ -34,8 +41,9 @@ import trio
 from noderuntime.control.commitments import Commitment, as_received
 from noderuntime.control.ledger import UsageBody
 from noderuntime.engine.base import EngineError
-from noderuntime.node.batcher import StepFailed, StepRequest
+from noderuntime.node.batcher import StepFailed, StepOutput, StepRequest
 from noderuntime.node.context import SessionContext, SessionKey, SessionUsage
+from noderuntime.node.drafting import PromptLookup, WindowPolicy
 from noderuntime.node.ending import Blame, EndReason, SessionEnd, ending, idle_blame, seam_lost, stop_reason
 from noderuntime.node.leases import Lease
 from noderuntime.node.prefix import BLOCK
@@ -106,7 +114,6 @@ class RouteSession:
         self.scope = trio.CancelScope(deadline=deadline)
         self.end: SessionEnd | None = None
         self.generated = len(open_route.generated)  # a resumed session goes on counting
-        self._logprob: TokenLogprob | None = None  # the tail's last sampled token's, when asked
         self._prompt_logprobs: list[TokenLogprob] = []  # the tail's prompt rows scored so far
         self._drawn: list[int] = []  # the tail's tokens drawn and not yet sent (an audit's: all)
         # set once a released session's KV is in the prefix cache: its usage goes up only then, so
@@ -134,6 +141,17 @@ class RouteSession:
         self._agreed: int | None = None if self._offer_in else 0
         self._settled = trio.Event()
         self._seen: list[int] = []  # tokens generated so far, as they passed this node
+        # speculative decoding: the most drafts a window may carry here (the head learns the
+        # route's from the tail's first Tokens), this hop's last step (start, rows, drafts),
+        # the positions the engine holds (rows a window did not keep too) and of those the kept
+        self._window = min(open_route.speculate, context.max_window) if not open_route.audit else 0
+        if self.is_head and not self.is_tail:
+            self._window = 0  # until the tail says how many drafts the hops below take
+        self._last: tuple[int, int, tuple[int, ...]] = (0, 0, ())
+        self._engine_end = 0
+        self._valid_end = 0
+        # a window's drafted rows in and out, committed once the tokens back say they were kept
+        self._held: list[tuple[Callable[[int, Any], None], int, Any]] = []
         # what this hop took in and gave out, from the first row it computes (commitments.py);
         # made when the prefix is settled. An audit's from the row its audited route started at.
         self._in_commit: Commitment | None = None
@@ -167,8 +185,9 @@ class RouteSession:
 
     @property
     def kv_length(self) -> int:
-        """Positions this session holds in KV, by the steps it ran and the prefix it restored."""
-        return self.usage.cached_tokens + self.usage.prefill_tokens + self.usage.decode_tokens
+        """Positions this session holds in KV, by the steps it ran and the prefix it restored
+        (not the rows of a decode window that were not kept)."""
+        return self._valid_end
 
     async def run(self) -> SessionEnd:
         """Serve the session to its end; returns why it ended."""
@@ -275,6 +294,7 @@ class RouteSession:
                 return False
         self._cached_state = None  # held no longer than needed
         self._agreed = agreed
+        self._engine_end = self._valid_end = agreed
         self.usage.cached_tokens = agreed
         self._commit_from(agreed)
         self._settled.set()
@@ -441,6 +461,8 @@ class RouteSession:
             self._awaiting_downstream = False
             if isinstance(event, Tokens):
                 self._seen += event.token_ids
+                if event.token_ids:
+                    self._keep(event.header.positions.end - 1)
                 if event.finished:
                     self.context.last_step(self.lease.seq_id)
                 if self._decode_sent_at is not None:
@@ -482,49 +504,89 @@ class RouteSession:
             self._driver_done.set()
 
     async def _drive(self, tokens_in: trio.MemoryReceiveChannel[Tokens] | None) -> None:
-        """The head: chunked prefill of the prompt, then one decode step per token sent back."""
+        """The head: chunked prefill of the prompt, then one decode step per token (or window) sent back."""
         prompt = np.asarray(self.open_route.prompt_tokens, dtype=np.int32)
         chunk = self.context.prefill_chunk
         await self._settled.wait()
         position = self._agreed or 0  # what every hop restored from its prefix cache
-        token: int | None = None
+        output: StepOutput | None = None
         for start in range(position, len(prompt), chunk):
             piece = prompt[start : start + chunk]
             sample = self._rows_to_sample(start, len(piece)) if self.is_tail else 0
-            token = await self._step(position, tokens=piece, sample=sample, decode=False)
-            if token is _FAILED:
+            output = await self._step(position, tokens=piece, sample=sample, decode=False)
+            if output is None:
                 return
             if self.open_route.audit and self.is_tail:
                 if position + len(piece) == len(prompt) and await self._emit_drawn():
                     return
-                token = None
+                output = None
             position += len(piece)
+        drafter = PromptLookup(self.open_route.prompt_tokens) if self.open_route.speculate else None
+        policy = WindowPolicy(self.open_route.speculate, eager=self.context.eager_windows)
+        first = position  # where the tokens the last step draws go
+        draft: tuple[int, ...] = ()
+        shadow: int | None = None  # the draft a plain step could have carried
+        sent = time.perf_counter()
+        decoding = False  # the first tokens come after prefill: their wait is no step's round trip
         while True:
             if self.is_tail:
-                assert token is not None
-                if await self._emit_token(token, position):
+                assert output is not None
+                finished, tokens = await self._emit_tokens(output, first, len(draft))
+                if finished:
                     return
-                next_token = token
             else:
                 assert tokens_in is not None
                 received = await tokens_in.receive()
                 if received.finished or not received.token_ids:
                     return  # wait for Release from the client in the upstream loop
-                next_token = received.token_ids[-1]
-                if position >= self.lease.tokens:  # the tail should have finished the generation
-                    await self._protocol_failure_down(
-                        RemoteProtocolError(
-                            f"a token for position {position}, past the {self.lease.tokens} this session reserved",
-                            StatusCode.OUT_OF_RANGE,
-                        )
+                tokens = received.token_ids
+                self._window = min(received.window, self.open_route.speculate, self.context.max_window)
+            # the step's round trip, its drafts judged, and the next step: the last token, at its position
+            if decoding:
+                policy.timed(1 + len(draft), time.perf_counter() - sent)
+            decoding = True
+            if draft:
+                policy.judged(len(draft), len(tokens) - 1)
+            elif shadow is not None:
+                policy.shadow(tokens[0] == shadow)
+            position = first + len(tokens) - 1
+            if position >= self.lease.tokens:  # the tail should have finished the generation
+                await self._protocol_failure_down(
+                    RemoteProtocolError(
+                        f"a token for position {position}, past the {self.lease.tokens} this session reserved",
+                        StatusCode.OUT_OF_RANGE,
                     )
-                    return
-            token = await self._step(
-                position, tokens=np.array([next_token], np.int32), sample=self.is_tail, decode=True
-            )
-            if token is _FAILED:
+                )
                 return
-            position += 1
+            draft, shadow = (), None
+            if drafter is not None:
+                drafter.extend(tokens)
+                offered = drafter.draft(self._window_room(position))
+                draft = tuple(offered[: policy.size(len(offered), self.context.draft_rows())])
+                if not draft and offered:
+                    shadow = offered[0]
+            rows = np.array([tokens[-1], *draft], np.int32)
+            sent = time.perf_counter()
+            stepped = await self._step(
+                position, tokens=rows, sample=len(rows) if self.is_tail else 0, decode=True, draft=draft
+            )
+            if stepped is None:
+                return
+            output, first = stepped, position + 1
+
+    def _window_room(self, position: int) -> int:
+        """The most drafts a window at ``position`` may carry: what the route takes, what the session
+        has left to generate and to hold, and (a sliding-window model) positions below its window."""
+        room = min(
+            self._window,
+            self.open_route.max_tokens - len(self.open_route.generated) - len(self._seen) - 1,
+            self.lease.tokens - position - 1,
+        )
+        if self.context.n_swa:
+            # a row past the sliding window lets the cache reuse the cells of positions below it,
+            # which a rejected row's rollback would need again
+            room = min(room, self.context.n_swa - position - 2)
+        return max(0, room)
 
     async def _run_activations(self, event: Activations) -> bool:
         """A non-head hop: run the rows, pass them on (or sample, on the tail)."""
@@ -551,26 +613,62 @@ class RouteSession:
             )
             return False
         decode = event.header.phase == Phase.DECODE
-        if decode and len(positions) != 1:
-            await self._protocol_failure_up(RemoteProtocolError(f"a decode step of {len(positions)} positions"))
+        draft = event.draft
+        if decode and len(positions) != 1 + len(draft):
+            await self._protocol_failure_up(
+                RemoteProtocolError(f"a decode step of {len(positions)} positions with {len(draft)} drafted tokens")
+            )
+            return False
+        if (draft and not decode) or len(draft) > self._window:
+            await self._protocol_failure_up(
+                RemoteProtocolError(
+                    f"a window of {len(draft)} drafted tokens where this session takes {self._window} "
+                    "(in decode steps only)",
+                    StatusCode.OUT_OF_RANGE,
+                )
+            )
+            return False
+        if any(not 0 <= t < self.context.n_vocab for t in draft):
+            await self._protocol_failure_up(
+                RemoteProtocolError(f"drafted tokens outside the vocabulary of {self.context.n_vocab}")
+            )
             return False
         if self._in_commit is None:
             # rows before the hops agreed on the prefix: nothing says where this hop's computing starts
             await self._protocol_failure_up(RemoteProtocolError("Activations before the route agreed on its prefix"))
             return False
-        self._in_commit.add_rows(positions.start, hidden)
-        sample = self._rows_to_sample(positions.start, len(positions)) if self.is_tail else 0
-        result = await self._step(positions.start, hidden=hidden, sample=sample, decode=decode)
-        if result is _FAILED:
+        self._commit(self._in_commit.add_rows, positions.start, hidden, bool(draft))
+        sample = len(positions) if draft else self._rows_to_sample(positions.start, len(positions))
+        output = await self._step(
+            positions.start, hidden=hidden, sample=sample if self.is_tail else 0, decode=decode, draft=draft
+        )
+        if output is None:
             return False
         if self.is_tail and sample:
             if self.open_route.audit:
                 if positions.end == len(self.open_route.prompt_tokens):
                     await self._emit_drawn()
                 return True
-            assert isinstance(result, int)
-            await self._emit_token(result, positions.end)
+            # a window's draws begin at its first row; a plain step's is its last row's
+            first = positions.start + 1 if draft else positions.end
+            await self._emit_tokens(output, first, len(draft))
         return True
+
+    def _commit(self, add: Callable[[int, Any], None], start: int, rows: Any, window: bool) -> None:
+        """Commit a step's rows; of a window only the first, the rest once they are known to be kept."""
+        if not window:
+            add(start, rows)
+            return
+        add(start, rows[:1])
+        self._held.append((add, start + 1, rows[1:]))
+
+    def _keep(self, end: int) -> None:
+        """Tokens came back: the KV rows before ``end`` are kept, and enter the commitments."""
+        for add, first, rows in self._held:
+            if end > first:
+                add(first, rows[: end - first])
+        self._held = []
+        self._valid_end = max(self._valid_end, min(end, self._engine_end))
 
     async def _step(
         self,
@@ -580,11 +678,13 @@ class RouteSession:
         hidden: np.ndarray | None = None,
         sample: int,
         decode: bool,
-    ) -> Any:
-        """One step through the batcher; forwards the rows downstream; returns the sampled token.
+        draft: tuple[int, ...] = (),
+    ) -> StepOutput | None:
+        """One step through the batcher; forwards the rows downstream; returns what it drew (``None``:
+        the session is ending).
 
         ``sample``: how many of the last rows the tail samples (0: none; the tokens of all of
-        them are kept in ``_drawn``, the last one returned).
+        them are kept in ``_drawn``). ``draft``: a window's drafted tokens, the inputs of its rows 1..
         """
         request = StepRequest(
             self.lease.seq_id,
@@ -594,10 +694,12 @@ class RouteSession:
             sampler=self.sampler if sample else None,
             decode=decode,
             sample_rows=max(1, sample),
+            draft=draft,
+            truncate=start < self._engine_end,  # the rows of the last window that were not kept
         )
         if tokens is not None:
             assert self._in_commit is not None
-            self._in_commit.add_tokens(start, tokens)
+            self._commit(self._in_commit.add_tokens, start, tokens, bool(draft))
         sampling = self.open_route.sampling
         if self.is_tail and not decode and sampling.prompt_logprobs:
             # each prompt row scores the prompt token after it; the last one's is the sampled token
@@ -609,13 +711,15 @@ class RouteSession:
             output = await self.context.step(request)
         except StepFailed as exc:
             self._finish(ending(EndReason.ENGINE_ERROR, f"the shard failed: {exc}"))
-            return _FAILED
+            return None
         self._touch()
-        self._logprob = output.logprob
         self._prompt_logprobs += output.scored
         if sample:
             self._drawn += output.drawn
         n = request.n_rows
+        self._last = (start, n, draft)
+        self._engine_end = start + n
+        self._valid_end = start + 1 if draft else start + n
         if decode:
             self.usage.decode_tokens += n
         else:
@@ -623,47 +727,61 @@ class RouteSession:
         self.usage.compute_seconds += output.seconds * n / max(1, output.batch_rows)
         if self.downstream is not None:
             assert output.hidden is not None and self._out_commit is not None
-            self._out_commit.add_rows(start, as_received(output.hidden, self.context.encoding))
+            sent = as_received(output.hidden, self.context.encoding)
+            self._commit(self._out_commit.add_rows, start, sent, bool(draft))
             header = self._down_endpoint().header(Phase.DECODE if decode else Phase.PREFILL, Span(start, start + n))
             tensor = NamedTensor("hidden_states", output.hidden, self.context.encoding)
-            if not await self._send_down(Activations(header, (tensor,))):
-                return _FAILED
+            if not await self._send_down(Activations(header, (tensor,), draft)):
+                return None
             if decode:
                 self._decode_sent_at = time.perf_counter()
-        return output.token
+        return output
 
-    async def _emit_token(self, token: int, position: int) -> bool:
-        """The tail: send a sampled token upstream; True when the generation is finished."""
-        self.generated += 1
-        self._seen.append(token)
-        self._drawn = []
-        assert self._out_commit is not None
-        self._out_commit.add_tokens(position - 1, (token,))
+    async def _emit_tokens(self, output: StepOutput, first: int, drafted: int) -> tuple[bool, tuple[int, ...]]:
+        """The tail: send the tokens a step drew upstream, the first at position ``first``; whether
+        the generation is finished, and the tokens sent."""
+        drawn, self._drawn = output.drawn, []
         route = self.open_route
-        reason = stop_reason(
-            token,
-            generated=self.generated,
-            max_tokens=route.max_tokens,
-            position=position,
-            reserved=self.lease.tokens,
-            stop_tokens=route.stop_token_ids,
-        )
-        logprobs = (self._logprob,) if self._logprob is not None else ()
+        kept: list[int] = []
+        reason = ""
+        for token in drawn:
+            kept.append(token)
+            self.generated += 1
+            reason = stop_reason(
+                token,
+                generated=self.generated,
+                max_tokens=route.max_tokens,
+                position=first + len(kept) - 1,
+                reserved=self.lease.tokens,
+                stop_tokens=route.stop_token_ids,
+            )
+            if reason:
+                break
+        self._seen += kept
+        assert self._out_commit is not None
+        self._out_commit.add_tokens(first - 1, kept)
+        self._keep(first - 1 + len(kept))
+        logprobs = output.drawn_logprobs[: len(kept)]
         prompt_logprobs = tuple(self._prompt_logprobs)
         self._prompt_logprobs = []  # they travel in the first Tokens frame alone
         if reason:
             self.context.last_step(self.lease.seq_id)
+        # of a window's drafts, those before its last draw were kept (the draws agreed with them)
+        accepted = len(drawn) - 1 if drafted else 0
         await self._send_up(
             lambda: Tokens(
-                self._up_header(Phase.DECODE, Span(position, position + 1)),
-                (token,),
+                self._up_header(Phase.DECODE, Span(first, first + len(kept))),
+                tuple(kept),
                 bool(reason),
                 reason,
                 logprobs,
                 prompt_logprobs,
+                self._window,
+                drafted,
+                accepted,
             )
         )
-        return bool(reason)
+        return bool(reason), tuple(kept)
 
     async def _emit_drawn(self) -> bool:
         """An audit's tail: every token drew, teacher-forced, in one last Tokens frame (then finished)."""
@@ -707,8 +825,10 @@ class RouteSession:
     # --- sending helpers
 
     def _restamped_up(self, event: Tokens) -> Tokens:
-        """``event`` from downstream, with our header (the next step id upstream) and what else it carries."""
-        return attrs.evolve(event, header=self._up_header(Phase.DECODE, event.header.positions))
+        """``event`` from downstream, with our header (the next step id upstream) and what else it
+        carries; the drafts a window may carry lowered to what this hop takes."""
+        window = min(event.window, min(self.open_route.speculate, self.context.max_window))
+        return attrs.evolve(event, header=self._up_header(Phase.DECODE, event.header.positions), window=window)
 
     def _up_header(self, phase: Phase, positions: Span = Span()) -> Any:
         assert self.upstream.endpoint is not None
@@ -762,6 +882,19 @@ class RouteSession:
                 f"{self.lease.tokens} this session reserved",
                 StatusCode.OUT_OF_RANGE,
             )
+        start, rows, draft = self._last
+        if draft and event.token_ids:
+            # a window's tokens: the drafts the tail kept, then its own draw, from the row after its first
+            n = len(event.token_ids)
+            if n > rows or tuple(event.token_ids[: n - 1]) != draft[: n - 1]:
+                raise RemoteProtocolError(f"{n} tokens for a window of {rows} rows that do not follow its drafts")
+            if event.header.positions != Span(start + 1, start + 1 + n):
+                raise RemoteProtocolError(
+                    f"a window's tokens at positions {event.header.positions.start}:{event.header.positions.end}, "
+                    f"not {start + 1}:{start + 1 + n}",
+                    StatusCode.OUT_OF_RANGE,
+                )
+            self._last = (start, rows, ())  # one answer per window
 
     # Both failures end the session before telling the peer: the notice is sent shielded,
     # and meanwhile no other task of the session may send on a seam that is closing.
@@ -774,10 +907,3 @@ class RouteSession:
     async def _protocol_failure_up(self, error: ProtocolError) -> None:
         self._finish(ending(EndReason.UPSTREAM_PROTOCOL_ERROR, error.message, error.code))
         await self.upstream.fail(error, self.context.node_id)
-
-
-class _Failed:
-    """Marks a step that ended the session."""
-
-
-_FAILED: Any = _Failed()

@@ -435,6 +435,7 @@ class RouteRun:
         self._route: contextlib.AsyncExitStack | None = None
         self._opened: Opened | None = None
         self._pending: Tokens | None = None  # a new route's first tokens, not yet given out
+        self.drafted = self.accepted = 0  # speculative decoding's drafts, and those the tail kept
         self._first: Tokens | None = None
         self._cached = 0
         self._finished = False  # the tail said the session is done
@@ -505,6 +506,8 @@ class RouteRun:
             if not 0 <= token < self.target.n_vocab:  # the route's word, not a known piece
                 raise bad_route(f"it sent token id {token}, outside the vocabulary")
         self.generated += event.token_ids
+        self.drafted += event.drafted
+        self.accepted += event.accepted
         self._finished = event.finished
         return event
 

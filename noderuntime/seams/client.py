@@ -70,6 +70,9 @@ class GenerationRequest:
     # an audit (see protocol.OpenRoute): the route recomputes a served session, teacher-forced,
     # and its hops commit from this position on; None for an ordinary session
     audit_from: int | None = None
+    # speculative decoding: the most drafted tokens a decode window may carry (0: none);
+    # where a hop's engine cannot keep a window exact, the route takes none
+    speculate: int = 0
 
     def resumed(self, generated: Sequence[int]) -> GenerationRequest:
         """This request carried on after ``generated`` tokens, for a new route to go on with."""
@@ -104,6 +107,7 @@ class Generation:
         self.session_id = session_id
         self.epoch = epoch
         self.tokens: list[int] = []
+        self.drafted = self.accepted = 0  # speculative decoding's drafts, and those the tail kept
         self.finished = False
         self.finish_reason = ""
         self.usage: tuple[UsageRecord, ...] | None = None
@@ -122,6 +126,8 @@ class Generation:
         event = await self._receive()
         if isinstance(event, Tokens):
             self.tokens.extend(event.token_ids)
+            self.drafted += event.drafted
+            self.accepted += event.accepted
             if event.finished:
                 self.finished = True
                 self.finish_reason = event.finish_reason
@@ -236,6 +242,7 @@ async def open_route_generation(
         _prefix_offer(request),
         request.audit_from is not None,
         request.audit_from or 0,
+        0 if request.audit_from is not None else request.speculate,
     )
     try:
         stream = await connector.connect(hops[0], opening)

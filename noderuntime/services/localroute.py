@@ -55,6 +55,8 @@ class Completion:
     tokens: tuple[int, ...]
     finish_reason: str
     usage: tuple[UsageRecord, ...] | None
+    drafted: int = 0  # speculative decoding's drafted tokens, and those the tail kept
+    accepted: int = 0
 
 
 @attrs.define
@@ -76,7 +78,7 @@ class LocalRoute:
         ) as gen:
             while await gen.next() is not None:
                 pass
-        return Completion(tuple(gen.tokens), gen.finish_reason, gen.usage)
+        return Completion(tuple(gen.tokens), gen.finish_reason, gen.usage, gen.drafted, gen.accepted)
 
     async def kv_cells_used(self) -> list[int]:
         """KV cells in use on every node, by llama.cpp's count."""
@@ -98,6 +100,7 @@ async def open_local_route(
     idle_timeout: float = 60.0,
     encoding: Encoding = Encoding.F32,
     buffer: int = 4,
+    eager_windows: bool = False,
 ) -> AsyncIterator[LocalRoute]:
     """Load one engine per range and serve them as nodes until the block ends.
 
@@ -129,6 +132,7 @@ async def open_local_route(
                 prefill_chunk=min(prefill_chunk, recipe.n_batch),
                 idle_timeout=idle_timeout,
                 encoding=encoding,
+                eager_windows=eager_windows,
             )
             node = Node(engine, config, node_id_for(i, layers), network, engine_thread=thread)
             network.add(node)

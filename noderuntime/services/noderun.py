@@ -547,6 +547,7 @@ class GatewayOptions:
     running_per_key: int = 256  # sessions one API key (or client address) runs at once
     ledger: Path | None = None
     audit_rate: float = 0.0  # the share of sessions audited after they end (runner/audits.py)
+    speculate: int = 8  # drafted tokens a route's decode window may carry (node/drafting.py; 0: none)
     insecure_plaintext_seams: bool = False  # as NodeOptions': seams to heads unsealed
 
 
@@ -597,6 +598,7 @@ async def run_gateway(
             ledger=Ledger(opts.ledger) if opts.ledger else None,
             identity=me,
             audit_rate=opts.audit_rate,
+            speculate=opts.speculate,
         )
         nursery.start_soon(gateway.runner.audits.run)
         url = await nursery.start(serve_http, gateway.app, opts.listen)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from noderuntime.engine.base import EngineError, MemoryReport, Rows, StepResult, token_logprob
+from noderuntime.engine.base import EngineError, MemoryReport, Rows, StepResult, draws_to_keep, token_logprob
 from noderuntime.engine.llama.binding import ggml_cpu, lib, llama_cpp
 from noderuntime.engine.llama.devices import find_device, pinned_threadpool
 from noderuntime.engine.llama.recipe import KV_TYPES, Recipe
@@ -124,6 +124,8 @@ class ShardEngine:
         self.dry_run = dry_run
         self._load(is_range and not info.is_shard_file, dry_run)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model)))
+        # the model's sliding attention window (Gemma 3's local layers), 0 for a model without one
+        self.n_swa = max(0, int(llama_cpp.llama_model_n_swa(self._model)))
         self._buffers = _BatchBuffers(recipe.n_batch, self.n_embd, takes_hidden=not self.is_head)
         # set add/discard are atomic: a chain dropped unclosed closes in __del__, on the collector's thread
         self._live_samplers: set[int] = set()
@@ -207,6 +209,17 @@ class ShardEngine:
             lib.llama_attach_threadpool(ctx, self._threadpool, self._threadpool)
 
     @property
+    def exact_windows(self) -> bool:
+        """Whether a decode window's rows have the bits of single steps (speculation stays exact).
+
+        On the CPU without repack and with a KV stream per sequence, a row's result does not
+        depend on its batch-mates or on how positions are cut into steps (patches 0005, 0008,
+        0009; tests/test_batch_invariance.py). On a GPU that is not certified.
+        """
+        recipe = self.recipe
+        return recipe.device == "cpu" and not recipe.repack and not recipe.kv_unified
+
+    @property
     def context(self) -> Any:
         """The llama.cpp context (for sampler chains)."""
         return self._ctx
@@ -274,10 +287,15 @@ class ShardEngine:
                 for k, out_row in enumerate(out_rows.tolist()):
                     ptr = llama_cpp.llama_get_logits_ith(self._ctx, out_row)
                     logits[k] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+            ended: set[int] = set()  # chains whose draw left their drafts: their later rows draw nothing
             for row, chain in (samplers or {}).items():
                 if not rows.outputs[row]:
                     raise EngineError(f"row {row} has a sampler but asked for no output")
+                if id(chain) in ended:
+                    continue
                 sampled[row] = chain.sample(self._ctx, row, int(rows.positions[row]))
+                if not draws_to_keep(rows, row, sampled[row]):
+                    ended.add(id(chain))
                 if chain.params.logprobs:
                     logprobs[row] = token_logprob(self._logits_row(row), sampled[row], chain.params.top_logprobs)
             for row, (token, top) in (scores or {}).items():
@@ -307,6 +325,12 @@ class ShardEngine:
         """Drop all KV of ``seq_id``; idempotent."""
         if self._ctx is not None:
             llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+
+    def truncate_sequence(self, seq_id: int, keep: int) -> None:
+        """Drop the KV of ``seq_id`` from position ``keep`` on (a decode window's rows not kept)."""
+        if self._ctx is None:
+            raise EngineError("the engine is closed")
+        llama_cpp.llama_memory_seq_rm(self._memory, seq_id, keep, -1)
 
     def save_sequence(self, seq_id: int) -> bytes:
         """The KV ``seq_id`` holds, as llama.cpp writes a sequence's state (its cells, this shard's layers).

@@ -140,6 +140,12 @@ class Activations(betterproto2.Message):
 
     tensor_count: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
 
+    draft: "list[int]" = betterproto2.field(3, betterproto2.TYPE_UINT32, repeated=True)
+    """
+    Since 1.6. A decode window's drafted tokens: the input tokens of its rows 1.., which
+    the tail checks its draws against. Every frame of a chunked step carries the same.
+    """
+
 
 default_message_pool.register_message("noderuntime.seam.v1", "Activations", Activations)
 
@@ -383,6 +389,15 @@ class OpenRoute(betterproto2.Message):
 
     audit_from: "int" = betterproto2.field(11, betterproto2.TYPE_UINT32)
 
+    speculate: "int" = betterproto2.field(12, betterproto2.TYPE_UINT32)
+    """
+    Since 1.6. The most drafted tokens a decode window may carry (speculative decoding;
+    0: none). A window of n rows runs the token the tail sent last and n - 1 tokens the
+    head drafted; the tail samples its rows in order while they agree with the drafts
+    and sends back what it drew. The next window starts where those tokens end, which
+    tells every hop to drop the KV of the rows that were not kept.
+    """
+
 
 default_message_pool.register_message("noderuntime.seam.v1", "OpenRoute", OpenRoute)
 
@@ -548,6 +563,18 @@ class Tokens(betterproto2.Message):
     Prompt tokens 1.. (the first has no context), in the first Tokens frame of a
     session that asked for prompt_logprobs. Since 1.2.
     """
+
+    window: "int" = betterproto2.field(6, betterproto2.TYPE_UINT32)
+    """
+    Since 1.6. In a session that speculates: the most drafted tokens a window may carry,
+    as far as the hops below take windows (the tail sets it, each hop lowers it to its own;
+    a hop that does not know the field drops it, so windows stop there); and, for a
+    window, how many tokens it drafted and how many of those the tail kept.
+    """
+
+    drafted: "int" = betterproto2.field(7, betterproto2.TYPE_UINT32)
+
+    accepted: "int" = betterproto2.field(8, betterproto2.TYPE_UINT32)
 
 
 default_message_pool.register_message("noderuntime.seam.v1", "Tokens", Tokens)

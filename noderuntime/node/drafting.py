@@ -1,0 +1,138 @@
+"""Speculative decoding at the head: drafts from the session's own tokens, and how many to send.
+
+A route's single session is capped by its round trips: a token travels the whole ring before
+the next one can start. A *window* sends the token the tail drew last together with ``k``
+tokens drafted here, as ``k + 1`` rows of one step; the tail samples them in order with the
+session's own chain while they agree with the drafts, so one round trip can bring back up
+to ``k + 1`` tokens. The rows' bits are those of single steps (the engine's rows are
+independent of their batch-mates and of how positions are cut into steps), so what comes
+back is exactly what plain decoding would have produced.
+
+Two parts, both plain data with no event loop:
+
+- :class:`PromptLookup` drafts with no model: the longest recent n-gram that ends the
+  session's tokens, found earlier in the prompt or the reply, and what followed it there.
+  Replies that quote, edit or reformat their prompt repeat long runs of it.
+- :class:`WindowPolicy` sizes each window from what it measures: how often a drafted token
+  is kept (from real windows, and from the drafts it could have sent when it sent none), the
+  time a step's round trip takes, and what each further row adds to it. It sends the ``k``
+  that maximises the expected tokens a second, 0 when none beats a plain step: a session
+  whose drafts miss costs what it cost without speculation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+# n-gram lengths tried, longest first: a longer match predicts better; one token of context
+# matches almost anywhere and predicts little
+MAX_NGRAM = 4
+MIN_NGRAM = 2
+
+
+class PromptLookup:
+    """Drafts the tokens that followed the latest earlier occurrence of the session's last n-gram."""
+
+    def __init__(self, tokens: Sequence[int] = (), *, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tokens: list[int] = []
+        # n-gram -> the position just after its latest occurrence that has a token after it
+        self._after: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Take the session's next tokens."""
+        for token in tokens:
+            end = len(self.tokens)  # the n-grams ending here now have a token after them
+            for n in range(self.min_ngram, self.max_ngram + 1):
+                if end >= n:
+                    self._after[tuple(self.tokens[end - n : end])] = end
+            self.tokens.append(int(token))
+
+    def draft(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that would follow the session's tokens, or none."""
+        if k <= 0:
+            return []
+        tokens = self.tokens
+        for n in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
+            at = self._after.get(tuple(tokens[len(tokens) - n :]))
+            if at is not None:
+                return tokens[at : at + k]
+        return []
+
+
+@attrs.define
+class WindowPolicy:
+    """How many drafted tokens the next window of one session carries; see the module docstring.
+
+    The model: a draft is kept with probability ``a`` when every draft before it was, so a
+    window of ``k`` drafts brings back ``1 + a + ... + a**k`` tokens in expectation, and takes
+    ``step + k * row`` seconds, where ``step`` is a plain step's round trip and ``row`` what
+    each further row adds along the route.
+    """
+
+    max_window: int
+    # send every draft the drafter offers, up to the cap, whatever it costs: to measure a
+    # fixed window against the adaptive one, and to make tests roll windows back often
+    eager: bool = False
+    # rate estimates decay so that a session whose text changes character is followed
+    decay: float = 0.9
+    kept: float = 0.0  # drafts kept, decayed
+    tried: float = 0.0  # drafts the tail judged, decayed
+    step: float | None = None  # seconds: a plain step's round trip (smoothed)
+    row: float | None = None  # seconds each further row of a window adds (smoothed)
+    drafted_total: int = 0
+    accepted_total: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        """The chance a draft is kept once the drafts before it were (a prior of one half)."""
+        return (self.kept + 1.0) / (self.tried + 2.0)
+
+    def size(self, offered: int, budget: int) -> int:
+        """Drafts to send, of the ``offered`` the drafter has, within ``budget`` rows."""
+        cap = min(offered, budget, self.max_window)
+        if self.eager:
+            return max(0, cap)
+        if cap <= 0 or self.step is None:
+            return 0  # nothing to send, or no plain step measured yet to weigh a window against
+        # before a window was measured, assume each row costs half a plain step: a guess that
+        # makes the first windows wait for drafts that are often kept
+        row = self.row if self.row is not None else 0.5 * self.step
+        a = self.acceptance
+        best, best_rate = 0, 1.0 / self.step
+        expected = 1.0
+        for k in range(1, cap + 1):
+            expected += a**k
+            rate = expected / (self.step + k * row)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def judged(self, drafted: int, accepted: int) -> None:
+        """A window's verdict: of ``drafted`` drafts, the first ``accepted`` were kept."""
+        self.drafted_total += drafted
+        self.accepted_total += accepted
+        # the draft after the last kept one was judged too, unless every draft was kept
+        self._count(accepted, accepted + (1 if accepted < drafted else 0))
+
+    def shadow(self, kept: bool) -> None:
+        """A draft this session could have sent and did not, judged against the token that came."""
+        self._count(int(kept), 1)
+
+    def _count(self, kept: int, tried: int) -> None:
+        if tried:
+            self.kept = self.decay * self.kept + kept
+            self.tried = self.decay * self.tried + tried
+
+    def timed(self, rows: int, seconds: float) -> None:
+        """A step of ``rows`` rows took ``seconds`` from its send to its tokens' return."""
+        if rows <= 1:
+            self.step = seconds if self.step is None else 0.8 * self.step + 0.2 * seconds
+        elif self.step is not None:
+            extra = max(0.0, (seconds - self.step) / (rows - 1))
+            self.row = extra if self.row is None else 0.8 * self.row + 0.2 * extra

@@ -1,0 +1,176 @@
+"""Speculative decoding across a route: a reply is the plain reply, byte for byte.
+
+The head drafts from the session's own tokens; the tail keeps the drafts its own sampler
+picks; every hop drops the KV of the rows it did not keep. Each case runs the same request
+with windows and without, on real llama.cpp, and checks the tokens (and their logprobs)
+are the same and that windows were really sent and really cut short.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from noderuntime.engine.llama import Recipe, Rows, ShardEngine, Vocab
+from noderuntime.node.drafting import PromptLookup, WindowPolicy
+from noderuntime.seams.client import GenerationRequest
+from noderuntime.services.localroute import Completion, LocalRoute, open_local_route
+from protocol import Sampling
+
+pytestmark = pytest.mark.slow
+
+RECIPE = Recipe(n_threads=2, n_ctx_per_seq=1024, n_seq_max=4, n_batch=256, n_ubatch=256)
+
+PASSAGE = (
+    "the river runs past the old mill and under the stone bridge, where the children of the "
+    "village wait for the ferry every morning; the ferry comes at seven and leaves at eight"
+)
+
+
+def _grounded(model: Path) -> tuple[int, ...]:
+    """A chat prompt asking to repeat a passage: most of the reply is in the prompt."""
+    text = f"<|im_start|>user\nRepeat this text exactly, twice:\n{PASSAGE}<|im_end|>\n<|im_start|>assistant\n"
+    return tuple(Vocab(model).tokenize(text, add_special=False))
+
+
+async def _both(route: LocalRoute, request: GenerationRequest) -> tuple[Completion, Completion]:
+    """``request`` with windows and without, on the same route."""
+    plain = await route.generate(GenerationRequest(request.prompt_tokens, request.max_tokens, request.sampling))
+    windows = await route.generate(request)
+    return plain, windows
+
+
+SAMPLINGS = {
+    "greedy": Sampling(temperature=0.0),
+    "seeded": Sampling(temperature=0.7, top_k=40, seed=1234),
+    "grammar": Sampling(temperature=0.0, grammar='root ::= [a-z ,;]+ "."'),
+    "logprobs": Sampling(temperature=0.0, logprobs=True, top_logprobs=3),
+}
+
+
+@pytest.mark.parametrize("cuts", [[0, 30], [0, 15, 30], [0, 10, 20, 30]], ids=["one-node", "2-shard", "3-shard"])
+async def test_a_reply_with_windows_is_the_plain_reply(smollm2: Path, cuts: list[int]) -> None:
+    prompt = await trio.to_thread.run_sync(_grounded, smollm2)
+    async with open_local_route(smollm2, cuts, RECIPE) as route:
+        for name, sampling in SAMPLINGS.items():
+            request = GenerationRequest(prompt, 48, sampling, speculate=8)
+            plain, windows = await _both(route, request)
+            assert windows.tokens == plain.tokens, name
+            assert plain.drafted == 0
+            # the reply repeats its prompt: the adaptive policy sent windows, and drafts were kept
+            assert windows.drafted > 0 and windows.accepted > 0, (name, windows.drafted, windows.accepted)
+
+
+async def test_logprobs_of_a_window_are_those_of_single_steps(smollm2: Path) -> None:
+    prompt = await trio.to_thread.run_sync(_grounded, smollm2)
+    sampling = SAMPLINGS["logprobs"]
+    async with open_local_route(smollm2, [0, 15, 30], RECIPE) as route:
+        for speculate in (0, 8):
+            stream = await route.network.connect(route.hops[0])
+            from noderuntime.seams.client import open_route_generation, over_stream
+
+            request = GenerationRequest(prompt, 32, sampling, speculate=speculate)
+            frames = []
+            async with open_route_generation(
+                over_stream(stream), route.hops, request, artifact=route.artifact, recipe=route.recipe
+            ) as gen:
+                while (event := await gen.next()) is not None:
+                    frames.append(event)
+            logprobs = [lp for frame in frames for lp in frame.logprobs]
+            assert len(logprobs) == sum(len(f.token_ids) for f in frames) == 32
+            if speculate == 0:
+                plain = logprobs
+            else:
+                assert any(len(f.token_ids) > 1 for f in frames)  # some window kept several
+                assert logprobs == plain  # float for float
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3moe"])
+async def test_rejected_windows_roll_back_exactly_on_every_architecture(
+    arch: str, tiny_model: Path, tiny_models: dict[str, Path]
+) -> None:
+    """Random weights, every window sent (eager): drafts are often wrong, so windows are cut
+    short and every hop drops rows it computed."""
+    model = tiny_model if arch == "llama" else tiny_models[arch]
+    prompt = tuple(range(100, 140)) * 2 + tuple(range(200, 220))
+    drafted = accepted = 0
+    async with open_local_route(model, [0, 2, 4], RECIPE, eager_windows=True) as route:
+        first = await route.generate(GenerationRequest(prompt, 24, SAMPLINGS["greedy"]))
+        # the prompt, the model's own reply to it, and the prompt again: the drafts offer that reply,
+        # which the model's reply to the longer prompt follows only in part
+        echo = prompt + first.tokens + prompt
+        for sampling in (SAMPLINGS["greedy"], SAMPLINGS["seeded"]):
+            plain, windows = await _both(route, GenerationRequest(echo, 64, sampling, speculate=6))
+            assert windows.tokens == plain.tokens
+            drafted, accepted = drafted + windows.drafted, accepted + windows.accepted
+    assert drafted > accepted, (drafted, accepted)  # windows were cut short: rolled back
+
+
+async def test_gemma3_windows_are_exact_below_its_sliding_window(gemma3: Path) -> None:
+    prompt = await trio.to_thread.run_sync(lambda: tuple(Vocab(gemma3).tokenize("Repeat: " + PASSAGE + "\n" + PASSAGE)))
+    async with open_local_route(gemma3, [0, 9, 18], RECIPE, eager_windows=True) as route:
+        plain, windows = await _both(route, GenerationRequest(prompt, 48, SAMPLINGS["greedy"], speculate=6))
+    assert windows.tokens == plain.tokens
+    assert windows.drafted > 0
+
+
+def test_a_window_after_a_rollback_gives_the_bits_of_single_steps(smollm2: Path) -> None:
+    """The engine: rows run as a window, cut back and run again equal the same rows run one by one."""
+    recipe = Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=2, n_batch=256, n_ubatch=256)
+    with ShardEngine(smollm2, recipe) as engine:
+        prompt = np.arange(400, 460, dtype=np.int32)
+        tokens = np.array([11, 22, 33, 44, 55, 66], np.int32)
+
+        def run(seq: int, start: int, rows: np.ndarray) -> np.ndarray:
+            n = len(rows)
+            out = engine.run(
+                Rows(np.full(n, seq, np.int32), np.arange(start, start + n, dtype=np.int32), np.ones(n, bool), rows),
+                want_logits=True,
+            )
+            assert out.logits is not None
+            return out.logits
+
+        for seq in (0, 1):
+            run(seq, 0, prompt)
+        # sequence 0: single steps through all six tokens
+        single = np.stack([run(0, len(prompt) + i, tokens[i : i + 1])[0] for i in range(len(tokens))])
+        # sequence 1: a window of four rows whose last two drafts were wrong, cut back, then the rest
+        p = len(prompt)
+        window = run(1, p, np.array([11, 22, 99, 98], np.int32))
+        engine.truncate_sequence(1, p + 2)
+        rest = run(1, p + 2, tokens[2:])
+        assert np.array_equal(window[:2], single[:2])  # bit for bit
+        assert np.array_equal(rest, single[2:])
+
+
+def test_prompt_lookup_drafts_what_followed_the_latest_match() -> None:
+    drafter = PromptLookup([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8])
+    drafter.extend([2, 3])
+    # "2 3" last followed by 4 7 8 (the latest occurrence), not 4 5
+    assert drafter.draft(3) == [4, 7, 8]
+    assert drafter.draft(0) == []
+    drafter.extend([4, 7])
+    assert drafter.draft(5) == [8, 2, 3, 4, 7]  # "2 3 4 7" occurred once: what followed, up to now
+    assert PromptLookup([5, 6]).draft(4) == []  # nothing to match
+
+
+def test_the_window_policy_sends_none_when_drafts_miss_and_grows_when_they_are_kept() -> None:
+    policy = WindowPolicy(8)
+    assert policy.size(8, 8) == 0  # no plain step measured yet
+    for _ in range(5):
+        policy.timed(1, 0.020)
+    for _ in range(20):
+        policy.shadow(False)
+    assert policy.size(8, 8) == 0  # drafts that miss cost rows and bring nothing
+    for _ in range(30):
+        policy.shadow(True)
+    assert policy.size(8, 8) > 2
+    policy.timed(5, 0.020 + 4 * 0.001)  # rows are cheap: long windows pay
+    assert policy.size(8, 8) == 8 and policy.size(8, 3) == 3 and policy.size(2, 8) == 2
+    policy.judged(8, 1)
+    policy.judged(8, 0)
+    policy.judged(8, 0)
+    assert policy.size(8, 8) < 8
