@@ -29,7 +29,7 @@ import pytest
 from noderuntime.services.cluster import ManagedProcess, start_all, stop_all
 from noderuntime.services.ready import GatewayReady, NodeReady, Ready, RelayReady, TrackerReady, expect
 from noderuntime.testing.clusters import local_tracker_args
-from tests.linkproxy import LinkProxy
+from noderuntime.testing.linkproxy import LinkProxy
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from noderuntime.seams.dialer import open_dialer
 from noderuntime.testing.clusters import Cluster, running_cluster
 from protocol import StatusCode
 
-from .linkproxy import link_proxy
+from noderuntime.testing.linkproxy import link_proxy
 from .test_node_core import requests, solo_greedy
 
 pytestmark = pytest.mark.slow

@@ -30,7 +30,7 @@ from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from protocol import Hop, Limits, Span, StatusCode
 from protocol.channel import MAGIC, Binding, ChannelClosed, ChannelKeys, DialerHandshake
 from relay.server import Relay, RelayLimits, serve
-from tests.linkproxy import LinkProxy, link_proxy
+from noderuntime.testing.linkproxy import LinkProxy, link_proxy
 
 UPGRADE = (
     "GET {} HTTP/1.1\r\nHost: relay\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"

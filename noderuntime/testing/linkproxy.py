@@ -1,9 +1,11 @@
-"""A TCP proxy between two hops that can stop forwarding or slow to a trickle.
+"""A TCP proxy between two hops that can delay what it forwards, stop, or slow to a trickle.
 
 There is no ``tc netem`` here, so a link's faults are made in user space: the proxy
-runs trio in a thread of the test process, and its mode can be switched at any time:
+runs trio in a thread of the test or benchmark process, and its mode can be switched at
+any time:
 
-- ``pass``: forward everything;
+- ``pass``: forward everything, each piece ``delay`` seconds after it arrived (each way,
+  in order: a link ``delay`` long, with a round trip of twice it; 0 by default);
 - ``stall``: stop reading either side (the sender's window fills, as on a dead link);
 - ``trickle``: forward ``rate`` bytes per second in small pieces.
 
@@ -22,6 +24,7 @@ import trio
 
 Mode = Literal["pass", "stall", "trickle"]
 PIECE = 64
+IN_FLIGHT = 1024  # pieces a delayed direction holds before it stops reading (as a full window would)
 
 
 @contextlib.asynccontextmanager
@@ -42,6 +45,7 @@ class LinkProxy:
     def __init__(self, rate: float = 200.0) -> None:
         self.mode: Mode = "pass"
         self.rate = rate
+        self.delay = 0.0  # seconds each piece waits, each way
         self.target: int | None = None
         self.port = 0
         self.connections = 0
@@ -144,26 +148,44 @@ class LinkProxy:
         index: int | None,
         down_of: int | None = None,
     ) -> None:
-        try:
-            while True:
-                await self._hold_while_dark()
-                size = PIECE if self.mode == "trickle" else 65536
-                data = await src.receive_some(size)
-                if not data:
-                    break
-                await self._hold_while_dark()  # it went dark while we waited: what came stays here
-                if index is not None:
-                    self.bytes_up[index] += len(data)  # counted before the target can see it
-                if self.record:
-                    key = (index, "up") if index is not None else (down_of or 0, "down")
-                    self.recorded.setdefault(key, bytearray()).extend(data)
-                await dst.send_all(data)
-                if self.mode == "trickle":
-                    await trio.sleep(len(data) / self.rate)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
+        send, pending = trio.open_memory_channel[tuple[float, bytes]](IN_FLIGHT)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._deliver, pending, dst, done)
+            async with send:
+                try:
+                    while True:
+                        await self._hold_while_dark()
+                        size = PIECE if self.mode == "trickle" else 65536
+                        data = await src.receive_some(size)
+                        if not data:
+                            break
+                        await self._hold_while_dark()  # it went dark while we waited: what came stays here
+                        if index is not None:
+                            self.bytes_up[index] += len(data)  # counted before the target can see it
+                        if self.record:
+                            key = (index, "up") if index is not None else (down_of or 0, "down")
+                            self.recorded.setdefault(key, bytearray()).extend(data)
+                        await send.send((trio.current_time() + self.delay, data))
+                        if self.mode == "trickle":
+                            await trio.sleep(len(data) / self.rate)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    done.cancel()
         done.cancel()
 
+    @staticmethod
+    async def _deliver(
+        pending: trio.MemoryReceiveChannel[tuple[float, bytes]], dst: trio.SocketStream, done: trio.CancelScope
+    ) -> None:
+        """Send each piece when its delay is up, in the order the pieces came."""
+        try:
+            async with pending:
+                async for due, data in pending:
+                    await trio.sleep_until(due)
+                    await dst.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            done.cancel()  # the far end is gone: so is the link
+
     async def _hold_while_dark(self) -> None:
-        while self.mode == "stall":
+        # the mode is switched from another thread: a poll, not an event of this trio run
+        while self.mode == "stall":  # noqa: ASYNC110
             await trio.sleep(0.05)
