@@ -125,14 +125,18 @@ class Reply:
 
 
 def _prompts(model: Path, names: Sequence[str]) -> dict[str, list[int]]:
-    """Each workload's chat prompt, rendered with the model's own template."""
+    """Each workload's chat prompt, rendered with the model's own template (a text prompt without one)."""
     from noderuntime.engine.llama import Vocab
     from noderuntime.models.chat import ChatTemplate, prompt_tokens
 
     vocab = Vocab(model)
+    if not vocab.chat_template:
+        # a pretrained model (Gemma 3 270M's file) has no chat template: the message as a text
+        # completion's prompt, as the gateway's /v1/completions would send it
+        return {name: vocab.tokenize(WORKLOADS[name][1] + "\n\n") for name in names}
     bos = vocab.piece(vocab.bos, special=True).decode("utf-8", "replace") if vocab.bos >= 0 else ""
     eos = vocab.piece(vocab.eos, special=True).decode("utf-8", "replace") if vocab.eos >= 0 else ""
-    template = ChatTemplate(vocab.chat_template or "", bos_token=bos, eos_token=eos)
+    template = ChatTemplate(vocab.chat_template, bos_token=bos, eos_token=eos)
     return {name: prompt_tokens(template, vocab, [{"role": "user", "content": WORKLOADS[name][1]}]) for name in names}
 
 
