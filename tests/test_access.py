@@ -369,9 +369,9 @@ def _packed(tokens: tuple[int, ...] | list[int]) -> bytes:
 
 async def test_a_tap_on_a_direct_seam_decodes_no_frame_and_reads_no_token(cluster: Cluster) -> None:
     """What a recording proxy between a gateway and a head sees of a session: sealed messages only."""
+    from noderuntime.testing.linkproxy import link_proxy
     from protocol import Direction, FrameEncoder, OpenRoute, Phase, SeamEndpoint
     from protocol import Identity as SessionIdentity
-    from noderuntime.testing.linkproxy import link_proxy
 
     from .test_relay_e2e import _decoded
 

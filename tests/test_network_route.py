@@ -12,9 +12,9 @@ import trio
 from noderuntime.seams.client import GenerationRequest, RouteError
 from noderuntime.seams.dialer import open_dialer
 from noderuntime.testing.clusters import Cluster, running_cluster
+from noderuntime.testing.linkproxy import link_proxy
 from protocol import StatusCode
 
-from noderuntime.testing.linkproxy import link_proxy
 from .test_node_core import requests, solo_greedy
 
 pytestmark = pytest.mark.slow

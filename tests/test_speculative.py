@@ -9,6 +9,7 @@ are the same and that windows were really sent and really cut short.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ import trio
 
 from noderuntime.engine.llama import Recipe, Rows, ShardEngine, Vocab
 from noderuntime.node.drafting import PromptLookup, WindowPolicy
-from noderuntime.seams.client import GenerationRequest
+from noderuntime.seams.client import GenerationRequest, open_route_generation, over_stream
 from noderuntime.services.localroute import Completion, LocalRoute, open_local_route
 from protocol import Sampling
 
@@ -70,8 +71,6 @@ async def test_logprobs_of_a_window_are_those_of_single_steps(smollm2: Path) -> 
     async with open_local_route(smollm2, [0, 15, 30], RECIPE) as route:
         for speculate in (0, 8):
             stream = await route.network.connect(route.hops[0])
-            from noderuntime.seams.client import open_route_generation, over_stream
-
             request = GenerationRequest(prompt, 32, sampling, speculate=speculate)
             frames = []
             async with open_route_generation(
@@ -115,6 +114,12 @@ async def test_gemma3_windows_are_exact_below_its_sliding_window(gemma3: Path) -
         plain, windows = await _both(route, GenerationRequest(prompt, 48, SAMPLINGS["greedy"], speculate=6))
     assert windows.tokens == plain.tokens
     assert windows.drafted > 0
+
+
+def _held(node: Any) -> int:
+    """Slots a node holds: leased, or released with their KV not yet removed."""
+    leases = node.statistics().leases
+    return int(leases.slots_leased + leases.slots_draining)
 
 
 def test_a_window_after_a_rollback_gives_the_bits_of_single_steps(smollm2: Path) -> None:
@@ -174,3 +179,31 @@ def test_the_window_policy_sends_none_when_drafts_miss_and_grows_when_they_are_k
     policy.judged(8, 0)
     policy.judged(8, 0)
     assert policy.size(8, 8) < 8
+
+
+async def test_sessions_cancelled_mid_window_leave_nothing_held(smollm2: Path) -> None:
+    """Clients that leave while windows are in flight: every hop ends with no session, slot or KV cell."""
+    prompt = await trio.to_thread.run_sync(_grounded, smollm2)
+    async with open_local_route(smollm2, [0, 10, 20, 30], RECIPE, eager_windows=True) as route:
+
+        async def leave_after(seconds: float) -> None:
+            stream = await route.network.connect(route.hops[0])
+            request = GenerationRequest(prompt, 200, SAMPLINGS["greedy"], speculate=8)
+            with trio.move_on_after(seconds):
+                async with open_route_generation(
+                    over_stream(stream), route.hops, request, artifact=route.artifact, recipe=route.recipe
+                ) as gen:
+                    while await gen.next() is not None:
+                        pass
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(leave_after, 0.3 + 0.15 * i)
+        # a step already in the engine when its session ended finishes there; its KV goes after it
+        with trio.fail_after(10):
+            while any(node.sessions or _held(node) for node in route.nodes):
+                await trio.sleep(0.01)
+        assert await route.kv_cells_used() == [0, 0, 0]
+        # and the route still answers as it did
+        plain, windows = await _both(route, GenerationRequest(prompt, 24, SAMPLINGS["greedy"], speculate=8))
+        assert windows.tokens == plain.tokens and windows.drafted > 0

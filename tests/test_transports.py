@@ -22,6 +22,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket
 from noderuntime.access.identity import Identity, channel_keys, self_signed, verify
 from noderuntime.access.tickets import TicketVerifier, issue
 from noderuntime.services.running import server_tls
+from noderuntime.testing.linkproxy import LinkProxy, link_proxy
 from noderuntime.testing.seams import KINDS, grpc_peer, seam
 from noderuntime.transport import FrameStream, StreamBroken, StreamClosed, TransportError, sealed
 from noderuntime.transport import relay_messages as messages
@@ -30,7 +31,6 @@ from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from protocol import Hop, Limits, Span, StatusCode
 from protocol.channel import MAGIC, Binding, ChannelClosed, ChannelKeys, DialerHandshake
 from relay.server import Relay, RelayLimits, serve
-from noderuntime.testing.linkproxy import LinkProxy, link_proxy
 
 UPGRADE = (
     "GET {} HTTP/1.1\r\nHost: relay\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
