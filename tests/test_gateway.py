@@ -448,3 +448,26 @@ def test_n_choices_are_n_sessions_with_their_own_seeds(client: OpenAI, system: l
     assert streamed == texts and sorted(finishes) == [0, 1, 2]
     text = client.completions.create(model=system.model_id, prompt="Once", max_tokens=5, temperature=0, n=2)
     assert [c.index for c in text.choices] == [0, 1] and text.choices[0].text == text.choices[1].text
+
+
+def test_a_grounded_reply_goes_in_windows_and_is_the_whole_models(
+    system: localsystem.LocalSystem, smollm2: Path
+) -> None:
+    """Speculation is on by default: a reply that repeats its prompt comes in windows, over the
+    system's sealed seams and its relay, and is the whole model's greedy reply all the same."""
+    from noderuntime.seams.client import GenerationRequest
+
+    from .test_node_core import solo_greedy
+    from .test_speculative import _grounded
+
+    prompt = _grounded(smollm2)
+    body = {"model": system.model_id, "prompt": list(prompt), "max_tokens": 40, "temperature": 0}
+    reply = httpx.post(system.gateway_url + "/v1/completions", json=body, timeout=120).json()
+    details = reply["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] > 0, reply["usage"]
+    vocab = Vocab(smollm2)
+    expected = solo_greedy(smollm2, GenerationRequest(prompt, 40))
+    ends = [i for i, token in enumerate(expected) if token in vocab.eog_tokens]
+    text = b"".join(vocab.piece(t) for t in expected[: ends[0] if ends else None]).decode()
+    assert reply["choices"][0]["text"] == text
+    assert reply["usage"]["completion_tokens"] == (ends[0] + 1 if ends else 40)

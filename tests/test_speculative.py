@@ -57,7 +57,7 @@ async def test_a_reply_with_windows_is_the_plain_reply(smollm2: Path, cuts: list
     prompt = await trio.to_thread.run_sync(_grounded, smollm2)
     async with open_local_route(smollm2, cuts, RECIPE) as route:
         for name, sampling in SAMPLINGS.items():
-            request = GenerationRequest(prompt, 48, sampling, speculate=8)
+            request = GenerationRequest(prompt, 32, sampling, speculate=8)
             plain, windows = await _both(route, request)
             assert windows.tokens == plain.tokens, name
             assert plain.drafted == 0
