@@ -144,9 +144,9 @@ class RouteSession:
         # speculative decoding: the most drafts a window may carry here (the head learns the
         # route's from the tail's first Tokens), this hop's last step (start, rows, drafts),
         # the positions the engine holds (rows a window did not keep too) and of those the kept
-        self._window = min(open_route.speculate, context.max_window) if not open_route.audit else 0
-        if self.is_head and not self.is_tail:
-            self._window = 0  # until the tail says how many drafts the hops below take
+        # what this hop takes: the route's bound, and none where its engine's windows are not exact
+        self._takes = 0 if open_route.audit else min(open_route.speculate, context.max_window)
+        self._window = 0 if self.is_head and not self.is_tail else self._takes  # the head: until the tail says
         self._last: tuple[int, int, tuple[int, ...]] = (0, 0, ())
         self._engine_end = 0
         self._valid_end = 0
@@ -540,7 +540,7 @@ class RouteSession:
                 if received.finished or not received.token_ids:
                     return  # wait for Release from the client in the upstream loop
                 tokens = received.token_ids
-                self._window = min(received.window, self.open_route.speculate, self.context.max_window)
+                self._window = min(received.window, self._takes)
             # the step's round trip, its drafts judged, and the next step: the last token, at its position
             if decoding:
                 policy.timed(1 + len(draft), time.perf_counter() - sent)
@@ -827,7 +827,7 @@ class RouteSession:
     def _restamped_up(self, event: Tokens) -> Tokens:
         """``event`` from downstream, with our header (the next step id upstream) and what else it
         carries; the drafts a window may carry lowered to what this hop takes."""
-        window = min(event.window, min(self.open_route.speculate, self.context.max_window))
+        window = min(event.window, self._takes)
         return attrs.evolve(event, header=self._up_header(Phase.DECODE, event.header.positions), window=window)
 
     def _up_header(self, phase: Phase, positions: Span = Span()) -> Any:
