@@ -1,9 +1,13 @@
-"""Leases and the scheduler: plain synchronous logic, no event loop."""
+"""Leases, the scheduler and a hop's decode windows: plain synchronous logic, no event loop."""
 
 from __future__ import annotations
 
+import pytest
+
 from noderuntime.node.leases import LeaseManager, SlotState
 from noderuntime.node.scheduler import ReadyStep, schedule
+from noderuntime.node.windows import HopWindows
+from protocol import RemoteProtocolError, Span
 
 
 def test_leases_refuse_when_full_and_reuse_only_drained_slots() -> None:
@@ -68,3 +72,62 @@ def test_prefill_chunks_of_one_length_share_a_tick_within_the_group_rows() -> No
     # with decode steps waiting, prefill ticks still alternate with decode ticks
     mixed = [*ready, ReadyStep(4, 1, True)]
     assert [[s.seq_id for s in schedule(mixed, budget=512, rotation=t).steps] for t in range(2)] == [[4], [0, 2, 3]]
+
+
+def test_a_windows_drafted_rows_enter_the_commitments_only_as_far_as_they_were_kept() -> None:
+    windows = HopWindows.open(8, 8, audit=False, head_of_route=False)
+    committed: list[tuple[int, list[int]]] = []
+    windows.commit(lambda start, rows: committed.append((start, list(rows))), 10, [1, 2, 3, 4], window=True)
+    windows.stepped(10, 4, (2, 3, 4))
+    assert committed == [(10, [1])] and (windows.engine_end, windows.kept_end) == (14, 11)
+    windows.keep(12)  # the tail kept one draft: rows 10 and 11
+    assert committed == [(10, [1]), (11, [2])] and windows.kept_end == 12
+    windows.keep(14)  # nothing held is committed twice
+    assert committed == [(10, [1]), (11, [2])]
+
+
+def test_an_audit_takes_no_windows_and_a_head_waits_for_the_tail_to_say() -> None:
+    assert HopWindows.open(8, 8, audit=True, head_of_route=False).window == 0
+    head = HopWindows.open(8, 4, audit=False, head_of_route=True)
+    assert (head.takes, head.window) == (4, 0)
+    head.answered(64)
+    assert head.window == 4 and head.lowered(2) == 2
+
+
+def test_a_window_leaves_room_for_the_reservation_the_reply_and_a_sliding_window() -> None:
+    windows = HopWindows.open(8, 8, audit=False, head_of_route=False)
+    assert windows.room(100, left=50, reserved=1000, n_swa=0) == 8
+    assert windows.room(100, left=3, reserved=1000, n_swa=0) == 2
+    assert windows.room(100, left=50, reserved=103, n_swa=0) == 2
+    assert windows.room(100, left=50, reserved=1000, n_swa=105) == 3
+    assert windows.room(600, left=50, reserved=1000, n_swa=512) == 0
+
+
+@pytest.mark.parametrize(
+    ("positions", "drafts", "decode", "message"),
+    [
+        (Span(5, 7), (1,), False, "decode steps only"),
+        (Span(5, 6), (1,), True, "positions with 1 drafted"),
+        (Span(5, 15), tuple(range(1, 10)), True, "9 drafted tokens where this session takes 8"),
+        (Span(5, 7), (99,), True, "outside the vocabulary"),
+    ],
+)
+def test_a_peers_window_must_fit_its_rows_this_hops_bound_and_the_vocabulary(
+    positions: Span, drafts: tuple[int, ...], decode: bool, message: str
+) -> None:
+    windows = HopWindows.open(8, 8, audit=False, head_of_route=False)
+    with pytest.raises(RemoteProtocolError, match=message):
+        windows.check_drafts(positions, drafts, decode=decode, n_vocab=50)
+
+
+def test_a_windows_answer_must_follow_its_drafts_once() -> None:
+    windows = HopWindows.open(8, 8, audit=False, head_of_route=False)
+    windows.stepped(10, 4, (7, 8, 9))
+    with pytest.raises(RemoteProtocolError, match="do not follow"):
+        windows.check_answer((7, 5, 1), Span(11, 14))
+    with pytest.raises(RemoteProtocolError, match="not 11:13"):
+        windows.check_answer((7, 1), Span(12, 14))
+    with pytest.raises(RemoteProtocolError, match="do not follow"):
+        windows.check_answer((7, 8, 9, 1, 2), Span(11, 16))
+    windows.check_answer((7, 8, 1), Span(11, 14))
+    windows.check_answer((3, 3, 3), Span(40, 43))  # the window is answered: a plain step's tokens now

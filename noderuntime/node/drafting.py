@@ -136,3 +136,43 @@ class WindowPolicy:
         elif self.step is not None:
             extra = max(0.0, (seconds - self.step) / (rows - 1))
             self.row = extra if self.row is None else 0.8 * self.row + 0.2 * extra
+
+
+class HeadDrafts:
+    """One session's drafting at the head: the drafts each step carries, and what each answer
+    teaches the policy (a step's round trip, how many of its drafts were kept)."""
+
+    def __init__(self, prompt: Sequence[int], speculate: int, *, eager: bool = False) -> None:
+        """``speculate``: the most drafts a window carries on this route (0: none, ever)."""
+        self.lookup = PromptLookup(prompt) if speculate else None
+        self.policy = WindowPolicy(speculate, eager=eager)
+        self.sent: tuple[int, ...] = ()  # the drafts the step in flight carries
+        self._shadow: int | None = None  # the draft that step could have carried and did not
+        self._sent_at: float | None = None  # when it went (None: the first tokens, after prefill)
+
+    def answered(self, tokens: Sequence[int], now: float) -> None:
+        """The tokens that came back for the step in flight."""
+        if self._sent_at is not None:
+            self.policy.timed(1 + len(self.sent), now - self._sent_at)
+        if self.sent:
+            self.policy.judged(len(self.sent), len(tokens) - 1)
+        elif self._shadow is not None:
+            self.policy.shadow(tokens[0] == self._shadow)
+        self.sent, self._shadow = (), None
+        if self.lookup is not None:
+            self.lookup.extend(tokens)
+
+    def draft(self, room: int, budget: int) -> tuple[int, ...]:
+        """The drafts of the next step: at most ``room`` (what the session and the route allow)
+        and ``budget`` (the node's draft rows left this tick), as many as pay for themselves."""
+        if self.lookup is None:
+            return ()
+        offered = self.lookup.draft(room)
+        self.sent = tuple(offered[: self.policy.size(len(offered), budget)])
+        if not self.sent and offered:
+            self._shadow = offered[0]
+        return self.sent
+
+    def sending(self, now: float) -> None:
+        """The next step leaves now."""
+        self._sent_at = now

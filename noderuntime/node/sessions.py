@@ -16,12 +16,10 @@ Roles follow from the hop's place in the route plan:
 - every hop: runs the Activations it receives and passes them on; passes Tokens and
   Usage upstream.
 
-Speculative decoding (:mod:`noderuntime.node.drafting`): where the route takes windows, the
-head drafts tokens from the session's own and sends them with the tail's last token as one
-decode step of several rows. The tail samples the rows in order while they agree with the
-drafts and sends back what it drew; the next step starts after those tokens, and every hop
-drops the KV of the rows past it (the seam's own bookkeeping agrees, ``protocol.seam``).
-A window's drafted rows enter the hop's commitments only once they are known to be kept.
+Speculative decoding: where the route takes windows, the head drafts tokens
+(:mod:`noderuntime.node.drafting`) and sends them with the tail's last token as one decode step
+of several rows; the tail samples them while they agree with the drafts, and every hop drops
+the rows past what it drew (:mod:`noderuntime.node.windows`).
 """
 
 from __future__ import annotations
@@ -43,10 +41,12 @@ from noderuntime.control.ledger import UsageBody
 from noderuntime.engine.base import EngineError
 from noderuntime.node.batcher import StepFailed, StepOutput, StepRequest
 from noderuntime.node.context import SessionContext, SessionKey, SessionUsage
-from noderuntime.node.drafting import PromptLookup, WindowPolicy
-from noderuntime.node.ending import Blame, EndReason, SessionEnd, ending, idle_blame, seam_lost, stop_reason
+from noderuntime.node.drafting import HeadDrafts
+from noderuntime.node.ending import Blame, EndReason, SessionEnd, ending, idle_blame, seam_lost
 from noderuntime.node.leases import Lease
 from noderuntime.node.prefix import BLOCK
+from noderuntime.node.tail import Draws, TailDraws
+from noderuntime.node.windows import HopWindows
 from noderuntime.operations.telemetry import SessionLog
 from noderuntime.seams.connection import SeamConnection
 from noderuntime.transport import TransportError
@@ -70,7 +70,6 @@ from protocol import (
     Span,
     State,
     StatusCode,
-    TokenLogprob,
     Tokens,
     Usage,
     UsageRecord,
@@ -113,9 +112,7 @@ class RouteSession:
         self._decode_sent_at: float | None = None
         self.scope = trio.CancelScope(deadline=deadline)
         self.end: SessionEnd | None = None
-        self.generated = len(open_route.generated)  # a resumed session goes on counting
-        self._prompt_logprobs: list[TokenLogprob] = []  # the tail's prompt rows scored so far
-        self._drawn: list[int] = []  # the tail's tokens drawn and not yet sent (an audit's: all)
+        self.tail = TailDraws(open_route, lease.tokens)
         # set once a released session's KV is in the prefix cache: its usage goes up only then, so
         # that a client holding every hop's usage may count on the next turn finding it
         self._kept = trio.Event()
@@ -141,17 +138,12 @@ class RouteSession:
         self._agreed: int | None = None if self._offer_in else 0
         self._settled = trio.Event()
         self._seen: list[int] = []  # tokens generated so far, as they passed this node
-        # speculative decoding: the most drafts a window may carry here (the head learns the
-        # route's from the tail's first Tokens), this hop's last step (start, rows, drafts),
-        # the positions the engine holds (rows a window did not keep too) and of those the kept
-        # what this hop takes: the route's bound, and none where its engine's windows are not exact
-        self._takes = 0 if open_route.audit else min(open_route.speculate, context.max_window)
-        self._window = 0 if self.is_head and not self.is_tail else self._takes  # the head: until the tail says
-        self._last: tuple[int, int, tuple[int, ...]] = (0, 0, ())
-        self._engine_end = 0
-        self._valid_end = 0
-        # a window's drafted rows in and out, committed once the tokens back say they were kept
-        self._held: list[tuple[Callable[[int, Any], None], int, Any]] = []
+        self.windows = HopWindows.open(
+            open_route.speculate,
+            context.max_window,
+            audit=open_route.audit,
+            head_of_route=self.is_head and not self.is_tail,  # until the tail says what the route takes
+        )
         # what this hop took in and gave out, from the first row it computes (commitments.py);
         # made when the prefix is settled. An audit's from the row its audited route started at.
         self._in_commit: Commitment | None = None
@@ -187,7 +179,7 @@ class RouteSession:
     def kv_length(self) -> int:
         """Positions this session holds in KV, by the steps it ran and the prefix it restored
         (not the rows of a decode window that were not kept)."""
-        return self._valid_end
+        return self.windows.kept_end
 
     async def run(self) -> SessionEnd:
         """Serve the session to its end; returns why it ended."""
@@ -249,21 +241,7 @@ class RouteSession:
         rows_from = route.audit_from if route.audit else agreed
         self._in_commit = Commitment(rows_from)
         # the tail commits to the tokens it draws, from the first row it samples
-        self._out_commit = Commitment(self._first_sampled_row if self.is_tail else rows_from)
-
-    @property
-    def _first_sampled_row(self) -> int:
-        """The tail's first sampled row: the prompt's last (an audit's: the first its route sampled)."""
-        route = self.open_route
-        return (route.prompt_length if route.audit else len(route.prompt_tokens)) - 1
-
-    def _rows_to_sample(self, start: int, n: int) -> int:
-        """How many of the step's last rows the tail samples: the last prompt row's, or, in an audit,
-        every row its route sampled."""
-        end = start + n
-        if self.open_route.audit:
-            return max(0, end - max(start, self._first_sampled_row))
-        return 1 if end >= len(self.open_route.prompt_tokens) else 0
+        self._out_commit = Commitment(self.tail.first_sampled_row if self.is_tail else rows_from)
 
     # --- the prefix
 
@@ -294,7 +272,7 @@ class RouteSession:
                 return False
         self._cached_state = None  # held no longer than needed
         self._agreed = agreed
-        self._engine_end = self._valid_end = agreed
+        self.windows.restored(agreed)
         self.usage.cached_tokens = agreed
         self._commit_from(agreed)
         self._settled.set()
@@ -462,7 +440,7 @@ class RouteSession:
             if isinstance(event, Tokens):
                 self._seen += event.token_ids
                 if event.token_ids:
-                    self._keep(event.header.positions.end - 1)
+                    self.windows.keep(event.header.positions.end - 1)
                 if event.finished:
                     self.context.last_step(self.lease.seq_id)
                 if self._decode_sent_at is not None:
@@ -512,43 +490,33 @@ class RouteSession:
         output: StepOutput | None = None
         for start in range(position, len(prompt), chunk):
             piece = prompt[start : start + chunk]
-            sample = self._rows_to_sample(start, len(piece)) if self.is_tail else 0
+            sample = self.tail.rows_to_sample(start, len(piece)) if self.is_tail else 0
             output = await self._step(position, tokens=piece, sample=sample, decode=False)
             if output is None:
                 return
             if self.open_route.audit and self.is_tail:
-                if position + len(piece) == len(prompt) and await self._emit_drawn():
+                if position + len(piece) == len(prompt) and await self._emit(self.tail.take_audit()):
                     return
                 output = None
             position += len(piece)
-        drafter = PromptLookup(self.open_route.prompt_tokens) if self.open_route.speculate else None
-        policy = WindowPolicy(self.open_route.speculate, eager=self.context.eager_windows)
+        drafts = HeadDrafts(self.open_route.prompt_tokens, self.open_route.speculate, eager=self.context.eager_windows)
         first = position  # where the tokens the last step draws go
-        draft: tuple[int, ...] = ()
-        shadow: int | None = None  # the draft a plain step could have carried
-        sent = time.perf_counter()
-        decoding = False  # the first tokens come after prefill: their wait is no step's round trip
         while True:
             if self.is_tail:
                 assert output is not None
-                finished, tokens = await self._emit_tokens(output, first, len(draft))
-                if finished:
+                draws = self.tail.take(output, first, len(drafts.sent))
+                if await self._emit(draws):
                     return
+                tokens = draws.tokens
             else:
                 assert tokens_in is not None
                 received = await tokens_in.receive()
                 if received.finished or not received.token_ids:
                     return  # wait for Release from the client in the upstream loop
                 tokens = received.token_ids
-                self._window = min(received.window, self._takes)
-            # the step's round trip, its drafts judged, and the next step: the last token, at its position
-            if decoding:
-                policy.timed(1 + len(draft), time.perf_counter() - sent)
-            decoding = True
-            if draft:
-                policy.judged(len(draft), len(tokens) - 1)
-            elif shadow is not None:
-                policy.shadow(tokens[0] == shadow)
+                self.windows.answered(received.window)
+            # the step's round trip and its drafts judged; the next step: the last token, at its position
+            drafts.answered(tokens, time.perf_counter())
             position = first + len(tokens) - 1
             if position >= self.lease.tokens:  # the tail should have finished the generation
                 await self._protocol_failure_down(
@@ -558,15 +526,11 @@ class RouteSession:
                     )
                 )
                 return
-            draft, shadow = (), None
-            if drafter is not None:
-                drafter.extend(tokens)
-                offered = drafter.draft(self._window_room(position))
-                draft = tuple(offered[: policy.size(len(offered), self.context.draft_rows())])
-                if not draft and offered:
-                    shadow = offered[0]
+            left = self.open_route.max_tokens - len(self.open_route.generated) - len(self._seen)
+            room = self.windows.room(position, left=left, reserved=self.lease.tokens, n_swa=self.context.n_swa)
+            draft = drafts.draft(room, self.context.draft_rows())
             rows = np.array([tokens[-1], *draft], np.int32)
-            sent = time.perf_counter()
+            drafts.sending(time.perf_counter())
             stepped = await self._step(
                 position, tokens=rows, sample=len(rows) if self.is_tail else 0, decode=True, draft=draft
             )
@@ -574,71 +538,18 @@ class RouteSession:
                 return
             output, first = stepped, position + 1
 
-    def _window_room(self, position: int) -> int:
-        """The most drafts a window at ``position`` may carry: what the route takes, what the session
-        has left to generate and to hold, and (a sliding-window model) positions below its window."""
-        room = min(
-            self._window,
-            self.open_route.max_tokens - len(self.open_route.generated) - len(self._seen) - 1,
-            self.lease.tokens - position - 1,
-        )
-        if self.context.n_swa:
-            # a row past the sliding window lets the cache reuse the cells of positions below it,
-            # which a rejected row's rollback would need again
-            room = min(room, self.context.n_swa - position - 2)
-        return max(0, room)
-
     async def _run_activations(self, event: Activations) -> bool:
         """A non-head hop: run the rows, pass them on (or sample, on the tail)."""
+        positions, decode, draft = event.header.positions, event.header.phase == Phase.DECODE, event.draft
         try:
-            hidden = event.tensor("hidden_states")
-        except KeyError:
-            await self._protocol_failure_up(RemoteProtocolError("Activations without hidden_states"))
+            hidden = self._checked_rows(event)
+            self.windows.check_drafts(positions, draft, decode=decode, n_vocab=self.context.n_vocab)
+        except RemoteProtocolError as exc:
+            await self._protocol_failure_up(exc)
             return False
-        positions = event.header.positions
-        if hidden.ndim != 2 or hidden.shape[0] != len(positions) or hidden.shape[1] != self.context.n_embd:
-            await self._protocol_failure_up(
-                RemoteProtocolError(
-                    f"hidden_states of shape {hidden.shape} for {len(positions)} positions and n_embd "
-                    f"{self.context.n_embd}"
-                )
-            )
-            return False
-        if positions.end > self.lease.tokens:
-            await self._protocol_failure_up(
-                RemoteProtocolError(
-                    f"position {positions.end} beyond the {self.lease.tokens} this session reserved",
-                    StatusCode.OUT_OF_RANGE,
-                )
-            )
-            return False
-        decode = event.header.phase == Phase.DECODE
-        draft = event.draft
-        if decode and len(positions) != 1 + len(draft):
-            await self._protocol_failure_up(
-                RemoteProtocolError(f"a decode step of {len(positions)} positions with {len(draft)} drafted tokens")
-            )
-            return False
-        if (draft and not decode) or len(draft) > self._window:
-            await self._protocol_failure_up(
-                RemoteProtocolError(
-                    f"a window of {len(draft)} drafted tokens where this session takes {self._window} "
-                    "(in decode steps only)",
-                    StatusCode.OUT_OF_RANGE,
-                )
-            )
-            return False
-        if any(not 0 <= t < self.context.n_vocab for t in draft):
-            await self._protocol_failure_up(
-                RemoteProtocolError(f"drafted tokens outside the vocabulary of {self.context.n_vocab}")
-            )
-            return False
-        if self._in_commit is None:
-            # rows before the hops agreed on the prefix: nothing says where this hop's computing starts
-            await self._protocol_failure_up(RemoteProtocolError("Activations before the route agreed on its prefix"))
-            return False
-        self._commit(self._in_commit.add_rows, positions.start, hidden, bool(draft))
-        sample = len(positions) if draft else self._rows_to_sample(positions.start, len(positions))
+        assert self._in_commit is not None  # made when the prefix was settled, which _checked_rows checked
+        self.windows.commit(self._in_commit.add_rows, positions.start, hidden, bool(draft))
+        sample = len(positions) if draft else self.tail.rows_to_sample(positions.start, len(positions))
         output = await self._step(
             positions.start, hidden=hidden, sample=sample if self.is_tail else 0, decode=decode, draft=draft
         )
@@ -647,28 +558,33 @@ class RouteSession:
         if self.is_tail and sample:
             if self.open_route.audit:
                 if positions.end == len(self.open_route.prompt_tokens):
-                    await self._emit_drawn()
+                    await self._emit(self.tail.take_audit())
                 return True
             # a window's draws begin at its first row; a plain step's is its last row's
             first = positions.start + 1 if draft else positions.end
-            await self._emit_tokens(output, first, len(draft))
+            await self._emit(self.tail.take(output, first, len(draft)))
         return True
 
-    def _commit(self, add: Callable[[int, Any], None], start: int, rows: Any, window: bool) -> None:
-        """Commit a step's rows; of a window only the first, the rest once they are known to be kept."""
-        if not window:
-            add(start, rows)
-            return
-        add(start, rows[:1])
-        self._held.append((add, start + 1, rows[1:]))
-
-    def _keep(self, end: int) -> None:
-        """Tokens came back: the KV rows before ``end`` are kept, and enter the commitments."""
-        for add, first, rows in self._held:
-            if end > first:
-                add(first, rows[: end - first])
-        self._held = []
-        self._valid_end = max(self._valid_end, min(end, self._engine_end))
+    def _checked_rows(self, event: Activations) -> np.ndarray:
+        """The hidden states of a step from the previous hop, if its shape and positions fit this session."""
+        try:
+            hidden = event.tensor("hidden_states")
+        except KeyError:
+            raise RemoteProtocolError("Activations without hidden_states") from None
+        positions, n_embd = event.header.positions, self.context.n_embd
+        if hidden.ndim != 2 or hidden.shape[0] != len(positions) or hidden.shape[1] != n_embd:
+            raise RemoteProtocolError(
+                f"hidden_states of shape {hidden.shape} for {len(positions)} positions, n_embd {n_embd}"
+            )
+        if positions.end > self.lease.tokens:
+            raise RemoteProtocolError(
+                f"position {positions.end} beyond the {self.lease.tokens} this session reserved",
+                StatusCode.OUT_OF_RANGE,
+            )
+        if self._in_commit is None:
+            # rows before the hops agreed on the prefix: nothing says where this hop's computing starts
+            raise RemoteProtocolError("Activations before the route agreed on its prefix")
+        return hidden
 
     async def _step(
         self,
@@ -683,8 +599,8 @@ class RouteSession:
         """One step through the batcher; forwards the rows downstream; returns what it drew (``None``:
         the session is ending).
 
-        ``sample``: how many of the last rows the tail samples (0: none; the tokens of all of
-        them are kept in ``_drawn``). ``draft``: a window's drafted tokens, the inputs of its rows 1..
+        ``sample``: how many of the last rows the tail samples (0: none). ``draft``: a window's
+        drafted tokens, the inputs of its rows 1..
         """
         request = StepRequest(
             self.lease.seq_id,
@@ -695,11 +611,11 @@ class RouteSession:
             decode=decode,
             sample_rows=max(1, sample),
             draft=draft,
-            truncate=start < self._engine_end,  # the rows of the last window that were not kept
+            truncate=start < self.windows.engine_end,  # the rows of the last window that were not kept
         )
         if tokens is not None:
             assert self._in_commit is not None
-            self._commit(self._in_commit.add_tokens, start, tokens, bool(draft))
+            self.windows.commit(self._in_commit.add_tokens, start, tokens, bool(draft))
         sampling = self.open_route.sampling
         if self.is_tail and not decode and sampling.prompt_logprobs:
             # each prompt row scores the prompt token after it; the last one's is the sampled token
@@ -713,13 +629,9 @@ class RouteSession:
             self._finish(ending(EndReason.ENGINE_ERROR, f"the shard failed: {exc}"))
             return None
         self._touch()
-        self._prompt_logprobs += output.scored
-        if sample:
-            self._drawn += output.drawn
+        self.tail.stepped(output, sampled=bool(sample))
         n = request.n_rows
-        self._last = (start, n, draft)
-        self._engine_end = start + n
-        self._valid_end = start + 1 if draft else start + n
+        self.windows.stepped(start, n, draft)
         if decode:
             self.usage.decode_tokens += n
         else:
@@ -728,7 +640,7 @@ class RouteSession:
         if self.downstream is not None:
             assert output.hidden is not None and self._out_commit is not None
             sent = as_received(output.hidden, self.context.encoding)
-            self._commit(self._out_commit.add_rows, start, sent, bool(draft))
+            self.windows.commit(self._out_commit.add_rows, start, sent, bool(draft))
             header = self._down_endpoint().header(Phase.DECODE if decode else Phase.PREFILL, Span(start, start + n))
             tensor = NamedTensor("hidden_states", output.hidden, self.context.encoding)
             if not await self._send_down(Activations(header, (tensor,), draft)):
@@ -737,64 +649,16 @@ class RouteSession:
                 self._decode_sent_at = time.perf_counter()
         return output
 
-    async def _emit_tokens(self, output: StepOutput, first: int, drafted: int) -> tuple[bool, tuple[int, ...]]:
-        """The tail: send the tokens a step drew upstream, the first at position ``first``; whether
-        the generation is finished, and the tokens sent."""
-        drawn, self._drawn = output.drawn, []
-        route = self.open_route
-        kept: list[int] = []
-        reason = ""
-        for token in drawn:
-            kept.append(token)
-            self.generated += 1
-            reason = stop_reason(
-                token,
-                generated=self.generated,
-                max_tokens=route.max_tokens,
-                position=first + len(kept) - 1,
-                reserved=self.lease.tokens,
-                stop_tokens=route.stop_token_ids,
-            )
-            if reason:
-                break
-        self._seen += kept
+    async def _emit(self, draws: Draws) -> bool:
+        """The tail: send ``draws`` upstream, in the commitments first; whether the generation is finished."""
+        self._seen += draws.tokens
         assert self._out_commit is not None
-        self._out_commit.add_tokens(first - 1, kept)
-        self._keep(first - 1 + len(kept))
-        logprobs = output.drawn_logprobs[: len(kept)]
-        prompt_logprobs = tuple(self._prompt_logprobs)
-        self._prompt_logprobs = []  # they travel in the first Tokens frame alone
-        if reason:
+        self._out_commit.add_tokens(draws.first - 1, draws.tokens)
+        self.windows.keep(draws.span.end - 1)
+        if draws.finished:
             self.context.last_step(self.lease.seq_id)
-        # of a window's drafts, those before its last draw were kept (the draws agreed with them)
-        accepted = len(drawn) - 1 if drafted else 0
-        await self._send_up(
-            lambda: Tokens(
-                self._up_header(Phase.DECODE, Span(first, first + len(kept))),
-                tuple(kept),
-                bool(reason),
-                reason,
-                logprobs,
-                prompt_logprobs,
-                self._window,
-                drafted,
-                accepted,
-            )
-        )
-        return bool(reason), tuple(kept)
-
-    async def _emit_drawn(self) -> bool:
-        """An audit's tail: every token drew, teacher-forced, in one last Tokens frame (then finished)."""
-        drawn, self._drawn = self._drawn, []
-        first = self._first_sampled_row
-        assert self._out_commit is not None
-        self._out_commit.add_tokens(first, drawn)
-        self.generated += len(drawn)
-        self._seen += drawn
-        self.context.last_step(self.lease.seq_id)
-        span = Span(first + 1, first + 1 + len(drawn))
-        await self._send_up(lambda: Tokens(self._up_header(Phase.DECODE, span), tuple(drawn), True, "length"))
-        return True
+        await self._send_up(lambda: draws.frame(self._up_header(Phase.DECODE, draws.span), self.windows.window))
+        return draws.finished
 
     async def _send_usage(self, records: list[UsageRecord]) -> None:
         body = UsageBody(
@@ -827,8 +691,8 @@ class RouteSession:
     def _restamped_up(self, event: Tokens) -> Tokens:
         """``event`` from downstream, with our header (the next step id upstream) and what else it
         carries; the drafts a window may carry lowered to what this hop takes."""
-        window = min(event.window, self._takes)
-        return attrs.evolve(event, header=self._up_header(Phase.DECODE, event.header.positions), window=window)
+        header = self._up_header(Phase.DECODE, event.header.positions)
+        return attrs.evolve(event, header=header, window=self.windows.lowered(event.window))
 
     def _up_header(self, phase: Phase, positions: Span = Span()) -> Any:
         assert self.upstream.endpoint is not None
@@ -882,19 +746,7 @@ class RouteSession:
                 f"{self.lease.tokens} this session reserved",
                 StatusCode.OUT_OF_RANGE,
             )
-        start, rows, draft = self._last
-        if draft and event.token_ids:
-            # a window's tokens: the drafts the tail kept, then its own draw, from the row after its first
-            n = len(event.token_ids)
-            if n > rows or tuple(event.token_ids[: n - 1]) != draft[: n - 1]:
-                raise RemoteProtocolError(f"{n} tokens for a window of {rows} rows that do not follow its drafts")
-            if event.header.positions != Span(start + 1, start + 1 + n):
-                raise RemoteProtocolError(
-                    f"a window's tokens at positions {event.header.positions.start}:{event.header.positions.end}, "
-                    f"not {start + 1}:{start + 1 + n}",
-                    StatusCode.OUT_OF_RANGE,
-                )
-            self._last = (start, rows, ())  # one answer per window
+        self.windows.check_answer(event.token_ids, event.header.positions)
 
     # Both failures end the session before telling the peer: the notice is sent shielded,
     # and meanwhile no other task of the session may send on a seam that is closing.
