@@ -46,7 +46,6 @@ from noderuntime.services.cluster import ManagedProcess
 from noderuntime.services.ready import TrackerReady, expect
 from noderuntime.testing.clusters import local_tracker_args
 from noderuntime.testing.usage import signed_usage
-from noderuntime.tracker.app import MAX_TICKET_SECONDS
 from noderuntime.tracker.audits import (
     MAX_OPEN_AUDITS,
     MAX_OPEN_AUDITS_PER_CLIENT,
@@ -56,6 +55,7 @@ from noderuntime.tracker.audits import (
     network_prefix,
 )
 from noderuntime.tracker.audits import Grant as AuditGrant
+from noderuntime.tracker.grants import MAX_TICKET_SECONDS
 from noderuntime.tracker.messages import RecordJSON
 from noderuntime.tracker.records import NodeRecord
 from noderuntime.tracker.registry import TrackerState
@@ -362,8 +362,8 @@ async def test_a_client_holds_no_more_route_grants_at_once_than_its_limit() -> N
         # the same key from a third address: the key holds its limit too
         assert (await swarm.route(**keyed)).status_code == 429
         later = time.time() + 200
-        assert swarm.tracker.outstanding.held("address:127.0.0.2", later) == 0
-        assert swarm.tracker.outstanding.held(f"key:{'ab' * 32}", later) == 0
+        assert swarm.tracker.grants.outstanding.held("address:127.0.0.2", later) == 0
+        assert swarm.tracker.grants.outstanding.held(f"key:{'ab' * 32}", later) == 0
 
 
 DRAINERS = 10  # addresses of the crowd, each asking for a route every DRAIN_PACE with a fresh client key
@@ -709,11 +709,11 @@ async def test_two_sybil_auditors_agreeing_against_an_honest_node_do_not_exclude
             assert verdict["failed"] == [], verdict
             if referee is None:
                 assert [a["node_id"] for a in verdict["accused"]] == [victim.node_id.hex()]
-                assert swarm.tracker.audits.standing_of(victim.node_id).suspected == 1
+                assert swarm.tracker.grants.audits.standing_of(victim.node_id).suspected == 1
             else:
                 assert verdict["accused"] == [] and victim.node_id.hex() in verdict["passed"]
                 assert sorted(verdict["outvoted"]) == sorted(s.node_id.hex() for s in sybils)
-            assert not swarm.tracker.audits.excluded(victim.node_id)
+            assert not swarm.tracker.grants.audits.excluded(victim.node_id)
             assert (await swarm.register(victim, slots=64)).status_code == 200
             assert swarm.tracker.state.nodes[victim.node_id].admitted
             others = [s.node_id.hex() for s in sybils] + ([referee.node_id.hex()] if referee else [])
@@ -744,7 +744,7 @@ async def test_a_node_is_excluded_when_a_referee_confirms_two_auditors() -> None
         report = {"audited": [usage(cheater, session, audit=False, output=FORGED_ROWS)], "audits": audits}
         verdict = (await swarm.post("/v1/audits/report", report, client)).json()
         assert [f["node_id"] for f in verdict["failed"]] == [cheater.node_id.hex()], verdict
-        assert "referee" in swarm.tracker.audits.excluded(cheater.node_id)
+        assert "referee" in swarm.tracker.grants.audits.excluded(cheater.node_id)
         assert not swarm.tracker.state.nodes[cheater.node_id].admitted
 
 

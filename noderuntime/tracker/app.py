@@ -16,8 +16,8 @@
 - ``POST /v1/placement/reconsider``: a serving node that was placed asks whether it should
   move (signed): stay, or a range that raises the swarm's least capacity by the margin
   (:meth:`Placement.reconsider`), reserved for it; 404 when it is not registered.
-- ``POST /v1/routes``: a route for a session and its signed ticket (optionally behind a
-  bearer key): 503 when no route exists, 429 when every route is full.
+- ``POST /v1/routes``, ``/v1/routes/repair``, ``/v1/audits`` and ``/v1/audits/report``: the
+  grants of routes, repairs and audits, and an audit's verdict (:mod:`noderuntime.tracker.grants`).
 - ``GET  /metrics``: Prometheus metrics.
 - ``GET  /v1/manifests`` and ``GET /v1/manifests/{artifact}``: the signed manifests it was
   given (:mod:`noderuntime.models.manifest`), for nodes that fetch only their layers.
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import random
 import time
 from collections.abc import Iterable
@@ -45,7 +44,6 @@ from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from noderuntime.access import tickets
 from noderuntime.access.addresses import AddressError, check_endpoints
 from noderuntime.access.identity import Identity
 from noderuntime.access.signing import SignatureChecker, SignatureError, join_proof
@@ -55,14 +53,8 @@ from noderuntime.operations.httpserve import BodyLimit
 from noderuntime.operations.memory import compacted, give_back
 from noderuntime.operations.telemetry import TrackerMetrics, exposition, trio_tasks
 from noderuntime.tracker import shapes, swarm
-from noderuntime.tracker.audits import AUDIT_GRANT_SECONDS, AuditBook, AuditError, auditor_weight, network_prefix
-from noderuntime.tracker.audits import Grant as AuditGrant
-from noderuntime.tracker.limits import Outstanding, RateLimits
+from noderuntime.tracker.grants import ROUTE_BURST, ROUTE_CONCURRENCY, ROUTE_RATE, Grants
 from noderuntime.tracker.messages import (
-    AuditFailure,
-    AuditReport,
-    AuditRequest,
-    AuditVerdict,
     Heartbeat,
     Leave,
     NodeQuery,
@@ -72,30 +64,17 @@ from noderuntime.tracker.messages import (
     RebalanceReply,
     RebalanceRequest,
     Registration,
-    RepairRequest,
-    RouteHop,
-    RouteReply,
-    RouteRequest,
 )
 from noderuntime.tracker.placement import HOLD_DOWN_SECONDS, Placement, PlacementError
 from noderuntime.tracker.records import NodeRecord
 from noderuntime.tracker.registry import STEP_BUDGET_MS, TrackerState
-from noderuntime.tracker.routechoice import NoRoute
 from noderuntime.verify.certificates import CoveredPair
 from noderuntime.web import add_pages, file_response
-from protocol import Hop, Span, route_recipe
 
 MAX_BODY = 64 << 10
 PROBE_ANSWER_SECONDS = 60.0  # a challenge unanswered this long is sent again
 # the swarm's status is computed at most this often, however many pages poll it
 SWARM_CACHE_SECONDS = 1.0
-# a ticket lives as long as its request asks, up to this: minutes, for a session and its repairs
-MAX_TICKET_SECONDS = 1800.0
-# route grants one client (an address, a key) may take: at once, and a second in the long run
-ROUTE_BURST = 200
-ROUTE_RATE = 50.0
-# route grants one client (an address, a key) may hold at once: their tickets not yet expired
-ROUTE_CONCURRENCY = 4096
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +143,6 @@ class Tracker:
         self.placement = Placement(self.state, hold_down_seconds=move_hold_down)
         self.signatures = SignatureChecker()
         self._given_back_at = 0  # the maps' compactions when memory was last given back (expire)
-        self.api_key = api_key
         self.references = references or ProbeReferences()
         self.require_probe = require_probe
         self.probe_interval = probe_interval
@@ -174,44 +152,21 @@ class Tracker:
         self.challenges: dict[bytes, tuple[int, float]] = {}
         self.last_probed: dict[bytes, float] = {}
         self._rng = random.SystemRandom()
-        self.app = self._build()
-        self.routes_issued = 0
-        self.audits = AuditBook()
-        self.referees = frozenset(referees)
         self.joined: dict[bytes, float] = {}  # node id -> when it first registered, while it stays
-        self.route_limits = RateLimits(rate=route_rate, burst=route_burst)
-        self.outstanding = Outstanding(limit=route_concurrency)
-
-    @staticmethod
-    def _client_names(request: Request, client: bytes | str) -> list[str]:
-        """What a requester is known by: its address, and the key it names (if it names one)."""
-        names = [f"address:{request.client.host if request.client else ''}"]
-        key = client.hex() if isinstance(client, bytes) else client
-        if key:
-            names.append(f"key:{key}")
-        return names
-
-    @staticmethod
-    def _grantee(request: Request, client: bytes | str) -> str:
-        """Whom a route grant goes to, for the count of grants its nodes have not confirmed
-        (``TrackerState.note_session``): the address it connects from with the key it names.
-
-        Another's grants weigh little in a client's view and its own in full, so the name must
-        be one nobody else can take: a key alone is anyone's to name, an address is not.
-        """
-        key = client.hex() if isinstance(client, bytes) else client
-        return f"{request.client.host if request.client else ''} {key}"
-
-    def _limit(self, request: Request, client: bytes | str) -> None:
-        """Take one route grant from the requester's address and key; 429 when either has none left."""
-        wait = self.route_limits.take(self._client_names(request, client), time.monotonic())
-        if wait > 0:
-            self.metrics.routes.labels("limited").inc()
-            raise HTTPException(
-                429,
-                f"too many route requests from this client; try again in {wait:.1f} s",
-                headers={"retry-after": str(max(1, round(wait)))},
-            )
+        self.grants = Grants(
+            identity,
+            self.state,
+            self.metrics,
+            authenticate=self._authenticated,
+            joined_at=lambda node_id, default: self.joined.get(node_id, default),
+            api_key=api_key,
+            local_swarm=local_swarm,
+            route_rate=route_rate,
+            route_burst=route_burst,
+            route_concurrency=route_concurrency,
+            referees=referees,
+        )
+        self.app = self._build()
 
     def _challenge(self, record: NodeRecord, now: float) -> dict[str, int] | None:
         """A probe seed for this node if one is due (registration, interval, or lost answer)."""
@@ -295,12 +250,9 @@ class Tracker:
         app.get("/v1/status/nodes")(self._swarm_nodes)
         add_pages(app, "swarm.html", ("swarm.js", "dom.js", "pages.css"), guard=self._page_guard)
         app.get("/v1/artifacts")(self._artifacts)
-        app.post("/v1/routes")(self._route)
-        app.post("/v1/routes/repair")(self._repair)
         app.get("/v1/manifests")(self._manifests)
         app.get("/v1/manifests/{artifact}")(self._manifest)
-        app.post("/v1/audits")(self._audit_grant)
-        app.post("/v1/audits/report")(self._audit_report)
+        self.grants.add_to(app)
         return app
 
     async def _invalid(self, _request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -313,7 +265,7 @@ class Tracker:
         return JSONResponse({"detail": detail}, status_code=422)
 
     async def _status(self) -> dict[str, Any]:
-        return {"nodes": len(self.state.nodes), "routes_issued": self.routes_issued, "tasks": trio_tasks()}
+        return {"nodes": len(self.state.nodes), "routes_issued": self.grants.issued, "tasks": trio_tasks()}
 
     async def _metrics(self) -> Response:
         self.metrics.nodes.set(len(self.state.nodes))
@@ -376,7 +328,7 @@ class Tracker:
             for wrong in self.state.learn_shape(body.artifact, proven, now):
                 log.warning("node %s dropped: its layer count is not its artifact's %d", wrong.hex()[:12], proven)
         # a node that audits excluded stays out, however often it registers again
-        record = attrs.evolve(record, audit_failed=self.audits.excluded(node_id))
+        record = attrs.evolve(record, audit_failed=self.grants.audits.excluded(node_id))
         self.state.register(record, now)
         self.joined.setdefault(node_id, now)
         self.placement.registered(node_id)
@@ -479,7 +431,7 @@ class Tracker:
         if node_id not in self.state.nodes and not self._member(node_id, body.join_proof):
             # a private swarm places only its members: listed, registered, or showing the secret
             raise HTTPException(403, "this is a private swarm: the node is not allow-listed, nor shows its join secret")
-        self._limit(request, node_id)  # each key may hold one reservation; an address may not make keys fast
+        self.grants.limit(request, node_id)  # each key may hold one reservation; an address may not make keys fast
         try:
             given = self.placement.assign(
                 node_id, body.artifact, body.n_layer, body.max_layers, time.time(), tokens_per_s=body.tokens_per_s
@@ -560,7 +512,7 @@ class Tracker:
         self._check_status_key(request)
         now = time.time()
         if self._swarm_cache is None or now - self._swarm_cache[0] >= SWARM_CACHE_SECONDS:
-            status = swarm.swarm_status(self.state, now, routes_issued=self.routes_issued)
+            status = swarm.swarm_status(self.state, now, routes_issued=self.grants.issued)
             self._swarm_cache = (now, status.model_dump(mode="json"))
         return JSONResponse(self._swarm_cache[1])
 
@@ -577,7 +529,7 @@ class Tracker:
             "nodes": [
                 {
                     **r.public(now, self.state.step_budget_ms),
-                    "audits": attrs.asdict(self.audits.standing_of(r.node_id)),
+                    "audits": attrs.asdict(self.grants.audits.standing_of(r.node_id)),
                 }
                 for r in sorted(self.state.nodes.values(), key=lambda r: r.layers)
             ],
@@ -596,269 +548,3 @@ class Tracker:
         if found is None:
             raise HTTPException(404, "this tracker serves no manifest of that artifact")
         return Response(found.dumps(), media_type="application/json")
-
-    async def _route(self, body: RouteRequest, request: Request) -> JSONResponse:
-        if self.api_key is not None and request.headers.get("authorization") != f"Bearer {self.api_key}":
-            raise HTTPException(401, "a valid tracker key is required to request routes")
-        self._limit(request, body.client)
-        names, now = self._client_names(request, body.client), time.time()
-        if any(self.outstanding.held(name, now) >= self.outstanding.limit for name in names):
-            self.metrics.routes.labels("limited").inc()
-            raise HTTPException(
-                429,
-                f"this client holds {self.outstanding.limit} route grants whose tickets have not expired; "
-                "try again when some have",
-                headers={"retry-after": str(round(self.outstanding.granularity))},
-            )
-        try:
-            exclude = [bytes.fromhex(x) for x in body.exclude]
-            near = [bytes.fromhex(x) for x in body.prefer]
-        except ValueError:
-            raise HTTPException(400, "exclude and prefer hold hex node ids") from None
-        grantee = self._grantee(request, body.client)
-        try:
-            choice = self.state.choose(body.artifact, body.tokens, exclude=exclude, near=near, client=grantee)
-        except NoRoute as exc:
-            self.metrics.routes.labels("full" if exc.full else "none").inc()
-            return JSONResponse({"error": str(exc), "full": exc.full}, status_code=429 if exc.full else 503)
-        recipes = [bytes.fromhex(n.recipe) for n in choice.nodes]
-        mixed = len(set(recipes)) > 1  # only then does the plan name each hop's recipe
-        hops = [
-            Hop(n.node_id, Span(*n.layers), n.address, n.relay, n.tls_cert_sha256, recipe if mixed else b"")
-            for n, recipe in zip(choice.nodes, recipes, strict=True)
-        ]
-        session_id = os.urandom(16)
-        ttl = min(body.ttl_seconds, MAX_TICKET_SECONDS)
-        ticket = tickets.issue(
-            self.identity,
-            session_id=session_id,
-            epoch=0,
-            artifact=bytes.fromhex(body.artifact),
-            hops=hops,
-            client=bytes.fromhex(body.client),
-            ttl_seconds=ttl,
-            local=self.local_swarm,
-        )
-        self.outstanding.take(names, now, now + ttl)
-        self.state.note_session((n.node_id for n in choice.nodes), grantee)
-        self.routes_issued += 1
-        self.metrics.routes.labels("issued").inc()
-        reply = RouteReply(
-            session_id=session_id.hex(),
-            epoch=0,
-            ticket=ticket.hex(),
-            recipe=route_recipe(recipes).hex(),
-            cost_ms=round(choice.cost_ms, 3),
-            ctx_per_session=min(n.ctx_per_session for n in choice.nodes),
-            hops=[RouteHop.of(hop) for hop in hops],
-        )
-        return JSONResponse(reply.model_dump(mode="json"))
-
-    async def _audit_grant(self, body: AuditRequest, request: Request) -> JSONResponse:
-        """An audit route for a session: for each of its hops another admitted node with the same
-        layers, recipe and kernel class, and a ticket for the audit session, for the session's client alone.
-
-        503 when some hop has none: that session cannot be audited now.
-        """
-        requester = await self._authenticated(request, request.headers.get("x-node-id", ""))
-        try:
-            ticket = tickets.decode(bytes.fromhex(body.ticket), [self.identity.node_id])
-        except tickets.TicketError as exc:
-            raise HTTPException(403, f"not a ticket of this tracker's: {exc}") from None
-        if not ticket.client or requester != ticket.client:
-            raise HTTPException(403, "only a session's client may have it audited")
-        self._limit(request, requester)
-        # the tracker alone picks auditors: a client that could name or exclude them could steer
-        # an audit to nodes of its own; only the audited nodes and a first audit's auditors are left out
-        audited_nodes = {node for node, _, _ in ticket.hops}
-        if body.referee and self.audits.open_of(requester, ticket.session_id) < 2:
-            # a referee's time is the swarm's scarcest: only for two audits that agreed, as their report will show
-            raise HTTPException(409, "a referee re-executes a session only after two audits of it")
-        # a referee may have audited the session already: what counts is that the operator trusts it
-        exclude = audited_nodes | (set() if body.referee else self.audits.auditors_of(requester, ticket.session_id))
-        artifact = ticket.artifact.hex()
-        now = time.time()
-        grantee = self._grantee(request, requester)
-        auditors: list[NodeRecord] = []
-        refereed: list[bool] = []
-        for node, start, end in ticket.hops:
-            audited = self.state.nodes.get(node)
-            # the audited node's recipe and kernel class as it registered them; gone, the route's
-            like = [
-                n
-                for n in self.state.nodes.values()
-                if n.artifact == artifact
-                and n.layers == (start, end)
-                and n.admitted
-                and self.state.seen(n, grantee).free_slots > 0
-                and n.node_id not in exclude
-                and n.node_id not in {a.node_id for a in auditors}
-                and (audited is None or (n.recipe, n.kernel_class) == (audited.recipe, audited.kernel_class))
-            ]
-            referees = [n for n in like if n.node_id in self.referees] if body.referee else []
-            if not like:
-                self.metrics.routes.labels("audit_none").inc()
-                message = f"no other node of layers {start}:{end}, its recipe and kernel class can audit it now"
-                return JSONResponse({"error": message, "full": False}, status_code=503)
-            if referees:
-                auditors.append(self._rng.choice(referees))
-            else:
-                prefixes = [network_prefix(audited.address)] if audited is not None else []
-                weights = [auditor_weight(now - self.joined.get(n.node_id, now), n.address, prefixes) for n in like]
-                auditors.append(self._rng.choices(like, weights)[0])
-            refereed.append(bool(referees))
-        if body.referee and not any(refereed):
-            self.metrics.routes.labels("audit_none").inc()
-            message = "no referee this tracker names can re-execute any hop of that session now"
-            return JSONResponse({"error": message, "full": False}, status_code=503)
-        session = os.urandom(16)
-        hops = [Hop(n.node_id, Span(*n.layers), n.address, n.relay, n.tls_cert_sha256) for n in auditors]
-        issued = tickets.issue(
-            self.identity,
-            session_id=session,
-            epoch=0,
-            artifact=ticket.artifact,
-            hops=hops,
-            client=requester,
-            ttl_seconds=min(body.ttl_seconds, MAX_TICKET_SECONDS),
-            local=self.local_swarm,
-        )
-        try:
-            self.audits.grant(
-                session,
-                AuditGrant(
-                    client=requester,
-                    audited_session=ticket.session_id,
-                    audited_epoch=ticket.epoch,
-                    audited=ticket.hops,
-                    auditors=tuple((n.node_id, *n.layers) for n in auditors),
-                    expires=now + min(body.ttl_seconds, AUDIT_GRANT_SECONDS),
-                    refereed=tuple(refereed) if body.referee else (),
-                ),
-                now,
-            )
-        except AuditError as exc:
-            return JSONResponse({"error": str(exc), "full": True}, status_code=429)
-        self.state.note_session((n.node_id for n in auditors), grantee)
-        self.metrics.routes.labels("audit").inc()
-        reply = RouteReply(
-            session_id=session.hex(),
-            epoch=0,
-            ticket=issued.hex(),
-            recipe=route_recipe([bytes.fromhex(n.recipe) for n in auditors]).hex(),
-            ctx_per_session=min(n.ctx_per_session for n in auditors),
-            hops=[RouteHop.of(h) for h in hops],
-        )
-        return JSONResponse(reply.model_dump(mode="json"))
-
-    async def _audit_report(self, body: AuditReport, request: Request) -> dict[str, Any]:
-        """Judge an audit's evidence (:meth:`AuditBook.judge`); exclude a node two auditors and a referee
-        agreed against (two auditors alone: the verdict accuses it, for the reporter to avoid)."""
-        requester = await self._authenticated(request, request.headers.get("x-node-id", ""))
-        try:
-            verdict = self.audits.judge(
-                requester,
-                [r.record() for r in body.audited],
-                {bytes.fromhex(session): [r.record() for r in records] for session, records in body.audits.items()},
-                time.time(),
-            )
-        except AuditError as exc:
-            raise HTTPException(400, f"the audit's evidence does not hold: {exc}") from None
-        for node, why in verdict.failed:
-            self.state.update(node, audit_failed=why)
-            log.error("node %s excluded by audit: %s", node.hex()[:12], why)
-        for node, why in verdict.accused:
-            log.warning("node %s accused by two auditors, no referee confirmed it: %s", node.hex()[:12], why)
-        outcome = "failed" if verdict.failed else "suspected" if verdict.suspected or verdict.accused else "passed"
-        self.metrics.audits.labels(outcome).inc()
-        return AuditVerdict(
-            passed=[n.hex() for n in verdict.passed],
-            suspected=[n.hex() for n in verdict.suspected],
-            failed=[AuditFailure(node_id=n.hex(), why=why) for n, why in verdict.failed],
-            outvoted=[n.hex() for n in verdict.outvoted],
-            unjudged=[n.hex() for n in verdict.unjudged],
-            accused=[AuditFailure(node_id=n.hex(), why=why) for n, why in verdict.accused],
-        ).model_dump(mode="json")
-
-    async def _repair(self, body: RepairRequest, request: Request) -> JSONResponse:
-        """The rest of a session's route after its first ``keep`` hops, and its ticket for the next epoch.
-
-        Only a party of the session may ask, proven by its signature: the ticket's client for
-        a whole new route, the hop before the lost range for the rest of one. A route that
-        keeps hops runs the session's recipe (the kept hops' KV must meet bit-identical
-        activations); a whole new one prefers it and says when it could not (``exact``).
-        """
-        requester = await self._authenticated(request, request.headers.get("x-node-id", ""))
-        try:
-            ticket = tickets.decode(bytes.fromhex(body.ticket), [self.identity.node_id])
-        except tickets.TicketError as exc:
-            raise HTTPException(403, f"not a ticket of this tracker's: {exc}") from None
-        if ticket.expires_unix_ms <= time.time() * 1000:
-            raise HTTPException(403, "the session's ticket has expired")
-        if body.keep >= len(ticket.hops):
-            raise HTTPException(400, f"keep must leave hops to replace: the route has {len(ticket.hops)}")
-        if requester != ticket.dialer_of(body.keep):
-            raise HTTPException(403, "only the session's client, or the hop before the lost range, may repair it")
-        self._limit(request, requester)
-        try:
-            exclude = [bytes.fromhex(x) for x in body.exclude]
-        except ValueError:
-            raise HTTPException(400, "exclude holds hex node ids") from None
-        kept = [Hop(node, Span(a, b)) for node, a, b in ticket.hops[: body.keep]]
-        start = kept[-1].layers.end if kept else 0
-        artifact = ticket.artifact.hex()
-        grantee = self._grantee(request, requester)
-        try:
-            if kept:
-                choice = self.state.choose(
-                    artifact,
-                    body.tokens,
-                    exclude=[*exclude, *(h.node_id for h in kept)],
-                    start=start,
-                    recipe=body.recipe,
-                    client=grantee,
-                )
-            else:
-                choice = self.state.choose(artifact, body.tokens, exclude=exclude, prefer=body.recipe, client=grantee)
-        except NoRoute as exc:
-            self.metrics.routes.labels("repair_none").inc()
-            return JSONResponse({"error": str(exc), "full": exc.full}, status_code=429 if exc.full else 503)
-        recipes = [body.recipe] * len(kept) + [n.recipe for n in choice.nodes]
-        mixed = len(set(recipes)) > 1
-        # the kept hops as the registry knows them, for their neighbours to dial (one that has
-        # left it keeps no address: the hops before it reach it by the seams they hold)
-        known = [self.state.nodes.get(hop.node_id) for hop in kept]
-        hops = [
-            *(
-                Hop(hop.node_id, hop.layers, r.address, r.relay, r.tls_cert_sha256) if r is not None else hop
-                for hop, r in zip(kept, known, strict=True)
-            ),
-            *(Hop(n.node_id, Span(*n.layers), n.address, n.relay, n.tls_cert_sha256) for n in choice.nodes),
-        ]
-        if mixed:
-            hops = [attrs.evolve(h, recipe_fingerprint=bytes.fromhex(r)) for h, r in zip(hops, recipes, strict=True)]
-        epoch = ticket.epoch + 1
-        issued = tickets.issue(
-            self.identity,
-            session_id=ticket.session_id,
-            epoch=epoch,
-            artifact=ticket.artifact,
-            hops=hops,
-            client=ticket.client,
-            ttl_seconds=min(body.ttl_seconds, MAX_TICKET_SECONDS),
-            local=self.local_swarm,
-        )
-        self.state.note_session((n.node_id for n in choice.nodes), grantee)
-        self.metrics.routes.labels("repaired").inc()
-        route = route_recipe([bytes.fromhex(r) for r in recipes])
-        reply = RouteReply(
-            session_id=ticket.session_id.hex(),
-            epoch=epoch,
-            ticket=issued.hex(),
-            recipe=route.hex(),
-            cost_ms=round(choice.cost_ms, 3),
-            ctx_per_session=min(n.ctx_per_session for n in choice.nodes),
-            hops=[RouteHop.of(hop) for hop in hops],
-            exact=set(recipes) == {body.recipe},
-        )
-        return JSONResponse(reply.model_dump(mode="json"))
