@@ -6,7 +6,8 @@ tracker starts only after the nodes: a tracker that is down when a node starts d
 it up, and the node trusts its key and registers there once it answers. Streaming clients
 keep the gateway busy; the first tracker is killed (SIGKILL) while they do, and every request
 completes, each reply the whole model's. Routes come from the first tracker before and from
-the second after, so the nodes accepted the tickets of both.
+the second after, so the nodes accepted the tickets of both. A node whose tracker never
+answers stops at the first SIGTERM.
 """
 
 from __future__ import annotations
@@ -153,3 +154,27 @@ def test_killing_one_of_two_trackers_under_steady_load_fails_no_request(smollm2:
     finally:
         stop.set()
         stop_all(processes)
+
+
+def test_a_node_whose_tracker_never_answers_stops_at_the_first_sigterm(smollm2: Path, tmp_path: Path) -> None:
+    # it waits for its tracker before it is ready; an operator who gives up on it (systemd's
+    # stop, Ctrl-C) must not wait for the SIGKILL that follows
+    down = f"http://127.0.0.1:{_free_port()}"
+    node = ManagedProcess(
+        "node",
+        ["up", "--model", str(smollm2), "--layers", "0:30", "--tracker", down, "--listen", "127.0.0.1:0"]
+        + ["--data-dir", str(tmp_path)],
+    )
+    node.launch()
+    try:
+        deadline = time.monotonic() + 60
+        while not any("waiting for the tracker" in line for line in node.output):
+            assert node.alive() and time.monotonic() < deadline, node.tail()
+            time.sleep(0.05)
+        asked = time.monotonic()
+        status = node.stop(timeout=30)
+        took = time.monotonic() - asked
+        assert status == 0 and took < 10, (status, took, node.tail())
+        assert any("received SIGTERM: stopping" in line for line in node.output), node.tail()
+    finally:
+        node.kill()

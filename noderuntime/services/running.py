@@ -48,17 +48,17 @@ async def run_until_signal(
     """Run ``main(*args, task_status=...)`` and announce readiness; SIGINT/SIGTERM drain it.
 
     ``drain``, if given, runs first (a node hands its sessions over); a second signal
-    while it runs stops at once.
+    while it runs stops at once. A signal before ``main`` is ready (a node still waiting for
+    its tracker, still loading) stops it at once: there is nothing to hand over yet.
     """
+    ready = False
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            info = await nursery.start(main, *args)
-            announce(info)
 
             async def watch() -> None:
                 async for signum in signals:
-                    log.info("received %s: draining", signal.Signals(signum).name)
-                    if drain is not None:
+                    log.info("received %s: %s", signal.Signals(signum).name, "draining" if ready else "stopping")
+                    if drain is not None and ready:
                         async with trio.open_nursery() as draining:
                             draining.start_soon(_until_second_signal, signals, draining.cancel_scope)
                             await drain()
@@ -67,6 +67,9 @@ async def run_until_signal(
                     return
 
             nursery.start_soon(watch)
+            info = await nursery.start(main, *args)
+            ready = True
+            announce(info)
 
 
 async def _until_second_signal(signals: Any, scope: trio.CancelScope) -> None:
