@@ -205,9 +205,8 @@ async def _fuzz_grpc(
     # inputs go in side by side (a peer opening many streams at once is part of the test);
     # each waits up to REPLY_SECONDS for an answer
     limiter = trio.Semaphore(GRPC_PARALLEL)
-    keys = channel_keys(NodeIdentity.generate())  # whom the fuzzer's routes name as their client
 
-    async def one(frames: list[bytes], binding: Binding | None) -> None:
+    async def one(frames: list[bytes], keys: Any, binding: Binding | None) -> None:
         try:
             outcomes[await _send_and_listen(connector, address, frames, keys, binding)] += 1
         finally:
@@ -231,6 +230,10 @@ async def _fuzz_grpc(
                 if kind == "hostile_open":
                     kind = f"hostile_open:{rng.choice(HOSTILE_OPENINGS)}"
                 kinds[kind] += 1
+                # whom the input's route names as its client: one of its own, as many peers would be.
+                # One client for all counted every grant not yet confirmed by a heartbeat against
+                # the head's slots in the tracker's view of it, and waited for the heartbeats
+                keys = channel_keys(NodeIdentity.generate())
                 route: RouteReply | None = None
                 if kind in ("unsealed", "random"):
                     frames = [rng.randbytes(rng.choice((0, 1, 7, 64, 1000, 70000))) for _ in range(rng.randint(1, 3))]
@@ -269,7 +272,7 @@ async def _fuzz_grpc(
                 session = bytes.fromhex(route.session_id) if route is not None else os.urandom(16)
                 binding = None if kind == "unsealed" else Binding(session, 0, keys.node_id, head)
                 await limiter.acquire()
-                nursery.start_soon(one, frames, binding)
+                nursery.start_soon(one, frames, keys, binding)
     finally:
         await connector.close()
         runtime.close()

@@ -160,11 +160,8 @@ def test_a_node_whose_tracker_never_answers_stops_at_the_first_sigterm(smollm2: 
     # it waits for its tracker before it is ready; an operator who gives up on it (systemd's
     # stop, Ctrl-C) must not wait for the SIGKILL that follows
     down = f"http://127.0.0.1:{_free_port()}"
-    node = ManagedProcess(
-        "node",
-        ["up", "--model", str(smollm2), "--layers", "0:30", "--tracker", down, "--listen", "127.0.0.1:0"]
-        + ["--data-dir", str(tmp_path)],
-    )
+    args = ["up", "--model", str(smollm2), "--layers", "0:30", "--tracker", down, "--listen", "127.0.0.1:0"]
+    node = ManagedProcess("node", [*args, "--data-dir", str(tmp_path)])
     node.launch()
     try:
         deadline = time.monotonic() + 60

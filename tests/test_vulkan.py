@@ -153,9 +153,10 @@ def test_tiny_random_model_shards_equal_whole_model_on_vulkan(vulkan: BackendRun
 
 def test_smollm2_shards_equal_whole_model_on_vulkan(vulkan: BackendRuntime, smollm2: Path) -> None:
     # llvmpipe decodes SmolLM2 at about 1 token/s, so one cut (one-layer shards at both ends and
-    # a 28-layer middle: three seams) and 8 tokens, not the CPU gate's three cuts of 32 tokens
+    # a 28-layer middle: three seams) and 4 tokens after each prompt, not the CPU gate's three
+    # cuts of 32 tokens: a decode step's bits are compared four times a prompt (8 took 6 s more)
     cuts = [0, 1, 29, 30]
-    report = check_parity(smollm2, cuts, n_tokens=8, prompt_lengths=(9, 15), recipe=VULKAN, runtime=vulkan)
+    report = check_parity(smollm2, cuts, n_tokens=4, prompt_lengths=(9, 15), recipe=VULKAN, runtime=vulkan)
     assert report["recipe"]["backend"] == "vulkan"
     assert report["max_abs_diff_logits"] == 0.0
     assert report["max_abs_diff_hidden"] == 0.0
