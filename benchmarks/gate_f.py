@@ -106,6 +106,7 @@ def plot_png(path: Path, batching: dict[str, Any]) -> None:
 def main() -> None:
     """Run every Gate F lane and write the JSON and PNG."""
     args = _common.parser(NAME, __doc__ or "").parse_args()
+    from noderuntime.engine.cores import machine_cores
     from noderuntime.engine.llama import Recipe, Vocab
     from noderuntime.models import artifacts, synth
     from noderuntime.models import catalogue as models
@@ -178,7 +179,8 @@ def main() -> None:
         ),
     }
     recipe = concurrency._recipe().describe("Q4_0/Q8_0/Q4_K_M")
-    _common.write(out, NAME, args, {**recipe, "parity_recipe": Recipe(n_threads=2).describe("as the file")}, figures)
+    parity = Recipe(n_threads=len(machine_cores())).describe("as the file")  # check_parity's own recipe
+    _common.write(out, NAME, args, {**recipe, "parity_recipe": parity}, figures)
     plot_png(out.with_suffix(".png"), figures["batching"])
     print(json.dumps(figures["certified"], indent=2))
 

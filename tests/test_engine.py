@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from noderuntime.engine import llama as engine
+from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import EngineError, Recipe, Rows, ShardEngine, Vocab
 from noderuntime.models import artifacts
 from noderuntime.models.artifacts import LayerRange
@@ -21,8 +22,12 @@ from protocol import Sampling
 
 from . import buildscript
 
+# a team of one thread per core this process may run on, as a node sizes its own: each
+# pytest-xdist worker has cores of its own (conftest), and two threads on one core stall
+THREADS = len(machine_cores())
+
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = Recipe(n_threads=2, n_ctx_per_seq=256, n_seq_max=2, n_batch=64, n_ubatch=64)
+SMALL = Recipe(n_threads=THREADS, n_ctx_per_seq=256, n_seq_max=2, n_batch=64, n_ubatch=64)
 
 
 def test_installed_kernels_carry_this_patch_series() -> None:
@@ -191,7 +196,7 @@ def test_greedy_under_a_grammar_is_the_masked_maximum(smollm2: Path) -> None:
     must be what greedy over the masked logits gives (top-k 1 masks first, then picks)."""
     vocab = Vocab(smollm2)
     text = vocab.tokenize("The capital of France is Paris. Answer with yes or no: is the sky green?")
-    recipe = Recipe(n_threads=2, n_ctx_per_seq=256, n_seq_max=1, n_batch=64, n_ubatch=64)
+    recipe = Recipe(n_threads=THREADS, n_ctx_per_seq=256, n_seq_max=1, n_batch=64, n_ubatch=64)
     with ShardEngine(smollm2, recipe) as model:
         for grammar in (YES_NO, 'root ::= [a-z]+ "." | "Paris"', 'root ::= "{" [ \\t\\n]* "}"'):
             prompts = [text[:cut] for cut in range(4, len(text), max(1, len(text) // 12))][:12]
@@ -235,7 +240,7 @@ RESIDENCY_PROBE = textwrap.dedent("""
     import json, sys, psutil
     from noderuntime.engine.llama import ShardEngine, Recipe, Rows
     import numpy as np
-    recipe = Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=4, n_batch=64, n_ubatch=64)
+    recipe = Recipe(n_threads=1, n_ctx_per_seq=512, n_seq_max=4, n_batch=64, n_ubatch=64)
     before = psutil.Process().memory_info().rss
     e = ShardEngine(sys.argv[1], recipe)
     n = 8
@@ -391,7 +396,7 @@ def test_a_chain_rebuilt_over_the_tokens_so_far_goes_on_as_the_first_would_have(
     params = RESUMED[name]
     vocab = Vocab(smollm2)
     prompt = vocab.tokenize("Describe a cat as JSON with its name and number of legs:")
-    recipe = Recipe(n_threads=2, n_ctx_per_seq=256, n_seq_max=2, n_batch=256, n_ubatch=256)
+    recipe = Recipe(n_threads=THREADS, n_ctx_per_seq=256, n_seq_max=2, n_batch=256, n_ubatch=256)
     with ShardEngine(smollm2, recipe) as model:
         first = model.new_sampler(params, history=prompt)
         reference = _continue(model, 0, prompt, first, 24, vocab.eog_tokens)

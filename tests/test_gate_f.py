@@ -23,6 +23,7 @@ from noderuntime.control import admission
 from noderuntime.control.admission import ProbeAnswer, ProbeReferences
 from noderuntime.engine import memplan
 from noderuntime.engine.base import Rows
+from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import Recipe, ShardEngine, Vocab
 from noderuntime.models import artifacts, gguf, synth
 from noderuntime.models.artifacts import LayerRange
@@ -30,6 +31,10 @@ from noderuntime.verify import agreement, lanes
 from noderuntime.verify.parity import check_parity
 from tests.conftest import TINY_SHAPES
 from tests.test_admission import damaged_copy
+
+# a team of one thread per core this process may run on, as a node sizes its own: each
+# pytest-xdist worker has cores of its own (conftest), and two threads on one core stall
+THREADS = len(machine_cores())
 
 RECIPE = Recipe(n_threads=1, n_ctx_per_seq=512, n_seq_max=2, n_batch=64, n_ubatch=64)
 PARITY_ARGS = ["--cuts", "0,2,4", "--tokens", "8", "--json"]
@@ -106,7 +111,7 @@ def test_deep_models_keep_logits_in_a_realistic_range(arch: str, tmp_path: Path)
     rng = np.random.default_rng(0)
     tokens = rng.integers(300, 480, size=40).astype(np.int32)
     n = len(tokens)
-    with ShardEngine(path, Recipe(n_threads=2, n_ctx_per_seq=256, n_seq_max=1)) as engine:
+    with ShardEngine(path, Recipe(n_threads=THREADS, n_ctx_per_seq=256, n_seq_max=1)) as engine:
         result = engine.run(
             Rows(np.zeros(n, np.int32), np.arange(n, dtype=np.int32), np.ones(n, bool), tokens=tokens), want_logits=True
         )
@@ -298,6 +303,7 @@ import json, sys, psutil
 import numpy as np
 from noderuntime.models.artifacts import LayerRange
 from noderuntime.engine.llama import Recipe, Rows, ShardEngine
+
 # weights read, not mapped: every expert of the range is resident, touched or not
 recipe = Recipe(n_threads=1, n_ctx_per_seq=256, n_seq_max=1, n_batch=8, n_ubatch=8, use_mmap=False)
 before = psutil.Process().memory_info().rss

@@ -15,9 +15,14 @@ import pytest
 from openai import OpenAI
 
 from noderuntime.engine.base import Rows
+from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import Recipe, ShardEngine, Vocab
 from noderuntime.gateway.requests import DEFAULT_MAX_TOKENS
 from noderuntime.services import localsystem
+
+# a team of one thread per core this process may run on, as a node sizes its own: each
+# pytest-xdist worker has cores of its own (conftest), and two threads on one core stall
+THREADS = len(machine_cores())
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +98,7 @@ def gemma3_system(gemma3: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def _whole_model_greedy(model: Path, prompt: list[int], n: int) -> list[int]:
-    with ShardEngine(model, Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=1)) as engine:
+    with ShardEngine(model, Recipe(n_threads=THREADS, n_ctx_per_seq=512, n_seq_max=1)) as engine:
         tokens = np.array(prompt, np.int32)
         position = 0
         out: list[int] = []

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import trio
 
+from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import Recipe
 from noderuntime.seams.client import USAGE_TIMEOUT, GenerationRequest, RouteError, open_route_generation, over_stream
 from noderuntime.seams.connection import SeamConnection
@@ -44,9 +45,13 @@ from protocol import (
     Usage,
 )
 
+# a team of one thread per core this process may run on, as a node sizes its own: each
+# pytest-xdist worker has cores of its own (conftest), and two threads on one core stall
+THREADS = len(machine_cores())
+
 pytestmark = pytest.mark.slow
 
-RECIPE = Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=4, n_batch=256, n_ubatch=256)
+RECIPE = Recipe(n_threads=THREADS, n_ctx_per_seq=512, n_seq_max=4, n_batch=256, n_ubatch=256)
 PROMPT = (1, 504, 3937, 260, 2)
 FAKE_TAIL = b"\xee" * 32
 

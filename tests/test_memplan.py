@@ -10,12 +10,17 @@ from pathlib import Path
 import pytest
 
 from noderuntime.engine import memplan
+from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import EngineError, Recipe, ShardEngine
 from noderuntime.models.artifacts import LayerRange
 from noderuntime.services.cgroups import MemoryCap, available
 from noderuntime.services.cluster import ROOT
 
 from .isolation import skip_unless_possible
+
+# a team of one thread per core this process may run on, as a node sizes its own: each
+# pytest-xdist worker has cores of its own (conftest), and two threads on one core stall
+THREADS = len(machine_cores())
 
 RECIPE = Recipe(n_threads=1, n_ctx_per_seq=512, n_seq_max=2, n_batch=64, n_ubatch=64)
 
@@ -135,7 +140,7 @@ def test_the_planner_sizes_a_model_larger_than_the_disk_from_its_header_alone(tm
     path = synth.write_model(tmp_path / "70b.gguf", PAPER_SHAPES["Llama-3.1-70B"], quant="Q4_0", weights=False)
     info = artifacts.inspect(path, verify=False)
     assert info.n_layer == 80 and path.stat().st_size > 39e9 and path.stat().st_blocks * 512 < 16 << 20
-    recipe = Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=2, n_batch=64, n_ubatch=64)
+    recipe = Recipe(n_threads=THREADS, n_ctx_per_seq=512, n_seq_max=2, n_batch=64, n_ubatch=64)
     middle = memplan.needs(path, LayerRange(10, 20), recipe)
     # ten of its 80 blocks of Q4_0 weights: 8192 wide, FFN 28672, 64/8 heads of 128
     block = (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672) * 18 // 32 + 2 * 8192 * 4

@@ -12,14 +12,19 @@ import numpy as np
 import pytest
 import trio
 
+from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import Recipe, Rows, ShardEngine
 from noderuntime.seams.client import GenerationRequest, RouteError, open_route_generation, over_stream
 from noderuntime.services.localroute import LocalRoute, open_local_route
 from protocol import StatusCode
 
+# a team of one thread per core this process may run on, as a node sizes its own: each
+# pytest-xdist worker has cores of its own (conftest), and two threads on one core stall
+THREADS = len(machine_cores())
+
 pytestmark = pytest.mark.slow
 
-RECIPE = Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=16, n_batch=256, n_ubatch=256)
+RECIPE = Recipe(n_threads=THREADS, n_ctx_per_seq=512, n_seq_max=16, n_batch=256, n_ubatch=256)
 
 
 def requests(n: int, seed: int) -> list[GenerationRequest]:
@@ -54,7 +59,7 @@ def solo_greedy(model: Path, request: GenerationRequest) -> tuple[int, ...]:
         if key not in _SOLO_RUNS:
             engine = _SOLO_ENGINES.get(str(model))
             if engine is None:
-                recipe = Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=1, n_batch=256, n_ubatch=256)
+                recipe = Recipe(n_threads=THREADS, n_ctx_per_seq=512, n_seq_max=1, n_batch=256, n_ubatch=256)
                 engine = _SOLO_ENGINES[str(model)] = ShardEngine(model, recipe)
             try:
                 _SOLO_RUNS[key] = _greedy_alone(engine, request)
@@ -182,7 +187,7 @@ async def test_random_starts_ends_and_cancellations_leave_nothing_behind(smollm2
 
 
 async def test_a_full_node_refuses_at_once_and_admits_after_a_session_ends(smollm2: Path) -> None:
-    recipe = Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=2, n_batch=256, n_ubatch=256)
+    recipe = Recipe(n_threads=THREADS, n_ctx_per_seq=512, n_seq_max=2, n_batch=256, n_ubatch=256)
     reqs = requests(3, seed=5)
     long = [GenerationRequest(r.prompt_tokens, 200) for r in reqs]
     async with open_local_route(smollm2, [0, 15, 30], recipe) as route:

@@ -16,9 +16,14 @@ import numpy as np
 import pytest
 
 from noderuntime.engine.base import Rows
+from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import Recipe, ShardEngine
 from noderuntime.node.prefix import BLOCK, PrefixCache, block_hashes
 from protocol import Sampling
+
+# a team of one thread per core this process may run on, as a node sizes its own: each
+# pytest-xdist worker has cores of its own (conftest), and two threads on one core stall
+THREADS = len(machine_cores())
 
 # --- the cache's bookkeeping
 
@@ -117,7 +122,7 @@ def _check_reuse(model: Path, vocab_size: int, keep: int = 2 * BLOCK) -> None:
     rng = np.random.default_rng(4)
     first = rng.integers(10, vocab_size, 3 * BLOCK + 5).tolist()  # a turn: prompt and reply
     second = first[:keep] + rng.integers(10, vocab_size, 20).tolist()  # the next turn shares its start
-    recipe = Recipe(n_threads=2, n_ctx_per_seq=256, n_seq_max=3, n_batch=64, n_ubatch=64)
+    recipe = Recipe(n_threads=THREADS, n_ctx_per_seq=256, n_seq_max=3, n_batch=64, n_ubatch=64)
     for params in (Sampling(), Sampling(temperature=0.9, top_k=40, seed=3)):
         with ShardEngine(model, recipe) as engine:
             _generate(engine, 0, first, 0, params, 8)  # the first session

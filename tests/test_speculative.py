@@ -15,15 +15,20 @@ import numpy as np
 import pytest
 import trio
 
+from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import Recipe, Rows, ShardEngine, Vocab
 from noderuntime.node.drafting import PromptLookup, WindowPolicy
 from noderuntime.seams.client import GenerationRequest, open_route_generation, over_stream
 from noderuntime.services.localroute import Completion, LocalRoute, open_local_route
 from protocol import Sampling
 
+# a team of one thread per core this process may run on, as a node sizes its own: each
+# pytest-xdist worker has cores of its own (conftest), and two threads on one core stall
+THREADS = len(machine_cores())
+
 pytestmark = pytest.mark.slow
 
-RECIPE = Recipe(n_threads=2, n_ctx_per_seq=1024, n_seq_max=4, n_batch=256, n_ubatch=256)
+RECIPE = Recipe(n_threads=THREADS, n_ctx_per_seq=1024, n_seq_max=4, n_batch=256, n_ubatch=256)
 
 PASSAGE = (
     "the river runs past the old mill and under the stone bridge, where the children of the "
@@ -124,7 +129,7 @@ def _held(node: Any) -> int:
 
 def test_a_window_after_a_rollback_gives_the_bits_of_single_steps(smollm2: Path) -> None:
     """The engine: rows run as a window, cut back and run again equal the same rows run one by one."""
-    recipe = Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=2, n_batch=256, n_ubatch=256)
+    recipe = Recipe(n_threads=THREADS, n_ctx_per_seq=512, n_seq_max=2, n_batch=256, n_ubatch=256)
     with ShardEngine(smollm2, recipe) as engine:
         prompt = np.arange(400, 460, dtype=np.int32)
         tokens = np.array([11, 22, 33, 44, 55, 66], np.int32)

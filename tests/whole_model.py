@@ -18,8 +18,13 @@ from typing import Any
 import numpy as np
 
 from noderuntime.engine.base import Rows
+from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import Recipe, ShardEngine, Vocab
 from noderuntime.models.chat import ChatTemplate, prompt_tokens
+
+# a team of one thread per core this process may run on, as a node sizes its own: each
+# pytest-xdist worker has cores of its own (conftest), and two threads on one core stall
+THREADS = len(machine_cores())
 
 _LOCK = threading.Lock()
 _ENGINES: dict[tuple[str, int], ShardEngine] = {}
@@ -80,7 +85,7 @@ def _greedy(
     ctx = -(-(len(prompt) + max_tokens) // 512) * 512
     engine = _ENGINES.get((str(model), ctx))
     if engine is None:
-        recipe = Recipe(n_threads=2, n_ctx_per_seq=ctx, n_seq_max=1, n_batch=256, n_ubatch=256)
+        recipe = Recipe(n_threads=THREADS, n_ctx_per_seq=ctx, n_seq_max=1, n_batch=256, n_ubatch=256)
         engine = _ENGINES[(str(model), ctx)] = ShardEngine(model, recipe)
     never = np.array(sorted(banned), np.int64)
     tokens: list[int] = []

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from noderuntime.engine.base import transformers_versions
+from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import KvType, Recipe
 from noderuntime.models.artifacts import inspect
 from noderuntime.verify import lanes
@@ -27,8 +28,13 @@ from noderuntime.verify.procchain import ProcessChain
 _CHUNK = 128  # rows a step: the logits of a 262k vocabulary stay near 130 MB a step
 
 
+def _team(threads: int | None) -> int:
+    """The threads an engine computes with: as told, else one per core this process may run on."""
+    return threads or len(machine_cores())
+
+
 def route_logits(
-    model: Path, cuts: Sequence[int], tokens: np.ndarray, *, threads: int = 2, kv_type: KvType = "f32"
+    model: Path, cuts: Sequence[int], tokens: np.ndarray, *, threads: int | None = None, kv_type: KvType = "f32"
 ) -> np.ndarray:
     """Teacher-forced logits of every position of ``tokens`` through shards in separate processes.
 
@@ -41,7 +47,7 @@ def route_logits(
     n = len(tokens)
     context = max(256, -(-n // 256) * 256)
     recipe = Recipe(
-        n_threads=threads, n_ctx_per_seq=context, n_seq_max=1, n_batch=_CHUNK, n_ubatch=_CHUNK, kv_type=kv_type
+        n_threads=_team(threads), n_ctx_per_seq=context, n_seq_max=1, n_batch=_CHUNK, n_ubatch=_CHUNK, kv_type=kv_type
     )
     out = []
     with ProcessChain(model, ranges_from_cuts(cuts), recipe) as chain:
@@ -88,7 +94,7 @@ def compare_logits(reference: np.ndarray, ours: np.ndarray) -> dict[str, float]:
     }
 
 
-def reference_logits(model: str | os.PathLike[str], tokens: Sequence[int], *, threads: int = 2) -> np.ndarray:
+def reference_logits(model: str | os.PathLike[str], tokens: Sequence[int], *, threads: int | None = None) -> np.ndarray:
     """Transformers' logits of every position of ``tokens``, its GGUF loader dequantizing ``model``.
 
     ``model`` may be a GGUF file or its :func:`lanes.hf_copy` (the same weights, loaded in
@@ -99,7 +105,7 @@ def reference_logits(model: str | os.PathLike[str], tokens: Sequence[int], *, th
     """
     from noderuntime.engine import torch_backend as torchengine  # torch loads only for this check
 
-    return torchengine.transformers_logits(Path(model), [int(t) for t in tokens], threads=threads)
+    return torchengine.transformers_logits(Path(model), [int(t) for t in tokens], threads=_team(threads))
 
 
 def check_agreement(
@@ -107,7 +113,7 @@ def check_agreement(
     cuts: Sequence[int],
     tokens: Sequence[int],
     *,
-    threads: int = 2,
+    threads: int | None = None,
     reference: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Compare a float32 route of ``model`` with Transformers on the same float32 weights.
@@ -122,7 +128,7 @@ def check_agreement(
     f32 = source if info.file_type == 0 else lanes.float_copy(source)  # file type 0: already all float32
     ours = route_logits(f32, cuts, ids, threads=threads)
     if reference is None:
-        reference = torchengine.transformers_logits(f32, ids.tolist(), threads=threads)
+        reference = torchengine.transformers_logits(f32, ids.tolist(), threads=_team(threads))
     return {
         "model": str(source),
         "architecture": info.architecture,
@@ -149,7 +155,7 @@ def check_perplexity(
     cuts: Sequence[int],
     tokens: Sequence[int],
     *,
-    threads: int = 2,
+    threads: int | None = None,
     reference: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Perplexity of ``tokens`` through a route of ``model`` as it is, the whole model, and Transformers.

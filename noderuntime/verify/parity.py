@@ -16,6 +16,7 @@ import attrs
 import numpy as np
 
 from noderuntime.engine.backends import BackendRuntime
+from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import Recipe, Rows, ShardEngine, StepResult
 from noderuntime.models.artifacts import LayerRange, inspect
 from noderuntime.verify.procchain import ProcessChain, ShardOutput
@@ -61,7 +62,8 @@ def check_parity(
     if ranges[0].start != 0 or ranges[-1].end != info.n_layer:
         raise ValueError(f"cuts must start at 0 and end at {info.n_layer} for this model")
     n_seq = len(prompt_lengths)
-    recipe = recipe or Recipe(n_threads=2, n_ctx_per_seq=512, n_seq_max=n_seq, n_batch=512, n_ubatch=512)
+    threads = len(machine_cores())  # as a node sizes its team: the cores this process may run on
+    recipe = recipe or Recipe(n_threads=threads, n_ctx_per_seq=512, n_seq_max=n_seq, n_batch=512, n_ubatch=512)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, info.n_vocab, size=n).astype(np.int32) for n in prompt_lengths]
 
