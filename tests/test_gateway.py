@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from openai import OpenAI
@@ -471,3 +472,69 @@ def test_a_grounded_reply_goes_in_windows_and_is_the_whole_models(
     text = b"".join(vocab.piece(t) for t in expected[: ends[0] if ends else None]).decode()
     assert reply["choices"][0]["text"] == text
     assert reply["usage"]["completion_tokens"] == (ends[0] + 1 if ends else 40)
+
+
+def _choices(reply: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """What a reply says, choice by choice: its text, why it ended, its logprobs."""
+    return [
+        (c["index"], c.get("text", (c.get("message") or {}).get("content")), c["finish_reason"], c.get("logprobs"))
+        for c in reply["choices"]
+    ]
+
+
+def test_speculation_changes_no_byte_of_schema_several_seeded_and_logprob_replies(
+    system: localsystem.LocalSystem, smollm2: Path, tmp_path: Path
+) -> None:
+    """The same requests through the system's gateway, which drafts, and a second one on the same
+    nodes that does not (``--speculate 0``): json_schema, n = 3 seeded, logprobs, byte for byte."""
+    from .test_speculative import PASSAGE
+
+    plain = ManagedProcess(
+        "gateway-plain",
+        local_gateway_args(
+            tmp_path, system.tracker_url, f"{system.model_id}={smollm2}", "--ctx", "1024", "--speculate", "0"
+        ),
+    )
+    plain_url = expect(plain.start(), GatewayReady).url
+    record = {"river": PASSAGE.split(";")[0], "ferry": {"arrives": 7, "leaves": 8}, "children": "wait"}
+    schema = {
+        "type": "object",
+        "properties": {
+            "river": {"type": "string"},
+            "ferry": {
+                "type": "object",
+                "properties": {"arrives": {"type": "integer"}, "leaves": {"type": "integer"}},
+                "required": ["arrives", "leaves"],
+            },
+            "children": {"type": "string"},
+        },
+        "required": ["river", "ferry", "children"],
+    }
+    copy = [{"role": "user", "content": f"Copy this JSON object exactly:\n{json.dumps(record)}"}]
+    repeat = [{"role": "user", "content": f"Repeat this text exactly, twice:\n{PASSAGE}"}]
+    bodies = [
+        {
+            "messages": copy,
+            "max_tokens": 80,
+            "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "record", "schema": schema}},
+        },
+        {"messages": repeat, "max_tokens": 48, "temperature": 0.8, "seed": 11, "n": 3},
+        {"messages": repeat, "max_tokens": 40, "temperature": 0, "logprobs": True, "top_logprobs": 3},
+    ]
+    try:
+        replies = []
+        for body in bodies:
+            body = {"model": system.model_id, **body}
+            drafted = httpx.post(system.gateway_url + "/v1/chat/completions", json=body, timeout=120).json()
+            alone = httpx.post(plain_url + "/v1/chat/completions", json=body, timeout=120).json()
+            assert _choices(drafted) == _choices(alone), body
+            assert drafted["usage"]["completion_tokens"] == alone["usage"]["completion_tokens"]
+            assert alone["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0
+            # windows went, and were kept, in each (json: 37 of 51 tokens, n = 3: 33 of 87, logprobs: 24 of 36)
+            assert drafted["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0, body
+            replies.append(drafted)
+        jsonschema.validate(json.loads(replies[0]["choices"][0]["message"]["content"]), schema)
+        assert len({c["message"]["content"] for c in replies[1]["choices"]}) > 1  # three draws, not one thrice
+    finally:
+        plain.stop()
