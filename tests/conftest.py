@@ -15,6 +15,7 @@ import pytest
 
 from noderuntime.engine import backends
 from noderuntime.engine.backends import BackendRuntime
+from noderuntime.engine.cores import machine_cores
 from noderuntime.models import catalogue as models
 from noderuntime.models import synth
 from noderuntime.services import cluster, localsystem
@@ -54,6 +55,14 @@ def pytest_configure(config: pytest.Config) -> None:
     # every thread the imports started (a BLAS pool) too: a thread's affinity is its own
     for task in os.listdir("/proc/self/task"):
         os.sched_setaffinity(int(task), mine)
+
+
+def engine_threads() -> int:
+    """The threads an engine a test runs in its own process computes with: one per core the
+    process may run on, as a node sizes its team. Under pytest-xdist that is the worker's own
+    cores (:func:`pytest_configure`): two threads on one core wait for each other at every
+    barrier. Call it from a test module's body, which is imported after the pinning."""
+    return len(machine_cores())
 
 
 @pytest.fixture(scope="session")

@@ -14,17 +14,15 @@ import numpy as np
 import pytest
 
 from noderuntime.engine import llama as engine
-from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import EngineError, Recipe, Rows, ShardEngine, Vocab
 from noderuntime.models import artifacts
 from noderuntime.models.artifacts import LayerRange
 from protocol import Sampling
+from tests.conftest import engine_threads
 
 from . import buildscript
 
-# a team of one thread per core this process may run on, as a node sizes its own: each
-# pytest-xdist worker has cores of its own (conftest), and two threads on one core stall
-THREADS = len(machine_cores())
+THREADS = engine_threads()
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = Recipe(n_threads=THREADS, n_ctx_per_seq=256, n_seq_max=2, n_batch=64, n_ubatch=64)

@@ -23,18 +23,15 @@ from noderuntime.control import admission
 from noderuntime.control.admission import ProbeAnswer, ProbeReferences
 from noderuntime.engine import memplan
 from noderuntime.engine.base import Rows
-from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import Recipe, ShardEngine, Vocab
 from noderuntime.models import artifacts, gguf, synth
 from noderuntime.models.artifacts import LayerRange
 from noderuntime.verify import agreement, lanes
 from noderuntime.verify.parity import check_parity
-from tests.conftest import TINY_SHAPES
+from tests.conftest import TINY_SHAPES, engine_threads
 from tests.test_admission import damaged_copy
 
-# a team of one thread per core this process may run on, as a node sizes its own: each
-# pytest-xdist worker has cores of its own (conftest), and two threads on one core stall
-THREADS = len(machine_cores())
+THREADS = engine_threads()
 
 RECIPE = Recipe(n_threads=1, n_ctx_per_seq=512, n_seq_max=2, n_batch=64, n_ubatch=64)
 PARITY_ARGS = ["--cuts", "0,2,4", "--tokens", "8", "--json"]

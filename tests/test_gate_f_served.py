@@ -15,14 +15,12 @@ import pytest
 from openai import OpenAI
 
 from noderuntime.engine.base import Rows
-from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import Recipe, ShardEngine, Vocab
 from noderuntime.gateway.requests import DEFAULT_MAX_TOKENS
 from noderuntime.services import localsystem
+from tests.conftest import engine_threads
 
-# a team of one thread per core this process may run on, as a node sizes its own: each
-# pytest-xdist worker has cores of its own (conftest), and two threads on one core stall
-THREADS = len(machine_cores())
+THREADS = engine_threads()
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import trio
 
-from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import Recipe
 from noderuntime.seams.client import USAGE_TIMEOUT, GenerationRequest, RouteError, open_route_generation, over_stream
 from noderuntime.seams.connection import SeamConnection
@@ -44,10 +43,9 @@ from protocol import (
     Tokens,
     Usage,
 )
+from tests.conftest import engine_threads
 
-# a team of one thread per core this process may run on, as a node sizes its own: each
-# pytest-xdist worker has cores of its own (conftest), and two threads on one core stall
-THREADS = len(machine_cores())
+THREADS = engine_threads()
 
 pytestmark = pytest.mark.slow
 

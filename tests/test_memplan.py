@@ -10,17 +10,15 @@ from pathlib import Path
 import pytest
 
 from noderuntime.engine import memplan
-from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import EngineError, Recipe, ShardEngine
 from noderuntime.models.artifacts import LayerRange
 from noderuntime.services.cgroups import MemoryCap, available
 from noderuntime.services.cluster import ROOT
+from tests.conftest import engine_threads
 
 from .isolation import skip_unless_possible
 
-# a team of one thread per core this process may run on, as a node sizes its own: each
-# pytest-xdist worker has cores of its own (conftest), and two threads on one core stall
-THREADS = len(machine_cores())
+THREADS = engine_threads()
 
 RECIPE = Recipe(n_threads=1, n_ctx_per_seq=512, n_seq_max=2, n_batch=64, n_ubatch=64)
 

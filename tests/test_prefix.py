@@ -16,14 +16,12 @@ import numpy as np
 import pytest
 
 from noderuntime.engine.base import Rows
-from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import Recipe, ShardEngine
 from noderuntime.node.prefix import BLOCK, PrefixCache, block_hashes
 from protocol import Sampling
+from tests.conftest import engine_threads
 
-# a team of one thread per core this process may run on, as a node sizes its own: each
-# pytest-xdist worker has cores of its own (conftest), and two threads on one core stall
-THREADS = len(machine_cores())
+THREADS = engine_threads()
 
 # --- the cache's bookkeeping
 

@@ -15,16 +15,14 @@ import numpy as np
 import pytest
 import trio
 
-from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import Recipe, Rows, ShardEngine, Vocab
 from noderuntime.node.drafting import PromptLookup, WindowPolicy
 from noderuntime.seams.client import GenerationRequest, open_route_generation, over_stream
 from noderuntime.services.localroute import Completion, LocalRoute, open_local_route
 from protocol import Sampling
+from tests.conftest import engine_threads
 
-# a team of one thread per core this process may run on, as a node sizes its own: each
-# pytest-xdist worker has cores of its own (conftest), and two threads on one core stall
-THREADS = len(machine_cores())
+THREADS = engine_threads()
 
 pytestmark = pytest.mark.slow
 

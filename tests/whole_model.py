@@ -18,13 +18,11 @@ from typing import Any
 import numpy as np
 
 from noderuntime.engine.base import Rows
-from noderuntime.engine.cores import machine_cores
 from noderuntime.engine.llama import Recipe, ShardEngine, Vocab
 from noderuntime.models.chat import ChatTemplate, prompt_tokens
+from tests.conftest import engine_threads
 
-# a team of one thread per core this process may run on, as a node sizes its own: each
-# pytest-xdist worker has cores of its own (conftest), and two threads on one core stall
-THREADS = len(machine_cores())
+THREADS = engine_threads()
 
 _LOCK = threading.Lock()
 _ENGINES: dict[tuple[str, int], ShardEngine] = {}

@@ -542,13 +542,12 @@ class RouteSession:
         """A non-head hop: run the rows, pass them on (or sample, on the tail)."""
         positions, decode, draft = event.header.positions, event.header.phase == Phase.DECODE, event.draft
         try:
-            hidden = self._checked_rows(event)
+            hidden, into = self._checked_rows(event)
             self.windows.check_drafts(positions, draft, decode=decode, n_vocab=self.context.n_vocab)
         except RemoteProtocolError as exc:
             await self._protocol_failure_up(exc)
             return False
-        assert self._in_commit is not None  # made when the prefix was settled, which _checked_rows checked
-        self.windows.commit(self._in_commit.add_rows, positions.start, hidden, bool(draft))
+        self.windows.commit(into.add_rows, positions.start, hidden, bool(draft))
         sample = len(positions) if draft else self.tail.rows_to_sample(positions.start, len(positions))
         output = await self._step(
             positions.start, hidden=hidden, sample=sample if self.is_tail else 0, decode=decode, draft=draft
@@ -565,8 +564,9 @@ class RouteSession:
             await self._emit(self.tail.take(output, first, len(draft)))
         return True
 
-    def _checked_rows(self, event: Activations) -> np.ndarray:
-        """The hidden states of a step from the previous hop, if its shape and positions fit this session."""
+    def _checked_rows(self, event: Activations) -> tuple[np.ndarray, Commitment]:
+        """The hidden states of a step from the previous hop, if its shape and positions fit this
+        session, and the commitment they go into (made once the route agreed on its prefix)."""
         try:
             hidden = event.tensor("hidden_states")
         except KeyError:
@@ -584,7 +584,7 @@ class RouteSession:
         if self._in_commit is None:
             # rows before the hops agreed on the prefix: nothing says where this hop's computing starts
             raise RemoteProtocolError("Activations before the route agreed on its prefix")
-        return hidden
+        return hidden, self._in_commit
 
     async def _step(
         self,
