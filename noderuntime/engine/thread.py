@@ -44,10 +44,13 @@ class EngineThread:
         """``turns``: held around each call, and closed by the thread when it ends."""
         self.name = name
         self._turns = turns
-        # one call in the thread's hands at a time, and the sentinel that ends it: callers
-        # beyond that wait for the turn in trio, not in this queue
-        self._jobs: queue.Queue[tuple[Callable[[], Any], Callable[[outcome.Outcome[Any]], None]] | None] = queue.Queue(
-            maxsize=2
+        # one call in the thread's hands at a time (callers beyond it wait for the turn in
+        # trio), and the sentinel that ends it: never more than two items. A SimpleQueue
+        # hands a job over with one lock, where queue.Queue's condition variable has the
+        # woken thread take the queue's mutex again: a no-op call's round trip 76 -> 65 µs
+        # back to back, 165-178 -> 145-158 µs after 3 ms idle (benchmarks.crossings)
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Callable[[outcome.Outcome[Any]], None]] | None] = (
+            queue.SimpleQueue()
         )
         self._turn = trio.Lock()
         self._thread: threading.Thread | None = None
@@ -55,7 +58,14 @@ class EngineThread:
 
     async def run(self, fn: Callable[[], _T]) -> _T:
         """Call ``fn()`` on this thread and return what it returns (or raise what it raises)."""
-        async with self._turn:
+        # a caller already cancelled hands nothing over; past this, the call is a checkpoint
+        # only where it waits: an uncontended turn takes no trip through the scheduler
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self._turn.acquire_nowait()
+        except trio.WouldBlock:
+            await self._turn.acquire()
+        try:
             if self._closed:
                 raise RuntimeError(f"the {self.name} thread is closed")
             if self._thread is None:
@@ -68,9 +78,11 @@ class EngineThread:
                 with contextlib.suppress(trio.RunFinishedError):  # nobody is left to tell
                     token.run_sync_soon(trio.lowlevel.reschedule, task, result)
 
-            self._jobs.put_nowait((fn, deliver))
+            self._jobs.put((fn, deliver))
             # the call cannot be stopped once handed over: refuse to abort, so a cancellation waits for it
             result: _T = await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+        finally:
+            self._turn.release()
         return result
 
     def close(self) -> None:
@@ -79,7 +91,7 @@ class EngineThread:
             self._closed = True
             if self._thread is None and self._turns is not None:
                 self._turns.close()  # never started: nobody else will
-            self._jobs.put_nowait(None)
+            self._jobs.put(None)
 
     def _serve(self) -> None:
         try:
