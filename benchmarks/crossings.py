@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     png = _common.plot(
         path.with_suffix(".png"),
-        f"What idling costs, against the thread design back to back ({_common.machine().get('cpu', '')})",
+        f"After idling, × the design it replaces back to back ({_common.machine().get('cpu', '')})",
         "idle before, ms",
         "time, × back to back",
         {
