@@ -94,13 +94,13 @@ def test_an_audit_takes_no_windows_and_a_head_waits_for_the_tail_to_say() -> Non
     assert head.window == 4 and head.lowered(2) == 2
 
 
-def test_a_window_leaves_room_for_the_reservation_the_reply_and_a_sliding_window() -> None:
+def test_a_window_leaves_room_for_the_reservation_and_the_reply() -> None:
     windows = HopWindows.open(8, 8, audit=False, head_of_route=False)
-    assert windows.room(100, left=50, reserved=1000, n_swa=0) == 8
-    assert windows.room(100, left=3, reserved=1000, n_swa=0) == 2
-    assert windows.room(100, left=50, reserved=103, n_swa=0) == 2
-    assert windows.room(100, left=50, reserved=1000, n_swa=105) == 3
-    assert windows.room(600, left=50, reserved=1000, n_swa=512) == 0
+    assert windows.room(100, left=50, reserved=1000) == 8
+    assert windows.room(100, left=3, reserved=1000) == 2
+    assert windows.room(100, left=50, reserved=103) == 2
+    assert windows.room(100, left=1, reserved=1000) == 0
+    assert windows.room(999, left=50, reserved=1000) == 0
 
 
 @pytest.mark.parametrize(

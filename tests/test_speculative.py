@@ -111,12 +111,48 @@ async def test_rejected_windows_roll_back_exactly_on_every_architecture(
     assert drafted > accepted, (drafted, accepted)  # windows were cut short: rolled back
 
 
-async def test_gemma3_windows_are_exact_below_its_sliding_window(gemma3: Path) -> None:
-    prompt = await trio.to_thread.run_sync(lambda: tuple(Vocab(gemma3).tokenize("Repeat: " + PASSAGE + "\n" + PASSAGE)))
+async def test_gemma3_windows_past_its_sliding_window_are_the_plain_reply(gemma3: Path) -> None:
+    """A prompt longer than Gemma 3 270M's 512-position sliding window: every window lies past it."""
+    text = "Repeat: " + "\n".join([PASSAGE] * 15)
+    prompt = await trio.to_thread.run_sync(lambda: tuple(Vocab(gemma3).tokenize(text)))
+    assert len(prompt) > 512
     async with open_local_route(gemma3, [0, 9, 18], RECIPE, eager_windows=True) as route:
-        plain, windows = await _both(route, GenerationRequest(prompt, 48, SAMPLINGS["greedy"], speculate=6))
+        plain, windows = await _both(route, GenerationRequest(prompt, 32, SAMPLINGS["greedy"], speculate=6))
     assert windows.tokens == plain.tokens
     assert windows.drafted > 0
+
+
+def test_a_window_across_the_end_of_a_window_sized_cache_gives_the_bits_of_single_steps(gemma3: Path) -> None:
+    """Gemma 3's local layers with 2048 positions a sequence and ubatches of 256: a cache sized to
+    its 512-position window would hold 768 cells, and positions 765..768 would fill its last
+    three cells and its first. A window over them whose last two rows are not kept frees cells
+    767 and 0; single steps would then fill 767 first, a window-sized cache fills 0 first, and
+    every later row differs. The engine keeps every position's KV: the bits of single steps."""
+    recipe = Recipe(n_threads=THREADS, n_ctx_per_seq=2048, n_seq_max=2, n_batch=256, n_ubatch=256)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(1000, 20000, 765).astype(np.int32)
+    tokens = rng.integers(1000, 20000, 24).astype(np.int32)
+    with ShardEngine(gemma3, recipe) as engine:
+
+        def run(seq: int, start: int, rows: np.ndarray) -> np.ndarray:
+            n = len(rows)
+            out = engine.run(
+                Rows(np.full(n, seq, np.int32), np.arange(start, start + n, dtype=np.int32), np.ones(n, bool), rows),
+                want_logits=True,
+            )
+            assert out.logits is not None
+            return out.logits
+
+        for seq in (0, 1):
+            for start in range(0, len(prompt), 256):
+                run(seq, start, prompt[start : start + 256])
+        p = len(prompt)
+        single = np.stack([run(0, p + i, tokens[i : i + 1])[0] for i in range(len(tokens))])
+        window = run(1, p, np.array([*tokens[:2], 7, 8], np.int32))  # positions 765..768
+        engine.truncate_sequence(1, p + 2)
+        rest = np.stack([run(1, p + i, tokens[i : i + 1])[0] for i in range(2, len(tokens))])
+        assert np.array_equal(window[:2], single[:2])
+        assert np.array_equal(rest, single[2:])  # bit for bit, every row after the rollback
 
 
 def _held(node: Any) -> int:

@@ -42,13 +42,11 @@ class SessionContext:
     save_state: Callable[[int, int], Awaitable[bytes]] | None = None
     restore_state: Callable[[int, bytes, int], Awaitable[None]] | None = None
     # speculative decoding (node/drafting.py): the most drafted tokens a window may carry on
-    # this node (0: its engine's rows are not exact in a window, so it takes none); at the head,
-    # the draft rows one session may add to a tick now (the node's budget shared by its
-    # sessions); and the model's sliding window, past which a window's rejected rows could
-    # have pushed earlier positions out of the cache (0: none)
+    # this node (0: its engine's rows are not exact in a window, so it takes none); and at the
+    # head, the draft rows one session may add to a tick now (the node's budget shared by its
+    # sessions)
     max_window: int = 0
     draft_rows: Callable[[], int] = lambda: 0
-    n_swa: int = 0
     eager_windows: bool = False  # every draft offered goes, whatever it costs (WindowPolicy.eager)
 
 

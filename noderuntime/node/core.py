@@ -186,7 +186,6 @@ class Node:
             restore_state=self._restore_state,
             max_window=config.max_window if getattr(engine, "exact_windows", False) else 0,
             draft_rows=self._draft_rows,
-            n_swa=getattr(engine, "n_swa", 0),
             eager_windows=config.eager_windows,
         )
 

@@ -527,7 +527,7 @@ class RouteSession:
                 )
                 return
             left = self.open_route.max_tokens - len(self.open_route.generated) - len(self._seen)
-            room = self.windows.room(position, left=left, reserved=self.lease.tokens, n_swa=self.context.n_swa)
+            room = self.windows.room(position, left=left, reserved=self.lease.tokens)
             draft = drafts.draft(room, self.context.draft_rows())
             rows = np.array([tokens[-1], *draft], np.int32)
             drafts.sending(time.perf_counter())

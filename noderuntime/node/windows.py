@@ -81,16 +81,10 @@ class HopWindows:
         """What a window's bound from downstream becomes on its way up past this hop."""
         return min(window, self.takes)
 
-    def room(self, position: int, *, left: int, reserved: int, n_swa: int) -> int:
+    def room(self, position: int, *, left: int, reserved: int) -> int:
         """The most drafts a window at ``position`` may carry: what the route takes, ``left`` tokens
-        to generate, the ``reserved`` positions, and (a sliding-window model) positions below its
-        window of ``n_swa``."""
-        room = min(self.window, left - 1, reserved - position - 1)
-        if n_swa:
-            # a row past the sliding window lets the cache reuse the cells of positions below it,
-            # which a rejected row's rollback would need again
-            room = min(room, n_swa - position - 2)
-        return max(0, room)
+        to generate and the ``reserved`` positions."""
+        return max(0, min(self.window, left - 1, reserved - position - 1))
 
     def check_drafts(self, positions: Span, drafts: Sequence[int], *, decode: bool, n_vocab: int) -> None:
         """A step from the previous hop: its drafts must fit its rows, this hop's bound and the vocabulary."""

@@ -124,8 +124,6 @@ class ShardEngine:
         self.dry_run = dry_run
         self._load(is_range and not info.is_shard_file, dry_run)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model)))
-        # the model's sliding attention window (Gemma 3's local layers), 0 for a model without one
-        self.n_swa = max(0, int(llama_cpp.llama_model_n_swa(self._model)))
         self._buffers = _BatchBuffers(recipe.n_batch, self.n_embd, takes_hidden=not self.is_head)
         # set add/discard are atomic: a chain dropped unclosed closes in __del__, on the collector's thread
         self._live_samplers: set[int] = set()
@@ -194,6 +192,14 @@ class ShardEngine:
         cparams.embeddings = self.output_hidden or not self.is_tail
         cparams.offload_kqv = True  # a GPU layer's KV lives on its GPU (no effect on the CPU)
         cparams.no_perf = True
+        # a sliding-window model's local layers keep every position's KV, as its global layers
+        # do (llama.cpp's default, said here so that no change of default moves it). A cache
+        # sized to the window reuses the cells of positions that slid out of it, and a decode
+        # window's rollback frees cells in another order than single steps fill them: Gemma 3
+        # with a window that crossed the cache's end, two of its rows not kept, gave other
+        # logits than single steps from there on (145 of 145 positions), where the full-size
+        # cache gives the same bits (tests/test_speculative.py)
+        cparams.swa_full = True
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
             self.close()
