@@ -43,13 +43,14 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import outcome
 import trio
 
 from benchmarks import _common
+from noderuntime.transport.grpc import AsyncioThread
 
 NAME = "crossings"
 DECODE_FRAME = 2442  # a decode step's frame on the demo model's seam
@@ -112,17 +113,8 @@ class HostedLoop:
             with trio.move_on_after(self._selector.wait):
                 await trio.lowlevel.wait_readable(fd)
 
-    async def call(self, factory: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
-        """Run ``factory()`` on the loop and wait for it."""
-        future = asyncio.run_coroutine_threadsafe(factory(), self.loop)
-        done = trio.Event()
-        future.add_done_callback(lambda _: done.set())
-        try:
-            await done.wait()
-        except BaseException:
-            future.cancel()
-            raise
-        return future.result()
+    # run ``factory()`` on the loop and wait for it, as the thread's runtime does
+    call = AsyncioThread.call
 
     def finish(self) -> None:
         """Cancel what still runs on the loop and close it (the driving task has ended)."""
@@ -137,8 +129,6 @@ class HostedLoop:
 @contextlib.asynccontextmanager
 async def runtime(design: str) -> AsyncIterator[Any]:
     """The asyncio side of ``design``, open for the block."""
-    from noderuntime.transport.grpc import AsyncioThread
-
     if design == "thread":
         thread = AsyncioThread()
         try:

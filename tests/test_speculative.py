@@ -111,6 +111,17 @@ async def test_rejected_windows_roll_back_exactly_on_every_architecture(
     assert drafted > accepted, (drafted, accepted)  # windows were cut short: rolled back
 
 
+def _logits(engine: ShardEngine, seq: int, start: int, rows: np.ndarray) -> np.ndarray:
+    """The logits of ``rows`` run as one step of sequence ``seq`` from position ``start``."""
+    n = len(rows)
+    out = engine.run(
+        Rows(np.full(n, seq, np.int32), np.arange(start, start + n, dtype=np.int32), np.ones(n, bool), rows),
+        want_logits=True,
+    )
+    assert out.logits is not None
+    return out.logits
+
+
 async def test_gemma3_windows_past_its_sliding_window_are_the_plain_reply(gemma3: Path) -> None:
     """A prompt longer than Gemma 3 270M's 512-position sliding window: every window lies past it."""
     text = "Repeat: " + "\n".join([PASSAGE] * 15)
@@ -133,24 +144,14 @@ def test_a_window_across_the_end_of_a_window_sized_cache_gives_the_bits_of_singl
     prompt = rng.integers(1000, 20000, 765).astype(np.int32)
     tokens = rng.integers(1000, 20000, 24).astype(np.int32)
     with ShardEngine(gemma3, recipe) as engine:
-
-        def run(seq: int, start: int, rows: np.ndarray) -> np.ndarray:
-            n = len(rows)
-            out = engine.run(
-                Rows(np.full(n, seq, np.int32), np.arange(start, start + n, dtype=np.int32), np.ones(n, bool), rows),
-                want_logits=True,
-            )
-            assert out.logits is not None
-            return out.logits
-
         for seq in (0, 1):
             for start in range(0, len(prompt), 256):
-                run(seq, start, prompt[start : start + 256])
+                _logits(engine, seq, start, prompt[start : start + 256])
         p = len(prompt)
-        single = np.stack([run(0, p + i, tokens[i : i + 1])[0] for i in range(len(tokens))])
-        window = run(1, p, np.array([*tokens[:2], 7, 8], np.int32))  # positions 765..768
+        single = np.stack([_logits(engine, 0, p + i, tokens[i : i + 1])[0] for i in range(len(tokens))])
+        window = _logits(engine, 1, p, np.array([*tokens[:2], 7, 8], np.int32))  # positions 765..768
         engine.truncate_sequence(1, p + 2)
-        rest = np.stack([run(1, p + i, tokens[i : i + 1])[0] for i in range(2, len(tokens))])
+        rest = np.stack([_logits(engine, 1, p + i, tokens[i : i + 1])[0] for i in range(2, len(tokens))])
         assert np.array_equal(window[:2], single[:2])
         assert np.array_equal(rest, single[2:])  # bit for bit, every row after the rollback
 
@@ -168,24 +169,15 @@ def test_a_window_after_a_rollback_gives_the_bits_of_single_steps(smollm2: Path)
         prompt = np.arange(400, 460, dtype=np.int32)
         tokens = np.array([11, 22, 33, 44, 55, 66], np.int32)
 
-        def run(seq: int, start: int, rows: np.ndarray) -> np.ndarray:
-            n = len(rows)
-            out = engine.run(
-                Rows(np.full(n, seq, np.int32), np.arange(start, start + n, dtype=np.int32), np.ones(n, bool), rows),
-                want_logits=True,
-            )
-            assert out.logits is not None
-            return out.logits
-
         for seq in (0, 1):
-            run(seq, 0, prompt)
+            _logits(engine, seq, 0, prompt)
         # sequence 0: single steps through all six tokens
-        single = np.stack([run(0, len(prompt) + i, tokens[i : i + 1])[0] for i in range(len(tokens))])
+        single = np.stack([_logits(engine, 0, len(prompt) + i, tokens[i : i + 1])[0] for i in range(len(tokens))])
         # sequence 1: a window of four rows whose last two drafts were wrong, cut back, then the rest
         p = len(prompt)
-        window = run(1, p, np.array([11, 22, 99, 98], np.int32))
+        window = _logits(engine, 1, p, np.array([11, 22, 99, 98], np.int32))
         engine.truncate_sequence(1, p + 2)
-        rest = run(1, p + 2, tokens[2:])
+        rest = _logits(engine, 1, p + 2, tokens[2:])
         assert np.array_equal(window[:2], single[:2])  # bit for bit
         assert np.array_equal(rest, single[2:])
 
