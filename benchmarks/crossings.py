@@ -16,13 +16,17 @@ candidate that removes both crossings, and what a crossing's cost is made of her
    Back to back, and with an idle gap of 3 ms before each (about a shard's decode tick,
    as in a route, where every thread sleeps between tokens). p50 µs, and CPU µs a round
    trip of each process. The two designs take turns over several rounds.
-2. **The hand-off to the engine thread**: a trio task's round trip to a thread that runs a
+2. **Bursts**: 1, 8 and 16 seams on one connection, a frame sent on every one at once and
+   echoed, after 3 ms idle (a batcher's tick answers all its sessions together): a round's
+   p50, and both processes' CPU µs a frame. The pipes' wake-ups cross in one go for all
+   that are ready (``bridge.Handover``).
+3. **The hand-off to the engine thread**: a trio task's round trip to a thread that runs a
    no-op and hands the result back, the same thread with a ``queue.Queue`` (a condition
    variable: the woken thread then takes the queue's mutex again; the engine thread's
    hand-off before) and with a ``queue.SimpleQueue`` (one lock; the engine thread's now),
    and ``EngineThread`` itself (its turn lock and checks on top), back to back and after
    3 ms idle, in turns.
-3. **Work after idling**: the same few dozen µs of plain Python (a dict filled and
+4. **Work after idling**: the same few dozen µs of plain Python (a dict filled and
    encoded as JSON), timed after the thread slept 0, 0.5, 3 and 10 ms. On a virtual
    machine whose idle processors halt, code that runs right after a wake-up runs slower,
    whatever thread it runs on; that is part of every stage of a hop.
@@ -56,6 +60,7 @@ NAME = "crossings"
 DECODE_FRAME = 2442  # a decode step's frame on the demo model's seam
 GAPS = (0.0, 0.003)  # idle before each round trip: none, and about one shard's decode tick
 IDLES = (0.0, 0.0005, 0.003, 0.010)
+SEAMS = (1, 8, 16)  # seams with a frame at once, in a burst
 DESIGNS = ("thread", "hosted")
 ROUNDS = 4
 MAX_PASSES = 64  # asyncio passes a hosted loop runs before it lets trio's other tasks run
@@ -100,6 +105,7 @@ class HostedLoop:
         self._selector = _NonBlockingSelector()
         self.loop = asyncio.SelectorEventLoop(self._selector)
         self._selector.loop = self.loop
+        self._handovers: dict[trio.lowlevel.TrioToken, Any] = {}
 
     async def drive(self) -> None:
         """Run the loop's passes until cancelled (in a nursery that outlives every use of the loop)."""
@@ -113,8 +119,9 @@ class HostedLoop:
             with trio.move_on_after(self._selector.wait):
                 await trio.lowlevel.wait_readable(fd)
 
-    # run ``factory()`` on the loop and wait for it, as the thread's runtime does
+    # run ``factory()`` on the loop and wait for it, and hand wake-ups over, as the thread's runtime does
     call = AsyncioThread.call
+    handover = AsyncioThread.handover
 
     def finish(self) -> None:
         """Cancel what still runs on the loop and close it (the driving task has ended)."""
@@ -191,6 +198,68 @@ async def _round_trips(design: str, port: int, count: int, gap: float) -> tuple[
         finally:
             await connector.close()
     return times, cpu
+
+
+async def _bursts(port: int, seams: int, rounds: int) -> tuple[list[float], float]:
+    """``rounds`` rounds of a frame on each of ``seams`` seams at once, after 3 ms idle each."""
+    from noderuntime.transport.grpc import GrpcConnector
+
+    payload = os.urandom(DECODE_FRAME)
+    times = []
+
+    async def one(stream: Any) -> None:
+        await stream.send(payload)
+        await stream.receive()
+
+    async with runtime("thread") as rt:
+        connector = GrpcConnector(rt, max_frame_bytes=1 << 20)
+        try:
+            streams = [await connector.open(f"127.0.0.1:{port}") for _ in range(seams)]
+            for r in range(rounds + 5):
+                await trio.sleep(0.003)
+                if r == 5:
+                    cpu = time.process_time()
+                started = time.perf_counter()
+                async with trio.open_nursery() as nursery:
+                    for stream in streams:
+                        nursery.start_soon(one, stream)
+                if r >= 5:  # warm-up
+                    times.append(time.perf_counter() - started)
+            cpu = time.process_time() - cpu
+            for stream in streams:
+                await stream.aclose()
+        finally:
+            await connector.close()
+    return times, cpu
+
+
+def bursts(rounds: int) -> dict[str, Any]:
+    """A frame on each of 1, 8 and 16 seams at once: a round's p50 and CPU µs a frame (client + echo)."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.crossings", "--echo", "thread"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    out: dict[str, Any] = {}
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        for seams in SEAMS:
+            before = _cpu_of(server.pid)
+            times, client_cpu = trio.run(_bursts, port, seams, rounds)
+            frames = seams * rounds
+            out[f"{seams}_seams"] = {
+                "round_p50_us": statistics.median(times) * 1e6,
+                "cpu_us_per_frame": (client_cpu + _cpu_of(server.pid) - before) / frames * 1e6,
+                "rounds": rounds,
+            }
+    finally:
+        with contextlib.suppress(OSError):
+            server.communicate("", timeout=30)
+        if server.poll() is None:
+            server.kill()
+    return out
 
 
 def _cpu_of(pid: int) -> float:
@@ -344,9 +413,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     count = 200 if args.quick else 2000
     seams = seam_round_trips(count)
+    burst = bursts(50 if args.quick else 400)
     hand_offs = engine_hand_offs(100 if args.quick else 1000)
     idle = work_after_idle(50 if args.quick else 400)
-    figures = {"seam_round_trips": seams, "engine_hand_offs": hand_offs, "work_after_idle": idle}
+    figures = {"seam_round_trips": seams, "bursts": burst, "engine_hand_offs": hand_offs, "work_after_idle": idle}
     path = _common.out_path(NAME, args)
     _common.write(
         path,
@@ -360,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": ROUNDS,
             "gaps_s": GAPS,
             "idles_s": IDLES,
+            "burst_seams": SEAMS,
             "processes": "client and echo server, one each, on loopback",
         },
     )
@@ -400,6 +471,13 @@ def main(argv: list[str] | None = None) -> int:
         for v in [seams[f"{design}_gap_{gap * 1e3:g}ms"]]
     ]
     print(_common.table(["asyncio side", "gap ms", "RTT p50 µs", "p90 µs", "CPU µs / RTT"], rows))
+    print()
+    print(
+        _common.table(
+            ["seams at once", "round p50 µs", "CPU µs / frame"],
+            [[n, burst[f"{n}_seams"]["round_p50_us"], burst[f"{n}_seams"]["cpu_us_per_frame"]] for n in SEAMS],
+        )
+    )
     print()
     print(
         _common.table(

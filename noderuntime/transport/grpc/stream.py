@@ -32,8 +32,9 @@ class GrpcFrameStream:
         self.peer = peer
         self.server_side = server_side
         self._runtime = runtime
-        self.outbound = Pipe(runtime.loop, token, trio_to_aio=True)
-        self.inbound = Pipe(runtime.loop, token, trio_to_aio=False)
+        handover = runtime.handover(token)
+        self.outbound = Pipe(handover, trio_to_aio=True)
+        self.inbound = Pipe(handover, trio_to_aio=False)
         self.task: asyncio.Task[Any] | None = None  # the asyncio task that owns the HTTP/2 stream (see own)
         self._closed = False
         # the pipe keeps one waiting producer; a closing notice may race a blocked data send
