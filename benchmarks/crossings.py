@@ -46,6 +46,7 @@ import selectors
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -106,6 +107,7 @@ class HostedLoop:
         self.loop = asyncio.SelectorEventLoop(self._selector)
         self._selector.loop = self.loop
         self._handovers: dict[trio.lowlevel.TrioToken, Any] = {}
+        self._handovers_lock = threading.Lock()
 
     async def drive(self) -> None:
         """Run the loop's passes until cancelled (in a nursery that outlives every use of the loop)."""
@@ -321,8 +323,6 @@ class _HandOffThread:
     """
 
     def __init__(self, jobs: Any) -> None:
-        import threading
-
         self._jobs = jobs
         threading.Thread(target=self._serve, daemon=True).start()
 

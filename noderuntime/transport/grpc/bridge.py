@@ -24,15 +24,21 @@ class AsyncioThread:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self._handovers: dict[trio.lowlevel.TrioToken, Handover] = {}
+        self._handovers_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="grpc-asyncio", daemon=True)
         self._thread.start()
 
     def handover(self, token: trio.lowlevel.TrioToken) -> Handover:
-        """The wake-ups between this loop and the trio run of ``token``, shared by all its pipes (trio thread)."""
-        found = self._handovers.get(token)
-        if found is None:
-            found = self._handovers[token] = Handover(self.loop, token)
-        return found
+        """The wake-ups between this loop and the trio run of ``token``, shared by all its pipes.
+
+        Either thread asks: a dialed stream's pipes are made on trio's, an accepted one's on
+        asyncio's.
+        """
+        with self._handovers_lock:
+            found = self._handovers.get(token)
+            if found is None:
+                found = self._handovers[token] = Handover(self.loop, token)
+            return found
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
