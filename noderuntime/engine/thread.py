@@ -47,8 +47,9 @@ class EngineThread:
         # one call in the thread's hands at a time (callers beyond it wait for the turn in
         # trio), and the sentinel that ends it: never more than two items. A SimpleQueue
         # hands a job over with one lock, where queue.Queue's condition variable has the
-        # woken thread take the queue's mutex again: a no-op call's round trip 76 -> 65 µs
-        # back to back, 165-178 -> 145-158 µs after 3 ms idle (benchmarks.crossings)
+        # woken thread take the queue's mutex again: a no-op call's round trip 13-15 µs
+        # shorter, 75 -> 60 µs back to back and 133 -> 119 µs after 3 ms idle in the run
+        # benchmarks/results/crossings.json holds
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Callable[[outcome.Outcome[Any]], None]] | None] = (
             queue.SimpleQueue()
         )
