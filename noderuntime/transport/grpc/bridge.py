@@ -183,20 +183,11 @@ class Pipe:
 
         return wake
 
-    def _take_consumer(self) -> trio.Event | asyncio.Event | None:
-        """The consumer's waiter, if it waits (lock held, by the producer's thread)."""
-        if self._trio_to_aio:
-            event: trio.Event | asyncio.Event | None = self._aio_waiter
-            self._aio_waiter = None
-        else:
+    def _take_waiter(self, *, trio_side: bool) -> trio.Event | asyncio.Event | None:
+        """The trio side's waiter or the asyncio side's, if it waits (lock held)."""
+        event: trio.Event | asyncio.Event | None
+        if trio_side:
             event, self._trio_waiter = self._trio_waiter, None
-        return event
-
-    def _take_producer(self) -> trio.Event | asyncio.Event | None:
-        """The producer's waiter, if it waits for room (lock held, by the consumer's thread)."""
-        if self._trio_to_aio:
-            event: trio.Event | asyncio.Event | None = self._trio_waiter
-            self._trio_waiter = None
         else:
             event, self._aio_waiter = self._aio_waiter, None
         return event
@@ -250,7 +241,7 @@ class Pipe:
             if self._ended:
                 raise fresh(self._end) if self._end is not None else StreamClosed("the seam is closed")
             self._items.append(frame)
-            waiter = self._take_consumer()
+            waiter = self._take_waiter(trio_side=not self._trio_to_aio)  # the consumer's
         self._hand_over(waiter)
 
     async def get(self) -> bytes | None:
@@ -265,7 +256,7 @@ class Pipe:
                     raise fresh(self._end)
                 return None
             frame = self._items.popleft()
-            waiter = self._take_producer()
+            waiter = self._take_waiter(trio_side=self._trio_to_aio)  # the producer's, waiting for room
         self._hand_over(waiter)
         return frame
 
