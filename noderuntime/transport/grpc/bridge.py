@@ -89,7 +89,8 @@ class Handover:
     wakeup socket; here the first wake-up of a burst crosses, and those that come before
     the other side has run ride along with it. Sixteen seams with a frame each way on
     every one: rounds 9-16 % shorter, 10-18 % less CPU a frame in both processes; one seam
-    alone crosses as before (``benchmarks.crossings`` measures both).
+    alone crosses as before (measured before and after, three runs of each; ``benchmarks.crossings``
+    times such bursts as they are now).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, token: trio.lowlevel.TrioToken) -> None:
