@@ -123,6 +123,50 @@ async def test_frames_that_cross_together_on_many_grpc_seams_each_reach_their_re
             await end.aclose()
 
 
+async def test_a_peer_resetting_half_its_seams_mid_burst_stalls_none_of_the_others() -> None:
+    """Sixteen seams; in every burst the dialer resets eight of them with frames in flight, as a
+    hostile or dying peer would. The other eight get every frame back, and the serving ends of
+    the reset ones end: a wake-up crossing with the others is never lost to an end."""
+    from noderuntime.transport.grpc.stream import GrpcFrameStream
+
+    async with grpc_peer() as (connector, port, accepted):
+        ended = 0
+
+        async def echo(end: FrameStream) -> None:
+            nonlocal ended
+            with contextlib.suppress(TransportError):
+                while True:
+                    await end.send(await end.receive())
+            ended += 1
+
+        async def round_trip(end: FrameStream, frame: bytes) -> None:
+            for _ in range(6):
+                await end.send(frame)
+            for _ in range(6):
+                assert await end.receive() == frame
+
+        async def cut(end: FrameStream, frame: bytes) -> None:
+            for _ in range(6):
+                await end.send(frame)
+            await trio.lowlevel.checkpoint()
+            cast(GrpcFrameStream, end).reset()
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for i in range(10):
+                    clients = []
+                    for _ in range(16):
+                        clients.append(await connector.open(f"127.0.0.1:{port}"))
+                        nursery.start_soon(echo, await accepted.receive())
+                    async with trio.open_nursery() as burst:
+                        for j, end in enumerate(clients):
+                            burst.start_soon(cut if j % 2 else round_trip, end, bytes([i, j]) * 600)
+                    for end in clients:
+                        await end.aclose()
+                while ended < 160:  # every serving end, the reset ones' and the closed ones'
+                    await trio.sleep(0.05)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 async def test_two_tasks_sending_on_one_end_at_once_lose_nothing(kind: str) -> None:
     """A session's token forwarding and its closing notice may send at the same moment.
