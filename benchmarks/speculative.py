@@ -21,6 +21,12 @@ every seam of a route, the client's to the head included, is ``d`` ms long. Then
 Workloads: *grounded*, where the reply is mostly in the prompt (edit a given function,
 reformat a given JSON document, answer by quoting a given passage), and *free chat*.
 
+With ``--draft MODEL[,MODEL...]`` it measures draft models instead: the 3-shard route of the
+first model, its head drafting by prompt lookup and then with ``up --draft MODEL`` for each
+(a catalogue name, a GGUF file of the same vocabulary, or ``first:N``: the model's own first
+N layers and its head, an untrained early exit), every workload at d = 0, 20 and 50 ms (0 and
+20 quick), plain against speculative in each; written to ``speculative-draft.json``.
+
 Goals (the issue's): grounded on a 3-shard route at d = 20 ms >= 2.0x plain; free chat >=
 0.97x plain at every d; one node at d = 0 on grounded >= llama-server's best n-gram mode;
 16 clients >= 0.97x; every reply byte-identical.
@@ -52,6 +58,7 @@ MODELS = {
 }
 DELAYS_MS = (0, 5, 20, 50)
 QUICK_DELAYS_MS = (0, 20)
+DRAFT_DELAYS_MS = (0, 20, 50)
 CLIENTS = 16
 REPEATS_UNDELAYED = 3  # pairs a workload runs at d = 0 (see _route_lanes)
 LLAMA_SERVER_MODES = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
@@ -163,8 +170,10 @@ async def _route_lanes(
     prompts: dict[str, list[int]],
     delays: Sequence[int],
     args: Any,
+    head_extra: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Every workload at every delay, plain then with windows; and 16 clients at d = 0."""
+    """Every workload at every delay, plain then with windows; and 16 clients at d = 0 (up to
+    2 shards). ``head_extra``: flags for the head node alone (``--draft MODEL``)."""
     from noderuntime.seams.dialer import open_dialer
     from noderuntime.testing.clusters import running_cluster
     from noderuntime.testing.linkproxy import LinkProxy
@@ -172,7 +181,7 @@ async def _route_lanes(
     out: dict[str, Any] = {"cuts": cuts, "delays": {}}
     with (
         tempfile.TemporaryDirectory() as tmp,
-        running_cluster(model, cuts, Path(tmp), slots=CLIENTS, ctx=1024, threads=2) as cluster,
+        running_cluster(model, cuts, Path(tmp), slots=CLIENTS, ctx=1024, threads=2, head_extra=head_extra) as cluster,
     ):
         proxies = []
         for hop in cluster.hops:
@@ -346,6 +355,14 @@ def main(argv: list[str] | None = None) -> int:
     p = _common.parser(NAME, __doc__ or "")
     p.add_argument("--models", default=None, help="comma-separated catalogue names (default: both; quick: SmolLM2)")
     p.add_argument("--tokens", type=int, default=None, help="tokens each reply generates (default 96; quick 40)")
+    p.add_argument(
+        "--draft",
+        default=None,
+        metavar="MODEL",
+        help="measure a draft model instead: the first model's 3-shard route with its head drafting by prompt "
+        "lookup, then with MODEL (a catalogue name, a GGUF file of the same vocabulary, or first:N for the "
+        "model's own first N layers and its head)",
+    )
     args = p.parse_args(argv)
     args.tokens = args.tokens or (40 if args.quick else 96)
     names = args.models.split(",") if args.models else (["smollm2-135m"] if args.quick else list(MODELS))
@@ -353,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     workloads = QUICK_WORKLOADS if args.quick else tuple(WORKLOADS)
     figures: dict[str, Any] = {}
     from noderuntime.models import catalogue
+
+    if args.draft is not None:
+        return _main_draft(args, names[0], QUICK_DELAYS_MS if args.quick else DRAFT_DELAYS_MS, workloads)
 
     for name in names:
         model = catalogue.pull(name, progress=False)
@@ -384,6 +404,103 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([name, key, json.dumps(value) if isinstance(value, dict) else value])
     print(_common.table(["model", "figure", "value"], rows))
     print(f"byte-identical: {figures['summary']['byte_identical']}")
+    print(f"wrote {path}")
+    return 0
+
+
+def early_exit(model: Path, n_layer: int, out: Path) -> Path:
+    """A whole model of ``model``'s first ``n_layer`` blocks, its output norm and its head: a
+    draft of the same vocabulary that costs ``n_layer / n`` of a token (no training, so its
+    guesses are rougher than a trained small model's)."""
+    from noderuntime.models import artifacts
+    from noderuntime.models import gguf as ggufio
+
+    source = ggufio.read(model)
+    count = f"{source.get('general.architecture')}.block_count"
+    fields = [
+        ggufio.uint32_field(count, n_layer) if key == count else field.raw for key, field in source.fields.items()
+    ]
+    tensors = [t for t in source.tensors if not t.name.startswith("blk.") or int(t.name.split(".")[1]) < n_layer]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with model.open("rb") as data:
+        ggufio.write(out, fields, [(t, data) for t in tensors], alignment=source.alignment)
+    artifacts.inspect(out)  # a readable whole model, or ArtifactError
+    return out
+
+
+def _main_draft(args: Any, name: str, delays: Sequence[int], workloads: Sequence[str]) -> int:
+    """``--draft``: one route, drafting by prompt lookup and then with the draft model."""
+    from noderuntime.models import catalogue
+
+    model = catalogue.pull(name, progress=False)
+    drafts: dict[str, Path] = {}
+    for spec in args.draft.split(","):
+        if spec.startswith("first:"):  # the model's own first layers (early_exit)
+            n_layer = int(spec.partition(":")[2])
+            drafts[spec] = early_exit(model, n_layer, _common.cache_dir(NAME) / f"{model.stem}-first{n_layer}.gguf")
+        elif spec in catalogue.KNOWN_MODELS:
+            drafts[spec] = catalogue.pull(spec, progress=False)
+        else:
+            drafts[spec] = Path(spec)
+    prompts = _prompts(model, workloads)
+    cuts = MODELS[name][3]
+    figures: dict[str, Any] = {"prompt_tokens": {w: len(p) for w, p in prompts.items()}, "drafters": {}}
+    drafters: dict[str, tuple[str, ...]] = {"lookup": ()}
+    drafters.update({spec: ("--draft", str(path)) for spec, path in drafts.items()})
+    for drafter, head_extra in drafters.items():
+        print(f"{name} 3-shard route, drafting with {drafter}", flush=True)
+        lanes = trio.run(_route_lanes, model, name, 3, cuts, prompts, delays, args, head_extra)
+        figures["drafters"][drafter] = lanes
+    summary: dict[str, Any] = {}
+    identical = total = 0
+    for drafter, lanes in figures["drafters"].items():
+        for delay, lane in lanes["delays"].items():
+            for kind in ("grounded", "free"):
+                pairs = [pair for w, pair in lane.items() if WORKLOADS[w][0] == kind]
+                speedups = [pair["speedup"] for pair in pairs if pair["speedup"]]
+                kept = sum(pair["accepted"] for pair in pairs)
+                sent = sum(pair["drafted"] for pair in pairs)
+                summary[f"{drafter} d={delay} {kind}"] = {
+                    "speedup": round(statistics.geometric_mean(speedups), 3) if speedups else None,
+                    "acceptance": round(kept / sent, 3) if sent else None,
+                    "drafted": sent,
+                }
+            for pair in lane.values():
+                total += 1
+                identical += pair["identical"]
+    summary["byte_identical"] = f"{identical}/{total}"
+    figures["summary"] = summary
+    recipe = {
+        "model": name,
+        "drafts": {spec: path.name for spec, path in drafts.items()},
+        "cuts": cuts,
+        "window": WINDOW,
+        "delays_ms_each_way": list(delays),
+        "tokens": args.tokens,
+        "workloads": {w: WORKLOADS[w][0] for w in workloads},
+        "sampling": "greedy",
+        "nodes": "one process per range, 2 threads each, on this machine's cores; every seam through a link "
+        "proxy that holds each piece d ms each way; the head started with --draft MODEL in a draft's lanes",
+    }
+    path = args.out if args.out is not None else _common.RESULTS / f"{NAME}-draft{'.quick' if args.quick else ''}.json"
+    _common.write(path, NAME, args, recipe, figures)
+    series: dict[str, tuple[Sequence[float], Sequence[float]]] = {
+        f"{drafter} {kind}": (
+            [float(d) for d in delays],
+            [summary[f"{drafter} d={d} {kind}"]["speedup"] or 1.0 for d in delays],
+        )
+        for drafter in drafters
+        for kind in ("grounded", "free")
+    }
+    title = f"{name} 3-shard route: speculative / plain, by drafter"
+    _common.plot(path.with_suffix(".png"), title, "seam delay each way (ms)", "speculative / plain (x)", series)
+    rows = [
+        [key, value["speedup"], value["acceptance"], value["drafted"]]
+        for key, value in summary.items()
+        if key != "byte_identical"
+    ]
+    print(_common.table(["lane", "speedup", "acceptance", "drafted"], rows))
+    print(f"byte-identical: {summary['byte_identical']}")
     print(f"wrote {path}")
     return 0
 

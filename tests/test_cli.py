@@ -198,6 +198,34 @@ def test_sizes_that_llama_cpp_would_truncate_are_refused(
     assert message in line, line
 
 
+@pytest.mark.parametrize("problem", ["another vocabulary", "not GGUF", "missing", "a shard", "on a GPU", "local"])
+def test_a_draft_model_that_cannot_draft_is_a_clear_error(
+    problem: str, tiny_model: Path, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """``up --draft``: a model whose token ids mean other text would make every draft wrong."""
+    draft, extra = str(tiny_models["qwen3"]), ["--layers", "0:2"]
+    message = f"--draft {draft}: its vocabulary is not that of {tiny_model}"
+    if problem == "not GGUF":
+        (tmp_path / "draft.gguf").write_bytes(b"GGUF" + b"\xff" * 60)
+        draft = str(tmp_path / "draft.gguf")
+        message = f"{draft} is not a valid GGUF file"
+    elif problem == "missing":
+        draft = str(tmp_path / "nowhere.gguf")
+        message = f"model {draft!r} is neither a file nor a known model"
+    elif problem == "a shard":  # the model's own vocabulary, but not all of it: drafts need logits
+        draft = str(artifacts.split(tiny_model, [LayerRange(0, 1)], tmp_path)[0])
+        message = "a draft model runs whole"
+    elif problem == "on a GPU":
+        extra += ["--device", "vulkan:0"]
+        message = "--draft drafts for windows, which a node takes on the CPU with llama.cpp only"
+    elif problem == "local":
+        extra = ["--local"]
+        message = "--draft is a shard node's (with --model)"
+    args = ["up", "--model", str(tiny_model), "--data-dir", str(tmp_path / "node"), "--draft", draft, *extra]
+    line = _run(*args, "--issuer-key", "00" * 32, "--listen", "127.0.0.1:0")
+    assert line.startswith("noderuntime: error: ") and message in line, line
+
+
 @contextlib.contextmanager
 def _answering(body: bytes) -> Iterator[str]:
     """A real HTTP server on loopback that answers every GET with ``body`` as JSON; its URL."""

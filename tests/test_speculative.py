@@ -16,7 +16,8 @@ import pytest
 import trio
 
 from noderuntime.engine.llama import Recipe, Rows, ShardEngine, Vocab
-from noderuntime.node.drafting import PromptLookup, WindowPolicy
+from noderuntime.node.drafting import SHADOW_EVERY, HeadDrafts, PromptLookup, WindowPolicy
+from noderuntime.node.draftmodel import DraftModel
 from noderuntime.seams.client import GenerationRequest, open_route_generation, over_stream
 from noderuntime.services.localroute import Completion, LocalRoute, open_local_route
 from protocol import Sampling
@@ -185,6 +186,78 @@ def test_a_window_after_a_rollback_gives_the_bits_of_single_steps(smollm2: Path)
         assert np.array_equal(rest, single[2:])
 
 
+def _greedy(engine: ShardEngine, seq: int, tokens: list[int], n: int) -> list[int]:
+    """The ``n`` tokens a greedy decode of ``tokens`` draws in a fresh ``seq``: the prompt in
+    pieces of 32 (rows are the same bits however positions are cut), then one position a step."""
+    engine.remove_sequence(seq)
+    for start in range(0, len(tokens), 32):
+        logits = _logits(engine, seq, start, np.asarray(tokens[start : start + 32], np.int32))
+    out = [int(np.argmax(logits[-1]))]
+    while len(out) < n:
+        row = np.array(out[-1:], np.int32)
+        out.append(int(np.argmax(_logits(engine, seq, len(tokens) + len(out) - 1, row)[-1])))
+    return out
+
+
+async def test_a_draft_model_drafts_the_greedy_continuation_after_every_rollback(smollm2: Path) -> None:
+    """The draft engine keeps what each sequence holds: after a window cut short, or a new
+    session in the same sequence, it drafts what a fresh greedy decode would, running only the
+    tokens it does not hold yet."""
+    recipe = Recipe(n_threads=THREADS, n_ctx_per_seq=256, n_seq_max=4, n_batch=64, n_ubatch=64)
+
+    async def inline(fn: Any) -> Any:
+        return fn()
+
+    with ShardEngine(smollm2, recipe) as engine:
+        drafter = DraftModel(engine, inline, n_seq=3, n_ctx_per_seq=256, n_batch=64)
+        prompt = list(range(300, 380))  # longer than a batch: run in two pieces
+        expected = _greedy(engine, 3, prompt, 6)
+        assert await drafter.draft(0, prompt, 6) == (expected, 80)
+        # the tail kept two drafts and drew another token than the third: the draft engine drops
+        # what it ran past the two and runs the new token alone
+        tokens = [*prompt, *expected[:2], 7]
+        assert await drafter.draft(0, tokens, 4) == (_greedy(engine, 3, tokens, 4), 1)
+        # every draft kept, and the token after them: only those two are new to it
+        longer = [*tokens, *_greedy(engine, 3, tokens, 5)]
+        assert await drafter.draft(0, longer, 3) == (_greedy(engine, 3, longer, 3), 2)
+        # a session whose prompt shares only a beginning with what the sequence held
+        other = [*prompt[:40], 9, 10, 11]
+        assert await drafter.draft(0, other, 2) == (_greedy(engine, 3, other, 2), 3)
+        # no room: beyond a sequence's positions, or a sequence the engine does not have
+        assert await drafter.draft(0, list(range(250)), 8) == ([], 0)
+        assert await drafter.draft(3, prompt, 2) == ([], 0)
+        assert drafter.drafted == 6 + 4 + 3 + 2
+
+
+def test_with_a_draft_model_whose_drafts_miss_a_session_drafts_one_token_in_eight() -> None:
+    """Acceptance that fell to nothing costs one draft in SHADOW_EVERY plain steps, and is measured again."""
+
+    class Model:
+        def __init__(self) -> None:
+            self.calls: list[int] = []
+
+        async def draft(self, seq_id: int, tokens: Any, k: int) -> tuple[list[int], int]:
+            self.calls.append(k)
+            return [5] * k, 1
+
+    model = Model()
+    drafts = HeadDrafts([1, 2, 3], 8, model=model)  # type: ignore[arg-type]
+    drafts.policy.timed(1, 0.02)
+    for _ in range(40):
+        drafts.policy.shadow(False)
+    sent = []
+    for _ in range(3 * SHADOW_EVERY):
+        sent.append(trio.run(drafts.draft, 8, 8))
+        drafts.answered([6], 0.0)  # never the draft
+    assert sent == [()] * len(sent) and model.calls == [1, 1, 1]
+    for _ in range(SHADOW_EVERY * 12):  # the drafts start to be kept: windows come back
+        if trio.run(drafts.draft, 8, 8) == ():
+            drafts.answered([5], 0.0)
+        else:
+            drafts.answered([5] * (1 + len(drafts.sent)), 0.0)
+    assert max(model.calls) > 1
+
+
 def test_prompt_lookup_drafts_what_followed_the_latest_match() -> None:
     drafter = PromptLookup([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8])
     drafter.extend([2, 3])
@@ -213,6 +286,27 @@ def test_the_window_policy_sends_none_when_drafts_miss_and_grows_when_they_are_k
     policy.judged(8, 0)
     policy.judged(8, 0)
     assert policy.size(8, 8) < 8
+
+
+FREE = "<|im_start|>user\nWrite a short story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n"
+
+
+async def test_a_route_drafting_with_a_model_gives_the_plain_reply(smollm2: Path) -> None:
+    """The model drafts for itself at the head of a 2-shard route, every window as long as it may
+    be (eager): greedily, every draft is kept (the route's bits are the whole model's); sampled
+    or under a grammar, many are not, and the replies are still the plain ones, on free text
+    where prompt lookup offers little."""
+    prompt = await trio.to_thread.run_sync(lambda: tuple(Vocab(smollm2).tokenize(FREE, add_special=False)))
+    async with open_local_route(smollm2, [0, 15, 30], RECIPE, draft=smollm2, eager_windows=True) as route:
+        for name, sampling in SAMPLINGS.items():
+            plain, windows = await _both(route, GenerationRequest(prompt, 40, sampling, speculate=6))
+            assert windows.tokens == plain.tokens, name
+            assert windows.drafted > 0, name
+            if name in ("greedy", "logprobs"):
+                assert windows.accepted == windows.drafted, (name, windows.drafted, windows.accepted)
+            else:  # a draw or a grammar the drafts do not know: windows cut short and rolled back
+                assert windows.accepted < windows.drafted, (name, windows.drafted, windows.accepted)
+        assert route.nodes[0].draft_model is not None and route.nodes[1].draft_model is None
 
 
 async def test_sessions_cancelled_mid_window_leave_nothing_held(smollm2: Path) -> None:

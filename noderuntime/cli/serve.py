@@ -55,6 +55,10 @@ def _check_device(args: argparse.Namespace) -> str:
         raise CliError("--device places one node's shard; give it with --model (and without --local)")
     if kind != "cpu" and args.backend == "transformers":
         raise CliError("--device takes a GPU for llama.cpp; the transformers backend runs on the CPU")
+    if args.draft is not None and (kind != "cpu" or args.backend != "llama.cpp"):
+        # a window's rows are exact on the CPU build of llama.cpp alone (ShardEngine.exact_windows):
+        # elsewhere a node takes no windows, and a draft model would hold memory for nothing
+        raise CliError("--draft drafts for windows, which a node takes on the CPU with llama.cpp only")
     return kind
 
 
@@ -108,6 +112,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if kind != "cpu":
         _run_on_backend(kind, args)
     if args.model is None or args.local:
+        if args.draft is not None:
+            raise CliError("--draft is a shard node's (with --model); the local system drafts from the conversation")
         from noderuntime.services import localsystem
 
         return localsystem.main(args.listen or "127.0.0.1:8080", args.model or models.DEMO_MODEL)
@@ -177,6 +183,7 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
         gpu_layers=args.gpu_layers,
         join_secret=_join_secret(args.join_secret_file),
         insecure_plaintext_seams=args.insecure_plaintext_seams,
+        draft=resolve_model(args.draft) if args.draft is not None else None,
     )
 
 
@@ -394,6 +401,13 @@ def _add_up(sub: Any) -> None:
         choices=["llama.cpp", "transformers"],
         default="llama.cpp",
         help="the engine: llama.cpp on GGUF (default) or Transformers on safetensors (torch, CPU)",
+    )
+    p.add_argument(
+        "--draft",
+        metavar="MODEL",
+        help="speculative decoding: a small whole model with the same vocabulary (a GGUF file or a known "
+        "name) that drafts for the routes this node heads, in place of drafting from the conversation; "
+        "the tail keeps only what the session's own sampler picks, so replies are unchanged",
     )
     p.add_argument(
         "--local",

@@ -194,6 +194,20 @@ def _array_len(gguf: ggufio.GGUFFile, key: str) -> int:
     return field.count if field is not None and field.type == ggufio.ARRAY else 0
 
 
+def vocabulary_digest(path: str | os.PathLike[str]) -> str:
+    """The sha256 of a GGUF file's token list (``tokenizer.ggml.tokens``, ids in order).
+
+    Two files with the same digest map every token id to the same text: one model can draft
+    for the other (``up --draft``). :class:`ArtifactError` for a file without a token list.
+    """
+    gguf = _open(Path(path))
+    field = gguf.fields.get("tokenizer.ggml.tokens")
+    if field is None or field.type != ggufio.ARRAY or field.array_type != ggufio.STRING:
+        raise ArtifactError(f"{path} holds no token list (tokenizer.ggml.tokens)")
+    # the raw bytes from the value on: the count and each token's length and text
+    return hashlib.sha256(field.raw[field.value_offset :]).hexdigest()
+
+
 def _identity_fields(gguf: ggufio.GGUFFile) -> list[tuple[str, bytes]]:
     return sorted((key, field.raw) for key, field in gguf.fields.items() if not key.startswith(_NON_IDENTITY_PREFIXES))
 

@@ -12,6 +12,7 @@ import attrs
 import trio
 
 from noderuntime.node.batcher import StepOutput, StepRequest
+from noderuntime.node.draftmodel import DraftModel
 from noderuntime.node.prefix import PrefixCache
 from noderuntime.transport import FrameStream
 from protocol import Encoding, Hop, Limits, OpenRoute
@@ -48,6 +49,7 @@ class SessionContext:
     max_window: int = 0
     draft_rows: Callable[[], int] = lambda: 0
     eager_windows: bool = False  # every draft offered goes, whatever it costs (WindowPolicy.eager)
+    draft_model: DraftModel | None = None  # drafts at the head in place of prompt lookup (up --draft)
 
 
 @attrs.frozen

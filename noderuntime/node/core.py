@@ -26,6 +26,7 @@ from noderuntime.engine.base import Engine, EngineError, GrammarError, SavesSequ
 from noderuntime.engine.thread import EngineThread
 from noderuntime.node.batcher import Batcher, BatcherStatistics
 from noderuntime.node.context import SessionContext, SessionKey, deadline_from_unix_ms
+from noderuntime.node.draftmodel import DraftModel
 from noderuntime.node.ending import EndReason
 from noderuntime.node.leases import LeaseManager, LeaseStatistics
 from noderuntime.node.prefix import PrefixCache
@@ -127,9 +128,12 @@ class Node:
         ticket_check: TicketCheck | None = None,
         signer: Callable[[bytes], bytes] | None = None,
         engine_thread: EngineThread | None = None,
+        draft_model: DraftModel | None = None,
     ) -> None:
-        """``engine_thread`` is the thread that loaded ``engine``; its batches run there too."""
+        """``engine_thread`` is the thread that loaded ``engine``; its batches run there too.
+        ``draft_model`` drafts for the sessions this node heads (its owner closes it)."""
         self.engine = engine
+        self.draft_model = draft_model
         self.engine_n_embd = engine.n_embd
         self.config = config
         self.node_id = node_id
@@ -187,6 +191,7 @@ class Node:
             max_window=config.max_window if getattr(engine, "exact_windows", False) else 0,
             draft_rows=self._draft_rows,
             eager_windows=config.eager_windows,
+            draft_model=draft_model,
         )
 
     # --- running

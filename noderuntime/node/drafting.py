@@ -8,28 +8,43 @@ to ``k + 1`` tokens. The rows' bits are those of single steps (the engine's rows
 independent of their batch-mates and of how positions are cut into steps), so what comes
 back is exactly what plain decoding would have produced.
 
-Two parts, both plain data with no event loop:
+Drafts come from one of two sources, and a policy sizes the windows:
 
 - :class:`PromptLookup` drafts with no model: the longest recent n-gram that ends the
   session's tokens, found earlier in the prompt or the reply, and what followed it there.
-  Replies that quote, edit or reformat their prompt repeat long runs of it.
+  Replies that quote, edit or reformat their prompt repeat long runs of it. On by default.
+- :class:`~noderuntime.node.draftmodel.DraftModel`, where the node was given one (``up
+  --draft MODEL``): a small model of the same vocabulary drafts greedily, for text that
+  repeats nothing as well.
 - :class:`WindowPolicy` sizes each window from what it measures: how often a drafted token
   is kept (from real windows, and from the drafts it could have sent when it sent none), the
   time a step's round trip takes, and what each further row adds to it. It sends the ``k``
   that maximises the expected tokens a second, 0 when none beats a plain step: a session
-  whose drafts miss costs what it cost without speculation.
+  whose drafts miss costs what it cost without speculation. A draft model's drafts cost the
+  head time too, measured and counted against them.
+
+:class:`HeadDrafts` is one session's drafting, plain data but for the draft model's steps.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
+
+if TYPE_CHECKING:
+    from noderuntime.node.draftmodel import DraftModel
 
 # n-gram lengths tried, longest first: a longer match predicts better; one token of context
 # matches almost anywhere and predicts little
 MAX_NGRAM = 4
 MIN_NGRAM = 2
+# with a draft model and no window worth sending, one plain step in this many has the model
+# draft a token anyway, kept out of the window and judged against the token that comes: a
+# session whose acceptance fell measures it again, for the cost of one draft in this many
+SHADOW_EVERY = 8
 
 
 class PromptLookup:
@@ -85,6 +100,7 @@ class WindowPolicy:
     tried: float = 0.0  # drafts the tail judged, decayed
     step: float | None = None  # seconds: a plain step's round trip (smoothed)
     row: float | None = None  # seconds each further row of a window adds (smoothed)
+    draft: float = 0.0  # seconds the head takes to draft a token (a draft model's steps; smoothed)
     drafted_total: int = 0
     accepted_total: int = 0
 
@@ -102,7 +118,7 @@ class WindowPolicy:
             return 0  # nothing to send, or no plain step measured yet to weigh a window against
         # before a window was measured, assume each row costs half a plain step: a guess that
         # makes the first windows wait for drafts that are often kept
-        row = self.row if self.row is not None else 0.5 * self.step
+        row = (self.row if self.row is not None else 0.5 * self.step) + self.draft
         a = self.acceptance
         best, best_rate = 0, 1.0 / self.step
         expected = 1.0
@@ -129,6 +145,12 @@ class WindowPolicy:
             self.kept = self.decay * self.kept + kept
             self.tried = self.decay * self.tried + tried
 
+    def drafting(self, drafts: int, seconds: float) -> None:
+        """The head took ``seconds`` to draft ``drafts`` tokens."""
+        if drafts:
+            per = seconds / drafts
+            self.draft = per if not self.draft else 0.8 * self.draft + 0.2 * per
+
     def timed(self, rows: int, seconds: float) -> None:
         """A step of ``rows`` rows took ``seconds`` from its send to its tokens' return."""
         if rows <= 1:
@@ -142,10 +164,23 @@ class HeadDrafts:
     """One session's drafting at the head: the drafts each step carries, and what each answer
     teaches the policy (a step's round trip, how many of its drafts were kept)."""
 
-    def __init__(self, prompt: Sequence[int], speculate: int, *, eager: bool = False) -> None:
-        """``speculate``: the most drafts a window carries on this route (0: none, ever)."""
+    def __init__(
+        self,
+        prompt: Sequence[int],
+        speculate: int,
+        *,
+        eager: bool = False,
+        model: DraftModel | None = None,
+        seq_id: int = 0,
+    ) -> None:
+        """``speculate``: the most drafts a window carries on this route (0: none, ever);
+        ``model``: the node's draft model, which drafts in sequence ``seq_id`` (none: prompt lookup)."""
+        # the session's tokens so far, and the drafter where there is no model
         self.lookup = PromptLookup(prompt) if speculate else None
+        self.model = model if speculate else None
+        self.seq_id = seq_id
         self.policy = WindowPolicy(speculate, eager=eager)
+        self._plain = 0  # plain steps since the draft model last drafted
         self.sent: tuple[int, ...] = ()  # the drafts the step in flight carries
         self._shadow: int | None = None  # the draft that step could have carried and did not
         self._sent_at: float | None = None  # when it went (None: the first tokens, after prefill)
@@ -162,15 +197,34 @@ class HeadDrafts:
         if self.lookup is not None:
             self.lookup.extend(tokens)
 
-    def draft(self, room: int, budget: int) -> tuple[int, ...]:
+    async def draft(self, room: int, budget: int) -> tuple[int, ...]:
         """The drafts of the next step: at most ``room`` (what the session and the route allow)
         and ``budget`` (the node's draft rows left this tick), as many as pay for themselves."""
         if self.lookup is None:
             return ()
-        offered = self.lookup.draft(room)
-        self.sent = tuple(offered[: self.policy.size(len(offered), budget)])
-        if not self.sent and offered:
-            self._shadow = offered[0]
+        if self.model is None:
+            offered = self.lookup.draft(room)
+            self.sent = tuple(offered[: self.policy.size(len(offered), budget)])
+            if not self.sent and offered:
+                self._shadow = offered[0]
+            return self.sent
+        # a model offers as many as it is asked for: the policy says how many, first
+        k = self.policy.size(room, budget)
+        shadow = False
+        if not k and room > 0 and budget > 0 and self.policy.step is not None:
+            self._plain += 1
+            shadow = self._plain >= SHADOW_EVERY
+        if not k and not shadow:
+            return ()
+        self._plain = 0
+        started = time.perf_counter()
+        drafts, fed = await self.model.draft(self.seq_id, self.lookup.tokens, k or 1)
+        if fed <= self.policy.max_window + 1:  # a prompt's catching up is not what a draft costs
+            self.policy.drafting(len(drafts), time.perf_counter() - started)
+        if shadow:
+            self._shadow = drafts[0] if drafts else None
+            return ()
+        self.sent = tuple(drafts)
         return self.sent
 
     def sending(self, now: float) -> None:

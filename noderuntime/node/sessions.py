@@ -499,7 +499,13 @@ class RouteSession:
                     return
                 output = None
             position += len(piece)
-        drafts = HeadDrafts(self.open_route.prompt_tokens, self.open_route.speculate, eager=self.context.eager_windows)
+        drafts = HeadDrafts(
+            self.open_route.prompt_tokens,
+            self.open_route.speculate,
+            eager=self.context.eager_windows,
+            model=self.context.draft_model,
+            seq_id=self.lease.seq_id,
+        )
         first = position  # where the tokens the last step draws go
         while True:
             if self.is_tail:
@@ -528,7 +534,7 @@ class RouteSession:
                 return
             left = self.open_route.max_tokens - len(self.open_route.generated) - len(self._seen)
             room = self.windows.room(position, left=left, reserved=self.lease.tokens)
-            draft = drafts.draft(room, self.context.draft_rows())
+            draft = await drafts.draft(room, self.context.draft_rows())
             rows = np.array([tokens[-1], *draft], np.int32)
             drafts.sending(time.perf_counter())
             stepped = await self._step(

@@ -20,6 +20,7 @@ from noderuntime.engine.llama import Recipe, ShardEngine
 from noderuntime.engine.thread import EngineThread
 from noderuntime.models.artifacts import LayerRange, inspect
 from noderuntime.node.core import Node, NodeConfig
+from noderuntime.node.draftmodel import DraftModel
 from noderuntime.seams.client import GenerationRequest, open_route_generation, over_stream
 from noderuntime.transport import FrameStream, TransportError, memory_stream_pair
 from protocol import Encoding, Hop, OpenRoute, Span, UsageRecord
@@ -101,8 +102,10 @@ async def open_local_route(
     encoding: Encoding = Encoding.F32,
     buffer: int = 4,
     eager_windows: bool = False,
+    draft: str | os.PathLike[str] | None = None,
 ) -> AsyncIterator[LocalRoute]:
-    """Load one engine per range and serve them as nodes until the block ends.
+    """Load one engine per range and serve them as nodes until the block ends (``draft``: a
+    whole model of the same vocabulary that drafts at the head, as ``up --draft``).
 
     Every engine runs on one shared thread: each thread that calls llama.cpp keeps an
     OpenMP team of its own, and two teams in one process oversubscribe the cores and
@@ -112,10 +115,21 @@ async def open_local_route(
     info = await trio.to_thread.run_sync(inspect, model)  # may hash the file: off the trio thread
     ranges = [LayerRange(a, b) for a, b in itertools.pairwise(cuts)]
     engines: list[ShardEngine] = []
+    draft_engine: ShardEngine | None = None
+    draft_model: DraftModel | None = None
     thread = EngineThread("engines")
     try:
         for layers in ranges:
             engines.append(await thread.run(functools.partial(ShardEngine, model, recipe, layers)))
+        if draft is not None:
+            draft_engine = await thread.run(functools.partial(ShardEngine, draft, recipe))
+            draft_model = DraftModel(
+                draft_engine,
+                thread.run,
+                n_seq=recipe.n_seq_max,
+                n_ctx_per_seq=recipe.n_ctx_per_seq,
+                n_batch=recipe.n_batch,
+            )
         network = InProcessNetwork(buffer)
         artifact = bytes.fromhex(info.fingerprint)
         recipe_fp = bytes.fromhex(recipe.fingerprint(info.quant))
@@ -134,7 +148,14 @@ async def open_local_route(
                 encoding=encoding,
                 eager_windows=eager_windows,
             )
-            node = Node(engine, config, node_id_for(i, layers), network, engine_thread=thread)
+            node = Node(
+                engine,
+                config,
+                node_id_for(i, layers),
+                network,
+                engine_thread=thread,
+                draft_model=draft_model if i == 0 else None,
+            )
             network.add(node)
             nodes.append(node)
         hops = tuple(Hop(n.node_id, n.config.layers) for n in nodes)
@@ -146,4 +167,6 @@ async def open_local_route(
     finally:
         for engine in engines:
             engine.close()
+        if draft_engine is not None:
+            draft_engine.close()
         thread.close()

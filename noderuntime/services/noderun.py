@@ -26,6 +26,7 @@ from noderuntime.control import admission
 from noderuntime.control.ledger import Ledger
 from noderuntime.engine import memplan
 from noderuntime.engine.backends import BackendMismatchError, parse_device
+from noderuntime.engine.base import EngineError
 from noderuntime.engine.cores import CoreTurns, machine_cores
 from noderuntime.engine.llama import (
     Recipe,
@@ -40,6 +41,7 @@ from noderuntime.engine.thread import EngineThread
 from noderuntime.models import artifacts
 from noderuntime.models.artifacts import LayerRange
 from noderuntime.node.core import Node, NodeConfig
+from noderuntime.node.draftmodel import DraftModel
 from noderuntime.operations.httpserve import Routes, json_handler, serve_http
 from noderuntime.operations.telemetry import trio_tasks
 from noderuntime.seams.network import NetworkConnector, ticket_check
@@ -101,6 +103,8 @@ class NodeOptions:
     join_secret: bytes | None = None  # a private swarm's: its proof goes with each registration
     # seams unsealed, in and out, direct and relayed: only to measure what sealing costs, every peer started so
     insecure_plaintext_seams: bool = False
+    # a small whole model of the same vocabulary that drafts for the routes this node heads (node.draftmodel)
+    draft: Path | None = None
 
     @property
     def tracker(self) -> str | None:
@@ -140,9 +144,15 @@ async def run_node(
     if opts.share_cores and opts.device == "cpu" and opts.backend == "llama.cpp":
         turns = await trio.to_thread.run_sync(CoreTurns)  # opens a file per core
     engine_thread = EngineThread(turns=turns)
+    draft_engine: ShardEngine | None = None
+    draft_model: DraftModel | None = None
     try:
+        if opts.draft is not None:  # first: a draft model that cannot draft for this one fails at once
+            draft_engine, draft_model = await _load_draft(opts.model, opts.draft, node_recipe(opts), engine_thread)
         info, recipe, layers, engine, prefix_cache = await _load_engine(opts, engine_thread)
     except BaseException:
+        if draft_engine is not None:
+            draft_engine.close()
         engine_thread.close()
         raise
     try:
@@ -150,6 +160,8 @@ async def run_node(
         capability = await engine_thread.run(functools.partial(admission.measure, engine))
     except BaseException:
         engine.close()
+        if draft_engine is not None:
+            draft_engine.close()
         engine_thread.close()
         raise
     log.info(
@@ -195,6 +207,7 @@ async def run_node(
                 ticket_check=ticket_check(verifier, me.node_id),
                 signer=lambda body: me.sign(b"noderuntime-usage-v1", body),
                 engine_thread=engine_thread,
+                draft_model=draft_model,
             )
             node.capability = capability.to_json()
             switch = NodeSwitch(node, engine)  # a move (services.rebalancing) gives it another node
@@ -312,6 +325,8 @@ async def run_node(
         if switch is not None:
             switch.close()  # the engines moves loaded
         engine.close()
+        if draft_engine is not None:
+            draft_engine.close()
         engine_thread.close()
         (opts.data_dir / PID_FILE).unlink(missing_ok=True)
 
@@ -363,6 +378,34 @@ async def _load_engine(
         lambda: ShardEngine(opts.model, recipe, layers, expected_fingerprint=opts.expected_fingerprint, cores=cores)
     )
     return info, recipe, layers, engine, prefix_cache
+
+
+async def _load_draft(
+    model: Path, draft: Path, recipe: Recipe, engine_thread: EngineThread
+) -> tuple[ShardEngine, DraftModel]:
+    """The engine and drafter of ``draft`` (``--draft``), loaded whole on ``engine_thread`` with
+    the node's recipe (a sequence for each of its slots, as long as theirs); :class:`EngineError`
+    where its vocabulary is not that of ``model``, which would make every draft a wrong one."""
+    ours, theirs = await trio.to_thread.run_sync(
+        lambda: (artifacts.vocabulary_digest(model), artifacts.vocabulary_digest(draft))
+    )
+    if ours != theirs:
+        raise EngineError(f"--draft {draft}: its vocabulary is not that of {model}; a draft model must share it")
+    cores = pinned_cores(recipe.n_threads, machine_cores())
+    engine = await engine_thread.run(lambda: ShardEngine(draft, recipe, None, cores=cores))
+    try:
+        drafter = DraftModel(
+            engine,
+            engine_thread.run,
+            n_seq=recipe.n_seq_max,
+            n_ctx_per_seq=recipe.n_ctx_per_seq,
+            n_batch=recipe.n_batch,
+        )
+    except EngineError:
+        engine.close()
+        raise
+    log.info("drafting with %s (%s, %d layers)", engine.info.name, draft, engine.info.n_layer)
+    return engine, drafter
 
 
 def shape_proof(info: artifacts.ArtifactInfo) -> ShapeProof | None:

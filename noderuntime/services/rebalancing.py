@@ -281,6 +281,7 @@ class Mover:
                 ticket_check=old.ticket_check,
                 signer=lambda body: self.me.sign(b"noderuntime-usage-v1", body),
                 engine_thread=self.engine_thread,
+                draft_model=old.draft_model,  # it drafts should the node head routes after the move
             )
         except BaseException:
             await self.engine_thread.run(engine.close)

@@ -177,6 +177,7 @@ def running_cluster(
     slots: int = 8,
     ctx: int = 512,
     extra: Sequence[str] = (),
+    head_extra: Sequence[str] = (),
     prefix: Sequence[Sequence[str]] | None = None,
     hosts: Sequence[str] | None = None,
     relay_prefix: Sequence[str] = (),
@@ -192,7 +193,8 @@ def running_cluster(
     ``prefix``/``hosts`` run node i under a command prefix (``ip netns exec H``) bound to
     an address; ``relay_url_for`` gives each node the relay URL it can reach; ``env`` is
     added to the nodes' environment; ``relay_url`` names a relay someone else runs (none
-    is started then); ``issuer`` signs the tickets the nodes trust (a fresh key when None).
+    is started then); ``issuer`` signs the tickets the nodes trust (a fresh key when None);
+    ``extra`` flags go to every node, ``head_extra`` to the first (``--draft MODEL``).
     """
     issuer = issuer or Identity.generate()
     key = issuer.node_id.hex()
@@ -233,6 +235,7 @@ def running_cluster(
                 "--threads",
                 str(share),
                 *extra,
+                *(head_extra if i == 0 else ()),
             ]
             if i not in relay_only:
                 args += ["--listen", f"{host}:0"]

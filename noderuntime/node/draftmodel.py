@@ -1,0 +1,136 @@
+"""A small model that drafts at the head (``up --draft MODEL``), where prompt lookup finds nothing.
+
+Prompt lookup (:class:`~noderuntime.node.drafting.PromptLookup`) drafts only what the
+session's text already holds; free chat holds little, so its windows carry few drafts. A
+small model of the same vocabulary guesses the next tokens of any text. The head runs it
+whole, greedily, on its engine thread between the shard's own steps: a draft costs the head
+a few small steps and no trip, and the tail keeps of it only what the session's own sampler
+would have drawn, so the reply is the same bits with or without it.
+
+The draft engine holds one KV sequence per slot of its node (a session drafts in its
+lease's sequence) and remembers which tokens each holds: the next draft feeds only the
+tokens after what it still shares with the session (the reply's newest tokens), and drops
+what it drafted past them that the tail did not keep. A sequence left by a session that
+ended is reused as it is where the next one shares its prefix (a conversation's next
+turn), truncated where not; its KV stays allocated as the node's own does.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from noderuntime.engine.base import Engine, EngineError, Rows
+
+log = logging.getLogger(__name__)
+
+
+class DraftModel:
+    """A whole model that drafts for its node's head sessions; see the module docstring."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        run: Callable[[Callable[[], Any]], Awaitable[Any]],
+        *,
+        n_seq: int,
+        n_ctx_per_seq: int,
+        n_batch: int,
+    ) -> None:
+        """``engine`` runs the draft model whole; ``run`` calls a function on the node's engine
+        thread (the draft's steps take turns with the shard's); ``n_seq``, ``n_ctx_per_seq``
+        and ``n_batch`` are the draft engine's sequences, positions a sequence and rows a call."""
+        if not (engine.is_head and engine.is_tail):
+            raise EngineError("a draft model runs whole: it takes tokens and gives logits")
+        self.engine = engine
+        self._run = run
+        self.n_seq, self.n_ctx_per_seq, self.n_batch = n_seq, n_ctx_per_seq, n_batch
+        # what each sequence's KV holds: the tokens at positions 0, 1, ... (touched on the engine thread only)
+        self._held: dict[int, list[int]] = {}
+        self.drafted = 0  # tokens drafted, for the node's statistics
+        self.failures = 0  # drafts the engine refused (no KV room): the session sent none
+
+    async def draft(self, seq_id: int, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
+        """Up to ``k`` greedy drafts that follow ``tokens`` (the session's prompt and reply so
+        far), computed in sequence ``seq_id`` (none where it has no room for them), and how
+        many of ``tokens`` the draft model had to run first (all of a new prompt, the few
+        newest of a reply)."""
+        if k <= 0 or not tokens or not 0 <= seq_id < self.n_seq or len(tokens) + k - 1 > self.n_ctx_per_seq:
+            return [], 0
+        # each draft is an engine call of its own, so that the node's ticks for other sessions
+        # run between them rather than waiting for the whole window; the tokens go as a copy:
+        # the session's list grows on the trio thread while the engine thread reads them
+        first, fed = await self._run(functools.partial(self._start, seq_id, list(tokens)))
+        drafts = [] if first is None else [first]
+        while drafts and len(drafts) < k:
+            following = await self._run(functools.partial(self._step, seq_id, drafts[-1:]))
+            if following is None:
+                break
+            drafts.append(following)
+        self.drafted += len(drafts)
+        return drafts, fed
+
+    def _start(self, seq_id: int, tokens: list[int]) -> tuple[int | None, int]:
+        """The first draft after ``tokens``, and how many of them the sequence did not hold."""
+        held = self._held.setdefault(seq_id, [])
+        # the last token is always run again: its logits are where the first draft comes from
+        shared = _shared_prefix(held, tokens, len(tokens) - 1)
+        if shared < len(held):
+            self.engine.truncate_sequence(seq_id, shared)
+            del held[shared:]
+        return self._step(seq_id, tokens[shared:]), len(tokens) - shared
+
+    def _step(self, seq_id: int, feed: list[int]) -> int | None:
+        """Run ``feed`` after what ``seq_id`` holds: the greedy token after it (None: refused)."""
+        held = self._held.setdefault(seq_id, [])
+        try:
+            return int(np.argmax(self._feed(seq_id, held, feed)))
+        except EngineError as exc:
+            # what the sequence holds after a refused step is not known: start it afresh next time
+            self.engine.remove_sequence(seq_id)
+            held.clear()
+            self.failures += 1
+            log.debug("the draft model drafted nothing for sequence %d: %s", seq_id, exc)
+            return None
+
+    def _feed(self, seq_id: int, held: list[int], feed: list[int]) -> np.ndarray:
+        """Run ``feed`` after what ``seq_id`` holds; the logits after its last token."""
+        logits: np.ndarray | None = None
+        for start in range(0, len(feed), self.n_batch):
+            piece = feed[start : start + self.n_batch]
+            n, first = len(piece), len(held)
+            outputs = np.zeros(n, dtype=bool)
+            outputs[-1] = start + n == len(feed)
+            result = self.engine.run(
+                Rows(
+                    seq_ids=np.full(n, seq_id, dtype=np.int32),
+                    positions=np.arange(first, first + n, dtype=np.int32),
+                    outputs=outputs,
+                    tokens=np.asarray(piece, dtype=np.int32),
+                ),
+                want_logits=bool(outputs[-1]),
+            )
+            held.extend(piece)
+            logits = result.logits
+        assert logits is not None  # the last piece asked for its last row's
+        last: np.ndarray = logits[0]
+        return last
+
+
+def _shared_prefix(held: list[int], tokens: list[int], most: int) -> int:
+    """How many leading tokens ``held`` and ``tokens`` share, at most ``most``."""
+    n = min(len(held), len(tokens), most)
+    if held[:n] == tokens[:n]:  # the usual case, compared in C
+        return n
+    low, high = 0, n - 1  # the first low tokens agree; they differ somewhere before n
+    while low < high:
+        middle = (low + high + 1) // 2
+        if held[:middle] == tokens[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
