@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from noderuntime.engine.llama import Recipe, Rows, ShardEngine, Vocab
-from noderuntime.node.drafting import SHADOW_EVERY, HeadDrafts, PromptLookup, WindowPolicy
+from noderuntime.node.drafting import EXPLORE, SHADOW_EVERY, HeadDrafts, PromptLookup, WindowPolicy
 from noderuntime.node.draftmodel import DraftModel
 from noderuntime.seams.client import GenerationRequest, open_route_generation, over_stream
 from noderuntime.services.localroute import Completion, LocalRoute, open_local_route
@@ -245,6 +245,11 @@ def test_with_a_draft_model_whose_drafts_miss_a_session_drafts_one_token_in_eigh
     drafts.policy.timed(1, 0.02)
     for _ in range(40):
         drafts.policy.shadow(False)
+    # no window measured yet: one short window measures what a row costs
+    assert trio.run(drafts.draft, 8, 8) == (5,) * EXPLORE and model.calls == [EXPLORE]
+    drafts.answered([6], 0.0)
+    drafts.policy.timed(3, 0.026)
+    model.calls.clear()
     sent = []
     for _ in range(3 * SHADOW_EVERY):
         sent.append(trio.run(drafts.draft, 8, 8))

@@ -41,10 +41,13 @@ if TYPE_CHECKING:
 # matches almost anywhere and predicts little
 MAX_NGRAM = 4
 MIN_NGRAM = 2
-# with a draft model and no window worth sending, one plain step in this many has the model
-# draft a token anyway, kept out of the window and judged against the token that comes: a
-# session whose acceptance fell measures it again, for the cost of one draft in this many
+# with a draft model and no window worth sending, one plain step in this many (at least) has
+# the model draft a token anyway, kept out of the window and judged against the token that
+# comes: a session whose acceptance fell measures it again. Fewer where a draft is dear
+# against a step: such a draft costs at most SHADOW_SHARE of the steps it comes after
 SHADOW_EVERY = 8
+SHADOW_SHARE = 0.02
+EXPLORE = 2  # drafts in the window that measures a row's cost where a model drafts (HeadDrafts.draft)
 
 
 class PromptLookup:
@@ -212,20 +215,39 @@ class HeadDrafts:
         k = self.policy.size(room, budget)
         shadow = False
         if not k and room > 0 and budget > 0 and self.policy.step is not None:
-            self._plain += 1
-            shadow = self._plain >= SHADOW_EVERY
+            if self.policy.row is None:
+                # no window measured yet, and the policy's guess at a row's cost said none pays:
+                # one short window measures it (a model's drafts are not free to judge unsent)
+                k = min(EXPLORE, room, budget, self.policy.max_window)
+            else:
+                self._plain += 1
+                every = max(SHADOW_EVERY, self.policy.draft / (SHADOW_SHARE * self.policy.step))
+                shadow = self._plain >= every
         if not k and not shadow:
             return ()
         self._plain = 0
-        started = time.perf_counter()
-        drafts, fed = await self.model.draft(self.seq_id, self.lookup.tokens, k or 1)
-        if fed <= self.policy.max_window + 1:  # a prompt's catching up is not what a draft costs
-            self.policy.drafting(len(drafts), time.perf_counter() - started)
+        drafts = await self._model_drafts(k or 1)
         if shadow:
             self._shadow = drafts[0] if drafts else None
             return ()
         self.sent = tuple(drafts)
         return self.sent
+
+    async def prepare(self, budget: int) -> None:
+        """The prompt is in the route: the draft model reads it now, while the route computes
+        the first token (a head waits then), rather than in the first window's time; its guess
+        at that token is judged when it comes. Nothing without a model, or with no ``budget``."""
+        if self.model is not None and self.lookup is not None and budget > 0:
+            drafts = await self._model_drafts(1)
+            self._shadow = drafts[0] if drafts else None
+
+    async def _model_drafts(self, k: int) -> list[int]:
+        assert self.model is not None and self.lookup is not None
+        started = time.perf_counter()
+        drafts, fed = await self.model.draft(self.seq_id, self.lookup.tokens, k)
+        if fed <= self.policy.max_window + 1:  # a prompt's reading is not what a draft costs
+            self.policy.drafting(len(drafts), time.perf_counter() - started)
+        return drafts
 
     def sending(self, now: float) -> None:
         """The next step leaves now."""

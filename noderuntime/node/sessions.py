@@ -506,6 +506,8 @@ class RouteSession:
             model=self.context.draft_model,
             seq_id=self.lease.seq_id,
         )
+        if not self.is_tail:
+            await drafts.prepare(self.context.draft_rows())
         first = position  # where the tokens the last step draws go
         while True:
             if self.is_tail:
