@@ -173,7 +173,8 @@ async def _route_lanes(
     head_extra: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Every workload at every delay, plain then with windows; and 16 clients at d = 0 (up to
-    2 shards). ``head_extra``: flags for the head node alone (``--draft MODEL``)."""
+    2 shards, and on a route drafting with a model). ``head_extra``: flags for the head node
+    alone (``--draft MODEL``)."""
     from noderuntime.seams.dialer import open_dialer
     from noderuntime.testing.clusters import running_cluster
     from noderuntime.testing.linkproxy import LinkProxy
@@ -213,7 +214,7 @@ async def _route_lanes(
                     out["delays"][str(delay)] = lane
                 for proxy in proxies:
                     proxy.delay = 0.0
-                if shards <= 2:
+                if shards <= 2 or head_extra:
                     out["clients"] = await _crowd(cluster, dialer, hops, list(prompts.values()), args.tokens)
                     print(f"  {name} {shards}-shard {CLIENTS} clients: {out['clients']}", flush=True)
         finally:
@@ -468,6 +469,14 @@ def _main_draft(args: Any, name: str, delays: Sequence[int], workloads: Sequence
             for pair in lane.values():
                 total += 1
                 identical += pair["identical"]
+        if "clients" in lanes:
+            total += 1
+            identical += lanes["clients"]["identical"]
+            summary[f"{drafter} {CLIENTS} clients d=0"] = {
+                "speedup": lanes["clients"]["ratio"],
+                "acceptance": None,
+                "drafted": lanes["clients"]["speculative"]["drafted"],
+            }
     summary["byte_identical"] = f"{identical}/{total}"
     figures["summary"] = summary
     recipe = {

@@ -17,7 +17,7 @@ import trio
 
 from noderuntime.engine.llama import Recipe, Rows, ShardEngine, Vocab
 from noderuntime.node.drafting import EXPLORE, SHADOW_EVERY, HeadDrafts, PromptLookup, WindowPolicy
-from noderuntime.node.draftmodel import DraftModel
+from noderuntime.node.draftmodel import READ_PIECE, DraftModel
 from noderuntime.seams.client import GenerationRequest, open_route_generation, over_stream
 from noderuntime.services.localroute import Completion, LocalRoute, open_local_route
 from protocol import Sampling
@@ -227,12 +227,23 @@ async def test_a_draft_model_drafts_the_greedy_continuation_after_every_rollback
         assert await drafter.draft(0, list(range(250)), 8) == ([], 0)
         assert await drafter.draft(3, prompt, 2) == ([], 0)
         assert drafter.drafted == 6 + 4 + 3 + 2
+        # a prompt read a piece at a time while the route computes, stopped after the first
+        # piece (the first token came): the first draft reads the rest
+        long = list(range(500, 600))
+        assert await drafter.read(1, long, lambda: True) is None
+        assert await drafter.draft(1, long, 2) == (_greedy(engine, 3, long, 2), len(long) - READ_PIECE)
+        # read whole, its guess at the first token is the greedy one, and a draft runs only that
+        assert await drafter.read(2, prompt, lambda: False) == expected[0]
+        assert await drafter.draft(2, prompt, 1) == (expected[:1], 1)
 
 
-def test_with_a_draft_model_whose_drafts_miss_a_session_drafts_one_token_in_eight() -> None:
-    """Acceptance that fell to nothing costs one draft in SHADOW_EVERY plain steps, and is measured again."""
+def test_a_session_whose_model_drafts_miss_measures_one_window_then_drafts_a_token_in_eight_steps() -> None:
+    """Acceptance that fell to nothing costs one unsent draft in SHADOW_EVERY plain steps (where a
+    draft is cheap), and is measured again: windows come back when drafts start to be kept."""
 
     class Model:
+        seconds_per_draft = 0.0
+
         def __init__(self) -> None:
             self.calls: list[int] = []
 

@@ -29,7 +29,7 @@ Drafts come from one of two sources, and a policy sizes the windows:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -183,6 +183,8 @@ class HeadDrafts:
         self.model = model if speculate else None
         self.seq_id = seq_id
         self.policy = WindowPolicy(speculate, eager=eager)
+        if self.model is not None:
+            self.policy.draft = self.model.seconds_per_draft
         self._plain = 0  # plain steps since the draft model last drafted
         self.sent: tuple[int, ...] = ()  # the drafts the step in flight carries
         self._shadow: int | None = None  # the draft that step could have carried and did not
@@ -233,13 +235,14 @@ class HeadDrafts:
         self.sent = tuple(drafts)
         return self.sent
 
-    async def prepare(self, budget: int) -> None:
+    async def prepare(self, budget: int, answered: Callable[[], bool]) -> None:
         """The prompt is in the route: the draft model reads it now, while the route computes
-        the first token (a head waits then), rather than in the first window's time; its guess
-        at that token is judged when it comes. Nothing without a model, or with no ``budget``."""
+        the first token and the head waits, a piece at a time until that token has come
+        (``answered``), so that it takes no time the head would not have waited anyway; the
+        first draft reads what is left. Its guess at the first token, where it read the whole
+        prompt, is judged when that comes. Nothing without a model, or with no ``budget``."""
         if self.model is not None and self.lookup is not None and budget > 0:
-            drafts = await self._model_drafts(1)
-            self._shadow = drafts[0] if drafts else None
+            self._shadow = await self.model.read(self.seq_id, self.lookup.tokens, answered)
 
     async def _model_drafts(self, k: int) -> list[int]:
         assert self.model is not None and self.lookup is not None

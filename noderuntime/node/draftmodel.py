@@ -28,6 +28,10 @@ from noderuntime.engine.base import Engine, EngineError, Rows
 
 log = logging.getLogger(__name__)
 
+# rows a call of read() runs: it stops between calls once the first token has come, so a
+# piece is about what the head may be late by when it does
+READ_PIECE = 64
+
 
 class DraftModel:
     """A whole model that drafts for its node's head sessions; see the module docstring."""
@@ -40,15 +44,19 @@ class DraftModel:
         n_seq: int,
         n_ctx_per_seq: int,
         n_batch: int,
+        seconds_per_draft: float = 0.0,
     ) -> None:
         """``engine`` runs the draft model whole; ``run`` calls a function on the node's engine
         thread (the draft's steps take turns with the shard's); ``n_seq``, ``n_ctx_per_seq``
-        and ``n_batch`` are the draft engine's sequences, positions a sequence and rows a call."""
+        and ``n_batch`` are the draft engine's sequences, positions a sequence and rows a call;
+        ``seconds_per_draft``: what a step of one row took when the node measured the draft
+        engine at start (a session's policy starts from it, before it times its own drafts)."""
         if not (engine.is_head and engine.is_tail):
             raise EngineError("a draft model runs whole: it takes tokens and gives logits")
         self.engine = engine
         self._run = run
         self.n_seq, self.n_ctx_per_seq, self.n_batch = n_seq, n_ctx_per_seq, n_batch
+        self.seconds_per_draft = seconds_per_draft
         # what each sequence's KV holds: the tokens at positions 0, 1, ... (touched on the engine thread only)
         self._held: dict[int, list[int]] = {}
         self.drafted = 0  # tokens drafted, for the node's statistics
@@ -74,6 +82,36 @@ class DraftModel:
         self.drafted += len(drafts)
         return drafts, fed
 
+    async def read(self, seq_id: int, tokens: Sequence[int], stop: Callable[[], bool]) -> int | None:
+        """Run ``tokens`` into ``seq_id`` as :meth:`draft` would before drafting, a piece of at
+        most ``READ_PIECE`` a call, until ``stop()`` says to (checked between pieces); the
+        greedy token after them where every piece was read, else None (the next draft reads
+        the rest)."""
+        if not tokens or not 0 <= seq_id < self.n_seq or len(tokens) > self.n_ctx_per_seq:
+            return None
+        copy = list(tokens)  # as in draft()
+        while True:
+            read: tuple[bool, int | None] = await self._run(functools.partial(self._read_piece, seq_id, copy))
+            if read[0] or stop():
+                return read[1]
+
+    def _read_piece(self, seq_id: int, tokens: list[int]) -> tuple[bool, int | None]:
+        held = self._held.setdefault(seq_id, [])
+        shared = _shared_prefix(held, tokens, len(tokens) - 1)
+        if shared < len(held):
+            self.engine.truncate_sequence(seq_id, shared)
+            del held[shared:]
+        piece = tokens[shared : shared + min(READ_PIECE, self.n_batch)]
+        if shared + len(piece) == len(tokens):
+            guess = self._step(seq_id, piece)
+            return guess is not None, guess
+        try:
+            self._run_rows(seq_id, held, piece, want=False)
+        except EngineError as exc:
+            self._refused(seq_id, held, exc)
+            return True, None
+        return False, None
+
     def _start(self, seq_id: int, tokens: list[int]) -> tuple[int | None, int]:
         """The first draft after ``tokens``, and how many of them the sequence did not hold."""
         held = self._held.setdefault(seq_id, [])
@@ -90,35 +128,42 @@ class DraftModel:
         try:
             return int(np.argmax(self._feed(seq_id, held, feed)))
         except EngineError as exc:
-            # what the sequence holds after a refused step is not known: start it afresh next time
-            self.engine.remove_sequence(seq_id)
-            held.clear()
-            self.failures += 1
-            log.debug("the draft model drafted nothing for sequence %d: %s", seq_id, exc)
+            self._refused(seq_id, held, exc)
             return None
+
+    def _refused(self, seq_id: int, held: list[int], exc: EngineError) -> None:
+        # what the sequence holds after a refused step is not known: start it afresh next time
+        self.engine.remove_sequence(seq_id)
+        held.clear()
+        self.failures += 1
+        log.debug("the draft model drafted nothing for sequence %d: %s", seq_id, exc)
 
     def _feed(self, seq_id: int, held: list[int], feed: list[int]) -> np.ndarray:
         """Run ``feed`` after what ``seq_id`` holds; the logits after its last token."""
         logits: np.ndarray | None = None
         for start in range(0, len(feed), self.n_batch):
             piece = feed[start : start + self.n_batch]
-            n, first = len(piece), len(held)
-            outputs = np.zeros(n, dtype=bool)
-            outputs[-1] = start + n == len(feed)
-            result = self.engine.run(
-                Rows(
-                    seq_ids=np.full(n, seq_id, dtype=np.int32),
-                    positions=np.arange(first, first + n, dtype=np.int32),
-                    outputs=outputs,
-                    tokens=np.asarray(piece, dtype=np.int32),
-                ),
-                want_logits=bool(outputs[-1]),
-            )
-            held.extend(piece)
-            logits = result.logits
+            logits = self._run_rows(seq_id, held, piece, want=start + len(piece) == len(feed))
         assert logits is not None  # the last piece asked for its last row's
         last: np.ndarray = logits[0]
         return last
+
+    def _run_rows(self, seq_id: int, held: list[int], piece: list[int], *, want: bool) -> np.ndarray | None:
+        """Run ``piece`` after what ``seq_id`` holds (``held``, extended); its last row's logits if ``want``."""
+        n, first = len(piece), len(held)
+        outputs = np.zeros(n, dtype=bool)
+        outputs[-1] = want
+        result = self.engine.run(
+            Rows(
+                seq_ids=np.full(n, seq_id, dtype=np.int32),
+                positions=np.arange(first, first + n, dtype=np.int32),
+                outputs=outputs,
+                tokens=np.asarray(piece, dtype=np.int32),
+            ),
+            want_logits=want,
+        )
+        held.extend(piece)
+        return result.logits
 
 
 def _shared_prefix(held: list[int], tokens: list[int], most: int) -> int:

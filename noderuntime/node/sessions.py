@@ -506,8 +506,9 @@ class RouteSession:
             model=self.context.draft_model,
             seq_id=self.lease.seq_id,
         )
-        if not self.is_tail:
-            await drafts.prepare(self.context.draft_rows())
+        if tokens_in is not None:
+            arrived = tokens_in  # the first tokens from the tail wait there
+            await drafts.prepare(self.context.draft_rows(), lambda: arrived.statistics().current_buffer_used > 0)
         first = position  # where the tokens the last step draws go
         while True:
             if self.is_tail:

@@ -394,17 +394,26 @@ async def _load_draft(
     cores = pinned_cores(recipe.n_threads, machine_cores())
     engine = await engine_thread.run(lambda: ShardEngine(draft, recipe, None, cores=cores))
     try:
+        # what a draft costs, before any session has timed its own: the policy weighs windows with it
+        measured = await engine_thread.run(functools.partial(admission.measure, engine))
         drafter = DraftModel(
             engine,
             engine_thread.run,
             n_seq=recipe.n_seq_max,
             n_ctx_per_seq=recipe.n_ctx_per_seq,
             n_batch=recipe.n_batch,
+            seconds_per_draft=measured.decode_ms[0][1] / 1e3,
         )
-    except EngineError:
+    except BaseException:
         engine.close()
         raise
-    log.info("drafting with %s (%s, %d layers)", engine.info.name, draft, engine.info.n_layer)
+    log.info(
+        "drafting with %s (%s, %d layers): %.2f ms a draft",
+        engine.info.name,
+        draft,
+        engine.info.n_layer,
+        drafter.seconds_per_draft * 1e3,
+    )
     return engine, drafter
 
 
