@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from noderuntime.engine.llama import Recipe, Rows, ShardEngine, Vocab
-from noderuntime.node.drafting import EXPLORE, SHADOW_EVERY, HeadDrafts, PromptLookup, WindowPolicy
+from noderuntime.node.drafting import EXPLORE, EXPLORE_STEPS, SHADOW_EVERY, HeadDrafts, PromptLookup, WindowPolicy
 from noderuntime.node.draftmodel import READ_PIECE, DraftModel
 from noderuntime.seams.client import GenerationRequest, open_route_generation, over_stream
 from noderuntime.services.localroute import Completion, LocalRoute, open_local_route
@@ -256,7 +256,13 @@ def test_a_session_whose_model_drafts_miss_measures_one_window_then_drafts_a_tok
     drafts.policy.timed(1, 0.02)
     for _ in range(40):
         drafts.policy.shadow(False)
-    # no window measured yet: one short window measures what a row costs
+    # no window measured yet: one short window measures what a row costs, where a step is
+    # long enough beside a draft for windows to pay at all
+    dear = Model()
+    dear.seconds_per_draft = 0.02 / EXPLORE_STEPS
+    costly = HeadDrafts([1, 2, 3], 8, model=dear)  # type: ignore[arg-type]
+    costly.policy.timed(1, 0.02)
+    assert trio.run(costly.draft, 8, 8) == () and dear.calls == []
     assert trio.run(drafts.draft, 8, 8) == (5,) * EXPLORE and model.calls == [EXPLORE]
     drafts.answered([6], 0.0)
     drafts.policy.timed(3, 0.026)
