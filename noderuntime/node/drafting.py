@@ -14,8 +14,8 @@ Drafts come from one of two sources, and a policy sizes the windows:
   session's tokens, found earlier in the prompt or the reply, and what followed it there.
   Replies that quote, edit or reformat their prompt repeat long runs of it. On by default.
 - :class:`~noderuntime.node.draftmodel.DraftModel`, where the node was given one (``up
-  --draft MODEL``): a small model of the same vocabulary drafts greedily, for text that
-  repeats nothing as well.
+  --draft MODEL``): a small model of the same vocabulary drafts greedily where prompt
+  lookup has nothing to offer, for text that repeats nothing as well.
 - :class:`WindowPolicy` sizes each window from what it measures: how often a drafted token
   is kept (from real windows, and from the drafts it could have sent when it sent none), the
   time a step's round trip takes, and what each further row adds to it. It sends the ``k``
@@ -117,8 +117,9 @@ class WindowPolicy:
         """The chance a draft is kept once the drafts before it were (a prior of one half)."""
         return (self.kept + 1.0) / (self.tried + 2.0)
 
-    def size(self, offered: int, budget: int) -> int:
-        """Drafts to send, of the ``offered`` the drafter has, within ``budget`` rows."""
+    def size(self, offered: int, budget: int, *, drafted: bool = False) -> int:
+        """Drafts to send, of the ``offered`` the drafter has, within ``budget`` rows (``drafted``:
+        each costs a draft model's step too)."""
         cap = min(offered, budget, self.max_window)
         if self.eager:
             return max(0, cap)
@@ -126,7 +127,7 @@ class WindowPolicy:
             return 0  # nothing to send, or no plain step measured yet to weigh a window against
         # before a window was measured, assume each row costs half a plain step: a guess that
         # makes the first windows wait for drafts that are often kept
-        row = (self.row if self.row is not None else 0.5 * self.step) + self.draft
+        row = (self.row if self.row is not None else 0.5 * self.step) + (self.draft if drafted else 0.0)
         a = self.acceptance
         best, best_rate = 0, 1.0 / self.step
         expected = 1.0
@@ -212,14 +213,16 @@ class HeadDrafts:
         and ``budget`` (the node's draft rows left this tick), as many as pay for themselves."""
         if self.lookup is None:
             return ()
-        if self.model is None:
-            offered = self.lookup.draft(room)
+        offered = self.lookup.draft(room)
+        if self.model is None or offered:
+            # prompt lookup's drafts go first where it has any: they cost nothing to make, and
+            # where a reply repeats its prompt they are kept as often as a small model's
             self.sent = tuple(offered[: self.policy.size(len(offered), budget)])
             if not self.sent and offered:
                 self._shadow = offered[0]
             return self.sent
         # a model offers as many as it is asked for: the policy says how many, first
-        k = self.policy.size(room, budget)
+        k = self.policy.size(room, budget, drafted=True)
         shadow = False
         if not k and room > 0 and budget > 0 and self.policy.step is not None:
             if self.policy.row is None:
@@ -247,8 +250,10 @@ class HeadDrafts:
         the first token and the head waits, a piece at a time until that token has come
         (``answered``), so that it takes no time the head would not have waited anyway; the
         first draft reads what is left. Its guess at the first token, where it read the whole
-        prompt, is judged when that comes. Nothing without a model, or with no ``budget``."""
-        if self.model is not None and self.lookup is not None and budget > 0:
+        prompt, is judged when that comes. Nothing without a model, nor where the node's draft
+        ``budget`` leaves this session less than half a window (a node heading many sessions
+        sends few windows: reading each prompt would cost them all and bring little)."""
+        if self.model is not None and self.lookup is not None and 2 * budget >= self.policy.max_window:
             self._shadow = await self.model.read(self.seq_id, self.lookup.tokens, answered)
 
     async def _model_drafts(self, k: int) -> list[int]:
