@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from noderuntime.engine.llama import Recipe, Rows, ShardEngine, Vocab
-from noderuntime.node.drafting import EXPLORE, EXPLORE_STEPS, SHADOW_EVERY, HeadDrafts, PromptLookup, WindowPolicy
+from noderuntime.node.drafting import EXPLORE, SHADOW_EVERY, STEP_IN_DRAFTS, HeadDrafts, PromptLookup, WindowPolicy
 from noderuntime.node.draftmodel import READ_PIECE, DraftModel
 from noderuntime.seams.client import GenerationRequest, open_route_generation, over_stream
 from noderuntime.services.localroute import Completion, LocalRoute, open_local_route
@@ -262,10 +262,10 @@ def test_a_session_whose_model_drafts_miss_measures_one_window_then_drafts_a_tok
             drafts.answered(list(range(last + 1, last + 2 + kept)), 0.0)
         return sent
 
-    # no window measured yet: one short window measures what a row costs, where a step is
-    # long enough beside a draft for windows to pay at all
+    # no draft where a step is too short beside a draft for windows to pay; where it is long
+    # enough and no window was measured yet, one short window measures what a row costs
     dear = Model(right=False)
-    dear.seconds_per_draft = 0.02 / EXPLORE_STEPS
+    dear.seconds_per_draft = 0.02 / STEP_IN_DRAFTS
     costly = HeadDrafts([1, 2, 3], 8, model=dear)  # type: ignore[arg-type]
     costly.policy.timed(1, 0.02)
     assert trio.run(costly.draft, 8, 8) == () and dear.calls == []

@@ -48,11 +48,12 @@ MIN_NGRAM = 2
 SHADOW_EVERY = 8
 SHADOW_SHARE = 0.02
 EXPLORE = 2  # drafts in the window that measures a row's cost where a model drafts (HeadDrafts.draft)
-# ... sent where a plain step takes this many drafts' time at least: a window of drafts kept
-# half the time, each row costing what a draft does, pays from there (and the first window
-# may have to read the prompt's rest first). SmolLM2 drafting for itself on a 3-shard route
-# of one machine: 1.6 drafts' time at d = 0 (windows cost it 12-18 %), 10 at 20 ms
-EXPLORE_STEPS = 4.0
+# a model drafts (windows, shadows, the window that measures a row) only where a plain step
+# takes this many drafts' time at least: a window of drafts kept half the time, each row
+# costing what a draft does, pays from there, and a first draft may have to read the rest of
+# the prompt. SmolLM2 drafting for itself on a 3-shard route of one machine: a step is 1.6
+# drafts' time at d = 0 (its model's drafts cost free chat 13 %), 10 at 20 ms
+STEP_IN_DRAFTS = 4.0
 
 
 class PromptLookup:
@@ -221,19 +222,20 @@ class HeadDrafts:
             if not self.sent and offered:
                 self._shadow = offered[0]
             return self.sent
+        step = self.policy.step
+        if step is None or step <= STEP_IN_DRAFTS * self.policy.draft:
+            return ()  # no plain step measured yet, or one too short for a model's drafts to pay
         # a model offers as many as it is asked for: the policy says how many, first
         k = self.policy.size(room, budget, drafted=True)
         shadow = False
-        if not k and room > 0 and budget > 0 and self.policy.step is not None:
+        if not k and room > 0 and budget > 0:
             if self.policy.row is None:
                 # no window measured yet, and the policy's guess at a row's cost said none pays:
-                # one short window measures it (a model's drafts are not free to judge unsent),
-                # where a step is long enough beside a draft that windows could pay at all
-                if self.policy.step > EXPLORE_STEPS * self.policy.draft:
-                    k = min(EXPLORE, room, budget, self.policy.max_window)
+                # one short window measures it (a model's drafts are not free to judge unsent)
+                k = min(EXPLORE, room, budget, self.policy.max_window)
             else:
                 self._plain += 1
-                every = max(SHADOW_EVERY, self.policy.draft / (SHADOW_SHARE * self.policy.step))
+                every = max(SHADOW_EVERY, self.policy.draft / (SHADOW_SHARE * step))
                 shadow = self._plain >= every
         if not k and not shadow:
             return ()
