@@ -87,6 +87,26 @@ async def test_a_spare_connection_to_a_host_gone_dark_gives_way_to_the_relay(smo
             await cluster.wait_idle()
 
 
+async def test_a_head_drafting_with_a_model_over_a_slow_seam_gives_the_whole_models_reply(
+    smollm2: Path, tmp_path: Path
+) -> None:
+    """``up --draft``: the head drafts with a model (SmolLM2, for itself) where its seam to the
+    tail is 50 ms each way, long enough beside a draft for windows to pay; the reply is the whole
+    model's, and the head's /status counts the model's drafts."""
+    head_extra = ("--draft", str(smollm2))
+    with running_cluster(smollm2, [0, 15, 30], tmp_path, head_extra=head_extra) as cluster:
+        async with link_proxy(int(cluster.hops[1].address.rsplit(":", 1)[1])) as proxy:
+            proxy.delay = 0.05
+            plain = GenerationRequest(tuple(range(300, 340)), 24)
+            expected = await trio.to_thread.run_sync(solo_greedy, smollm2, plain)
+            hops = (cluster.hops[0], attrs.evolve(cluster.hops[1], address=f"127.0.0.1:{proxy.port}"))
+            async with open_dialer() as dialer:
+                assert await cluster.generate(dialer, attrs.evolve(plain, speculate=8), hops=hops) == expected
+        drafting = [(await cluster.status(i))["draft_model"] for i in range(2)]
+        assert drafting[0]["drafted"] > 0 and drafting[0]["ms_a_draft"] > 0 and drafting[1] is None, drafting
+        await cluster.wait_idle()
+
+
 @pytest.mark.parametrize("relayed", [False, True], ids=["grpc", "relay"])
 async def test_cancellation_from_either_end_releases_kv_everywhere(
     smollm2: Path, tmp_path: Path, relayed: bool

@@ -514,6 +514,13 @@ def probe_handler(node: Node | NodeSwitch) -> Any:
     return handle
 
 
+def _draft_status(model: DraftModel | None) -> dict[str, Any] | None:
+    """What ``/status`` shows of a node's draft model (``up --draft``); None without one."""
+    if model is None:
+        return None
+    return {"drafted": model.drafted, "refused": model.failures, "ms_a_draft": round(model.seconds_per_draft * 1e3, 3)}
+
+
 def node_status(
     switch: Node | NodeSwitch, node_id: bytes, listener: RelayListener | None, connector: Any, *, device: str = "cpu"
 ) -> Any:
@@ -545,6 +552,7 @@ def node_status(
             "batcher": attrs.asdict(stats.batcher),
             "relay_connected": listener.connected if listener is not None else None,
             "prefix_cache": attrs.asdict(node.prefix_cache.statistics()) if node.prefix_cache is not None else None,
+            "draft_model": _draft_status(node.draft_model),
             "seams": {
                 "direct": getattr(connector, "direct_attempts", 0),
                 "relay": getattr(connector, "relay_attempts", 0),
