@@ -96,11 +96,7 @@ class DraftModel:
                 return read[1]
 
     def _read_piece(self, seq_id: int, tokens: list[int]) -> tuple[bool, int | None]:
-        held = self._held.setdefault(seq_id, [])
-        shared = _shared_prefix(held, tokens, len(tokens) - 1)
-        if shared < len(held):
-            self.engine.truncate_sequence(seq_id, shared)
-            del held[shared:]
+        held, shared = self._shared(seq_id, tokens)
         piece = tokens[shared : shared + min(READ_PIECE, self.n_batch)]
         if shared + len(piece) == len(tokens):
             guess = self._step(seq_id, piece)
@@ -114,13 +110,25 @@ class DraftModel:
 
     def _start(self, seq_id: int, tokens: list[int]) -> tuple[int | None, int]:
         """The first draft after ``tokens``, and how many of them the sequence did not hold."""
+        _held, shared = self._shared(seq_id, tokens)
+        return self._step(seq_id, tokens[shared:]), len(tokens) - shared
+
+    def _shared(self, seq_id: int, tokens: list[int]) -> tuple[list[int], int]:
+        """What ``seq_id`` holds, cut back to what it shares with ``tokens``, and its length.
+
+        The last token is always run again (its logits are where the first draft comes
+        from), so at most all but it are shared.
+        """
         held = self._held.setdefault(seq_id, [])
-        # the last token is always run again: its logits are where the first draft comes from
         shared = _shared_prefix(held, tokens, len(tokens) - 1)
         if shared < len(held):
-            self.engine.truncate_sequence(seq_id, shared)
+            try:
+                self.engine.truncate_sequence(seq_id, shared)
+            except EngineError as exc:  # a closed engine: the node is stopping
+                self._refused(seq_id, held, exc)
+                return held, 0
             del held[shared:]
-        return self._step(seq_id, tokens[shared:]), len(tokens) - shared
+        return held, shared
 
     def _step(self, seq_id: int, feed: list[int]) -> int | None:
         """Run ``feed`` after what ``seq_id`` holds: the greedy token after it (None: refused)."""
