@@ -223,7 +223,7 @@ class HeadDrafts:
                 self._shadow = offered[0]
             return self.sent
         step = self.policy.step
-        if step is None or step <= STEP_IN_DRAFTS * self.policy.draft:
+        if step is None or (step <= STEP_IN_DRAFTS * self.policy.draft and not self.policy.eager):
             return ()  # no plain step measured yet, or one too short for a model's drafts to pay
         # a model offers as many as it is asked for: the policy says how many, first
         k = self.policy.size(room, budget, drafted=True)

@@ -12,6 +12,7 @@ import itertools
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import attrs
 import trio
@@ -22,6 +23,7 @@ from noderuntime.models.artifacts import LayerRange, inspect
 from noderuntime.node.core import Node, NodeConfig
 from noderuntime.node.draftmodel import DraftModel
 from noderuntime.seams.client import GenerationRequest, open_route_generation, over_stream
+from noderuntime.services.noderun import load_draft
 from noderuntime.transport import FrameStream, TransportError, memory_stream_pair
 from protocol import Encoding, Hop, OpenRoute, Span, UsageRecord
 
@@ -122,14 +124,7 @@ async def open_local_route(
         for layers in ranges:
             engines.append(await thread.run(functools.partial(ShardEngine, model, recipe, layers)))
         if draft is not None:
-            draft_engine = await thread.run(functools.partial(ShardEngine, draft, recipe))
-            draft_model = DraftModel(
-                draft_engine,
-                thread.run,
-                n_seq=recipe.n_seq_max,
-                n_ctx_per_seq=recipe.n_ctx_per_seq,
-                n_batch=recipe.n_batch,
-            )
+            draft_engine, draft_model = await load_draft(Path(model), Path(draft), recipe, thread, cores=None)
         network = InProcessNetwork(buffer)
         artifact = bytes.fromhex(info.fingerprint)
         recipe_fp = bytes.fromhex(recipe.fingerprint(info.quant))

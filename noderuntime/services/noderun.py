@@ -11,7 +11,7 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +148,9 @@ async def run_node(
     draft_model: DraftModel | None = None
     try:
         if opts.draft is not None:  # first: a draft model that cannot draft for this one fails at once
-            draft_engine, draft_model = await _load_draft(opts.model, opts.draft, node_recipe(opts), engine_thread)
+            recipe = node_recipe(opts)
+            cores = pinned_cores(recipe.n_threads, machine_cores())
+            draft_engine, draft_model = await load_draft(opts.model, opts.draft, recipe, engine_thread, cores=cores)
         info, recipe, layers, engine, prefix_cache = await _load_engine(opts, engine_thread)
     except BaseException:
         if draft_engine is not None:
@@ -380,18 +382,18 @@ async def _load_engine(
     return info, recipe, layers, engine, prefix_cache
 
 
-async def _load_draft(
-    model: Path, draft: Path, recipe: Recipe, engine_thread: EngineThread
+async def load_draft(
+    model: Path, draft: Path, recipe: Recipe, engine_thread: EngineThread, *, cores: Sequence[int] | None
 ) -> tuple[ShardEngine, DraftModel]:
     """The engine and drafter of ``draft`` (``--draft``), loaded whole on ``engine_thread`` with
-    the node's recipe (a sequence for each of its slots, as long as theirs); :class:`EngineError`
-    where its vocabulary is not that of ``model``, which would make every draft a wrong one."""
+    the node's recipe (a sequence for each of its slots, as long as theirs) and its team on
+    ``cores`` (None: unpinned); :class:`EngineError` where its vocabulary is not that of
+    ``model``, which would make every draft a wrong one."""
     ours, theirs = await trio.to_thread.run_sync(
         lambda: (artifacts.vocabulary_digest(model), artifacts.vocabulary_digest(draft))
     )
     if ours != theirs:
         raise EngineError(f"--draft {draft}: its vocabulary is not that of {model}; a draft model must share it")
-    cores = pinned_cores(recipe.n_threads, machine_cores())
     engine = await engine_thread.run(lambda: ShardEngine(draft, recipe, None, cores=cores))
     try:
         # what a draft costs, before any session has timed its own: the policy weighs windows with it
