@@ -49,7 +49,7 @@ class SessionContext:
     max_window: int = 0
     draft_rows: Callable[[], int] = lambda: 0
     eager_windows: bool = False  # every draft offered goes, whatever it costs (WindowPolicy.eager)
-    draft_model: DraftModel | None = None  # drafts at the head in place of prompt lookup (up --draft)
+    draft_model: DraftModel | None = None  # drafts at the head where prompt lookup has none (up --draft)
 
 
 @attrs.frozen
