@@ -235,6 +235,12 @@ async def test_a_draft_model_drafts_the_greedy_continuation_after_every_rollback
         # read whole, its guess at the first token is the greedy one, and a draft runs only that
         assert await drafter.read(2, prompt, lambda: False) == expected[0]
         assert await drafter.draft(2, prompt, 1) == (expected[:1], 1)
+        # a step the engine refuses (here: closed, as when the node stops) drafts nothing,
+        # forgets what the sequence held and raises nothing into the session
+        engine.close()
+        assert await drafter.draft(2, [*prompt, 5], 3) == ([], 1)
+        assert drafter.failures == 1 and drafter.drafted == 6 + 4 + 3 + 2 + 2 + 1
+        assert await drafter.draft(2, prompt, 1) == ([], len(prompt))  # it holds nothing since
 
 
 def test_a_session_whose_model_drafts_miss_measures_one_window_then_drafts_a_token_in_eight_steps() -> None:
