@@ -253,7 +253,8 @@ async def test_a_relay_that_tampers_with_the_handshake_gets_no_seam(
     await _honest(rig, reference)
     tokens, code, message = await _generate(rig, attack)
     assert (tokens, code) == ([], StatusCode.UNAVAILABLE), message
-    # the head's dial fails (flip-d:0, flip-a:0), or its first frame meets the tail's refusal (flip-d:1)
+    # the head's dial fails (flip-d:0, flip-a:0), or its first frame meets the tail's refusal (flip-d:1):
+    # at its send (the seam ended) or on the stream
     assert "cannot reach the next hop" in message or "went away" in message, message
     assert "did not verify" in message, message
     await rig.cluster.wait_idle()

@@ -301,10 +301,10 @@ class RouteSession:
 
     async def _open_downstream(self) -> bool:
         assert self.next_hop is not None
+        where = f"{self.next_hop.layers.start}:{self.next_hop.layers.end}"
         try:
             stream = await self.context.connect(self.next_hop, self.open_route)
         except (TransportError, OSError) as exc:
-            where = f"{self.next_hop.layers.start}:{self.next_hop.layers.end}"
             self._finish(ending(EndReason.CONNECT_FAILED, f"cannot reach the next hop ({where}): {exc}"))
             return False
         endpoint = SeamEndpoint(self.identity, Direction.DOWNSTREAM, peer_shard=self.next_hop.layers)
@@ -315,7 +315,11 @@ class RouteSession:
         try:
             await self.downstream.send(forward)
         except TransportError as exc:
-            self._finish(ending(EndReason.CONNECT_FAILED, f"next hop closed: {exc}"))
+            # a peer that refuses the seam's handshake may end it before the first frame is
+            # sent, or after: either way the hop could not be reached, and says so alike
+            self._finish(
+                ending(EndReason.CONNECT_FAILED, f"cannot reach the next hop ({where}): it ended the seam: {exc}")
+            )
             return False
         return True
 
