@@ -11,10 +11,15 @@ STAMP  := $(VENV)/.bootstrapped
 PYTEST_WORKERS ?= 2
 # each run ends with where its time went: the suite's budget is 12 minutes on 2 cores
 PYTEST_ARGS ?= --durations=25
+# `test` compiles the project's modules first: the suite starts a few hundred Python processes,
+# and where PYTHONDONTWRITEBYTECODE is set (as in some CI images) none writes its bytecode,
+# so each of them compiled every module it imported again; compileall writes it whatever that
+# variable says, and every process reads it
 
 .PHONY: test demo bootstrap lint clean
 
 test: $(STAMP)
+	$(PY) -m compileall -q -j 0 noderuntime protocol relay benchmarks
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 demo: $(STAMP)
