@@ -110,6 +110,25 @@ def test_a_node_over_its_limit_refuses_to_start_and_names_what_fits(smollm2: Pat
     assert "over the memory limit of 300 MiB" in error and "layers would fit (0:" in error
 
 
+def test_a_draft_model_is_planned_beside_the_shard(smollm2: Path, tmp_path: Path) -> None:
+    """``up --draft`` under ``--memory-limit``: a limit the shard alone fits, but not the shard and the
+    draft model together, refuses to start and says what the draft model holds; one the draft model
+    alone fills says so before anything loads."""
+    recipe = Recipe(n_threads=1, n_ctx_per_seq=512, n_seq_max=2, n_batch=512, n_ubatch=512)  # as _up's node
+    shard = memplan.needs(smollm2, LayerRange(0, 30), recipe).total
+    draft = memplan.draft_needs(smollm2, recipe)
+    assert draft.runtime == 0 and draft.total == shard - memplan.RUNTIME_BYTES  # the same model, whole
+    limit = shard + draft.total // 2
+    done = _up(smollm2, tmp_path / "beside", "--memory-limit", str(limit), "--draft", str(smollm2))
+    assert done.returncode == 1, done.stderr[-2000:]
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("noderuntime: error: layers 0:30 need ") and "layers would fit (0:" in error, error
+    assert f"over the memory limit of {memplan.human(limit - draft.total)}" in error, error
+    assert f"--draft {smollm2} holds {memplan.human(draft.total)} of --memory-limit {memplan.human(limit)}" in error
+    done = _up(smollm2, tmp_path / "alone", "--memory-limit", str(draft.total), "--draft", str(smollm2))
+    assert done.returncode == 1 and f"--draft {smollm2} alone holds" in done.stderr, done.stderr[-2000:]
+
+
 def test_a_bad_limit_is_a_usage_error(smollm2: Path, tmp_path: Path) -> None:
     done = _up(smollm2, tmp_path, "--memory-limit", "lots")
     assert done.returncode == 2 and "not a size" in done.stderr

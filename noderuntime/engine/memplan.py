@@ -174,6 +174,13 @@ def needs(model: str | os.PathLike[str], layers: LayerRange, recipe: Recipe, pre
     )
 
 
+def draft_needs(model: str | os.PathLike[str], recipe: Recipe) -> ShardNeeds:
+    """What a draft model (``up --draft``, :mod:`noderuntime.node.draftmodel`) holds beside the node's
+    shard: the whole model with the node's recipe, a sequence for each of its slots. The process's
+    runtime is counted once, with the shard."""
+    return attrs.evolve(needs(model, inspect(model, verify=False).layer_range, recipe), runtime=0)
+
+
 def widest_fit(
     model: str | os.PathLike[str], start: int, end: int, recipe: Recipe, limit: int | Budget, prefix_cache: int = 0
 ) -> LayerRange | None:
@@ -245,6 +252,7 @@ __all__ = [
     "capped",
     "check",
     "device_budget",
+    "draft_needs",
     "human",
     "needs",
     "parse_bytes",

@@ -88,11 +88,12 @@ class JoinOptions:
     tls_self_signed: bool = False
 
 
-def budget(recipe: Recipe, memory_limit: int | None) -> memplan.Budget:
-    """What a joining node may hold: ``memory_limit``, else :data:`FREE_SHARE` of the host memory free
-    now; on a GPU also the memory the device has free."""
+def budget(recipe: Recipe, memory_limit: int | None, beside: int = 0) -> memplan.Budget:
+    """What a joining node's shard may hold: ``memory_limit``, else :data:`FREE_SHARE` of the host memory
+    free now, less ``beside`` (what the node holds besides: a draft model); on a GPU also the memory the
+    device has free."""
     host = memory_limit if memory_limit is not None else int(psutil.virtual_memory().available * FREE_SHARE)
-    return memplan.device_budget(recipe, host)
+    return memplan.device_budget(recipe, host - beside)
 
 
 def holdable(model: str | os.PathLike[str], recipe: Recipe, limit: memplan.Budget, prefix_cache: int = 0) -> int:
@@ -203,6 +204,7 @@ def place(
     max_layers: int | None = None,
     join_secret: bytes | None = None,
     artifact: str | None = None,
+    beside: int = 0,
 ) -> Placed:
     """The range a node of ``recipe`` should serve of the whole model ``model``, as the first of ``trackers``
     that answers gives it.
@@ -212,7 +214,8 @@ def place(
     taken, which reads every tensor once (then kept: :class:`artifacts.DigestCache`).
     ``prefix_cache``: the bytes the operator gave the prefix cache (None: the default, which
     under a memory limit takes only what the shard leaves); ``max_layers``: at most this many,
-    whatever fits; ``join_secret``: a private swarm's, proved to its tracker. With the range comes
+    whatever fits; ``join_secret``: a private swarm's, proved to its tracker; ``beside``: the bytes the
+    node holds besides its shard (a draft model), out of its limit. With the range comes
     the count it was sized to, which a move asks with.
     """
     info = inspect(model, verify=False)
@@ -220,7 +223,7 @@ def place(
         raise JoinError(f"{model} is a shard file of layers {info.layer_range}: it serves those, with --layers or not")
     if artifact is None:
         artifact = inspect(model).fingerprint
-    limit = budget(recipe, memory_limit)
+    limit = budget(recipe, memory_limit, beside)
     cache = (
         prefix_cache if prefix_cache is not None else 0 if memory_limit is not None else memplan.DEFAULT_PREFIX_CACHE
     )
@@ -259,6 +262,7 @@ def main(opts: JoinOptions) -> int:
     left. :class:`JoinError` when it cannot be placed, :class:`OptionsError` for options that
     cannot start it.
     """
+    opts = _with_draft_sized(opts)
     sizing = _sizing_file(opts)
     if sizing is None:
         return _serve(opts, opts.node.layers)
@@ -274,12 +278,29 @@ def main(opts: JoinOptions) -> int:
         max_layers=opts.max_layers,
         join_secret=node.join_secret,
         artifact=artifact,
+        beside=node.draft_bytes,
     )
     try:
         return _serve(opts, placed.layers, rebalancing=_rebalancing(opts, placed.max_layers))
     finally:
         # briefly: a tracker that does not answer lets the reservation lapse
         release(node.trackers, load_or_create(node.data_dir))
+
+
+def _with_draft_sized(opts: JoinOptions) -> JoinOptions:
+    """``opts`` with what its draft model will hold (``--draft``), which its shard is planned beside:
+    a placed node asks for fewer layers, a node under ``--memory-limit`` plans its shard within what
+    the draft model leaves of it. :class:`OptionsError` where the draft model alone takes all of it."""
+    node = opts.node
+    if node.draft is None:
+        return opts
+    held = memplan.draft_needs(node.draft, node_recipe(node)).total
+    if node.memory_limit is not None and held >= node.memory_limit:
+        raise OptionsError(
+            f"--draft {node.draft} alone holds {memplan.human(held)}, all of --memory-limit "
+            f"{memplan.human(node.memory_limit)}: raise the limit, lower --slots or --ctx, or draft without it"
+        )
+    return attrs.evolve(opts, node=attrs.evolve(node, draft_bytes=held))
 
 
 def _sizing_file(opts: JoinOptions) -> tuple[Path, str | None] | None:

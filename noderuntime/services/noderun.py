@@ -105,6 +105,13 @@ class NodeOptions:
     insecure_plaintext_seams: bool = False
     # a small whole model of the same vocabulary that drafts for the routes this node heads (node.draftmodel)
     draft: Path | None = None
+    # what that model holds (memplan.draft_needs; set by services.joining): the shard is planned beside it
+    draft_bytes: int = 0
+
+    @property
+    def shard_memory_limit(self) -> int | None:
+        """What the shard may hold of :attr:`memory_limit` (None: no limit): the rest is the draft model's."""
+        return None if self.memory_limit is None else self.memory_limit - self.draft_bytes
 
     @property
     def tracker(self) -> str | None:
@@ -313,7 +320,7 @@ async def run_node(
                     recipe=recipe,
                     engine_thread=engine_thread,
                     nursery=nursery,
-                    memory_limit=opts.memory_limit,
+                    memory_limit=opts.shard_memory_limit,
                     drain_timeout=opts.drain_timeout,
                     on_node=on_node,
                 )
@@ -365,12 +372,22 @@ async def _load_engine(
         log.info("layers %s on %s: %s", layers, opts.device, described)
     recipe = node_recipe(opts)
     # a shard on a GPU is always planned against the memory its device has free
-    budget = await trio.to_thread.run_sync(memplan.device_budget, recipe, opts.memory_limit)
+    budget = await trio.to_thread.run_sync(memplan.device_budget, recipe, opts.shard_memory_limit)
     prefix_cache = await trio.to_thread.run_sync(
         lambda: memplan.prefix_cache_size(opts.model, layers, recipe, budget, opts.prefix_cache)
     )
     if budget.host is not None or budget.device is not None:
-        planned = await trio.to_thread.run_sync(lambda: memplan.check(opts.model, layers, recipe, budget, prefix_cache))
+        try:
+            planned = await trio.to_thread.run_sync(
+                lambda: memplan.check(opts.model, layers, recipe, budget, prefix_cache)
+            )
+        except memplan.MemoryLimitError as exc:
+            if not opts.draft_bytes or opts.memory_limit is None:
+                raise
+            beside = f"--draft {opts.draft} holds {memplan.human(opts.draft_bytes)} of --memory-limit"
+            raise memplan.MemoryLimitError(
+                f"{exc} ({beside} {memplan.human(opts.memory_limit)})", exc.needs, exc.fitting
+            ) from None
         limits = [f"{memplan.human(budget.host)} host limit"] if budget.host is not None else []
         limits += [f"{memplan.human(budget.device)} free on {opts.device}"] if budget.device is not None else []
         log.info("layers %s will hold %s, within the %s", layers, planned.describe(), " and ".join(limits))
