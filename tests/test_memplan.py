@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
 from noderuntime.engine import memplan
@@ -108,6 +109,26 @@ def test_a_node_over_its_limit_refuses_to_start_and_names_what_fits(smollm2: Pat
     error = done.stderr.strip().splitlines()[-1]
     assert error.startswith("noderuntime: error: layers 0:30 need ")
     assert "over the memory limit of 300 MiB" in error and "layers would fit (0:" in error
+
+
+def test_a_placed_node_sizes_its_range_beside_its_draft_model(smollm2: Path, tmp_path: Path) -> None:
+    """What ``services.joining`` plans with: the draft model's bytes come off the limit the shard is
+    loaded, cached and moved within, and off the budget a placed node sizes its range by."""
+    from noderuntime.services import joining
+    from noderuntime.services.noderun import NodeOptions, node_recipe
+
+    limit = 1 << 30
+    node = NodeOptions(
+        smollm2, None, None, tmp_path, (), memory_limit=limit, draft=smollm2, slots=2, ctx_per_session=512
+    )
+    sized = joining.with_draft_sized(joining.JoinOptions(node=node)).node
+    held = memplan.draft_needs(smollm2, node_recipe(node)).total
+    assert sized.draft_bytes == held and sized.shard_memory_limit == limit - held
+    assert joining.budget(node_recipe(node), limit, sized.draft_bytes).host == limit - held
+    unlimited = joining.with_draft_sized(joining.JoinOptions(node=attrs.evolve(node, memory_limit=None))).node
+    assert unlimited.draft_bytes == held and unlimited.shard_memory_limit is None
+    with pytest.raises(joining.OptionsError, match="alone holds"):
+        joining.with_draft_sized(joining.JoinOptions(node=attrs.evolve(node, memory_limit=held)))
 
 
 def test_a_draft_model_is_planned_beside_the_shard(smollm2: Path, tmp_path: Path) -> None:

@@ -262,7 +262,7 @@ def main(opts: JoinOptions) -> int:
     left. :class:`JoinError` when it cannot be placed, :class:`OptionsError` for options that
     cannot start it.
     """
-    opts = _with_draft_sized(opts)
+    opts = with_draft_sized(opts)
     sizing = _sizing_file(opts)
     if sizing is None:
         return _serve(opts, opts.node.layers)
@@ -287,7 +287,7 @@ def main(opts: JoinOptions) -> int:
         release(node.trackers, load_or_create(node.data_dir))
 
 
-def _with_draft_sized(opts: JoinOptions) -> JoinOptions:
+def with_draft_sized(opts: JoinOptions) -> JoinOptions:
     """``opts`` with what its draft model will hold (``--draft``), which its shard is planned beside:
     a placed node asks for fewer layers, a node under ``--memory-limit`` plans its shard within what
     the draft model leaves of it. :class:`OptionsError` where the draft model alone takes all of it."""
@@ -418,4 +418,5 @@ __all__ = [
     "main",
     "place",
     "release",
+    "with_draft_sized",
 ]
