@@ -121,14 +121,17 @@ def test_a_placed_node_sizes_its_range_beside_its_draft_model(smollm2: Path, tmp
     node = NodeOptions(
         smollm2, None, None, tmp_path, (), memory_limit=limit, draft=smollm2, slots=2, ctx_per_session=512
     )
-    sized = joining.with_draft_sized(joining.JoinOptions(node=node)).node
+    sized = joining.with_draft_sized(joining.JoinOptions(node=node), placing=False).node
     held = memplan.draft_needs(smollm2, node_recipe(node)).total
     assert sized.draft_bytes == held and sized.shard_memory_limit == limit - held
     assert joining.budget(node_recipe(node), limit, sized.draft_bytes).host == limit - held
-    unlimited = joining.with_draft_sized(joining.JoinOptions(node=attrs.evolve(node, memory_limit=None))).node
-    assert unlimited.draft_bytes == held and unlimited.shard_memory_limit is None
+    unlimited = attrs.evolve(node, memory_limit=None)
+    placed = joining.with_draft_sized(joining.JoinOptions(node=unlimited), placing=True).node
+    assert placed.draft_bytes == held and placed.shard_memory_limit is None
+    # a pinned node with no limit plans nothing with it: no dry run of the draft model at its start
+    assert joining.with_draft_sized(joining.JoinOptions(node=unlimited), placing=False).node.draft_bytes == 0
     with pytest.raises(joining.OptionsError, match="alone holds"):
-        joining.with_draft_sized(joining.JoinOptions(node=attrs.evolve(node, memory_limit=held)))
+        joining.with_draft_sized(joining.JoinOptions(node=attrs.evolve(node, memory_limit=held)), placing=False)
 
 
 def test_a_draft_model_is_planned_beside_the_shard(smollm2: Path, tmp_path: Path) -> None:

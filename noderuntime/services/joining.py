@@ -262,8 +262,8 @@ def main(opts: JoinOptions) -> int:
     left. :class:`JoinError` when it cannot be placed, :class:`OptionsError` for options that
     cannot start it.
     """
-    opts = with_draft_sized(opts)
     sizing = _sizing_file(opts)
+    opts = with_draft_sized(opts, placing=sizing is not None)
     if sizing is None:
         return _serve(opts, opts.node.layers)
     node = opts.node
@@ -287,12 +287,13 @@ def main(opts: JoinOptions) -> int:
         release(node.trackers, load_or_create(node.data_dir))
 
 
-def with_draft_sized(opts: JoinOptions) -> JoinOptions:
+def with_draft_sized(opts: JoinOptions, *, placing: bool) -> JoinOptions:
     """``opts`` with what its draft model will hold (``--draft``), which its shard is planned beside:
-    a placed node asks for fewer layers, a node under ``--memory-limit`` plans its shard within what
-    the draft model leaves of it. :class:`OptionsError` where the draft model alone takes all of it."""
+    a node the tracker is ``placing`` asks for fewer layers, a node under ``--memory-limit`` plans its
+    shard within what the draft model leaves of it. :class:`OptionsError` where the draft model alone
+    takes all of it. Neither: nothing plans with it, and the draft model is not sized (a dry run)."""
     node = opts.node
-    if node.draft is None:
+    if node.draft is None or (node.memory_limit is None and not placing):
         return opts
     held = memplan.draft_needs(node.draft, node_recipe(node)).total
     if node.memory_limit is not None and held >= node.memory_limit:
