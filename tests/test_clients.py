@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import jsonschema
 import pytest
@@ -16,12 +16,11 @@ from pydantic import BaseModel, Field
 
 from noderuntime.services import localsystem
 
-# LiteLLM fetches a price list from the network on import unless told to use its own copy
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+if TYPE_CHECKING:
+    from langchain_openai import ChatOpenAI
 
-import litellm
-from langchain_core.tools import tool
-from langchain_openai import ChatOpenAI
+# The client libraries are imported in the tests that use them: they take seconds of CPU,
+# which a pytest-xdist worker that runs none of these tests would spend collecting them.
 
 pytestmark = [
     pytest.mark.slow,
@@ -38,7 +37,6 @@ class Pet(BaseModel):
     age: int = Field(ge=0, le=30)
 
 
-@tool
 def get_weather(city: Literal["Paris", "London", "Tokyo"], unit: Literal["celsius", "fahrenheit"]) -> str:
     """The weather in a city now."""
     return f"18 degrees {unit} in {city}"
@@ -61,6 +59,8 @@ def system(smol_system: localsystem.LocalSystem) -> localsystem.LocalSystem:
 
 
 def _chat(system: localsystem.LocalSystem, **options: Any) -> ChatOpenAI:
+    from langchain_openai import ChatOpenAI
+
     settings: dict[str, Any] = {"temperature": 0, "max_tokens": 200, "max_retries": 0, **options}
     return ChatOpenAI(model=system.model_id, base_url=system.gateway_url + "/v1", api_key="unused", **settings)
 
@@ -85,13 +85,16 @@ def test_langchain_structured_output_always_parses(system: localsystem.LocalSyst
 
 
 def test_langchain_bound_tools_are_called(system: localsystem.LocalSystem) -> None:
-    llm = _chat(system).bind_tools([get_weather], tool_choice="get_weather")
+    from langchain_core.tools import tool
+
+    weather = tool(get_weather)
+    llm = _chat(system).bind_tools([weather], tool_choice="get_weather")
     for question in ("What is the weather in Paris?", "Is it cold in Tokyo?"):
         message = llm.invoke(question)
         (call,) = message.tool_calls  # type: ignore[attr-defined]
         assert call["name"] == "get_weather" and call["id"]
         jsonschema.validate(call["args"], WEATHER_SCHEMA)
-        assert get_weather.invoke(call["args"]).startswith("18 degrees")
+        assert weather.invoke(call["args"]).startswith("18 degrees")
 
 
 def test_langchain_logprobs(system: localsystem.LocalSystem) -> None:
@@ -105,6 +108,10 @@ def test_langchain_logprobs(system: localsystem.LocalSystem) -> None:
 
 
 def _litellm(system: localsystem.LocalSystem, **options: Any) -> Any:
+    # LiteLLM fetches a price list from the network on import unless told to use its own copy
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm
+
     settings: dict[str, Any] = {"max_tokens": 200, "temperature": 0, "num_retries": 0, **options}
     return litellm.completion(
         model="openai/" + system.model_id, api_base=system.gateway_url + "/v1", api_key="unused", **settings
