@@ -124,7 +124,15 @@ def _input_rows(engine: ShardEngine, rng: np.random.Generator, seq_ids: np.ndarr
     return Rows(seq_ids.astype(np.int32), positions.astype(np.int32), outputs, hidden=hidden)
 
 
-def measure(engine: ShardEngine, *, context: int = 16, reps: int = 3) -> Capability:
+# positions each measuring sequence is prefilled with before its decode steps. Every node
+# measures at start and after each move, and rows cost about what a decode row costs
+# (kernels that compute each row as alone): SmolLM2's halves on one thread took 440-560 ms
+# to measure with 16, 180-240 ms with 4, their per-token and step times the same to within
+# 5 % (AMD EPYC). A decode step's attention over 4 or 16 positions costs alike
+MEASURE_CONTEXT = 4
+
+
+def measure(engine: ShardEngine, *, context: int = MEASURE_CONTEXT, reps: int = 3) -> Capability:
     """Time this shard: prefill, then decode at batch 1 and at batch ``min(8, slots)``.
 
     Uses sequences ``0..batch-1`` and removes their KV afterwards, so it must run before
