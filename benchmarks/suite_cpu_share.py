@@ -1,25 +1,33 @@
-"""How busy the cores are while the test suite runs, test by test.
+"""Where the test suite's time goes, test by test: the CPU each test's processes used, and its waits.
 
-    python -m benchmarks.suite_cpu_share [--quick] [--out PATH] [--rows FILE]
+    python -m benchmarks.suite_cpu_share [--quick] [--out PATH] [--rows FILE] [--workers N]
 
-Runs ``pytest`` over the whole suite (``--quick``: two modules of the ``memory`` tier) with this module
-as a plugin. Around each test (setup, call and teardown) it reads the machine's busy and
-idle CPU time from ``/proc/stat``, so the processes a test starts count too. A test whose
-idle core-seconds are large waits (deadlines, expiries, keep-alives, sleeps) or runs on one
-core of several; one whose busy core-seconds are large computes. ``--rows FILE`` summarises
-the rows an earlier run wrote instead of running the suite again (a whole run takes as long
-as ``make test``).
+Runs ``pytest`` over the whole suite as ``make test`` does (two pytest-xdist workers, each
+pinned to its share of the cores by ``tests/conftest.py``; ``--workers 0``: serially;
+``--quick``: two modules of the ``memory`` tier, serially) with this module as a plugin.
+Each worker moves into a cgroup of its own at start, so that the kernel sums the CPU time
+of the worker and of every process it starts (nodes, trackers, benchmarks' children) until
+they exit. Around each test (setup, call and teardown) the plugin reads that sum: a test's
+``cpu_s``. On a worker pinned to one core, ``wall_s - cpu_s`` is how long that core waited
+for the test (deadlines, expiries, keep-alives, sleeps), which only a shorter wait gives
+back. It also reads the machine's busy and idle time from ``/proc/stat``, which counts
+every worker at once. Where no cgroup can be made (no writable hierarchy) ``cpu_s`` is
+absent and the machine's figures remain; on a machine with cgroup v2 alone the capped fit
+lane cannot make its memory groups under a worker's. ``--rows FILE`` summarises the rows an earlier
+run wrote instead of running the suite again (a whole run takes as long as ``make test``).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,8 +41,8 @@ NAME = "suite_cpu_share"
 # importing them (torch, the client libraries) took most of a quick run's 29 s
 QUICK_MODULES = ("tests/test_batcher.py", "tests/test_sessions.py")
 ROWS_ENV = "NODERUNTIME_CPU_SHARE_ROWS"
+CGROUPS = Path("/sys/fs/cgroup")
 _TICKS = os.sysconf("SC_CLK_TCK")
-_rows: list[dict[str, Any]] = []
 
 
 def _cpu_ticks() -> tuple[int, int]:
@@ -44,58 +52,150 @@ def _cpu_ticks() -> tuple[int, int]:
     return user + nice + system + irq + softirq + steal, idle + iowait
 
 
+class CpuGroup:
+    """A cgroup holding this process and every process it starts from then on: the CPU seconds
+    the kernel counted for all of them (v2 ``cpu.stat``, or v1 ``cpuacct.usage``)."""
+
+    def __init__(self, name: str) -> None:
+        """Create the group (``OSError`` where no hierarchy is writable) and move this process in."""
+        errors = []
+        for path, usage, scale, home in self._candidates():
+            group = path / f"{name}-{uuid.uuid4().hex[:8]}"
+            try:
+                group.mkdir()
+                (group / "cgroup.procs").write_text(str(os.getpid()))
+            except OSError as exc:
+                errors.append(f"{group}: {exc}")
+                with contextlib.suppress(OSError):
+                    group.rmdir()
+                continue
+            self.path, self._usage, self._scale, self._home = group, group / usage, scale, home
+            return
+        raise OSError("no cgroup to count CPU time in: " + ("; ".join(errors) or "none is mounted"))
+
+    @staticmethod
+    def _candidates() -> Iterator[tuple[Path, str, float, Path]]:
+        # (where to make the group, the file of its CPU time, seconds per unit, where this process was)
+        own: dict[str, str] = {}
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            ident, controllers, path = line.split(":", 2)
+            own["v2" if ident == "0" and not controllers else controllers] = path.lstrip("/")
+        # v1's cpuacct first where it is mounted: a v2 group of the worker's own would be where
+        # the capped fit lane makes its memory groups, and v2 lets a group that holds a
+        # process (the worker) give none of its children a memory controller
+        for controllers, path in own.items():
+            if "cpuacct" in controllers.split(","):
+                mount = CGROUPS / controllers
+                if not mount.is_dir():
+                    mount = CGROUPS / "cpuacct"
+                yield mount / path, "cpuacct.usage", 1e-9, mount / path
+        for mount in (CGROUPS, CGROUPS / "unified"):
+            if (mount / "cgroup.controllers").exists() and "v2" in own:
+                home = mount / own["v2"]
+                yield home, "cpu.stat", 1e-6, home
+
+    def seconds(self) -> float:
+        """CPU seconds of the group's processes, those that exited included."""
+        text = self._usage.read_text()
+        if self._usage.name == "cpu.stat":
+            text = next(line.split()[1] for line in text.splitlines() if line.startswith("usage_usec"))
+        return int(text) * self._scale
+
+    def leave(self) -> None:
+        """Move this process back where it was and remove the group once it is empty; idempotent."""
+        with contextlib.suppress(OSError):
+            (self._home / "cgroup.procs").write_text(str(os.getpid()))
+        with contextlib.suppress(OSError):
+            self.path.rmdir()
+
+
+_rows: list[dict[str, Any]] = []
+_group: CpuGroup | None = None
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Put this pytest process (a worker, or the serial run; not the xdist controller) in its group."""
+    global _group
+    if os.environ.get(ROWS_ENV) and (_WORKER != "main" or not getattr(config.option, "numprocesses", None)):
+        try:
+            _group = CpuGroup(f"noderuntime-suite-{_WORKER}")
+        except OSError as exc:
+            print(f"suite_cpu_share: {exc}; the rows have the machine's figures only", file=sys.stderr)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Measure one test, its fixtures' setup and teardown included."""
     busy, idle = _cpu_ticks()
+    cpu = _group.seconds() if _group else 0.0
     started = time.monotonic()
     yield
     busy_after, idle_after = _cpu_ticks()
-    _rows.append(
-        {
-            "test": item.nodeid,
-            "wall_s": round(time.monotonic() - started, 2),
-            "busy_core_s": round((busy_after - busy) / _TICKS, 2),
-            "idle_core_s": round((idle_after - idle) / _TICKS, 2),
-        }
-    )
+    row = {
+        "test": item.nodeid,
+        "worker": _WORKER,
+        "wall_s": round(time.monotonic() - started, 3),
+        "busy_core_s": round((busy_after - busy) / _TICKS, 2),
+        "idle_core_s": round((idle_after - idle) / _TICKS, 2),
+    }
+    if _group is not None:
+        row["cpu_s"] = round(_group.seconds() - cpu, 3)
+    _rows.append(row)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Write the rows where the benchmark asked for them."""
+    """Write this process's rows where the benchmark asked for them, and leave the group."""
     out = os.environ.get(ROWS_ENV)
-    if out:
-        Path(out).write_text(json.dumps(_rows, indent=1) + "\n")
+    if out and _rows:
+        Path(f"{out}.{_WORKER}").write_text(json.dumps(_rows, indent=1) + "\n")
+    if _group is not None:
+        _group.leave()
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Totals, the busy share, and the tests and modules that wait the most."""
-    busy = sum(r["busy_core_s"] for r in rows)
-    idle = sum(r["idle_core_s"] for r in rows)
-    by_module: dict[str, dict[str, float]] = collections.defaultdict(
-        lambda: dict.fromkeys(("wall_s", "busy_core_s", "idle_core_s"), 0.0)
-    )
+    """Totals, the busy share, and the tests and modules that compute and wait the most."""
+    counted = all("cpu_s" in r for r in rows)
+    keys = ("wall_s", "busy_core_s", "idle_core_s", *(("cpu_s", "waiting_s") if counted else ()))
+    for r in rows:
+        if counted:
+            r["waiting_s"] = round(max(0.0, r["wall_s"] - r["cpu_s"]), 3)
+    by_module: dict[str, dict[str, float]] = collections.defaultdict(lambda: dict.fromkeys(keys, 0.0))
     for r in rows:
         module = by_module[r["test"].split("::")[0]]
-        for key in module:
+        for key in keys:
             module[key] = round(module[key] + r[key], 2)
-    return {
+    busy = sum(r["busy_core_s"] for r in rows)
+    idle = sum(r["idle_core_s"] for r in rows)
+    summary: dict[str, Any] = {
         "tests": len(rows),
-        "wall_s": round(sum(r["wall_s"] for r in rows), 1),
-        "busy_core_s": round(busy, 1),
-        "idle_core_s": round(idle, 1),
+        "workers": sorted({r.get("worker", "main") for r in rows}),
+        **{key: round(sum(r[key] for r in rows), 1) for key in keys},
+        # the machine's cores over each test's time: with several workers each test's
+        # window counts the others' work too, so this share is of the whole run
         "busy_share": round(busy / (busy + idle), 3) if busy + idle else 0.0,
-        "most_idle_tests": sorted(rows, key=lambda r: -r["idle_core_s"])[:25],
-        "modules": dict(sorted(by_module.items(), key=lambda kv: -kv[1]["wall_s"])),
     }
+    if counted:
+        summary["cpu_share_of_worker_time"] = (
+            round(summary["cpu_s"] / summary["wall_s"], 3) if summary["wall_s"] else 0.0
+        )
+        summary["most_cpu_tests"] = sorted(rows, key=lambda r: -r["cpu_s"])[:25]
+        summary["most_waiting_tests"] = sorted(rows, key=lambda r: -r["waiting_s"])[:25]
+    else:
+        summary["most_idle_tests"] = sorted(rows, key=lambda r: -r["idle_core_s"])[:25]
+    summary["modules"] = dict(sorted(by_module.items(), key=lambda kv: -kv[1]["wall_s"]))
+    return summary
 
 
 def main() -> None:
     """Run the suite under the plugin (or read ``--rows``) and write the summary."""
     parser = _common.parser(NAME, __doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=Path, help="summarise this rows file instead of running the suite")
+    parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers, as make test (0: serial)")
     args = parser.parse_args()
+    workers = 0 if args.quick else args.workers
     out = _common.out_path(NAME, args)
+    started = time.monotonic()
     if args.rows is not None:
         rows = json.loads(args.rows.read_text())
         exit_status = None
@@ -103,6 +203,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="cpu-share-") as tmp:
             rows_file = Path(tmp) / "rows.json"
             selection = [*QUICK_MODULES, "-m", "memory"] if args.quick else []
+            parallel = ["-n", str(workers), "--dist", "worksteal"] if workers else ["-p", "no:xdist"]
             done = subprocess.run(
                 [
                     sys.executable,
@@ -113,42 +214,31 @@ def main() -> None:
                     "no:cacheprovider",
                     "-p",
                     f"benchmarks.{NAME}",
+                    *parallel,
                     *selection,
                 ],
                 cwd=Path(__file__).resolve().parents[1],
                 env={**os.environ, ROWS_ENV: str(rows_file)},
             )
             exit_status = done.returncode
-            if not rows_file.exists():
+            rows = [row for part in sorted(Path(tmp).glob("rows.json.*")) for row in json.loads(part.read_text())]
+            if not rows:
                 raise SystemExit(f"pytest wrote no rows (exit status {exit_status})")
-            rows = json.loads(rows_file.read_text())
-    figures = {"pytest_exit_status": exit_status, **summarise(rows)}
+    figures: dict[str, Any] = {"pytest_exit_status": exit_status, "run_wall_s": round(time.monotonic() - started, 1)}
+    figures.update(summarise(rows))
     recipe = {
-        "runner": "pytest, serial",
+        "runner": f"pytest, {workers} pinned xdist workers, worksteal" if workers else "pytest, serial",
         "selection": f"memory tier of {', '.join(QUICK_MODULES)}" if args.quick else "every tier",
+        "cpu": "each worker's cgroup: the worker and every process it started" if "cpu_s" in figures else "none",
     }
     _common.write(out, NAME, args, recipe, figures, rows=rows)
+    totals = ["tests", "wall_s", "cpu_s", "waiting_s", "busy_core_s", "idle_core_s"]
+    print(_common.table(totals, [[figures.get(k, "") for k in totals]]))
+    ranked = "most_waiting_tests" if "cpu_s" in figures else "most_idle_tests"
     print(
         _common.table(
-            ["tests", "wall s", "busy core-s", "idle core-s", "busy share"],
-            [
-                [
-                    figures["tests"],
-                    figures["wall_s"],
-                    figures["busy_core_s"],
-                    figures["idle_core_s"],
-                    figures["busy_share"],
-                ]
-            ],
-        )
-    )
-    print(
-        _common.table(
-            ["most idle test", "wall s", "busy core-s", "idle core-s"],
-            [
-                [r["test"][:90], r["wall_s"], r["busy_core_s"], r["idle_core_s"]]
-                for r in figures["most_idle_tests"][:10]
-            ],
+            [ranked.replace("_", " "), "wall s", "cpu s", "idle core-s"],
+            [[r["test"][:90], r["wall_s"], r.get("cpu_s", ""), r["idle_core_s"]] for r in figures[ranked][:10]],
         )
     )
     print(f"wrote {out}")
