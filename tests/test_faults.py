@@ -413,6 +413,7 @@ def test_a_link_that_stalls_then_trickles(rig: Rig) -> None:
         long_prompt = [{"role": "user", "content": "Summarise: " + "the quick brown fox jumps over it. " * 90}]
         rss = []
         waves_run = int(os.environ.get("NODERUNTIME_FAULTS_WAVES", "4"))
+        rows_before = rig.status("a")["batcher"]["prefill_rows"]
         for _ in range(waves_run):
             rig.wait_idle(["a", "b"], within=IDLE + SLACK)
             # what the stopped link held goes with its connections: b would otherwise open the
@@ -433,11 +434,15 @@ def test_a_link_that_stalls_then_trickles(rig: Rig) -> None:
         # change made to see this check fail, not kept). Ended seams used to hang in reference
         # cycles until the cyclic collector ran, prompts' activations with them: 25-31 MiB over
         # eight waves, in a sawtooth that looked like a queue
+        # the waves' prompts were computed, not refused: half their sessions' first rows at least
+        rows_run = rig.status("a")["batcher"]["prefill_rows"] - rows_before
+        assert rows_run >= 2 * waves_run * PREFILL_CHUNK, f"the head ran {rows_run} prompt rows in {waves_run} waves"
         grown_mib = (max(rss[2:]) - max(rss[:2])) / 1024
         assert grown_mib < 2, f"the head grew by {grown_mib:.1f} MiB over {waves_run - 2} waves into a stalled link"
         _note(
             "peer_stops_reading",
             requests=4 * waves_run,
+            head_prompt_rows=rows_run,
             head_rss_mib=[round(r / 1024, 1) for r in rss],
             grown_mib=grown_mib,
             grown_over_last_half_mib=(rss[-1] - rss[len(rss) // 2]) / 1024,
