@@ -429,14 +429,14 @@ def test_a_link_that_stalls_then_trickles(rig: Rig) -> None:
                 assert wave.error is not None or wave.status != 200
             rig.wait_idle(["a"], within=IDLE + SLACK)
             rss.append(_rss_kib(rig.processes["a"].pid))
+        # the waves' prompts were computed, not refused: half their sessions' first rows at least
+        rows_run = rig.status("a")["batcher"]["prefill_rows"] - rows_before
+        assert rows_run >= 2 * waves_run * PREFILL_CHUNK, f"the head ran {rows_run} prompt rows in {waves_run} waves"
         # the highest after the two warm-up waves against the highest during them: 0.2-0.5 MiB
         # over four waves here, and 3.5 MiB with a head that kept every row it sent (a
         # change made to see this check fail, not kept). Ended seams used to hang in reference
         # cycles until the cyclic collector ran, prompts' activations with them: 25-31 MiB over
         # eight waves, in a sawtooth that looked like a queue
-        # the waves' prompts were computed, not refused: half their sessions' first rows at least
-        rows_run = rig.status("a")["batcher"]["prefill_rows"] - rows_before
-        assert rows_run >= 2 * waves_run * PREFILL_CHUNK, f"the head ran {rows_run} prompt rows in {waves_run} waves"
         grown_mib = (max(rss[2:]) - max(rss[:2])) / 1024
         assert grown_mib < 2, f"the head grew by {grown_mib:.1f} MiB over {waves_run - 2} waves into a stalled link"
         _note(

@@ -125,6 +125,7 @@ def test_a_placed_node_sizes_its_range_beside_its_draft_model(smollm2: Path, tmp
     held = memplan.draft_needs(smollm2, node_recipe(node)).total
     assert sized.draft_bytes == held and sized.shard_memory_limit == limit - held
     assert joining.budget(node_recipe(node), limit, sized.draft_bytes).host == limit - held
+    assert joining.budget(node_recipe(node), held // 2, held).host == 0  # nothing left, not less than nothing
     unlimited = attrs.evolve(node, memory_limit=None)
     placed = joining.with_draft_sized(joining.JoinOptions(node=unlimited), placing=True).node
     assert placed.draft_bytes == held and placed.shard_memory_limit is None

@@ -93,7 +93,8 @@ def budget(recipe: Recipe, memory_limit: int | None, beside: int = 0) -> memplan
     free now, less ``beside`` (what the node holds besides: a draft model); on a GPU also the memory the
     device has free."""
     host = memory_limit if memory_limit is not None else int(psutil.virtual_memory().available * FREE_SHARE)
-    return memplan.device_budget(recipe, host - beside)
+    # a draft model larger than the free memory leaves the shard nothing, not a negative budget
+    return memplan.device_budget(recipe, max(0, host - beside))
 
 
 def holdable(model: str | os.PathLike[str], recipe: Recipe, limit: memplan.Budget, prefix_cache: int = 0) -> int:
