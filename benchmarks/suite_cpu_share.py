@@ -35,13 +35,14 @@ from typing import Any
 import pytest
 
 from benchmarks import _common
+from noderuntime.services import cgroups
 
 NAME = "suite_cpu_share"
 # --quick names its modules: selecting a tier by marker alone collects every module, and
 # importing them (torch, the client libraries) took most of a quick run's 29 s
 QUICK_MODULES = ("tests/test_batcher.py", "tests/test_sessions.py")
 ROWS_ENV = "NODERUNTIME_CPU_SHARE_ROWS"
-CGROUPS = Path("/sys/fs/cgroup")
+CGROUPS = cgroups.ROOT
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -59,8 +60,8 @@ class CpuGroup:
     def __init__(self, name: str) -> None:
         """Create the group (``OSError`` where no hierarchy is writable) and move this process in."""
         errors = []
-        for path, usage, scale, home in self._candidates():
-            group = path / f"{name}-{uuid.uuid4().hex[:8]}"
+        for home, usage, scale in self._candidates():
+            group = home / f"{name}-{uuid.uuid4().hex[:8]}"
             try:
                 group.mkdir()
                 (group / "cgroup.procs").write_text(str(os.getpid()))
@@ -74,25 +75,16 @@ class CpuGroup:
         raise OSError("no cgroup to count CPU time in: " + ("; ".join(errors) or "none is mounted"))
 
     @staticmethod
-    def _candidates() -> Iterator[tuple[Path, str, float, Path]]:
-        # (where to make the group, the file of its CPU time, seconds per unit, where this process was)
-        own: dict[str, str] = {}
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            ident, controllers, path = line.split(":", 2)
-            own["v2" if ident == "0" and not controllers else controllers] = path.lstrip("/")
-        # v1's cpuacct first where it is mounted: a v2 group of the worker's own would be where
-        # the capped fit lane makes its memory groups, and v2 lets a group that holds a
-        # process (the worker) give none of its children a memory controller
-        for controllers, path in own.items():
-            if "cpuacct" in controllers.split(","):
-                mount = CGROUPS / controllers
-                if not mount.is_dir():
-                    mount = CGROUPS / "cpuacct"
-                yield mount / path, "cpuacct.usage", 1e-9, mount / path
+    def _candidates() -> Iterator[tuple[Path, str, float]]:
+        # (this process's group, under which the new one goes; the file of its CPU time; seconds a unit).
+        # v1's cpuacct first where it is mounted: a v2 group of the worker's own would be where the
+        # capped fit lane makes its memory groups, and v2 lets a group that holds a process (the
+        # worker) give none of its children a memory controller
+        if (CGROUPS / "cpuacct" / "cpuacct.usage").exists():
+            yield CGROUPS / "cpuacct" / cgroups.own_path(1, "cpuacct").lstrip("/"), "cpuacct.usage", 1e-9
         for mount in (CGROUPS, CGROUPS / "unified"):
-            if (mount / "cgroup.controllers").exists() and "v2" in own:
-                home = mount / own["v2"]
-                yield home, "cpu.stat", 1e-6, home
+            if (mount / "cgroup.controllers").exists():
+                yield mount / cgroups.own_path(2).lstrip("/"), "cpu.stat", 1e-6
 
     def seconds(self) -> float:
         """CPU seconds of the group's processes, those that exited included."""
@@ -101,12 +93,21 @@ class CpuGroup:
             text = next(line.split()[1] for line in text.splitlines() if line.startswith("usage_usec"))
         return int(text) * self._scale
 
-    def leave(self) -> None:
-        """Move this process back where it was and remove the group once it is empty; idempotent."""
+    def leave(self, within: float = 10.0) -> None:
+        """Move this process back where it was and remove the group once the processes it started
+        have left it too (exited), waiting up to ``within`` seconds; idempotent."""
         with contextlib.suppress(OSError):
             (self._home / "cgroup.procs").write_text(str(os.getpid()))
-        with contextlib.suppress(OSError):
-            self.path.rmdir()
+        deadline = time.monotonic() + within
+        while self.path.exists():
+            try:
+                self.path.rmdir()
+            except OSError:
+                # a child still exiting keeps the group busy
+                if time.monotonic() > deadline:
+                    print(f"suite_cpu_share: {self.path} still holds processes; left in place", file=sys.stderr)
+                    return
+                time.sleep(0.1)
 
 
 _rows: list[dict[str, Any]] = []

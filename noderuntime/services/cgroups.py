@@ -20,13 +20,13 @@ class CgroupUnavailable(RuntimeError):
     """No writable cgroup memory controller here."""
 
 
-def _own_path(version: int) -> str:
-    """This process's cgroup path in hierarchy v1 (memory controller) or v2."""
+def own_path(version: int, controller: str = "memory") -> str:
+    """This process's cgroup path in hierarchy v2, or in v1's hierarchy of ``controller``."""
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         ident, controllers, path = line.split(":", 2)
         if version == 2 and ident == "0" and controllers == "":
             return path
-        if version == 1 and "memory" in controllers.split(","):
+        if version == 1 and controller in controllers.split(","):
             return path
     return "/"
 
@@ -36,7 +36,7 @@ def _v2_parent() -> Path | None:
         controllers = mount / "cgroup.controllers"
         if controllers.exists() and "memory" in controllers.read_text().split():
             # a new child of our own cgroup, under which the memory controller is enabled
-            parent = mount / _own_path(2).lstrip("/")
+            parent = mount / own_path(2).lstrip("/")
             with contextlib.suppress(OSError):
                 subtree = parent / "cgroup.subtree_control"
                 if "memory" not in subtree.read_text().split():
@@ -49,7 +49,7 @@ def _v1_parent() -> Path | None:
     mount = ROOT / "memory"
     if not (mount / "memory.limit_in_bytes").exists():
         return None
-    own = mount / _own_path(1).lstrip("/")
+    own = mount / own_path(1).lstrip("/")
     return own if own.is_dir() else mount
 
 
@@ -125,4 +125,4 @@ def available() -> str | None:
     return None
 
 
-__all__ = ["CgroupUnavailable", "MemoryCap", "available"]
+__all__ = ["CgroupUnavailable", "MemoryCap", "available", "own_path"]
