@@ -31,6 +31,7 @@ from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from protocol import Hop, Limits, Span, StatusCode
 from protocol.channel import MAGIC, Binding, ChannelClosed, ChannelKeys, DialerHandshake
 from relay.server import Relay, RelayLimits, serve
+from tests.protocol_helpers import open_route
 
 UPGRADE = (
     "GET {} HTTP/1.1\r\nHost: relay\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -270,6 +271,27 @@ async def test_grpc_refuses_an_oversized_frame_before_buffering_it() -> None:
         assert info.value.code == StatusCode.RESOURCE_EXHAUSTED
         with trio.fail_after(10), pytest.raises(TransportError):
             await client.receive()
+
+
+async def test_a_hop_that_takes_the_stream_and_never_answers_costs_the_answer_timeout() -> None:
+    """A next hop that accepted the seam's stream and stopped (a node under SIGSTOP: its kernel
+    still accepts, its peer's gRPC stack still sends) fails the dial once the dialer's answer
+    timeout (a node's hang timeout) has passed, not the acceptor's 10 s bound on the whole
+    handshake: the route goes elsewhere that much sooner."""
+    from noderuntime.seams.network import NetworkConnector
+
+    async with grpc_peer() as (connector, port, streams):
+        network = NetworkConnector(connector, None, channel_keys(Identity.generate()), answer_timeout=0.5)
+        network.local_swarm = True  # the hop is on loopback
+        hop = Hop(Identity.generate().node_id, Span(0, 15), f"127.0.0.1:{port}")
+        started = trio.current_time()
+        with trio.fail_after(5), pytest.raises(StreamBroken) as broken:
+            await network.connect(hop, open_route())
+        waited = trio.current_time() - started
+        assert broken.value.code == StatusCode.UNAVAILABLE and "in 0.5 s" in str(broken.value), broken.value
+        assert 0.5 <= waited < 3.0, waited
+        held = await streams.receive()  # the stream reached the peer, which never read it
+        await held.aclose()
 
 
 async def _until(condition: Callable[[], bool], seconds: float = 5.0) -> None:

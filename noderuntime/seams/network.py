@@ -16,7 +16,7 @@ from noderuntime.access.tickets import TicketError, TicketVerifier, declares_loc
 from noderuntime.transport import FrameStream, TransportError
 from noderuntime.transport.grpc import GrpcConnector
 from noderuntime.transport.relay_client import RelayDialer
-from noderuntime.transport.sealed import seal_dialer
+from noderuntime.transport.sealed import ANSWER_TIMEOUT, seal_dialer
 from protocol import Hop, OpenRoute, RemoteProtocolError, StatusCode
 from protocol.channel import Binding, ChannelKeys
 
@@ -55,13 +55,15 @@ class NetworkConnector:
     ``keys``: whom it proves to be at the far end of every seam it opens.
     ``plaintext``: direct seams go unsealed (``--insecure-plaintext-seams``, for measuring
     what sealing costs; the relay dialer is given the same); a node not started with it
-    refuses them.
+    refuses them. ``answer_timeout``: how long a direct hop may take to answer the seam
+    handshake before the seam fails over to its relay, or fails (the relay dialer has its own).
     """
 
     grpc: GrpcConnector | None
     relay: RelayDialer | None
     keys: ChannelKeys
     plaintext: bool = False
+    answer_timeout: float = ANSWER_TIMEOUT
     direct_attempts: int = 0
     relay_attempts: int = 0
     fallbacks: int = 0
@@ -92,7 +94,9 @@ class NetworkConnector:
                     return stream
                 ident = open_route.header.identity
                 binding = Binding(ident.session_id, ident.epoch, self.keys.node_id, hop.node_id)
-                return await seal_dialer(stream, self.keys, binding, f"the node at {hop.address}")
+                return await seal_dialer(
+                    stream, self.keys, binding, f"the node at {hop.address}", within=self.answer_timeout
+                )
             except TransportError as exc:
                 if not hop.relay:
                     raise

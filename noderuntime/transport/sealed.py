@@ -41,8 +41,12 @@ from protocol.channel import (
     SealedChannel,
 )
 
-# the three handshake messages take a round trip and a half (through a relay, or direct)
+# the three handshake messages take a round trip and a half (through a relay, or direct):
+# how long an acceptor waits for a dialer to finish it (a slow dialer costs only its own seam)
 HANDSHAKE_TIMEOUT = 10.0
+# how long a dialer waits for the acceptor's answer, by default: a route waits on it, and a
+# next hop that says nothing this long is hung (a node's --hang-timeout, whose default this is)
+ANSWER_TIMEOUT = 2.0
 # how long an end waits to send its sealed close record before it resets the stream instead
 CLOSE_RECORD_SECONDS = 0.5
 
@@ -220,15 +224,19 @@ class SealedStream:
         await self._end(code, message)
 
 
-async def seal_dialer(inner: FrameStream, keys: ChannelKeys, binding: Binding, peer: str) -> SealedStream:
+async def seal_dialer(
+    inner: FrameStream, keys: ChannelKeys, binding: Binding, peer: str, *, within: float = ANSWER_TIMEOUT
+) -> SealedStream:
     """Run the dialer's half of the handshake over ``inner``; the sealed stream, or StreamBroken.
 
     ``binding.acceptor`` is the node id the route plan names: any other key at the far
-    end fails the handshake (UNAUTHENTICATED), whoever answers at the address.
+    end fails the handshake (UNAUTHENTICATED), whoever answers at the address. A peer that
+    has not answered ``within`` seconds (one that accepted the connection and stopped, or a
+    path that swallows it) fails it UNAVAILABLE, so that the route can go elsewhere.
     """
     handshake = DialerHandshake(keys, binding, verify)
     try:
-        with trio.fail_after(HANDSHAKE_TIMEOUT):
+        with trio.fail_after(within):
             await inner.send(handshake.first())
             await inner.send(handshake.read_second(await inner.receive()))
     except TransportError as exc:
@@ -247,7 +255,7 @@ async def seal_dialer(inner: FrameStream, keys: ChannelKeys, binding: Binding, p
         with trio.CancelScope(shield=True):
             await inner.abort(StatusCode.DEADLINE_EXCEEDED, "the handshake took too long")
         raise StreamBroken(
-            f"{peer} did not finish the seam handshake in {HANDSHAKE_TIMEOUT:.0f} s", StatusCode.UNAVAILABLE
+            f"{peer} did not answer the seam handshake in {within:g} s", StatusCode.UNAVAILABLE
         ) from None
     return SealedStream(inner, peer, channel=handshake.channel())
 
