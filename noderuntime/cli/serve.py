@@ -251,6 +251,18 @@ def _load_manifests(paths: list[Path]) -> tuple[manifest.Manifest, ...]:
     return tuple(loaded.values())
 
 
+def _connections_per_host(p: argparse.ArgumentParser) -> None:
+    from noderuntime.operations.httpserve import CONNECTIONS_PER_HOST
+
+    p.add_argument(
+        "--max-connections-per-host",
+        type=non_negative_int,
+        default=CONNECTIONS_PER_HOST,
+        help="HTTP connections one address (an IPv6 /64) may hold open at once; one more is closed unanswered "
+        "(0: no cap; behind a reverse proxy every client has the proxy's address)",
+    )
+
+
 def _cmd_tracker(args: argparse.Namespace) -> int:
     from noderuntime.services import running, trackerrun
     from noderuntime.verify.certificates import load_certificate
@@ -285,6 +297,7 @@ def _cmd_tracker(args: argparse.Namespace) -> int:
             manifests=manifests,
             status_key=args.status_key,
             local_swarm=args.local_swarm,
+            connections_per_host=args.max_connections_per_host,
             **kw,
         ),
     )
@@ -341,6 +354,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         audit_rate=args.audit_rate,
         speculate=args.speculate,
         insecure_plaintext_seams=args.insecure_plaintext_seams,
+        connections_per_host=args.max_connections_per_host,
     )
     trio.run(running.run_until_signal, lambda **kw: noderun.run_gateway(opts, **kw))
     return 0
@@ -598,6 +612,7 @@ def _add_tracker(sub: Any) -> None:
         default=4096,
         help="route grants one client (an address, a key) may hold at once, each until its ticket expires; beyond, 429",
     )
+    _connections_per_host(p)
     p.add_argument(
         "--referee",
         type=public_key,
@@ -725,6 +740,7 @@ def _add_gateway(sub: Any) -> None:
         default=256,
         help="sessions one API key (or, with no keys, one client address) may run at once; one more is refused (429)",
     )
+    _connections_per_host(p)
     p.add_argument(
         "--audit-rate",
         type=share,

@@ -1,9 +1,13 @@
-"""A small HTTP surface for nodes and relays (status JSON, later metrics), on hypercorn's trio worker."""
+"""Every HTTP server of the project (the gateway, the tracker, nodes' and relays' status), on hypercorn's
+trio worker, with a small ASGI app for the status surfaces and a body-limiting middleware."""
 
 from __future__ import annotations
 
+import collections
 import functools
+import ipaddress
 import json
+import logging
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -18,6 +22,8 @@ QueryHandler = Callable[[dict[str, str]], Awaitable[tuple[int, str, bytes]]]  # 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+log = logging.getLogger(__name__)
 
 
 def json_handler(producer: Callable[[], Awaitable[Any]]) -> Handler:
@@ -69,16 +75,89 @@ class Routes:
 
 
 KEEP_ALIVE_SECONDS = 10.0
+# connections one address (an IPv6 /64) may hold open at once unless a server is told
+# otherwise: above the 256 streamed replies one gateway key may run at once, far below the
+# descriptors a process has
+CONNECTIONS_PER_HOST = 512
+# a request's body must have arrived this long after its headers: 8 MiB (the gateway's
+# limit) over 2.5 Mbit/s. A client that trickled one, or stopped sending it, held its
+# connection for as long as it liked
+BODY_SECONDS = 30.0
+
+
+def source(address: str) -> str:
+    """Whose connection this is, for a per-address cap: the address, or its /64 for IPv6.
+
+    The relay groups its connections the same way (``relay/server.py``, which runs from
+    the light install without this package).
+    """
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    # one IPv6 host commonly holds a whole /64
+    return str(ipaddress.ip_network(f"{ip}/64", strict=False)) if ip.version == 6 else address
+
+
+class HostCap:
+    """The connections each source holds open on one server, and those refused past ``per_host`` (0: no cap)."""
+
+    def __init__(self, per_host: int) -> None:
+        self.per_host = per_host
+        self.open: collections.Counter[str] = collections.Counter()
+        self.refused = 0
+
+    def take(self, host: str) -> bool:
+        """Count a new connection from ``host``; False (and counted as refused) past the cap."""
+        if self.per_host and self.open[host] >= self.per_host:
+            if self.refused % 1000 == 0:  # the first and every thousandth: a flood logs a line, not a line each
+                log.warning("refused a connection from %s: it holds %d, the most one address may", host, self.per_host)
+            self.refused += 1
+            return False
+        self.open[host] += 1
+        return True
+
+    def give(self, host: str) -> None:
+        """A connection from ``host`` ended."""
+        self.open[host] -= 1
+        if self.open[host] <= 0:
+            del self.open[host]
+
+
+class _Config(Config):
+    host_cap: HostCap | None = None
+
+
+def _peer(stream: Any) -> str:
+    sock = getattr(stream, "socket", None) or stream.transport_stream.socket  # plain, or under TLS
+    try:
+        return str(sock.getpeername()[0])
+    except OSError:
+        return ""  # it left already
 
 
 class _TCPServer(tcp_server.TCPServer):
-    """Hypercorn's trio connection, let go as soon as its client has closed it.
+    """Hypercorn's trio connection, refused past its address's cap, and let go as soon as its client closes it.
 
     Hypercorn 0.18 ends a connection once every task of its group has: when the client
     closes a connection that has gone idle, the reader ends but the idle timer it started
     does not, so the connection kept its task and its descriptor (in CLOSE-WAIT) for the
     whole keep-alive. A client opening and closing connections held ten seconds of them.
     """
+
+    async def run(self) -> None:
+        cap = getattr(self.config, "host_cap", None)
+        if cap is None:
+            await super().run()
+            return
+        host = source(_peer(self.stream))
+        if not cap.take(host):
+            await self.stream.aclose()
+            return
+        try:
+            await super().run()
+        finally:
+            cap.give(host)
 
     async def _read_data(self) -> None:
         await super()._read_data()
@@ -90,9 +169,21 @@ assert hypercorn_run.TCPServer in (tcp_server.TCPServer, _TCPServer)  # type: ig
 hypercorn_run.TCPServer = _TCPServer  # type: ignore[attr-defined]
 
 
-async def serve_http(app: Any, listen: str, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``app`` on ``HOST:PORT`` until cancelled; reports the base URL once listening."""
-    config = Config()
+async def serve_http(
+    app: Any,
+    listen: str,
+    *,
+    per_host: int = CONNECTIONS_PER_HOST,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` on ``HOST:PORT`` until cancelled; reports the base URL once listening.
+
+    ``per_host``: connections one address (an IPv6 /64) may hold open at once (0: no cap);
+    past them a new one is closed unanswered. Behind a reverse proxy every client has the
+    proxy's address: raise it there, or leave the cap to the proxy.
+    """
+    config = _Config()
+    config.host_cap = HostCap(per_host)
     config.bind = [listen]
     config.accesslog = None
     config.errorlog = None
@@ -109,15 +200,17 @@ async def serve_http(app: Any, listen: str, *, task_status: trio.TaskStatus[str]
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes is answered 413 before the app sees it.
+    """ASGI middleware: a request body over ``limit`` bytes is answered 413 before the app sees it,
+    and one that has not arrived whole ``seconds`` after the request began, 408.
 
     Bodies are read up front (the apps behind it read them whole anyway), so a client
     that streams a body without a length is held to the same limit.
     """
 
-    def __init__(self, app: Any, limit: int) -> None:
+    def __init__(self, app: Any, limit: int, seconds: float | None = None) -> None:
         self.app = app
         self.limit = limit
+        self.seconds = BODY_SECONDS if seconds is None else seconds
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -128,16 +221,21 @@ class BodyLimit:
             await _too_large(send, self.limit)
             return
         body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            if len(body) > self.limit:
-                await _too_large(send, self.limit)
-                return
-            if not message.get("more_body"):
-                break
+        with trio.move_on_after(self.seconds) as waited:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                body += message.get("body", b"")
+                if len(body) > self.limit:
+                    await _too_large(send, self.limit)
+                    return
+                if not message.get("more_body"):
+                    break
+        if waited.cancelled_caught:
+            # answered before the body ends, the connection closes after the answer
+            await _error(send, 408, f"the request body did not arrive within {self.seconds:g} s", "body_timeout")
+            return
         replayed = False
 
         async def replay() -> dict[str, Any]:
@@ -151,19 +249,15 @@ class BodyLimit:
 
 
 async def _too_large(send: Send, limit: int) -> None:
-    body = json.dumps(
-        {
-            "error": {
-                "message": f"the request body exceeds {limit} bytes",
-                "type": "invalid_request_error",
-                "code": "body_too_large",
-            }
-        }
-    ).encode()
+    await _error(send, 413, f"the request body exceeds {limit} bytes", "body_too_large")
+
+
+async def _error(send: Send, status: int, message: str, code: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code}}).encode()
     await send(
         {
             "type": "http.response.start",
-            "status": 413,
+            "status": status,
             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
         }
     )

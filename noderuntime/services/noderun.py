@@ -42,7 +42,7 @@ from noderuntime.models import artifacts
 from noderuntime.models.artifacts import LayerRange
 from noderuntime.node.core import Node, NodeConfig
 from noderuntime.node.draftmodel import DraftModel
-from noderuntime.operations.httpserve import Routes, json_handler, serve_http
+from noderuntime.operations.httpserve import CONNECTIONS_PER_HOST, Routes, json_handler, serve_http
 from noderuntime.operations.telemetry import trio_tasks
 from noderuntime.seams.network import NetworkConnector, ticket_check
 from noderuntime.services.ready import GatewayReady, NodeReady
@@ -632,6 +632,7 @@ class GatewayOptions:
     audit_rate: float = 0.0  # the share of sessions audited after they end (runner/audits.py)
     speculate: int = 8  # drafted tokens a route's decode window may carry (node/drafting.py; 0: none)
     insecure_plaintext_seams: bool = False  # as NodeOptions': seams to heads unsealed
+    connections_per_host: int = CONNECTIONS_PER_HOST  # HTTP connections one address may hold open (0: any)
 
 
 async def run_gateway(
@@ -684,6 +685,8 @@ async def run_gateway(
             speculate=opts.speculate,
         )
         nursery.start_soon(gateway.runner.audits.run)
-        url = await nursery.start(serve_http, gateway.app, opts.listen)
+        url = await nursery.start(
+            functools.partial(serve_http, gateway.app, opts.listen, per_host=opts.connections_per_host)
+        )
         task_status.started(GatewayReady(url=url, models=tuple(m.model_id for m in served), pid=os.getpid()))
         log.info("gateway at %s serving %s", url, ", ".join(m.model_id for m in served))

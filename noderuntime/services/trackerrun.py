@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -12,7 +13,7 @@ import trio
 from noderuntime.access import identity
 from noderuntime.control import admission
 from noderuntime.models.manifest import Manifest
-from noderuntime.operations.httpserve import serve_http
+from noderuntime.operations.httpserve import CONNECTIONS_PER_HOST, serve_http
 from noderuntime.services.ready import TrackerReady
 from noderuntime.verify.certificates import CoveredPair
 
@@ -39,12 +40,14 @@ async def run_tracker(
     manifests: Sequence[Manifest] = (),  # served to nodes that fetch only their layers
     status_key: str | None = None,
     local_swarm: bool = False,
+    connections_per_host: int = CONNECTIONS_PER_HOST,
     task_status: trio.TaskStatus[TrackerReady] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve a tracker until cancelled; ``mixes`` are the recipe pairs certified to share routes;
     ``status_key``, when given, is needed to read the swarm map and the node lists; ``referees``: the nodes
     whose re-execution may confirm an audit; ``local_swarm``: nodes may register loopback and private
-    addresses, and its tickets let them be dialled (see :class:`~noderuntime.tracker.app.Tracker`)."""
+    addresses, and its tickets let them be dialled (see :class:`~noderuntime.tracker.app.Tracker`);
+    ``connections_per_host``: see :func:`~noderuntime.operations.httpserve.serve_http`."""
     from noderuntime.tracker.app import Tracker
 
     tracker_identity = identity.load_or_create(data_dir)
@@ -87,6 +90,6 @@ async def run_tracker(
         log.info("probe references: %d answers from %d file(s)", len(references), len(probe_references))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(tracker.expire_loop)
-        url = await nursery.start(serve_http, tracker.app, listen)
+        url = await nursery.start(functools.partial(serve_http, tracker.app, listen, per_host=connections_per_host))
         task_status.started(TrackerReady(url=url, issuer_key=tracker_identity.node_id.hex(), pid=os.getpid()))
         log.info("tracker at %s, issuer key %s", url, tracker_identity.node_id.hex())
