@@ -109,6 +109,33 @@ def test_a_server_shows_the_sockets_it_listens_on() -> None:
     _run(test)
 
 
+def test_a_servers_connections_are_admitted_by_the_hook_it_is_given() -> None:
+    class Transport:
+        aborted = False
+
+        def get_extra_info(self, name: str, default: Any = None) -> Any:
+            return ("192.0.2.7", 40000) if name == "peername" else default
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    async def test() -> None:
+        server = grpclib.server.Server([])
+        asked: list[str] = []
+        _grpclib_private.admit_connections(server, lambda address: asked.append(address) or None, asked.append)
+        protocol = server._protocol_factory()
+        assert isinstance(protocol, grpclib.protocol.H2Protocol)
+        transport = Transport()
+        protocol.connection_made(transport)  # type: ignore[arg-type]
+        assert (
+            asked == ["192.0.2.7"] and transport.aborted and not hasattr(protocol, "connection")
+        )  # grpclib never saw it
+        protocol.connection_lost(None)  # asyncio's call after the abort: nothing to release
+        assert asked == ["192.0.2.7"]
+
+    _run(test)
+
+
 def test_a_channel_is_connected_pinged_and_aborted() -> None:
     async def test() -> None:
         server = _H2Server()

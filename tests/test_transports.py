@@ -26,7 +26,7 @@ from noderuntime.testing.linkproxy import LinkProxy, link_proxy
 from noderuntime.testing.seams import KINDS, grpc_peer, seam
 from noderuntime.transport import FrameStream, StreamBroken, StreamClosed, TransportError, sealed
 from noderuntime.transport import relay_messages as messages
-from noderuntime.transport.grpc import AsyncioThread, GrpcConnector
+from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from protocol import Hop, Limits, Span, StatusCode
 from protocol.channel import MAGIC, Binding, ChannelClosed, ChannelKeys, DialerHandshake
@@ -292,6 +292,41 @@ async def test_a_hop_that_takes_the_stream_and_never_answers_costs_the_answer_ti
         assert 0.5 <= waited < 3.0, waited
         held = await streams.receive()  # the stream reached the peer, which never read it
         await held.aclose()
+
+
+async def test_grpc_one_address_holds_at_most_its_cap_of_connections() -> None:
+    """Past the cap a node's seam server closes a new connection from the same address before a
+    byte of HTTP/2; one that ends makes room. A stranger's idle connections otherwise held
+    a descriptor each for as long as they answered keepalive pings."""
+    runtime = AsyncioThread()
+    server = GrpcServer(runtime, lambda stream: None, max_frame_bytes=1 << 20, per_host=2)
+    try:
+        port = await server.start("127.0.0.1", 0)
+
+        async def settings_or_end(stream: trio.SocketStream) -> bytes:
+            # an admitted connection hears the server's SETTINGS at once; a refused one, its end
+            with trio.fail_after(5):
+                try:
+                    return bytes(await stream.receive_some())
+                except trio.BrokenResourceError:
+                    return b""  # reset
+
+        held = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(2)]
+        for stream in held:
+            assert await settings_or_end(stream) != b""
+        extra = await trio.open_tcp_stream("127.0.0.1", port)
+        assert await settings_or_end(extra) == b""
+        await extra.aclose()
+        assert server.connections.refused == 1
+        await held.pop().aclose()
+        await _until(lambda: server.connections.open["127.0.0.1"] == 1)
+        again = await trio.open_tcp_stream("127.0.0.1", port)
+        assert await settings_or_end(again) != b""
+        for stream in [*held, again]:
+            await stream.aclose()
+    finally:
+        await server.close()
+        runtime.close()
 
 
 async def _until(condition: Callable[[], bool], seconds: float = 5.0) -> None:

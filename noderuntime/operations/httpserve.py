@@ -3,11 +3,8 @@ trio worker, with a small ASGI app for the status surfaces and a body-limiting m
 
 from __future__ import annotations
 
-import collections
 import functools
-import ipaddress
 import json
-import logging
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -17,13 +14,13 @@ from hypercorn.config import Config
 from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio import serve, tcp_server
 
+from noderuntime.access.connections import CONNECTIONS_PER_HOST, HostCap
+
 Handler = Callable[[], Awaitable[tuple[int, str, bytes]]]  # -> (status, content type, body)
 QueryHandler = Callable[[dict[str, str]], Awaitable[tuple[int, str, bytes]]]  # the same, given the query
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
-
-log = logging.getLogger(__name__)
 
 
 def json_handler(producer: Callable[[], Awaitable[Any]]) -> Handler:
@@ -75,53 +72,10 @@ class Routes:
 
 
 KEEP_ALIVE_SECONDS = 10.0
-# connections one address (an IPv6 /64) may hold open at once unless a server is told
-# otherwise: above the 256 streamed replies one gateway key may run at once, far below the
-# descriptors a process has
-CONNECTIONS_PER_HOST = 512
 # a request's body must have arrived this long after its headers: 8 MiB (the gateway's
 # limit) over 2.5 Mbit/s. A client that trickled one, or stopped sending it, held its
 # connection for as long as it liked
 BODY_SECONDS = 30.0
-
-
-def source(address: str) -> str:
-    """Whose connection this is, for a per-address cap: the address, or its /64 for IPv6.
-
-    The relay groups its connections the same way (``relay/server.py``, which runs from
-    the light install without this package).
-    """
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return address
-    # one IPv6 host commonly holds a whole /64
-    return str(ipaddress.ip_network(f"{ip}/64", strict=False)) if ip.version == 6 else address
-
-
-class HostCap:
-    """The connections each source holds open on one server, and those refused past ``per_host`` (0: no cap)."""
-
-    def __init__(self, per_host: int) -> None:
-        self.per_host = per_host
-        self.open: collections.Counter[str] = collections.Counter()
-        self.refused = 0
-
-    def take(self, host: str) -> bool:
-        """Count a new connection from ``host``; False (and counted as refused) past the cap."""
-        if self.per_host and self.open[host] >= self.per_host:
-            if self.refused % 1000 == 0:  # the first and every thousandth: a flood logs a line, not a line each
-                log.warning("refused a connection from %s: it holds %d, the most one address may", host, self.per_host)
-            self.refused += 1
-            return False
-        self.open[host] += 1
-        return True
-
-    def give(self, host: str) -> None:
-        """A connection from ``host`` ended."""
-        self.open[host] -= 1
-        if self.open[host] <= 0:
-            del self.open[host]
 
 
 class _Config(Config):
@@ -150,8 +104,8 @@ class _TCPServer(tcp_server.TCPServer):
         if cap is None:
             await super().run()
             return
-        host = source(_peer(self.stream))
-        if not cap.take(host):
+        host = cap.take(_peer(self.stream))
+        if host is None:
             await self.stream.aclose()
             return
         try:

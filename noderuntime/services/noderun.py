@@ -19,6 +19,7 @@ import attrs
 import trio
 
 from noderuntime.access import identity, known_trackers
+from noderuntime.access.connections import CONNECTIONS_PER_HOST
 from noderuntime.access.known_trackers import KnownTrackers
 from noderuntime.access.signing import join_proof
 from noderuntime.access.tickets import TicketVerifier
@@ -42,7 +43,7 @@ from noderuntime.models import artifacts
 from noderuntime.models.artifacts import LayerRange
 from noderuntime.node.core import Node, NodeConfig
 from noderuntime.node.draftmodel import DraftModel
-from noderuntime.operations.httpserve import CONNECTIONS_PER_HOST, Routes, json_handler, serve_http
+from noderuntime.operations.httpserve import Routes, json_handler, serve_http
 from noderuntime.operations.telemetry import trio_tasks
 from noderuntime.seams.network import NetworkConnector, ticket_check
 from noderuntime.services.ready import GatewayReady, NodeReady

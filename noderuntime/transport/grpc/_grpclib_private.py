@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -56,6 +57,37 @@ def received_headers(stream: Any) -> tuple[list[tuple[str, str]] | None, list[tu
     # grpclib reads them only once the call ends well; a reset after them hides them otherwise
     inner = getattr(stream, "_stream", None)
     return getattr(inner, "trailers", None), getattr(inner, "headers", None)
+
+
+def admit_connections(server: Server, admit: Callable[[str], str | None], release: Callable[[str], None]) -> None:
+    """Have ``server`` close each new connection at once unless ``admit(its peer's address)`` gives a key,
+    and call ``release(key)`` when an admitted one ends. Before :meth:`Server.start`."""
+    make = server._protocol_factory  # grpclib makes each connection's protocol with it, looked up at start
+
+    def factory() -> Any:
+        protocol = make()
+        made, lost = protocol.connection_made, protocol.connection_lost
+        key: str | None = None
+
+        def connection_made(transport: Any) -> None:
+            nonlocal key
+            peer = transport.get_extra_info("peername")
+            key = admit(str(peer[0]) if peer else "")
+            if key is None:
+                transport.abort()  # before grpclib saw it: no HTTP/2 preface, no task
+                return
+            made(transport)
+
+        def connection_lost(exc: BaseException | None) -> None:
+            if key is not None:
+                release(key)
+                lost(exc)
+
+        protocol.connection_made = connection_made  # type: ignore[method-assign]
+        protocol.connection_lost = connection_lost  # type: ignore[method-assign]
+        return protocol
+
+    server._protocol_factory = factory  # type: ignore[method-assign]
 
 
 def listening_sockets(server: Server) -> list[socket.socket]:

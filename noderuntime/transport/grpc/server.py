@@ -12,6 +12,7 @@ import grpclib.server
 import trio
 from grpclib.server import Server
 
+from noderuntime.access.connections import CONNECTIONS_PER_HOST, HostCap
 from noderuntime.transport.base import FrameStream, StreamBroken
 from noderuntime.transport.grpc import _grpclib_private
 from noderuntime.transport.grpc.bridge import AsyncioThread
@@ -22,14 +23,24 @@ from protocol import StatusCode
 
 
 class GrpcServer:
-    """Serves seam streams; each new stream is handed to ``on_stream`` on the trio thread."""
+    """Serves seam streams; each new stream is handed to ``on_stream`` on the trio thread.
+
+    ``per_host``: connections one address (an IPv6 /64) may hold open at once (0: no cap);
+    one more is closed before a byte of HTTP/2 (``connections.refused`` counts them).
+    """
 
     def __init__(
-        self, runtime: AsyncioThread, on_stream: Callable[[FrameStream], None], *, max_frame_bytes: int
+        self,
+        runtime: AsyncioThread,
+        on_stream: Callable[[FrameStream], None],
+        *,
+        max_frame_bytes: int,
+        per_host: int = CONNECTIONS_PER_HOST,
     ) -> None:
         self._runtime = runtime
         self._on_stream = on_stream
         self._limit = max_frame_bytes
+        self.connections = HostCap(per_host)  # counted on the asyncio thread, where connections come and go
         self._token = trio.lowlevel.current_trio_token()
         self._server: Server | None = None
         self.port = 0
@@ -64,6 +75,7 @@ class GrpcServer:
 
         async def start() -> int:
             self._server = Server([self], codec=FrameCodec(), config=configuration())
+            _grpclib_private.admit_connections(self._server, self.connections.take, self.connections.give)
             await self._server.start(host, port, ssl=tls, reuse_address=True)
             sockets = _grpclib_private.listening_sockets(self._server)
             return int(sockets[0].getsockname()[1]) if sockets else port
