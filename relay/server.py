@@ -30,6 +30,7 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
 
+from noderuntime.access.connections import source
 from noderuntime.access.identity import verify
 from noderuntime.access.tickets import TicketError, TicketVerifier
 from noderuntime.operations.telemetry import RelayMetrics, exposition
@@ -96,13 +97,7 @@ def _connection_key(address: object, port: int) -> tuple[str, int]:
 
 def _source(remote: object) -> str:
     """Whose connection this is, for the per-address cap: the address, or its /64 for IPv6."""
-    address = str(getattr(remote, "address", remote))
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return address
-    # one IPv6 host commonly holds a whole /64
-    return str(ipaddress.ip_network(f"{ip}/64", strict=False)) if ip.version == 6 else address
+    return source(str(getattr(remote, "address", remote)))
 
 
 class _Handshake:

@@ -22,11 +22,7 @@ CONNECTIONS_PER_HOST = 512
 
 
 def source(address: str) -> str:
-    """Whose connection this is, for a per-address cap: the address, or its /64 for IPv6.
-
-    The relay groups its connections the same way (``relay/server.py``, which runs from
-    the light install without this package).
-    """
+    """Whose connection this is, for a per-address cap: the address, or its /64 for IPv6 (the relay's too)."""
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:

@@ -106,7 +106,7 @@ class _TCPServer(tcp_server.TCPServer):
             return
         host = cap.take(_peer(self.stream))
         if host is None:
-            await self.stream.aclose()
+            await trio.aclose_forcefully(self.stream)  # no TLS goodbye for a connection not served
             return
         try:
             await super().run()
