@@ -30,9 +30,9 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
 
-from noderuntime.access.connections import source
 from noderuntime.access.identity import verify
 from noderuntime.access.tickets import TicketError, TicketVerifier
+from noderuntime.operations.connections import source
 from noderuntime.operations.telemetry import RelayMetrics, exposition
 from noderuntime.transport import relay_messages as m
 from noderuntime.transport.websocket import (

@@ -252,7 +252,7 @@ def _load_manifests(paths: list[Path]) -> tuple[manifest.Manifest, ...]:
 
 
 def _connections_per_host(p: argparse.ArgumentParser) -> None:
-    from noderuntime.access.connections import CONNECTIONS_PER_HOST
+    from noderuntime.operations.connections import CONNECTIONS_PER_HOST
 
     p.add_argument(
         "--max-connections-per-host",

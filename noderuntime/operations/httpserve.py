@@ -14,7 +14,7 @@ from hypercorn.config import Config
 from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio import serve, tcp_server
 
-from noderuntime.access.connections import CONNECTIONS_PER_HOST, HostCap
+from noderuntime.operations.connections import CONNECTIONS_PER_HOST, HostCap
 
 Handler = Callable[[], Awaitable[tuple[int, str, bytes]]]  # -> (status, content type, body)
 QueryHandler = Callable[[dict[str, str]], Awaitable[tuple[int, str, bytes]]]  # the same, given the query

@@ -19,7 +19,6 @@ import attrs
 import trio
 
 from noderuntime.access import identity, known_trackers
-from noderuntime.access.connections import CONNECTIONS_PER_HOST
 from noderuntime.access.known_trackers import KnownTrackers
 from noderuntime.access.signing import join_proof
 from noderuntime.access.tickets import TicketVerifier
@@ -43,6 +42,7 @@ from noderuntime.models import artifacts
 from noderuntime.models.artifacts import LayerRange
 from noderuntime.node.core import Node, NodeConfig
 from noderuntime.node.draftmodel import DraftModel
+from noderuntime.operations.connections import CONNECTIONS_PER_HOST
 from noderuntime.operations.httpserve import Routes, json_handler, serve_http
 from noderuntime.operations.telemetry import trio_tasks
 from noderuntime.seams.network import NetworkConnector, ticket_check

@@ -11,9 +11,9 @@ from pathlib import Path
 import trio
 
 from noderuntime.access import identity
-from noderuntime.access.connections import CONNECTIONS_PER_HOST
 from noderuntime.control import admission
 from noderuntime.models.manifest import Manifest
+from noderuntime.operations.connections import CONNECTIONS_PER_HOST
 from noderuntime.operations.httpserve import serve_http
 from noderuntime.services.ready import TrackerReady
 from noderuntime.verify.certificates import CoveredPair

@@ -12,7 +12,7 @@ import grpclib.server
 import trio
 from grpclib.server import Server
 
-from noderuntime.access.connections import CONNECTIONS_PER_HOST, HostCap
+from noderuntime.operations.connections import CONNECTIONS_PER_HOST, HostCap
 from noderuntime.transport.base import FrameStream, StreamBroken
 from noderuntime.transport.grpc import _grpclib_private
 from noderuntime.transport.grpc.bridge import AsyncioThread
