@@ -167,6 +167,28 @@ async def test_streams_that_never_open_a_session_are_bounded(route: LocalRoute) 
     assert len((await route.generate(GenerationRequest(PROMPT, 4))).tokens) == 4
 
 
+async def test_one_address_holds_at_most_its_share_of_the_opening_streams(route: LocalRoute) -> None:
+    """Streams from one address that never open a session take at most its share of the places
+    for opening streams: one address no longer holds them all, and sessions from elsewhere open."""
+    head, address = route.nodes[0], "198.51.100.7"
+    idle = [
+        await route.network.connect(route.hops[0], source=address) for _ in range(head.config.max_opening_per_source)
+    ]
+    one_more = await route.network.connect(route.hops[0], source=address)
+    with trio.fail_after(5), pytest.raises(StreamBroken) as refused:
+        await one_more.receive()
+    assert refused.value.code == StatusCode.UNAVAILABLE and f"from {address}" in str(refused.value)
+    assert head._opening == head.config.max_opening_per_source < head.config.max_opening
+    with trio.fail_after(30):
+        assert len((await route.generate(GenerationRequest(PROMPT, 4))).tokens) == 4  # from no address of theirs
+    for stream in idle:
+        await stream.aclose()
+    with trio.fail_after(5):
+        while head._opening:
+            await trio.sleep(0.02)
+    assert not head._opening_from
+
+
 class _HostileTail:
     """Takes the head's session and answers its prefill with one bad Tokens frame."""
 

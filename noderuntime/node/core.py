@@ -89,6 +89,9 @@ class NodeConfig:
     eager_windows: bool = False
 
     max_opening: int = 64  # streams that have not yet opened a session
+    # of them, from one address (a direct seam's peer; relayed seams are counted by their
+    # relay, per dialer): one address that held every one refused every other session here
+    max_opening_per_source: int = 16
     open_timeout: float = 10.0  # for a new stream's OpenRoute
 
     def __attrs_post_init__(self) -> None:
@@ -97,8 +100,8 @@ class NodeConfig:
         for name in ("idle_timeout", "hang_timeout", "max_session_seconds", "open_timeout"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds")
-        if self.max_opening < 1:
-            raise ValueError("max_opening must be at least 1")
+        if not 1 <= self.max_opening_per_source <= self.max_opening:
+            raise ValueError("max_opening and max_opening_per_source must be at least 1, the second at most the first")
         if not 0 <= self.max_window <= self.limits.max_window or self.draft_rows < 0:
             raise ValueError(f"max_window must lie in 0..{self.limits.max_window}, draft_rows be at least 0")
 
@@ -155,6 +158,7 @@ class Node:
         self._ended: collections.Counter[str] = collections.Counter()
         self._refused = 0
         self._opening = 0  # accepted streams that have not yet opened a session
+        self._opening_from: collections.Counter[str] = collections.Counter()  # of them, by source address
         self._stopping = False
         self.ready = trio.Event()
         self._probe_lock = trio.Lock()
@@ -221,13 +225,18 @@ class Node:
         session, is refused with UNAVAILABLE; one that arrives before the node runs or
         after it stopped is dropped, and its transport closes it.
         """
+        source = stream.source
         if self._stopping:
             refusal = "the node is stopping"
         elif self._opening >= self.config.max_opening:
             refusal = f"{self._opening} streams are already opening sessions here"
+        elif source and self._opening_from[source] >= self.config.max_opening_per_source:
+            refusal = f"{self._opening_from[source]} streams from {source} are already opening sessions here"
         else:
-            if self._spawn(self._handle_accepted, stream):
+            if self._spawn(self._handle_accepted, stream, source):
                 self._opening += 1
+                if source:
+                    self._opening_from[source] += 1
             return
         self.metrics.admissions_refused.labels(StatusCode.UNAVAILABLE.name).inc()
         log.info("refused a seam: %s", refusal)
@@ -331,11 +340,15 @@ class Node:
 
     # --- one incoming stream
 
-    async def _handle_accepted(self, stream: FrameStream) -> None:
+    async def _handle_accepted(self, stream: FrameStream, source: str) -> None:
         try:
             session = await self._open_session(stream)
         finally:
             self._opening -= 1
+            if source:
+                self._opening_from[source] -= 1
+                if not self._opening_from[source]:
+                    del self._opening_from[source]
         if session is not None:
             await self._serve_session(session)
 

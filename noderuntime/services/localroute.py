@@ -40,12 +40,13 @@ class InProcessNetwork:
         """Make ``node`` reachable."""
         self.nodes[node.node_id] = node
 
-    async def connect(self, hop: Hop, open_route: OpenRoute | None = None) -> FrameStream:
-        """A new seam stream to the node of ``hop``."""
+    async def connect(self, hop: Hop, open_route: OpenRoute | None = None, *, source: str = "") -> FrameStream:
+        """A new seam stream to the node of ``hop``; ``source``: the address the node sees it come from."""
         node = self.nodes.get(hop.node_id)
         if node is None or node._nursery is None:
             raise TransportError(f"no node {hop.node_id.hex()[:12]} in this process")
         ours, theirs = memory_stream_pair(self.buffer)
+        theirs.source = source
         node.accept(theirs)
         self.connections += 1
         return ours

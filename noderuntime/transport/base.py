@@ -52,6 +52,12 @@ class FrameStream(Protocol):
         """What the stream's own handshake proved of its peer, or None."""
         ...
 
+    @property
+    def source(self) -> str:
+        """The address an accepted stream came from where its transport knows one (a direct
+        seam's peer), else ``""`` (memory; a relayed seam, whose relay counts its dialers)."""
+        ...
+
     async def send(self, frame: bytes) -> None:
         """Send one frame."""
         ...

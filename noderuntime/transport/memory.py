@@ -13,6 +13,7 @@ class MemoryFrameStream:
 
     kind = "memory"
     authenticated: PeerAuthentication | None = None  # nothing proven of the peer here
+    source = ""  # in-process tests may name one
 
     def __init__(
         self,

@@ -92,6 +92,11 @@ class SealedStream:
             return None
         return PeerAuthentication(channel.peer, channel.binding.session_id, channel.binding.epoch)
 
+    @property
+    def source(self) -> str:
+        """The address of the stream underneath (see :class:`~noderuntime.transport.base.FrameStream`)."""
+        return self.inner.source
+
     async def send(self, frame: bytes) -> None:
         """Seal ``frame`` and send it as one message of the stream underneath."""
         channel = self._channel

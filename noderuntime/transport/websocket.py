@@ -44,6 +44,7 @@ class WebSocketFrameStream:
 
     kind = "relay"
     authenticated: PeerAuthentication | None = None  # nothing proven of the peer here
+    source = ""  # every relayed seam comes from the relay
 
     def __init__(self, ws: WebSocketConnection, peer: str) -> None:
         self.ws = ws

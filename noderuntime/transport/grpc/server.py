@@ -12,7 +12,7 @@ import grpclib.server
 import trio
 from grpclib.server import Server
 
-from noderuntime.operations.connections import CONNECTIONS_PER_HOST, HostCap
+from noderuntime.operations.connections import CONNECTIONS_PER_HOST, HostCap, source
 from noderuntime.transport.base import FrameStream, StreamBroken
 from noderuntime.transport.grpc import _grpclib_private
 from noderuntime.transport.grpc.bridge import AsyncioThread
@@ -50,7 +50,13 @@ class GrpcServer:
 
     async def _handle(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
         peer = stream.peer.addr() if stream.peer is not None else None
-        ours = GrpcFrameStream(self._runtime, self._token, f"{peer[0]}:{peer[1]}" if peer else "peer", server_side=True)
+        ours = GrpcFrameStream(
+            self._runtime,
+            self._token,
+            f"{peer[0]}:{peer[1]}" if peer else "peer",
+            server_side=True,
+            source=source(str(peer[0])) if peer else "",
+        )
         task = asyncio.current_task()
         assert task is not None  # grpclib runs each handler in a task of its own
         ours.own(task)

@@ -27,10 +27,17 @@ class GrpcFrameStream:
     authenticated: PeerAuthentication | None = None  # nothing proven of the peer here
 
     def __init__(
-        self, runtime: AsyncioThread, token: trio.lowlevel.TrioToken, peer: str, *, server_side: bool = False
+        self,
+        runtime: AsyncioThread,
+        token: trio.lowlevel.TrioToken,
+        peer: str,
+        *,
+        server_side: bool = False,
+        source: str = "",
     ) -> None:
         self.peer = peer
         self.server_side = server_side
+        self.source = source  # the peer's address, on the server's side
         self._runtime = runtime
         handover = runtime.handover(token)
         self.outbound = Pipe(handover, trio_to_aio=True)
