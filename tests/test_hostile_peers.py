@@ -168,20 +168,32 @@ async def test_streams_that_never_open_a_session_are_bounded(route: LocalRoute) 
 
 
 async def test_one_address_holds_at_most_its_share_of_the_opening_streams(route: LocalRoute) -> None:
-    """Streams from one address that never open a session take at most its share of the places
-    for opening streams: one address no longer holds them all, and sessions from elsewhere open."""
-    head, address = route.nodes[0], "198.51.100.7"
-    idle = [
-        await route.network.connect(route.hops[0], source=address) for _ in range(head.config.max_opening_per_source)
-    ]
-    one_more = await route.network.connect(route.hops[0], source=address)
-    with trio.fail_after(5), pytest.raises(StreamBroken) as refused:
-        await one_more.receive()
-    assert refused.value.code == StatusCode.UNAVAILABLE and f"from {address}" in str(refused.value)
-    assert head._opening == head.config.max_opening_per_source < head.config.max_opening
+    """Once half the places for opening streams are taken, an address that holds its share
+    gets no more: one address no longer holds them all, and sessions from elsewhere open."""
+    head, config = route.nodes[0], route.nodes[0].config
+    half, share = config.max_opening // 2, config.max_opening_per_source
+
+    async def fill(address: str) -> list[FrameStream]:
+        """Empty streams from ``address`` until the node refuses one, naming the address."""
+        held = []
+        while True:
+            opening = head._opening
+            stream = await route.network.connect(route.hops[0], source=address)
+            if head._opening > opening:  # the node takes a stream or refuses it as it is accepted
+                held.append(stream)
+                continue
+            with trio.fail_after(5), pytest.raises(StreamBroken) as refused:
+                await stream.receive()
+            assert refused.value.code == StatusCode.UNAVAILABLE and f"from {address}" in str(refused.value)
+            return held
+
+    first = await fill("198.51.100.7")  # alone, it goes past its share until half are taken
+    assert len(first) == half
+    second = await fill("203.0.113.9")  # past half, a newcomer gets its share
+    assert len(second) == share and head._opening == half + share < config.max_opening
     with trio.fail_after(30):
-        assert len((await route.generate(GenerationRequest(PROMPT, 4))).tokens) == 4  # from no address of theirs
-    for stream in idle:
+        assert len((await route.generate(GenerationRequest(PROMPT, 4))).tokens) == 4  # from neither
+    for stream in first + second:
         await stream.aclose()
     with trio.fail_after(5):
         while head._opening:

@@ -89,8 +89,9 @@ class NodeConfig:
     eager_windows: bool = False
 
     max_opening: int = 64  # streams that have not yet opened a session
-    # of them, from one address (a direct seam's peer; relayed seams are counted by their
-    # relay, per dialer): one address that held every one refused every other session here
+    # of them, what one address (a direct seam's peer; relayed seams are counted by their
+    # relay, per dialer) may hold once half of them are taken: one address that held every
+    # one refused every other session here, and below half a gateway's burst goes through
     max_opening_per_source: int = 16
     open_timeout: float = 10.0  # for a new stream's OpenRoute
 
@@ -230,7 +231,11 @@ class Node:
             refusal = "the node is stopping"
         elif self._opening >= self.config.max_opening:
             refusal = f"{self._opening} streams are already opening sessions here"
-        elif source and self._opening_from[source] >= self.config.max_opening_per_source:
+        elif (
+            source
+            and self._opening_from[source] >= self.config.max_opening_per_source
+            and self._opening >= self.config.max_opening // 2
+        ):
             refusal = f"{self._opening_from[source]} streams from {source} are already opening sessions here"
         else:
             if self._spawn(self._handle_accepted, stream, source):
