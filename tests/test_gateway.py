@@ -220,9 +220,10 @@ def test_a_client_that_gives_up_on_a_non_streaming_request_frees_every_node(
     assert _get(system.gateway_url + "/status")["counters"]["cancelled"] >= 1
 
 
-# seconds without a heartbeat before the tracker drops a node, in the route-around test
-# (nodes heartbeat every 2 s)
-EXPIRE = 5
+# seconds without a heartbeat before the tracker drops a node, in the route-around test,
+# and the interval its nodes beat at: a node is dropped EXPIRE - BEAT to EXPIRE s after it died
+EXPIRE = 4
+BEAT = 1
 
 
 def _wait_dropped(tracker_url: str, node_id: str, within: float) -> None:
@@ -243,7 +244,7 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
     try:
         tracker = launch(
             "tracker",
-            local_tracker_args(tmp_path / "t", "--expire-after", str(EXPIRE)),
+            local_tracker_args(tmp_path / "t", "--expire-after", str(EXPIRE), "--heartbeat-seconds", str(BEAT)),
             TrackerReady,
         )
         # the four nodes start together, as a local system's do
@@ -302,7 +303,7 @@ def test_killed_nodes_are_routed_around_then_no_route_is_503(smollm2: Path, tmp_
         # retries elsewhere: ask until a request has met it, each one served
         results: list[int] = []
         while _get(url + "/status")["counters"]["retries"] == retries_before:
-            assert time.monotonic() - killed_at < EXPIRE - 2, f"no request met the killed tail: {results}"
+            assert time.monotonic() - killed_at < EXPIRE - BEAT, f"no request met the killed tail: {results}"
             results.append(ask().status_code)
             assert results[-1] == 200, results
         _wait_dropped(tracker.url, ids[killed], within=EXPIRE + 3)  # its heartbeats lapse

@@ -74,7 +74,8 @@ def system(
         tmp_path_factory.mktemp("pages"),
         slots=4,
         ctx=1024,
-        tracker_options=("--status-key", STATUS_KEY),
+        # nodes beat every second and are dropped after 4 s of silence: the killed node's test waits that long
+        tracker_options=("--status-key", STATUS_KEY, "--expire-after", "4", "--heartbeat-seconds", "1"),
         gateway_options=("--api-key", API_KEY, "--model", f"{MARKUP}={smollm2}"),
     )
 
@@ -339,7 +340,7 @@ def test_the_map_follows_a_killed_node_without_a_reload(page: browser.Browser, s
     page.run("window.sameDocument = true")
     victim = next(p for p in system.processes if p.name == "node1")
     victim.signal(signal.SIGKILL)
-    # the tracker drops it once it has missed its heartbeats (10 s), and the page polls; the
+    # the tracker drops it once it has missed its heartbeats (4 s), and the page polls; the
     # strip comes from the swarm's status, which the tracker computes at most once a second,
     # so it may follow the node list by a poll
     shown = _map(page, head.artifact, "shown.rows.length === 1 && shown.bare.length === 1", timeout=40)

@@ -363,6 +363,11 @@ def test_the_heartbeat_interval_grows_with_the_swarm_and_expiry_with_each_nodes_
     assert state.expire(10.5) == [node_id("first")]
     assert state.expire(15.9) == []
     assert len(state.expire(16.1)) == 9
+    # an operator's interval for a small swarm (--heartbeat-seconds): told to nodes, and expiry follows it
+    quick = TrackerState(expire_after=1.0, heartbeat_seconds=1.0)
+    quick.register(node("q", (0, 30)), 0.0)
+    assert quick.heartbeat_seconds == quick.nodes[node_id("q")].beat_seconds == 1.0
+    assert quick.expire(2.9) == [] and quick.expire(3.1) == [node_id("q")]
     for i in range(400):
         state.register(node(f"m{i}", (0, 30)), 20.0)
     # 200 s at 2 a second: bounded, or a vanished node would linger ten minutes

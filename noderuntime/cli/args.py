@@ -66,6 +66,14 @@ def seconds(text: str) -> float:
     return _positive_finite(text, "of seconds")
 
 
+def heartbeat_seconds(text: str) -> float:
+    """A heartbeat interval: 0.5 to 60 seconds (faster would spend the tracker on heartbeats)."""
+    value = seconds(text)
+    if not 0.5 <= value <= 60.0:
+        raise argparse.ArgumentTypeError(f"a heartbeat interval is 0.5 to 60 seconds, not {text!r}")
+    return value
+
+
 def per_second(text: str) -> float:
     """A positive, finite rate, per second."""
     return _positive_finite(text, "per second")

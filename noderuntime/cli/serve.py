@@ -14,6 +14,7 @@ from noderuntime.cli.args import (
     address,
     api_key,
     default_data_dir,
+    heartbeat_seconds,
     layers,
     listen_address,
     non_negative_int,
@@ -283,6 +284,7 @@ def _cmd_tracker(args: argparse.Namespace) -> int:
             data_dir,
             api_key=args.api_key,
             expire_after=args.expire_after,
+            heartbeat_seconds=args.heartbeat_seconds,
             route_rate=args.route_rate,
             route_burst=args.route_burst,
             route_concurrency=args.route_concurrency,
@@ -592,6 +594,13 @@ def _add_tracker(sub: Any) -> None:
         default=10.0,
         help="seconds without a heartbeat before a node is dropped, at the least (a large swarm's nodes beat less "
         "often and are dropped after three of their intervals)",
+    )
+    p.add_argument(
+        "--heartbeat-seconds",
+        type=heartbeat_seconds,
+        default=2.0,
+        help="how often a small swarm's nodes heartbeat (0.5 to 60 s; a large swarm's beat less often): with "
+        "--expire-after, how soon a node that died stops being routed to",
     )
     p.add_argument(
         "--route-rate",

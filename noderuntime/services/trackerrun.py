@@ -27,6 +27,7 @@ async def run_tracker(
     *,
     api_key: str | None = None,
     expire_after: float = 10.0,
+    heartbeat_seconds: float | None = None,
     route_rate: float = 50.0,
     route_burst: int = 200,
     route_concurrency: int = 4096,
@@ -56,6 +57,7 @@ async def run_tracker(
     tracker = Tracker(
         tracker_identity,
         expire_after=expire_after,
+        heartbeat_seconds=heartbeat_seconds,
         route_rate=route_rate,
         route_burst=route_burst,
         route_concurrency=route_concurrency,

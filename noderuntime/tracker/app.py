@@ -87,6 +87,7 @@ class Tracker:
         identity: Identity,
         *,
         expire_after: float = 10.0,
+        heartbeat_seconds: float | None = None,
         api_key: str | None = None,
         references: ProbeReferences | None = None,
         require_probe: bool = False,
@@ -136,6 +137,7 @@ class Tracker:
             by_artifact.setdefault(pair.artifact, set()).add(pair.recipes)
         self.state = TrackerState(
             expire_after=expire_after,
+            heartbeat_seconds=heartbeat_seconds,
             step_budget_ms=step_budget_ms,
             mixes=by_artifact,
             shapes={m.artifact: m.n_layer for m in self.manifests.values()},
