@@ -503,8 +503,7 @@ def _add_up(sub: Any) -> None:
         "--hang-timeout",
         type=seconds,
         default=2.0,
-        help="seconds a next hop may send nothing, not even a heartbeat or its answer to the seam handshake, "
-        "before it counts as hung",
+        help="seconds a next hop may send nothing, not even a heartbeat, before it counts as hung",
     )
     p.add_argument("--http", type=listen_address, default="127.0.0.1:0", help="HOST:PORT of /status (port 0: any)")
     p.add_argument(

@@ -208,15 +208,11 @@ async def run_node(
                 engine,
                 config,
                 me.node_id,
-                # a next hop silent past the hang timeout is hung, its handshake's answer too
                 NetworkConnector(
                     grpc_connector,
-                    RelayDialer(
-                        nursery, keys, plaintext=opts.insecure_plaintext_seams, answer_timeout=opts.hang_timeout
-                    ),
+                    RelayDialer(nursery, keys, plaintext=opts.insecure_plaintext_seams),
                     keys,
                     opts.insecure_plaintext_seams,
-                    answer_timeout=opts.hang_timeout,
                 ),
                 ticket_check=ticket_check(verifier, me.node_id),
                 signer=lambda body: me.sign(b"noderuntime-usage-v1", body),

@@ -44,9 +44,11 @@ from protocol.channel import (
 # the three handshake messages take a round trip and a half (through a relay, or direct):
 # how long an acceptor waits for a dialer to finish it (a slow dialer costs only its own seam)
 HANDSHAKE_TIMEOUT = 10.0
-# how long a dialer waits for the acceptor's answer, by default: a route waits on it, and a
-# next hop that says nothing this long is hung (a node's --hang-timeout, whose default this is)
-ANSWER_TIMEOUT = 2.0
+# how long a dialer waits for the acceptor's answer: a route waits on it, so a next hop
+# that took the connection and stopped is given up on sooner than that, with room for a
+# loaded peer that a new seam reaches cold (a live hop given up on is excluded from the
+# session's repairs: a false alarm costs more than a late one)
+ANSWER_TIMEOUT = 5.0
 # how long an end waits to send its sealed close record before it resets the stream instead
 CLOSE_RECORD_SECONDS = 0.5
 
