@@ -409,7 +409,7 @@ def test_a_link_that_stalls_then_trickles(rig: Rig) -> None:
         # creeps up over many. Each wave's link stops once its sessions have their seams to
         # b and the head has run their prompts' first rows: a head opens its seam (the
         # sealed handshake) before it computes a row, so sessions opened over a link that
-        # had already stopped sent none (each waited out the handshake's 10 s).
+        # had already stopped sent none (each waited out the handshake's bound, then 10 s).
         long_prompt = [{"role": "user", "content": "Summarise: " + "the quick brown fox jumps over it. " * 90}]
         rss = []
         waves_run = int(os.environ.get("NODERUNTIME_FAULTS_WAVES", "4"))

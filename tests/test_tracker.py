@@ -304,9 +304,7 @@ async def test_nodes_register_again_after_a_tracker_restart() -> None:
         nursery.cancel_scope.cancel()
 
 
-async def test_a_node_the_tracker_counts_full_heartbeats_as_soon_as_a_slot_frees(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_a_node_the_tracker_counts_full_heartbeats_as_soon_as_a_slot_frees() -> None:
     """TrackerLink.slot_freed: the tracker takes a slot off per route it grants, so a node it may count
     full (one route on its way allowed for) says at once when one frees; one with room waits."""
     me = Identity.generate()
@@ -321,7 +319,7 @@ async def test_a_node_the_tracker_counts_full_heartbeats_as_soon_as_a_slot_frees
             lambda: NodeLoad(active_sessions=4 - load["free_slots"], queue_depth=0, step_ms=1.0, **load),
         )
         await nursery.start(link.run)
-        _beats_a_minute_apart_after_the_first(monkeypatch)
+        _beats_a_minute_apart_after_the_first(tracker)
         with trio.fail_after(10):
             while link.heartbeats < 1:  # the tracker heard "4 free"
                 await trio.sleep(0.02)
@@ -381,9 +379,8 @@ def test_the_heartbeat_interval_grows_with_the_swarm_and_expiry_with_each_nodes_
 async def test_a_node_beats_at_the_interval_the_trackers_latest_answer_gives(monkeypatch: pytest.MonkeyPatch) -> None:
     """The interval is in every heartbeat's answer: a node registered in a small swarm slows its beats
     when the swarm grows, and the tracker expires it by the interval it told it."""
-    monkeypatch.setattr(registry, "HEARTBEAT_SECONDS", 0.2)
     monkeypatch.setattr(registry, "HEARTBEATS_PER_SECOND", 10.0)
-    tracker = Tracker(Identity.generate(), local_swarm=True, expire_after=0.5)
+    tracker = Tracker(Identity.generate(), local_swarm=True, expire_after=0.5, heartbeat_seconds=0.2)
     me = Identity.generate()
     beats: list[float] = []  # when each heartbeat left
     kept: list[bool] = []  # whether the tracker's sweep kept the node then, the longest it had been silent
@@ -416,9 +413,7 @@ async def test_a_node_beats_at_the_interval_the_trackers_latest_answer_gives(mon
         nursery.cancel_scope.cancel()
 
 
-async def test_a_node_that_refuses_for_want_of_a_slot_tells_the_tracker_at_once_and_only_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_a_node_that_refuses_for_want_of_a_slot_tells_the_tracker_at_once_and_only_once() -> None:
     """TrackerLink.slot_refused: slots another tracker's routes took are news to this one; a node whose
     last heartbeat said it was full sends no more for each refusal."""
     me = Identity.generate()
@@ -435,7 +430,7 @@ async def test_a_node_that_refuses_for_want_of_a_slot_tells_the_tracker_at_once_
         )
         leases.on_refused.append(link.slot_refused)
         await nursery.start(link.run)
-        _beats_a_minute_apart_after_the_first(monkeypatch)
+        _beats_a_minute_apart_after_the_first(tracker)
         with trio.fail_after(10):
             while link.heartbeats < 1:  # the tracker heard "4 free"
                 await trio.sleep(0.02)
@@ -455,10 +450,10 @@ async def test_a_node_that_refuses_for_want_of_a_slot_tells_the_tracker_at_once_
         nursery.cancel_scope.cancel()
 
 
-def _beats_a_minute_apart_after_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
+def _beats_a_minute_apart_after_the_first(tracker: Tracker) -> None:
     """From the answer to its first heartbeat on, a node registered now beats a minute apart (the longest
     interval): within a test, every heartbeat but the first is an early one."""
-    monkeypatch.setattr(registry, "HEARTBEAT_SECONDS", registry.MAX_HEARTBEAT_SECONDS)
+    tracker.state.heartbeat_floor = registry.MAX_HEARTBEAT_SECONDS
 
 
 # --- an artifact's shape, proven by its fingerprint

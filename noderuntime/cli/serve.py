@@ -577,6 +577,8 @@ def _add_up(sub: Any) -> None:
 
 
 def _add_tracker(sub: Any) -> None:
+    from noderuntime.tracker.records import HEARTBEAT_SECONDS
+
     p = sub.add_parser("tracker", help="run a tracker: node registry, route selection, session tickets")
     p.add_argument("--listen", type=listen_address, required=True, help="HOST:PORT (port 0: any)")
     p.add_argument("--data-dir", default=str(default_data_dir().with_name("tracker")), help="where its key lives")
@@ -597,7 +599,7 @@ def _add_tracker(sub: Any) -> None:
     p.add_argument(
         "--heartbeat-seconds",
         type=heartbeat_seconds,
-        default=2.0,
+        default=HEARTBEAT_SECONDS,
         help="how often a small swarm's nodes heartbeat (0.5 to 60 s; a large swarm's beat less often): with "
         "--expire-after, how soon a node that died stops being routed to",
     )

@@ -101,7 +101,7 @@ class _TCPServer(tcp_server.TCPServer):
 
     async def run(self) -> None:
         cap = getattr(self.config, "host_cap", None)
-        if cap is None:
+        if cap is None:  # served with a Config of hypercorn's own, not serve_http's
             await super().run()
             return
         host = cap.take(_peer(self.stream))

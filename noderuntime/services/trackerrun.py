@@ -16,6 +16,7 @@ from noderuntime.models.manifest import Manifest
 from noderuntime.operations.connections import CONNECTIONS_PER_HOST
 from noderuntime.operations.httpserve import serve_http
 from noderuntime.services.ready import TrackerReady
+from noderuntime.tracker.records import HEARTBEAT_SECONDS
 from noderuntime.verify.certificates import CoveredPair
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ async def run_tracker(
     *,
     api_key: str | None = None,
     expire_after: float = 10.0,
-    heartbeat_seconds: float | None = None,
+    heartbeat_seconds: float = HEARTBEAT_SECONDS,
     route_rate: float = 50.0,
     route_burst: int = 200,
     route_concurrency: int = 4096,

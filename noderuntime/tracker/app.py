@@ -66,7 +66,7 @@ from noderuntime.tracker.messages import (
     Registration,
 )
 from noderuntime.tracker.placement import HOLD_DOWN_SECONDS, Placement, PlacementError
-from noderuntime.tracker.records import NodeRecord
+from noderuntime.tracker.records import HEARTBEAT_SECONDS, NodeRecord
 from noderuntime.tracker.registry import STEP_BUDGET_MS, TrackerState
 from noderuntime.verify.certificates import CoveredPair
 from noderuntime.web import add_pages, file_response
@@ -87,7 +87,7 @@ class Tracker:
         identity: Identity,
         *,
         expire_after: float = 10.0,
-        heartbeat_seconds: float | None = None,
+        heartbeat_seconds: float = HEARTBEAT_SECONDS,
         api_key: str | None = None,
         references: ProbeReferences | None = None,
         require_probe: bool = False,

@@ -75,7 +75,7 @@ class TrackerState:
         self,
         *,
         expire_after: float = 10.0,
-        heartbeat_seconds: float | None = None,
+        heartbeat_seconds: float = HEARTBEAT_SECONDS,
         step_budget_ms: float = STEP_BUDGET_MS,
         rng: random.Random | None = None,
         mixes: Mapping[str, Collection[frozenset[str]]] | None = None,
@@ -84,14 +84,13 @@ class TrackerState:
         """``mixes``: by artifact, the pairs of recipes that may share a route (certified);
         ``expire_after``: seconds of silence after which a node is dropped, at the least (a
         large swarm's nodes beat less often, and are given ``EXPIRE_HEARTBEATS`` of their intervals);
-        ``heartbeat_seconds``: the interval a small swarm's nodes beat at (a large one's grows past it;
-        None: ``HEARTBEAT_SECONDS``);
+        ``heartbeat_seconds``: the interval a small swarm's nodes beat at (a large one's grows past it);
         ``shapes``: by artifact, its layer count where a manifest says it (no vote of nodes then)."""
         self.shapes: dict[str, int] = dict(shapes or {})
         # layer counts registrations proved (tracker.shapes): no vote of nodes either
         self.proven = ProvenShapes()
         self.expire_after = expire_after
-        self._heartbeat_floor = heartbeat_seconds
+        self.heartbeat_floor = heartbeat_seconds  # the interval's least, whatever the swarm's size
         self.step_budget_ms = step_budget_ms
         self.mixes: dict[str, frozenset[frozenset[str]]] = {a: frozenset(p) for a, p in (mixes or {}).items()}
         self.nodes: dict[bytes, NodeRecord] = {}
@@ -116,7 +115,7 @@ class TrackerState:
     @property
     def heartbeat_seconds(self) -> float:
         """The interval nodes are told to heartbeat at now: longer as the swarm grows (see HEARTBEATS_PER_SECOND)."""
-        floor = HEARTBEAT_SECONDS if self._heartbeat_floor is None else self._heartbeat_floor
+        floor = self.heartbeat_floor
         return min(max(MAX_HEARTBEAT_SECONDS, floor), max(floor, len(self.nodes) / HEARTBEATS_PER_SECOND))
 
     def expires_after(self, beat_seconds: float) -> float:

@@ -16,7 +16,7 @@ from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
 from noderuntime.access.identity import Identity, channel_keys
 from noderuntime.transport import relay_messages as m
 from noderuntime.transport.base import FrameStream, StreamBroken
-from noderuntime.transport.sealed import ANSWER_TIMEOUT, seal_acceptor, seal_dialer
+from noderuntime.transport.sealed import seal_acceptor, seal_dialer
 from noderuntime.transport.websocket import (
     KEEPALIVE_SECONDS,
     MAX_MESSAGE_BYTES,
@@ -79,7 +79,6 @@ class RelayDialer:
         tls: ssl.SSLContext | None = None,
         *,
         plaintext: bool = False,
-        answer_timeout: float = ANSWER_TIMEOUT,
     ) -> None:
         """``nursery`` hosts each connection's background reader; it must outlive the seams.
 
@@ -87,13 +86,11 @@ class RelayDialer:
         ticket of each session dialled must name their node id before the node dialled.
         ``plaintext``: seams without the end-to-end channel (``--insecure-plaintext-seams``:
         measuring what sealing costs, and tests of old peers), only with peers started so.
-        ``answer_timeout``: how long the node, once paired, may take to answer the handshake.
         """
         self._nursery = nursery
         self._tls = tls
         self.keys = keys
         self._plaintext = plaintext
-        self.answer_timeout = answer_timeout
 
     @property
     def node_id(self) -> bytes:
@@ -111,9 +108,7 @@ class RelayDialer:
                 return WebSocketFrameStream(ws, relay_url)
             binding = Binding(session_id, epoch, self.keys.node_id, target)
             stream = WebSocketFrameStream(ws, relay_url)
-            return await seal_dialer(
-                stream, self.keys, binding, f"the node behind {relay_url}", within=self.answer_timeout
-            )
+            return await seal_dialer(stream, self.keys, binding, f"the node behind {relay_url}")
         except ConnectionClosed:
             raise StreamBroken(f"the relay at {relay_url} closed the dial", StatusCode.UNAVAILABLE) from None
         except BaseException:
