@@ -110,9 +110,9 @@ class FrameEncoder:
             )
             if event.logprobs or event.prompt_logprobs:
                 body += logprob_fields(event)  # rare (sessions that ask): the generated code writes them
-            if event.window or event.drafted:
+            if event.window or event.drafted or event.ahead:
                 body += wire.uint_field(6, event.window) + wire.uint_field(7, event.drafted)
-                body += wire.uint_field(8, event.accepted)
+                body += wire.uint_field(8, event.accepted) + wire.uint_field(9, event.ahead)
             return [self._frame(event.header, TOKENS, [body])]
         field, message = cold_body(event)
         return [self._frame(event.header, field, [bytes(message)])]
@@ -129,6 +129,7 @@ class FrameEncoder:
             raise LocalProtocolError(f"a window carries at most {self.limits.max_window} drafts")
         # every frame of a chunked step carries the drafts: each is checked on its own
         count = wire.uint_field(2, len(event.tensors)) + wire.encode_packed_uint32(3, event.draft)
+        count += wire.uint_field(4, int(event.follows))
         whole = sum(len(payload) + CHUNK_OVERHEAD for _, payload in encoded)
         if whole <= self.limits.max_frame_bytes:
             parts: list[bytes | memoryview] = []
@@ -186,6 +187,7 @@ class _PendingStep:
     header: Header
     tensor_count: int
     draft: tuple[int, ...] = ()
+    follows: bool = False
     tensors: dict[str, _PendingTensor] = attrs.Factory(dict)
     done: dict[str, NamedTensor] = attrs.Factory(dict)
     order: list[str] = attrs.Factory(list)
@@ -255,6 +257,7 @@ class FrameDecoder:
         tensors: list[tuple[int, int]] = []
         tensor_count = 0
         draft: list[int] = []
+        follows = False
         for number, wire_type, a, b in wire.fields(buf, start, end):
             if number == 1:
                 wire.expect(wire_type, wire.LEN, number, "Activations")
@@ -268,6 +271,9 @@ class FrameDecoder:
                 tensor_count = wire.as_uint32(a, "tensor_count")
             elif number == 3:
                 wire.repeated_uint32(buf, wire_type, a, b, draft, self.limits.max_window, "drafted tokens")
+            elif number == 4:
+                wire.expect(wire_type, wire.VARINT, number, "Activations")
+                follows = a != 0
         if not tensors:
             raise RemoteProtocolError("Activations without tensors")
         if tensor_count == 0:
@@ -279,17 +285,20 @@ class FrameDecoder:
             raise RemoteProtocolError(
                 f"chunks of step {header.step_id} interleaved with incomplete step {step.header.step_id}"
             )
-        if step is not None and (
-            step.header != header or step.tensor_count != tensor_count or step.draft != tuple(draft)
+        if step is not None and (step.header, step.tensor_count, step.draft, step.follows) != (
+            header,
+            tensor_count,
+            tuple(draft),
+            follows,
         ):
             raise RemoteProtocolError(f"chunks of step {header.step_id} disagree on their header")
         if step is None:
-            step = _PendingStep(header, tensor_count, tuple(draft))
+            step = _PendingStep(header, tensor_count, tuple(draft), follows)
         for a, b in tensors:
             self._chunk(step, buf, a, b)
         if len(step.done) == step.tensor_count:
             self._pending = None
-            return Activations(header, tuple(step.done[name] for name in step.order), step.draft)
+            return Activations(header, tuple(step.done[name] for name in step.order), step.draft, step.follows)
         if len(step.tensors) + len(step.done) > step.tensor_count:
             raise RemoteProtocolError(f"step {header.step_id} has more tensors than its tensor_count")
         self._pending = step

@@ -16,7 +16,7 @@ import numpy as np
 from protocol.errors import StatusCode
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 6
+SCHEMA_MINOR = 7
 # the most likely tokens a TokenLogprob may list beside the chosen one (OpenAI's bound)
 MAX_TOP_LOGPROBS = 20
 
@@ -185,6 +185,9 @@ class Activations:
     tensors: tuple[NamedTensor, ...]
     # a decode window's drafted tokens, the input tokens of its rows 1.. (since 1.6)
     draft: tuple[int, ...] = ()
+    # the window follows the one before it while that one is in flight: its first row's
+    # input is a guess at that window's last draw, listed first in ``draft`` (since 1.7)
+    follows: bool = False
 
     def tensor(self, name: str) -> np.ndarray:
         """The array of the tensor called ``name``; ``KeyError`` if absent."""
@@ -218,6 +221,8 @@ class Tokens:
     window: int = 0
     drafted: int = 0
     accepted: int = 0
+    # windows that may follow one in flight, as far as the hops below take them (1.7)
+    ahead: int = 0
 
 
 @attrs.frozen

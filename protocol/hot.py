@@ -143,7 +143,7 @@ def read_tokens(header: Header, buf: bytes | memoryview, start: int, end: int, l
     reason = ""
     logprobs: list[TokenLogprob] = []
     prompt_logprobs: list[TokenLogprob] = []
-    counts = [0, 0, 0]  # window, drafted, accepted
+    counts = [0, 0, 0, 0]  # window, drafted, accepted, ahead
     for number, wire_type, a, b in wire.fields(buf, start, end):
         if number == 1:
             wire.repeated_uint32(buf, wire_type, a, b, tokens, limits.max_tokens, "token ids")
@@ -161,19 +161,30 @@ def read_tokens(header: Header, buf: bytes | memoryview, start: int, end: int, l
             if len(entries) >= limits.max_tokens:
                 raise RemoteProtocolError(f"more than {limits.max_tokens} logprobs in one frame")
             entries.append(_read_logprob(buf, a, b))
-        elif number in (6, 7, 8):
+        elif 6 <= number <= 9:
             wire.expect(wire_type, wire.VARINT, number, "Tokens")
-            counts[number - 6] = wire.as_uint32(a, ("window", "drafted", "accepted")[number - 6])
+            counts[number - 6] = wire.as_uint32(a, ("window", "drafted", "accepted", "ahead")[number - 6])
     if logprobs and len(logprobs) != len(tokens):
         raise RemoteProtocolError(f"{len(logprobs)} logprobs for {len(tokens)} tokens: one each, or none")
-    window, drafted, accepted = counts
+    window, drafted, accepted, ahead = counts
     if window > limits.max_window or drafted > limits.max_window:
         raise RemoteProtocolError(f"a window carries at most {limits.max_window} drafts")
+    if ahead > limits.max_ahead:
+        raise RemoteProtocolError(f"at most {limits.max_ahead} windows may follow one in flight, not {ahead}")
     # a window keeps the drafts that agree with the tail's draws, then adds the tail's next token
     if accepted > drafted or (drafted and len(tokens) > accepted + 1):
         raise RemoteProtocolError(f"{len(tokens)} tokens from a window that kept {accepted} of {drafted} drafts")
     return Tokens(
-        header, tuple(tokens), finished, reason, tuple(logprobs), tuple(prompt_logprobs), window, drafted, accepted
+        header,
+        tuple(tokens),
+        finished,
+        reason,
+        tuple(logprobs),
+        tuple(prompt_logprobs),
+        window,
+        drafted,
+        accepted,
+        ahead,
     )
 
 

@@ -23,6 +23,7 @@ class Limits:
     max_string_bytes: int = 4096
     max_grammar_bytes: int = 256 << 10  # a JSON schema's grammar runs to tens of KiB
     max_window: int = 64  # drafted tokens in one decode window (speculative decoding)
+    max_ahead: int = 8  # windows that may follow one in flight (Tokens.ahead)
 
     def __attrs_post_init__(self) -> None:
         if self.max_frame_bytes <= CHUNK_OVERHEAD * 2:

@@ -101,7 +101,9 @@ class _Track:
     state: State = State.IDLE
     last_step: int = -1
     kv_length: int = 0  # positions covered by accepted Activations (downstream only)
-    window_start: int = 0  # where the last Activations step began (downstream only)
+    # positions whose inputs are known, which no step may compute again: a step's rows, but of
+    # a window only its first (none where it follows another), and where Tokens end (downstream only)
+    final: int = 0
 
 
 class SeamEndpoint:
@@ -141,8 +143,16 @@ class SeamEndpoint:
     @property
     def kv_length(self) -> int:
         """KV positions the receiving end holds, by the Activations that crossed this seam."""
-        track = self._out if self._out.direction is Direction.DOWNSTREAM else self._in
-        return track.kv_length
+        return self._down.kv_length
+
+    @property
+    def final(self) -> int:
+        """Of those, the positions no step may compute again (the next step starts between the two)."""
+        return self._down.final
+
+    @property
+    def _down(self) -> _Track:
+        return self._out if self._out.direction is Direction.DOWNSTREAM else self._in
 
     # --- sending
 
@@ -155,13 +165,15 @@ class SeamEndpoint:
         self._out.state, self._out.last_step, self._out.kv_length = snapshot
 
     def header(self, phase: Phase, positions: Span = Span()) -> Header:
-        """The header of our next frame: the next step id, and the KV length the peer should hold."""
+        """The header of our next frame: the next step id, and the KV length the peer should hold
+        for it (a step that starts before the KV's end, after a window, expects its start)."""
+        held = self._out.kv_length
         return Header(
             identity=self.identity,
             phase=phase,
             step_id=self._out.last_step + 1,
             positions=positions,
-            cache_expectation=self._out.kv_length,
+            cache_expectation=min(held, positions.start) if len(positions) else held,
         )
 
     def send(self, event: Event) -> Event:
@@ -174,8 +186,7 @@ class SeamEndpoint:
         if header.step_id != track.last_step + 1:
             raise LocalProtocolError(f"step {header.step_id} sent after step {track.last_step}")
         if isinstance(event, Activations):
-            self._check_positions(track, header, LocalProtocolError)
-            track.window_start, track.kv_length = header.positions.start, header.positions.end
+            _step(track, event, LocalProtocolError)
         if isinstance(event, OpenRoute):
             self.required_minor = max(self.required_minor, required_minor(event))
             self._offer = event.prefix_offer
@@ -195,7 +206,7 @@ class SeamEndpoint:
                 f"{track.kv_length} already crossed",
                 StatusCode.FAILED_PRECONDITION,
             )
-        track.kv_length = event.positions
+        track.kv_length = track.final = event.positions
 
     # --- receiving
 
@@ -232,8 +243,7 @@ class SeamEndpoint:
             )
         state = _next_state(track.direction, track.state, event, RemoteProtocolError)
         if isinstance(event, Activations):
-            self._check_positions(track, header, RemoteProtocolError)
-            track.window_start, track.kv_length = header.positions.start, header.positions.end
+            _step(track, event, RemoteProtocolError)
         if isinstance(event, Prefix):
             self._take_prefix(self._out, event, RemoteProtocolError)
         if isinstance(event, Tokens):
@@ -263,32 +273,44 @@ class SeamEndpoint:
                 StatusCode.FAILED_PRECONDITION,
             )
 
-    @staticmethod
-    def _check_positions(track: _Track, header: Header, error: type[ProtocolError]) -> None:
-        if header.cache_expectation != track.kv_length:
-            raise error(
-                f"cache expectation {header.cache_expectation}, but the receiver holds {track.kv_length} positions",
-                StatusCode.FAILED_PRECONDITION,
-            )
-        if header.positions.start != track.kv_length or header.positions.end <= header.positions.start:
-            raise error(
-                f"positions {header.positions.start}:{header.positions.end} do not continue from {track.kv_length}",
-                StatusCode.FAILED_PRECONDITION,
-            )
+
+def _step(track: _Track, event: Activations, error: type[ProtocolError]) -> None:
+    """A step's rows: where they may start, and what they leave the receiving end holding.
+
+    A step continues the KV (``start == kv_length``) or, after a window, goes back to where the
+    tokens say the kept rows end, dropping the rest; never before ``final``. Both ends see the
+    same Activations, so ``kv_length`` and what a step makes final agree whatever order the
+    Tokens crossing them in flight took; a step's ``cache_expectation`` is its start.
+    """
+    header = event.header
+    start, end = header.positions.start, header.positions.end
+    if header.cache_expectation != min(track.kv_length, start):
+        raise error(
+            f"cache expectation {header.cache_expectation}, but the receiver holds {track.kv_length} positions",
+            StatusCode.FAILED_PRECONDITION,
+        )
+    if not track.final <= start <= track.kv_length or end <= start:
+        raise error(
+            f"positions {start}:{end} do not continue from {track.kv_length} "
+            f"(nor go back to {track.final} or later, after a window)",
+            StatusCode.FAILED_PRECONDITION,
+        )
+    track.kv_length = end
+    if not event.follows:
+        # a window's first row ran the token the tail drew last; a plain step's rows all known ones
+        track.final = max(track.final, start + 1 if event.draft else end)
 
 
 def _keep(track: _Track, event: Tokens) -> None:
-    """Tokens end where the next step starts: the rows of a decode window past it were not kept.
+    """Tokens end where the next step starts: the rows before it are kept, and final.
 
     A window of rows ``start..end`` whose tail kept ``j`` of its drafts sends back tokens for
     positions ``start + 1 .. start + j + 1``; the next step runs the last of them, at
-    ``start + j + 1``, so both ends of the seam hold KV up to there. A single row's tokens end
-    where its KV does, so this changes nothing without speculation; and no Tokens frame can
-    take back more than the last window's drafted rows.
+    ``start + j + 1``, and may not start before. A single row's tokens end where its KV does, so
+    this changes nothing without speculation; and tokens beyond the KV make nothing final.
     """
-    kept = event.header.positions.end - 1
-    if event.token_ids and track.window_start < kept < track.kv_length:
-        track.kv_length = kept
+    if event.token_ids:
+        track.final = max(track.final, min(event.header.positions.end - 1, track.kv_length))
 
 
 # From this schema minor on, a hop sends heartbeats (Credit frames toward the client) while

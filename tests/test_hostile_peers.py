@@ -66,13 +66,16 @@ async def _idle(route: LocalRoute) -> None:
             await trio.sleep(0.05)
 
 
-async def _as_head_toward_the_tail(route: LocalRoute, max_tokens: int) -> tuple[SeamConnection, SeamEndpoint]:
+async def _as_head_toward_the_tail(
+    route: LocalRoute, max_tokens: int, speculate: int = 0
+) -> tuple[SeamConnection, SeamEndpoint]:
     """A seam to the tail, opened as the head of ``route`` would open it."""
     head, tail = route.hops
     identity = Identity("hostile", os.urandom(16), 0, route.artifact, route.recipe, head.layers)
     endpoint = SeamEndpoint(identity, Direction.DOWNSTREAM, peer_shard=tail.layers)
     conn = SeamConnection(await route.network.connect(tail), endpoint)
-    await conn.send(OpenRoute(endpoint.header(Phase.PREFILL), route.hops, Sampling(), PROMPT, max_tokens, (), 0, b""))
+    opening = OpenRoute(endpoint.header(Phase.PREFILL), route.hops, Sampling(), PROMPT, max_tokens, (), 0, b"")
+    await conn.send(attrs.evolve(opening, speculate=speculate))
     return conn, endpoint
 
 
@@ -107,6 +110,32 @@ async def test_a_decode_step_of_several_rows_is_refused(route: LocalRoute) -> No
     assert isinstance(refusal, Error) and refusal.code == StatusCode.INVALID_ARGUMENT, refusal
     await conn.aclose()
     await _idle(route)
+
+
+@pytest.mark.parametrize("speculate", [0, 8], ids=["no-windows", "stale-then-a-gap"])
+async def test_windows_that_follow_beyond_what_a_session_takes_are_refused(route: LocalRoute, speculate: int) -> None:
+    """A window that follows another where the session takes none is refused; where it takes
+    them, a stale one (its guess is not the token drawn last) is passed over unanswered, and a
+    step at its end, which would leave a gap in the tail's KV, is refused."""
+    conn, endpoint = await _as_head_toward_the_tail(route, max_tokens=16, speculate=speculate)
+    width, n = route.nodes[1].engine_n_embd, len(PROMPT)
+
+    def hidden(rows: int) -> tuple[NamedTensor, ...]:
+        return (NamedTensor("hidden_states", np.zeros((rows, width), np.float32)),)
+
+    await conn.send(Activations(endpoint.header(Phase.PREFILL, Span(0, n)), hidden(n)))
+    first = await _answer(conn)
+    assert isinstance(first, Tokens) and first.header.positions == Span(n, n + 1), first
+    guess = (first.token_ids[0] + 1) % 1000  # not the token drawn last
+    await conn.send(Activations(endpoint.header(Phase.DECODE, Span(n, n + 2)), hidden(2), (guess, 7), True))
+    if speculate:
+        await conn.send(Activations(endpoint.header(Phase.DECODE, Span(n + 2, n + 3)), hidden(1)))
+    refusal = await _answer(conn)  # nothing answered the stale window
+    expected = StatusCode.FAILED_PRECONDITION if speculate else StatusCode.OUT_OF_RANGE
+    assert isinstance(refusal, Error) and refusal.code == expected, refusal
+    await conn.aclose()
+    await _idle(route)
+    assert len((await route.generate(GenerationRequest(PROMPT, 4))).tokens) == 4
 
 
 @pytest.mark.defects_expected

@@ -62,7 +62,7 @@ def _reference_activations(event: Activations) -> bytes:
                 payload=payload,
             )
         )
-    body = pb.Activations(tensors=tensors, tensor_count=len(tensors), draft=list(event.draft))
+    body = pb.Activations(tensors=tensors, tensor_count=len(tensors), draft=list(event.draft), follows=event.follows)
     crc = crc32c.crc32c(bytes(body))
     return bytes(pb.Frame(header=h.reference_header(event.header, crc), activations=body))
 
@@ -357,6 +357,28 @@ def test_a_window_crosses_the_seam_with_its_drafts_and_its_verdict() -> None:
     assert FrameDecoder().receive(frame) == opening
 
 
+def test_a_window_that_follows_another_and_the_routes_bound_on_them_cross_the_seam() -> None:
+    """Windows in flight (1.7): the flag rides the Activations (every chunk), the bound the
+    Tokens; byte for byte as the generated code writes them."""
+    follows = Activations(h.header(4, Phase.DECODE, Span(9, 12)), h.activations(rows=3).tensors, (5, 6, 7), True)
+    (frame,) = FrameEncoder().encode(follows)
+    assert frame == _reference_activations(follows)
+    decoded = FrameDecoder().receive(frame)
+    assert isinstance(decoded, Activations) and decoded.follows and decoded.draft == (5, 6, 7)
+    limits = Limits(max_frame_bytes=4096)  # chunked: each frame says it, and they must agree
+    big = attrs.evolve(follows, tensors=h.activations(rows=3, width=1024).tensors)
+    frames = FrameEncoder(limits).encode(big)
+    assert len(frames) > 1
+    decoder = FrameDecoder(limits)
+    results = [decoder.receive(f) for f in frames]
+    assert isinstance(results[-1], Activations) and results[-1].follows
+    bound = Tokens(h.header(5, Phase.DECODE, Span(10, 11)), (5,), window=8, ahead=3)
+    (frame,) = FrameEncoder().encode(bound)
+    body = pb.Tokens(token_ids=[5], window=8, ahead=3)
+    assert frame == bytes(pb.Frame(header=h.reference_header(bound.header, crc32c.crc32c(bytes(body))), tokens=body))
+    assert FrameDecoder().receive(frame) == bound
+
+
 @pytest.mark.parametrize(
     ("event", "problem"),
     [
@@ -365,8 +387,16 @@ def test_a_window_crosses_the_seam_with_its_drafts_and_its_verdict() -> None:
         (Tokens(h.header(5), (1, 2, 3), drafted=4, accepted=1), "kept 1 of 4"),
         (Tokens(h.header(5), (1,), drafted=2, accepted=3), "kept 3 of 2"),
         (Tokens(h.header(5), (1,), window=1 << 20), "at most 64"),
+        (Tokens(h.header(5), (1,), window=8, ahead=1 << 20), "at most 8 windows"),
     ],
-    ids=["speculate-huge", "audit-speculates", "more-tokens-than-kept", "kept-more-than-drafted", "window-huge"],
+    ids=[
+        "speculate-huge",
+        "audit-speculates",
+        "more-tokens-than-kept",
+        "kept-more-than-drafted",
+        "window-huge",
+        "ahead-huge",
+    ],
 )
 def test_a_window_beyond_its_bounds_is_a_typed_refusal(event: object, problem: str) -> None:
     (frame,) = FrameEncoder().encode(event)  # type: ignore[arg-type]

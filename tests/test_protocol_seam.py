@@ -222,11 +222,13 @@ def test_a_windows_tokens_tell_both_ends_where_the_next_step_starts() -> None:
     _decoding(head, tail)
     window = Activations(head.header(Phase.DECODE, Span(5, 10)), h.activations(rows=5).tensors, (1, 2, 3, 4))
     tail.receive(head.send(window))
-    assert head.kv_length == tail.kv_length == 10
+    assert head.kv_length == tail.kv_length == 10 and head.final == tail.final == 6
     head.receive(tail.send(Tokens(tail.header(Phase.DECODE, Span(6, 8)), (1, 9), drafted=4, accepted=1)))
-    assert head.kv_length == tail.kv_length == 7
+    assert head.final == tail.final == 7
     step = Activations(head.header(Phase.DECODE, Span(7, 8)), h.activations().tensors)
+    assert step.header.cache_expectation == 7  # a step that goes back expects its start
     assert tail.receive(head.send(step)) is step
+    assert head.kv_length == tail.kv_length == head.final == tail.final == 8
 
 
 def test_tokens_cannot_take_back_more_than_the_last_windows_drafts() -> None:
@@ -237,7 +239,9 @@ def test_tokens_cannot_take_back_more_than_the_last_windows_drafts() -> None:
     window = Activations(head.header(Phase.DECODE, Span(5, 8)), h.activations(rows=3).tensors, (1, 2))
     tail.receive(head.send(window))
     head.receive(tail.send(Tokens(tail.header(Phase.DECODE, Span(2, 3)), (1,))))  # claims position 2
-    assert head.kv_length == tail.kv_length == 8
+    assert head.kv_length == tail.kv_length == 8 and head.final == tail.final == 6
+    with pytest.raises(LocalProtocolError):  # nor may the head go back before the window's first row
+        head.send(Activations(head.header(Phase.DECODE, Span(5, 6)), h.activations().tensors))
     # and a plain step's tokens never move it
     head2, tail2 = pair()
     _decoding(head2, tail2)
@@ -250,3 +254,63 @@ def test_tokens_cannot_take_back_more_than_the_last_windows_drafts() -> None:
             header=attrs.evolve(head2.header(Phase.DECODE, Span(3, 4)), cache_expectation=3),
         ))  # fmt: skip
     assert refused.value.code == StatusCode.FAILED_PRECONDITION
+
+
+def _windows_in_flight(head: SeamEndpoint) -> tuple[Activations, Activations]:
+    """A window of rows 5..8 (two drafts), and one that follows it at 8..10 (a guess, a draft)."""
+    first = Activations(head.header(Phase.DECODE, Span(5, 8)), h.activations(rows=3).tensors, (1, 2))
+    head.send(first)
+    follows = Activations(head.header(Phase.DECODE, Span(8, 10)), h.activations(rows=2).tensors, (3, 4), True)
+    head.send(follows)
+    return first, follows
+
+
+@pytest.mark.parametrize("tokens_first", [False, True], ids=["windows-then-tokens", "tokens-between"])
+def test_windows_in_flight_agree_at_both_ends_whichever_way_the_tokens_cross_them(tokens_first: bool) -> None:
+    """The tail's tokens for the first window may reach the head's end after it sent the second
+    and the tail's end before that second arrives: both ends still hold the same KV, and the
+    step that goes back after a rejection is accepted by both."""
+    head, tail = pair()
+    _decoding(head, tail)
+    first, follows = _windows_in_flight(head)
+    tail.receive(first)
+    kept_one = Tokens(tail.header(Phase.DECODE, Span(6, 8)), (1, 7), drafted=2, accepted=1)
+    if tokens_first:
+        tail.send(kept_one)
+        tail.receive(follows)
+    else:
+        tail.receive(follows)
+        tail.send(kept_one)
+    head.receive(kept_one)
+    assert head.kv_length == tail.kv_length == 10 and head.final == tail.final == 7
+    back = Activations(head.header(Phase.DECODE, Span(7, 8)), h.activations().tensors)
+    assert tail.receive(head.send(back)) is back
+
+
+def test_a_window_that_follows_makes_nothing_final_until_its_tokens() -> None:
+    head, tail = pair()
+    _decoding(head, tail)
+    for window in _windows_in_flight(head):
+        tail.receive(window)
+    assert head.final == tail.final == 6  # the first window's first row
+    all_kept = Tokens(tail.header(Phase.DECODE, Span(6, 9)), (1, 2, 3), drafted=2, accepted=2)
+    head.receive(tail.send(all_kept))
+    assert head.final == tail.final == 8
+    # the guess was the draw: the second window was live, and its tokens end further on
+    head.receive(tail.send(Tokens(tail.header(Phase.DECODE, Span(9, 11)), (4, 5), drafted=2, accepted=2)))
+    assert head.final == tail.final == 10
+    step = Activations(head.header(Phase.DECODE, Span(10, 11)), h.activations().tensors)
+    assert tail.receive(head.send(step)) is step
+
+
+def test_a_step_may_not_go_back_past_what_is_final_nor_skip_ahead() -> None:
+    head, tail = pair()
+    _decoding(head, tail)
+    for window in _windows_in_flight(head):
+        tail.receive(window)
+    for span in (Span(5, 6), Span(11, 12)):  # before the first window's first row; beyond the KV
+        forged = Activations(attrs.evolve(head.header(Phase.DECODE, span), cache_expectation=span.start),
+                             h.activations().tensors)  # fmt: skip
+        with pytest.raises(RemoteProtocolError) as refused:
+            tail.receive(forged)
+        assert refused.value.code == StatusCode.FAILED_PRECONDITION

@@ -20,7 +20,7 @@ from noderuntime.node.drafting import EXPLORE, SHADOW_EVERY, STEP_IN_DRAFTS, Hea
 from noderuntime.node.draftmodel import READ_PIECE, DraftModel
 from noderuntime.seams.client import GenerationRequest, open_route_generation, over_stream
 from noderuntime.services.localroute import Completion, LocalRoute, open_local_route
-from protocol import Sampling
+from protocol import Sampling, Tokens
 from tests.conftest import engine_threads
 
 THREADS = engine_threads()
@@ -69,19 +69,24 @@ async def test_a_reply_with_windows_is_the_plain_reply(smollm2: Path, cuts: list
             assert windows.drafted > 0 and windows.accepted > 0, (name, windows.drafted, windows.accepted)
 
 
+async def _frames(route: LocalRoute, request: GenerationRequest) -> list[Tokens]:
+    """The Tokens frames of ``request`` on ``route``, as its client gets them."""
+    stream = await route.network.connect(route.hops[0])
+    frames = []
+    async with open_route_generation(
+        over_stream(stream), route.hops, request, artifact=route.artifact, recipe=route.recipe
+    ) as gen:
+        while (event := await gen.next()) is not None:
+            frames.append(event)
+    return frames
+
+
 async def test_logprobs_of_a_window_are_those_of_single_steps(smollm2: Path) -> None:
     prompt = await trio.to_thread.run_sync(_grounded, smollm2)
     sampling = SAMPLINGS["logprobs"]
     async with open_local_route(smollm2, [0, 15, 30], RECIPE) as route:
         for speculate in (0, 8):
-            stream = await route.network.connect(route.hops[0])
-            request = GenerationRequest(prompt, 32, sampling, speculate=speculate)
-            frames = []
-            async with open_route_generation(
-                over_stream(stream), route.hops, request, artifact=route.artifact, recipe=route.recipe
-            ) as gen:
-                while (event := await gen.next()) is not None:
-                    frames.append(event)
+            frames = await _frames(route, GenerationRequest(prompt, 32, sampling, speculate=speculate))
             logprobs = [lp for frame in frames for lp in frame.logprobs]
             assert len(logprobs) == sum(len(f.token_ids) for f in frames) == 32
             if speculate == 0:
@@ -110,6 +115,32 @@ async def test_rejected_windows_roll_back_exactly_on_every_architecture(
             assert windows.tokens == plain.tokens
             drafted, accepted = drafted + windows.drafted, accepted + windows.accepted
     assert drafted > accepted, (drafted, accepted)  # windows were cut short: rolled back
+
+
+async def test_windows_that_follow_windows_in_flight_give_the_plain_reply(smollm2: Path) -> None:
+    """Every window sent, and behind each in flight the next (eager): with a passage to repeat,
+    some are live and run at every hop, others go stale when the one before was cut short, and
+    every sampler's reply is the plain one, byte for byte."""
+    prompt = await trio.to_thread.run_sync(_grounded, smollm2)
+    async with open_local_route(smollm2, [0, 10, 20, 30], RECIPE, eager_windows=True) as route:
+        for name, sampling in SAMPLINGS.items():
+            plain, windows = await _both(route, GenerationRequest(prompt, 40, sampling, speculate=8))
+            assert windows.tokens == plain.tokens, name
+        replies = [
+            await _frames(route, GenerationRequest(prompt, 40, SAMPLINGS["logprobs"], speculate=k)) for k in (0, 8)
+        ]
+        plain_lp, windows_lp = ([lp for frame in frames for lp in frame.logprobs] for frames in replies)
+        assert len(plain_lp) == 40 and windows_lp == plain_lp  # float for float
+        ahead = {outcome: _windows_ahead(route.nodes, outcome) for outcome in ("sent", "run", "stale")}
+    assert ahead["sent"] > 0 and ahead["run"] > 0 and ahead["stale"] > 0, ahead
+
+
+def _windows_ahead(nodes: Any, outcome: str) -> float:
+    """Windows that follow one in flight: sent by the head, or run or passed over (stale) by the hops."""
+    return sum(
+        node.metrics.registry.get_sample_value("noderuntime_node_windows_ahead_total", {"outcome": outcome}) or 0.0
+        for node in nodes
+    )
 
 
 def _logits(engine: ShardEngine, seq: int, start: int, rows: np.ndarray) -> np.ndarray:
@@ -263,9 +294,11 @@ def test_a_session_whose_model_drafts_miss_measures_one_window_then_drafts_a_tok
         sent = []
         for _ in range(n):
             sent.append(trio.run(drafts.draft, 8, 8))
+            drafts.sending(0, sent[-1], 0.0)
             last = drafts.lookup.tokens[-1] if drafts.lookup else 0
             kept = len(sent[-1]) if drafts.model.right else 0  # type: ignore[union-attr]
-            drafts.answered(list(range(last + 1, last + 2 + kept)), 0.0)
+            # answered as fast as the policy measured: a plain step 20 ms, each further row 3 ms
+            drafts.answered(list(range(last + 1, last + 2 + kept)), 0.02 + 0.003 * len(sent[-1]))
         return sent
 
     # no draft where a step is too short beside a draft for windows to pay; where it is long
@@ -287,6 +320,45 @@ def test_a_session_whose_model_drafts_miss_measures_one_window_then_drafts_a_tok
     assert steps(drafts, 3 * SHADOW_EVERY) == [()] * 3 * SHADOW_EVERY and model.calls == [1, 1, 1]
     model.right = True  # the drafts start to be kept: windows come back
     assert max(len(sent) for sent in steps(drafts, 12 * SHADOW_EVERY)) > 1
+
+
+def test_a_window_follows_one_in_flight_where_the_round_trip_is_long_and_chains_hold() -> None:
+    """The head of a route that repeats a passage: behind a window in flight it drafts on as if
+    that window were kept whole, a window led by its guess at the last draw, where that pays.
+    It does not on a short round trip, nor once windows stop chaining into the next."""
+    passage = list(range(100, 160))
+    for _ in range(2):
+        assert HeadDrafts(passage, 8).ahead(9, 9, 3) == ()  # nothing in flight: nothing to follow
+
+    def head(step: float, row: float) -> HeadDrafts:
+        drafts = HeadDrafts([*passage, 7, *passage[:6]], 8)  # the reply has begun to repeat it
+        drafts.policy.timed(1, step)
+        drafts.policy.timed(9, step + 8 * row)
+        for _ in range(10):
+            drafts.policy.judged(8, 8)  # its windows were kept whole
+        return drafts
+
+    far = head(0.120, 0.002)  # 3 seams at 20 ms, rows of a small model
+    window = trio.run(far.draft, 8, 8)
+    assert window == tuple(passage[6:14])
+    far.sending(200, window, 0.0)
+    assert far.ahead(9, 9, 3) == tuple(passage[14:23])  # the guess (what follows the window) first
+    far.sending(209, far.ahead(9, 9, 3), 0.0, follows=True)
+    assert len(far.flight) == 2 and far.ahead(9, 9, 1) == ()  # the route takes one ahead at most
+    # the answer keeps the first whole and draws the guess: the second stays in flight
+    far.answered(passage[6:15], 0.13)
+    assert [sent.step.start for sent in far.flight] == [209]
+    # the next answer is cut short: nothing in flight is live
+    far.answered([*passage[15:17], 1], 0.14)
+    assert not far.flight
+    near = head(0.010, 0.002)  # the same on one machine: a round trip costs little more than rows
+    near.sending(200, trio.run(near.draft, 8, 8), 0.0)
+    assert near.ahead(9, 9, 3) == ()
+    broken = head(0.120, 0.002)
+    for _ in range(30):
+        broken.policy.chain_judged(False)  # windows cut short, or the guess missed, every time
+    broken.sending(200, trio.run(broken.draft, 8, 8), 0.0)
+    assert broken.ahead(9, 9, 3) == ()
 
 
 def test_prompt_lookup_drafts_what_followed_the_latest_match() -> None:

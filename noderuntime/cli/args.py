@@ -51,6 +51,14 @@ def window(text: str) -> int:
     return value
 
 
+def windows_ahead(text: str) -> int:
+    """Decode windows that may follow one in flight: 0 (one at a time) to the protocol's bound."""
+    value = non_negative_int(text)
+    if value > (bound := Limits().max_ahead):
+        raise argparse.ArgumentTypeError(f"at most {bound} windows may follow one in flight, not {value}")
+    return value
+
+
 def _positive_finite(text: str, unit: str) -> float:
     try:
         value = float(text)

@@ -29,6 +29,7 @@ from noderuntime.cli.args import (
     size,
     url,
     window,
+    windows_ahead,
 )
 from noderuntime.engine.cores import machine_cores
 from noderuntime.models import catalogue as models
@@ -185,6 +186,7 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
         join_secret=_join_secret(args.join_secret_file),
         insecure_plaintext_seams=args.insecure_plaintext_seams,
         draft=resolve_model(args.draft) if args.draft is not None else None,
+        windows_ahead=args.windows_ahead,
     )
 
 
@@ -424,6 +426,14 @@ def _add_up(sub: Any) -> None:
         help="speculative decoding: a small whole model with the same vocabulary (a GGUF file or a known "
         "name) that drafts for the routes this node heads, in place of drafting from the conversation; "
         "the tail keeps only what the session's own sampler picks, so replies are unchanged",
+    )
+    p.add_argument(
+        "--windows-ahead",
+        type=windows_ahead,
+        default=3,
+        metavar="N",
+        help="speculative decoding on a long route: up to N windows may follow one in flight through this "
+        "node, each drafted as if the one before were kept whole (default 3; 0: one window at a time)",
     )
     p.add_argument(
         "--local",

@@ -47,6 +47,8 @@ class SessionContext:
     # head, the draft rows one session may add to a tick now (the node's budget shared by its
     # sessions)
     max_window: int = 0
+    max_ahead: int = 0  # windows that may follow one in flight through this node
+    windows_ahead: Callable[[str], None] = lambda outcome: None  # one such window "sent", "run" or "stale"
     draft_rows: Callable[[], int] = lambda: 0
     eager_windows: bool = False  # every draft offered goes, whatever it costs (WindowPolicy.eager)
     draft_model: DraftModel | None = None  # drafts at the head where prompt lookup has none (up --draft)

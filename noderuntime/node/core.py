@@ -84,6 +84,9 @@ class NodeConfig:
     # take at a head, shared by its sessions: under load, windows shrink first
     max_window: int = 8
     draft_rows: int = 8
+    # windows that may follow one in flight through this node (node/windows.py): where a route's
+    # round trip is long against its rows, the head sends the next before the answer comes
+    max_ahead: int = 3
     # every draft the head's drafter offers goes, whatever it costs (a fixed window: for
     # benchmarks to measure against the adaptive one, and tests that roll windows back often)
     eager_windows: bool = False
@@ -105,6 +108,8 @@ class NodeConfig:
             raise ValueError("max_opening and max_opening_per_source must be at least 1, the second at most the first")
         if not 0 <= self.max_window <= self.limits.max_window or self.draft_rows < 0:
             raise ValueError(f"max_window must lie in 0..{self.limits.max_window}, draft_rows be at least 0")
+        if not 0 <= self.max_ahead <= self.limits.max_ahead:
+            raise ValueError(f"max_ahead must lie in 0..{self.limits.max_ahead}")
 
 
 @attrs.frozen
@@ -194,6 +199,8 @@ class Node:
             save_state=self._save_state,
             restore_state=self._restore_state,
             max_window=config.max_window if getattr(engine, "exact_windows", False) else 0,
+            max_ahead=config.max_ahead,
+            windows_ahead=lambda outcome: self.metrics.windows_ahead.labels(outcome).inc(),
             draft_rows=self._draft_rows,
             eager_windows=config.eager_windows,
             draft_model=draft_model,

@@ -16,6 +16,11 @@ Drafts come from one of two sources, and a policy sizes the windows:
 - :class:`~noderuntime.node.draftmodel.DraftModel`, where the node was given one (``up
   --draft MODEL``): a small model of the same vocabulary drafts greedily where prompt
   lookup has nothing to offer, for text that repeats nothing as well.
+- On a long route a window may *follow* one in flight: the head drafts on as if the window
+  in flight were kept whole, its first row's input a guess at that window's last draw, and
+  sends it before the answer comes. It is worth its rows only if every window before it is
+  kept whole and each guess drawn; the policy sends one where that chance, measured for each
+  window as it is answered, makes its tokens come faster than plain steps bring them.
 - :class:`WindowPolicy` sizes each window from what it measures: how often a drafted token
   is kept (from real windows, and from the drafts it could have sent when it sent none), the
   time a step's round trip takes, and what each further row adds to it. It sends the ``k``
@@ -29,10 +34,13 @@ Drafts come from one of two sources, and a policy sizes the windows:
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
+
+from noderuntime.node.windows import InFlight, chained
 
 if TYPE_CHECKING:
     from noderuntime.node.draftmodel import DraftModel
@@ -77,11 +85,12 @@ class PromptLookup:
                     self._after[tuple(self.tokens[end - n : end])] = end
             self.tokens.append(int(token))
 
-    def draft(self, k: int) -> list[int]:
-        """Up to ``k`` tokens that would follow the session's tokens, or none."""
+    def draft(self, k: int, assumed: Sequence[int] = ()) -> list[int]:
+        """Up to ``k`` tokens that would follow the session's tokens, and after them the ``assumed``
+        ones (drafts in flight, as if kept), or none."""
         if k <= 0:
             return []
-        tokens = self.tokens
+        tokens = [*self.tokens, *assumed] if assumed else self.tokens
         for n in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
             at = self._after.get(tuple(tokens[len(tokens) - n :]))
             if at is not None:
@@ -110,6 +119,8 @@ class WindowPolicy:
     step: float | None = None  # seconds: a plain step's round trip (smoothed)
     row: float | None = None  # seconds each further row of a window adds (smoothed)
     draft: float = 0.0  # seconds the head takes to draft a token (a draft model's steps; smoothed)
+    chained: float = 0.0  # steps kept whole whose next draw was the drafter's guess, decayed
+    chains: float = 0.0  # steps judged so, decayed
     drafted_total: int = 0
     accepted_total: int = 0
 
@@ -117,6 +128,12 @@ class WindowPolicy:
     def acceptance(self) -> float:
         """The chance a draft is kept once the drafts before it were (a prior of one half)."""
         return (self.kept + 1.0) / (self.tried + 2.0)
+
+    @property
+    def chain(self) -> float:
+        """The chance a step is kept whole and draws what the drafter guessed after it: that a
+        window following it is live (a prior of one third)."""
+        return (self.chained + 1.0) / (self.chains + 3.0)
 
     def size(self, offered: int, budget: int, *, drafted: bool = False) -> int:
         """Drafts to send, of the ``offered`` the drafter has, within ``budget`` rows (``drafted``:
@@ -139,6 +156,40 @@ class WindowPolicy:
                 best, best_rate = k, rate
         return best
 
+    def ahead(self, offered: int, budget: int, depth: int) -> int:
+        """Rows of a window to send behind ``depth`` steps in flight, of the ``offered`` inputs the
+        drafter has (its guess first), within ``budget`` rows: 0 unless it pays.
+
+        It is live with the chance every step in flight chains into the next; then its first row
+        brings a token, and each further one another while its drafts are kept. It needs no round
+        trip of its own, but every row of it costs the route ``row`` seconds, live or not: time
+        in which the session's own steps would have brought ``rate() * row`` tokens. A row goes
+        while what it is expected to bring beats that.
+        """
+        cap = min(offered, budget, self.max_window + 1)
+        if cap <= 0 or self.step is None or depth <= 0:
+            return 0
+        if self.eager:
+            return cap
+        row = self.row if self.row is not None else 0.5 * self.step
+        live, a, forgone = self.chain**depth, self.acceptance, self.rate() * row
+        rows = 0
+        while rows < cap and live * a**rows > forgone:
+            rows += 1
+        return rows
+
+    def rate(self) -> float:
+        """Tokens a second the session's own windows bring (a plain step's where none pays)."""
+        if self.step is None:
+            return 0.0
+        row = self.row if self.row is not None else 0.5 * self.step
+        a = self.acceptance
+        best, expected = 1.0 / self.step, 1.0
+        for k in range(1, self.max_window + 1):
+            expected += a**k
+            best = max(best, expected / (self.step + k * row))
+        return best
+
     def judged(self, drafted: int, accepted: int) -> None:
         """A window's verdict: of ``drafted`` drafts, the first ``accepted`` were kept."""
         self.drafted_total += drafted
@@ -149,6 +200,11 @@ class WindowPolicy:
     def shadow(self, kept: bool) -> None:
         """A draft this session could have sent and did not, judged against the token that came."""
         self._count(int(kept), 1)
+
+    def chain_judged(self, kept: bool) -> None:
+        """A step's answer against the guess a window following it would carry."""
+        self.chained = self.decay * self.chained + kept
+        self.chains = self.decay * self.chains + 1
 
     def _count(self, kept: int, tried: int) -> None:
         if tried:
@@ -170,9 +226,20 @@ class WindowPolicy:
             self.row = extra if self.row is None else 0.8 * self.row + 0.2 * extra
 
 
+@attrs.define
+class _Sent:
+    """A step the head sent and has no answer for yet, and what its answer will teach."""
+
+    step: InFlight
+    sent_at: float | None  # None: it left behind others, and its answer times no round trip
+    shadow: int | None = None  # a draft it could have carried and did not
+    guess: int | None = None  # the drafter's guess at its last draw, a window following it would run first
+
+
 class HeadDrafts:
-    """One session's drafting at the head: the drafts each step carries, and what each answer
-    teaches the policy (a step's round trip, how many of its drafts were kept)."""
+    """One session's drafting at the head: the drafts each step carries, the windows that follow
+    steps in flight, and what each answer teaches the policy (a step's round trip, how many of
+    its drafts were kept, whether it chained into the next)."""
 
     def __init__(
         self,
@@ -193,25 +260,38 @@ class HeadDrafts:
         if self.model is not None:
             self.policy.draft = self.model.seconds_per_draft
         self._plain = 0  # plain steps since the draft model last drafted
-        self.sent: tuple[int, ...] = ()  # the drafts the step in flight carries
+        self.sent: tuple[int, ...] = ()  # the drafts of the next step, once drafted
         self._shadow: int | None = None  # the draft that step could have carried and did not
-        self._sent_at: float | None = None  # when it went (None: the first tokens, after prefill)
+        self.flight: deque[_Sent] = deque()  # steps sent, oldest first
 
-    def answered(self, tokens: Sequence[int], now: float) -> None:
-        """The tokens that came back for the step in flight."""
-        if self._sent_at is not None:
-            self.policy.timed(1 + len(self.sent), now - self._sent_at)
-        if self.sent:
-            self.policy.judged(len(self.sent), len(tokens) - 1)
-        elif self._shadow is not None:
-            self.policy.shadow(tokens[0] == self._shadow)
-        self.sent, self._shadow = (), None
+    def answered(self, tokens: Sequence[int], now: float) -> InFlight | None:
+        """The tokens that came back for the oldest step in flight (none: the prompt's); that step.
+        The steps behind it stay in flight only if it chained into them."""
+        sent = self.flight.popleft() if self.flight else None
+        if sent is None:
+            if self._shadow is not None:  # the first token, against the guess the model made reading the prompt
+                self.policy.shadow(tokens[0] == self._shadow)
+                self._shadow = None
+        else:
+            step = sent.step
+            if sent.sent_at is not None:
+                self.policy.timed(step.rows, now - sent.sent_at)
+            if step.drafts:
+                self.policy.judged(len(step.drafts), len(tokens) - 1)
+            elif sent.shadow is not None:
+                self.policy.shadow(tokens[0] == sent.shadow)
+            if sent.guess is not None:
+                self.policy.chain_judged(len(tokens) == step.rows and tokens[-1] == sent.guess)
+            if self.flight and not chained(step, tokens, self.flight[0].step):
+                self.flight.clear()  # stale: every hop drops them
         if self.lookup is not None:
             self.lookup.extend(tokens)
+        return None if sent is None else sent.step
 
     async def draft(self, room: int, budget: int) -> tuple[int, ...]:
         """The drafts of the next step: at most ``room`` (what the session and the route allow)
         and ``budget`` (the node's draft rows left this tick), as many as pay for themselves."""
+        self.sent, self._shadow = (), None
         if self.lookup is None:
             return ()
         offered = self.lookup.draft(room)
@@ -247,6 +327,35 @@ class HeadDrafts:
         self.sent = tuple(drafts)
         return self.sent
 
+    def ahead(self, rows: int, budget: int, limit: int) -> tuple[int, ...]:
+        """The inputs of a window to send behind the steps in flight, its guess first: at most
+        ``rows`` (what the session and the route allow), ``budget`` rows and ``limit`` windows
+        following one in flight; none unless it pays (prompt lookup's drafts only: a draft
+        model's would cost the head time while the answers wait)."""
+        depth = len(self.flight)
+        if self.lookup is None or not depth or depth > limit or rows <= 0:
+            return ()
+        offered = self.lookup.draft(rows, self._assumed())
+        return tuple(offered[: self.policy.ahead(len(offered), budget, depth)])
+
+    def _assumed(self) -> list[int]:
+        """The tokens the steps in flight would make known if each were kept whole."""
+        assumed: list[int] = []
+        for i, sent in enumerate(self.flight):
+            assumed += sent.step.inputs if i and sent.step.follows else sent.step.drafts
+        return assumed
+
+    def sending(self, start: int, inputs: tuple[int, ...], now: float, *, follows: bool = False, rows: int = 0) -> None:
+        """The next step leaves now: ``rows`` rows from ``start`` (a window's: one more than its
+        drafted ``inputs``, as many where it ``follows`` the steps in flight)."""
+        step = InFlight(start, rows or len(inputs) + (0 if follows else 1), inputs, follows)
+        sent = _Sent(step, None if self.flight else now, None if follows else self._shadow)
+        self.flight.append(sent)
+        if self.lookup is not None:
+            guess = self.lookup.draft(1, self._assumed())
+            sent.guess = guess[0] if guess else None
+        self.sent, self._shadow = (), None
+
     async def prepare(self, budget: int, answered: Callable[[], bool]) -> None:
         """The prompt is in the route: the draft model reads it now, while the route computes
         the first token and the head waits, a piece at a time until that token has come
@@ -265,7 +374,3 @@ class HeadDrafts:
         if fed <= self.policy.max_window + 1:  # a prompt's reading is not what a draft costs
             self.policy.drafting(len(drafts), time.perf_counter() - started)
         return drafts
-
-    def sending(self, now: float) -> None:
-        """The next step leaves now."""
-        self._sent_at = now

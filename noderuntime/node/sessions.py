@@ -143,6 +143,7 @@ class RouteSession:
             context.max_window,
             audit=open_route.audit,
             head_of_route=self.is_head and not self.is_tail,  # until the tail says what the route takes
+            max_ahead=context.max_ahead,
         )
         # what this hop took in and gave out, from the first row it computes (commitments.py);
         # made when the prefix is settled. An audit's from the row its audited route started at.
@@ -293,7 +294,8 @@ class RouteSession:
                 nursery.start_soon(self._heartbeat)
             receive = None
             if not self.is_tail:
-                send, receive = trio.open_memory_channel[Tokens](1)
+                # one answer for each step in flight: the loop from downstream never waits on the driver
+                send, receive = trio.open_memory_channel[Tokens](1 + self.windows.takes_ahead)
                 self._tokens_in = send
                 nursery.start_soon(self._downstream_loop)
             if self.is_head:
@@ -442,9 +444,12 @@ class RouteSession:
             self._touch()
             self._awaiting_downstream = False
             if isinstance(event, Tokens):
+                try:
+                    self.windows.answer(event.token_ids, event.header.positions, finished=event.finished)
+                except RemoteProtocolError as exc:
+                    await self._protocol_failure_down(exc)
+                    return
                 self._seen += event.token_ids
-                if event.token_ids:
-                    self.windows.keep(event.header.positions.end - 1)
                 if event.finished:
                     self.context.last_step(self.lease.seq_id)
                 if self._decode_sent_at is not None:
@@ -513,57 +518,115 @@ class RouteSession:
         if tokens_in is not None:
             arrived = tokens_in  # the first tokens from the tail wait there
             await drafts.prepare(self.context.draft_rows(), lambda: arrived.statistics().current_buffer_used > 0)
-        first = position  # where the tokens the last step draws go
+        if self.is_tail:
+            assert output is not None
+            await self._drive_alone(drafts, output, position)
+        else:
+            assert tokens_in is not None
+            await self._drive_route(drafts, tokens_in, position)
+
+    async def _drive_alone(self, drafts: HeadDrafts, output: StepOutput, first: int) -> None:
+        """The head that is its route's tail: each step's draws, then the next step (or window)."""
+        sent: tuple[int, ...] = ()  # the drafts of the step that drew ``output``
         while True:
-            if self.is_tail:
-                assert output is not None
-                draws = self.tail.take(output, first, len(drafts.sent))
-                if await self._emit(draws):
-                    return
-                tokens = draws.tokens
-            else:
-                assert tokens_in is not None
-                received = await tokens_in.receive()
-                if received.finished or not received.token_ids:
-                    return  # wait for Release from the client in the upstream loop
-                tokens = received.token_ids
-                self.windows.answered(received.window)
-            # the step's round trip and its drafts judged; the next step: the last token, at its position
-            drafts.answered(tokens, time.perf_counter())
-            position = first + len(tokens) - 1
-            if position >= self.lease.tokens:  # the tail should have finished the generation
-                await self._protocol_failure_down(
-                    RemoteProtocolError(
-                        f"a token for position {position}, past the {self.lease.tokens} this session reserved",
-                        StatusCode.OUT_OF_RANGE,
-                    )
-                )
+            draws = self.tail.take(output, first, len(sent))
+            if await self._emit(draws):
                 return
-            left = self.open_route.max_tokens - len(self.open_route.generated) - len(self._seen)
-            room = self.windows.room(position, left=left, reserved=self.lease.tokens)
-            draft = await drafts.draft(room, self.context.draft_rows())
-            rows = np.array([tokens[-1], *draft], np.int32)
-            drafts.sending(time.perf_counter())
-            stepped = await self._step(
-                position, tokens=rows, sample=len(rows) if self.is_tail else 0, decode=True, draft=draft
-            )
+            # the step's round trip and its drafts judged; the next step: the last token, at its position
+            drafts.answered(draws.tokens, time.perf_counter())
+            position = first + len(draws.tokens) - 1  # the tail's own draws stop at the reservation
+            room = self.windows.room(position, left=self._left(), reserved=self.lease.tokens)
+            sent = await drafts.draft(room, self.context.draft_rows())
+            rows = np.array([draws.tokens[-1], *sent], np.int32)
+            drafts.sending(position, sent, time.perf_counter())
+            stepped = await self._step(position, tokens=rows, sample=len(rows), decode=True, draft=sent)
             if stepped is None:
                 return
             output, first = stepped, position + 1
 
+    async def _drive_route(self, drafts: HeadDrafts, tokens_in: trio.MemoryReceiveChannel[Tokens], first: int) -> None:
+        """The head of a longer route: a step (or window) for each answer from the tail, and
+        behind the steps in flight the windows that follow them, where they pay."""
+        while True:
+            received = await tokens_in.receive()
+            if received.finished or not received.token_ids:
+                return  # wait for Release from the client in the upstream loop
+            tokens = received.token_ids
+            self.windows.answered(received.window, received.ahead)
+            # the step's round trip and its drafts judged; the windows behind it live or stale
+            answered = drafts.answered(tokens, time.perf_counter())
+            position = (first if answered is None else answered.start + 1) + len(tokens) - 1
+            if await self._past_reservation(position):
+                return
+            if not drafts.flight:  # none in flight still live: the next step, the last token at its position
+                room = self.windows.room(position, left=self._left(), reserved=self.lease.tokens)
+                sent = await drafts.draft(room, self.context.draft_rows())
+                rows = np.array([tokens[-1], *sent], np.int32)
+                drafts.sending(position, sent, time.perf_counter())
+                if await self._step(position, tokens=rows, sample=0, decode=True, draft=sent) is None:
+                    return
+            while drafts.flight:
+                start = drafts.flight[-1].step.end
+                # every row of the steps in flight kept would bring the tokens up to ``start``
+                left = self._left() - (start - position)
+                most = min(self.windows.window, left, self.lease.tokens - start)
+                inputs = drafts.ahead(most, self.context.draft_rows(), self.windows.ahead)
+                if not inputs:
+                    break
+                drafts.sending(start, inputs, time.perf_counter(), follows=True)
+                self.context.windows_ahead("sent")
+                rows = np.array(inputs, np.int32)
+                if await self._step(start, tokens=rows, sample=0, decode=True, draft=inputs, follows=True) is None:
+                    return
+
+    def _left(self) -> int:
+        """Tokens the session may still generate."""
+        return self.open_route.max_tokens - len(self.open_route.generated) - len(self._seen)
+
+    async def _past_reservation(self, position: int) -> bool:
+        """Whether the tail sent a token for ``position``, past the session's reservation (it should
+        have finished the generation): then the next hop broke the protocol."""
+        if position < self.lease.tokens:
+            return False
+        await self._protocol_failure_down(
+            RemoteProtocolError(
+                f"a token for position {position}, past the {self.lease.tokens} this session reserved",
+                StatusCode.OUT_OF_RANGE,
+            )
+        )
+        return True
+
     async def _run_activations(self, event: Activations) -> bool:
         """A non-head hop: run the rows, pass them on (or sample, on the tail)."""
         positions, decode, draft = event.header.positions, event.header.phase == Phase.DECODE, event.draft
+        follows = event.follows
         try:
             hidden, into = self._checked_rows(event)
-            self.windows.check_drafts(positions, draft, decode=decode, n_vocab=self.context.n_vocab)
+            self.windows.check_drafts(positions, draft, decode=decode, n_vocab=self.context.n_vocab, follows=follows)
         except RemoteProtocolError as exc:
             await self._protocol_failure_up(exc)
             return False
-        self.windows.commit(into.add_rows, positions.start, hidden, bool(draft))
-        sample = len(positions) if draft else self.tail.rows_to_sample(positions.start, len(positions))
+        if follows:
+            live = self.windows.live(positions.start, draft)
+            self.context.windows_ahead("run" if live else "stale")
+            if not live:
+                return True  # stale: the window it follows was not kept whole; every hop knows it
+        window = bool(draft) or follows
+        self.windows.drop_from(positions.start)
+        try:
+            self.windows.check_step(positions.start, decode=decode, follows=follows)
+        except RemoteProtocolError as exc:
+            await self._protocol_failure_up(exc)
+            return False
+        self.windows.commit(into.add_rows, positions.start, hidden, window, follows=follows)
+        sample = len(positions) if window else self.tail.rows_to_sample(positions.start, len(positions))
         output = await self._step(
-            positions.start, hidden=hidden, sample=sample if self.is_tail else 0, decode=decode, draft=draft
+            positions.start,
+            hidden=hidden,
+            sample=sample if self.is_tail else 0,
+            decode=decode,
+            draft=draft,
+            follows=follows,
         )
         if output is None:
             return False
@@ -573,8 +636,8 @@ class RouteSession:
                     await self._emit(self.tail.take_audit())
                 return True
             # a window's draws begin at its first row; a plain step's is its last row's
-            first = positions.start + 1 if draft else positions.end
-            await self._emit(self.tail.take(output, first, len(draft)))
+            first = positions.start + 1 if window else positions.end
+            await self._emit(self.tail.take(output, first, len(draft), guessed=follows))
         return True
 
     def _checked_rows(self, event: Activations) -> tuple[np.ndarray, Commitment]:
@@ -608,13 +671,15 @@ class RouteSession:
         sample: int,
         decode: bool,
         draft: tuple[int, ...] = (),
+        follows: bool = False,
     ) -> StepOutput | None:
         """One step through the batcher; forwards the rows downstream; returns what it drew (``None``:
         the session is ending).
 
         ``sample``: how many of the last rows the tail samples (0: none). ``draft``: a window's
-        drafted tokens, the inputs of its rows 1..
+        drafted tokens, the inputs of its rows 1.. (of its rows 0.. where it ``follows`` another).
         """
+        window = bool(draft) or follows
         request = StepRequest(
             self.lease.seq_id,
             start,
@@ -623,12 +688,13 @@ class RouteSession:
             sampler=self.sampler if sample else None,
             decode=decode,
             sample_rows=max(1, sample),
-            draft=draft,
-            truncate=start < self.windows.engine_end,  # the rows of the last window that were not kept
+            draft=draft[1:] if follows else draft,
+            truncate=start < self.windows.engine_end,  # the rows of windows that were not kept
         )
         if tokens is not None:
             assert self._in_commit is not None
-            self.windows.commit(self._in_commit.add_tokens, start, tokens, bool(draft))
+            self.windows.drop_from(start)
+            self.windows.commit(self._in_commit.add_tokens, start, tokens, window, follows=follows)
         sampling = self.open_route.sampling
         if self.is_tail and not decode and sampling.prompt_logprobs:
             # each prompt row scores the prompt token after it; the last one's is the sampled token
@@ -644,7 +710,7 @@ class RouteSession:
         self._touch()
         self.tail.stepped(output, sampled=bool(sample))
         n = request.n_rows
-        self.windows.stepped(start, n, draft)
+        self.windows.stepped(start, n, draft, follows=follows, sent_on=decode and self.downstream is not None)
         if decode:
             self.usage.decode_tokens += n
         else:
@@ -653,12 +719,12 @@ class RouteSession:
         if self.downstream is not None:
             assert output.hidden is not None and self._out_commit is not None
             sent = as_received(output.hidden, self.context.encoding)
-            self.windows.commit(self._out_commit.add_rows, start, sent, bool(draft))
+            self.windows.commit(self._out_commit.add_rows, start, sent, window, follows=follows)
             header = self._down_endpoint().header(Phase.DECODE if decode else Phase.PREFILL, Span(start, start + n))
             tensor = NamedTensor("hidden_states", output.hidden, self.context.encoding)
-            if not await self._send_down(Activations(header, (tensor,), draft)):
+            if not await self._send_down(Activations(header, (tensor,), draft, follows)):
                 return None
-            if decode:
+            if decode and self._decode_sent_at is None:  # a seam's round trip: from a step with none before it
                 self._decode_sent_at = time.perf_counter()
         return output
 
@@ -667,10 +733,11 @@ class RouteSession:
         self._seen += draws.tokens
         assert self._out_commit is not None
         self._out_commit.add_tokens(draws.first - 1, draws.tokens)
-        self.windows.keep(draws.span.end - 1)
+        self.windows.keep(draws.span.end - 1, draws.tokens[-1] if draws.tokens else None)
         if draws.finished:
             self.context.last_step(self.lease.seq_id)
-        await self._send_up(lambda: draws.frame(self._up_header(Phase.DECODE, draws.span), self.windows.window))
+        bounds = self.windows.window, self.windows.ahead
+        await self._send_up(lambda: draws.frame(self._up_header(Phase.DECODE, draws.span), *bounds))
         return draws.finished
 
     async def _send_usage(self, records: list[UsageRecord]) -> None:
@@ -705,7 +772,12 @@ class RouteSession:
         """``event`` from downstream, with our header (the next step id upstream) and what else it
         carries; the drafts a window may carry lowered to what this hop takes."""
         header = self._up_header(Phase.DECODE, event.header.positions)
-        return attrs.evolve(event, header=header, window=self.windows.lowered(event.window))
+        return attrs.evolve(
+            event,
+            header=header,
+            window=self.windows.lowered(event.window),
+            ahead=self.windows.lowered_ahead(event.ahead),
+        )
 
     def _up_header(self, phase: Phase, positions: Span = Span()) -> Any:
         assert self.upstream.endpoint is not None
@@ -759,7 +831,6 @@ class RouteSession:
                 f"{self.lease.tokens} this session reserved",
                 StatusCode.OUT_OF_RANGE,
             )
-        self.windows.check_answer(event.token_ids, event.header.positions)
 
     # Both failures end the session before telling the peer: the notice is sent shielded,
     # and meanwhile no other task of the session may send on a seam that is closing.

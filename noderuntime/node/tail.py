@@ -38,8 +38,9 @@ class Draws:
         """Whether the generation ends with these tokens."""
         return bool(self.reason)
 
-    def frame(self, header: Header, window: int) -> Tokens:
-        """The Tokens frame, saying ``window`` drafts at most for the next step."""
+    def frame(self, header: Header, window: int, ahead: int = 0) -> Tokens:
+        """The Tokens frame, saying ``window`` drafts at most for the next step and ``ahead`` windows
+        that may follow one in flight."""
         return Tokens(
             header,
             self.tokens,
@@ -50,6 +51,7 @@ class Draws:
             window,
             self.drafted,
             self.accepted,
+            ahead,
         )
 
 
@@ -84,9 +86,10 @@ class TailDraws:
         if sampled and self.route.audit:
             self._drawn += output.drawn
 
-    def take(self, output: StepOutput, first: int, drafted: int) -> Draws:
+    def take(self, output: StepOutput, first: int, drafted: int, *, guessed: bool = False) -> Draws:
         """The draws of a step, the first at position ``first``, up to where the generation stops;
-        ``drafted``: the step's drafts (0 for a plain step)."""
+        ``drafted``: the step's drafts (0 for a plain step), ``guessed``: the first of them its
+        first row's input (a window that followed another, live: the guess was kept)."""
         route = self.route
         kept: list[int] = []
         reason = ""
@@ -111,8 +114,9 @@ class TailDraws:
             output.drawn_logprobs[: len(kept)],
             scored,
             drafted,
-            # of a window's drafts, those before its last draw were kept (the draws agreed with them)
-            len(output.drawn) - 1 if drafted else 0,
+            # of a window's drafts, those before its last draw were kept (the draws agreed with
+            # them), and the guess its first row ran
+            len(output.drawn) - 1 + guessed if drafted else 0,
         )
 
     def take_audit(self) -> Draws:

@@ -67,6 +67,12 @@ class NodeMetrics:
             buckets=SECONDS_BUCKETS,
             registry=r,
         )
+        self.windows_ahead = Counter(
+            "noderuntime_node_windows_ahead_total",
+            "Decode windows that follow one in flight: sent (at a head), run, or stale and passed over",
+            ["outcome"],
+            registry=r,
+        )
         self.sessions_opened = Counter("noderuntime_sessions_opened_total", "Route sessions admitted", registry=r)
         self.sessions_ended = Counter(
             "noderuntime_sessions_ended_total", "Route sessions ended", ["reason"], registry=r

@@ -108,6 +108,8 @@ class NodeOptions:
     draft: Path | None = None
     # what that model holds (memplan.draft_needs; set by services.joining): the shard is planned beside it
     draft_bytes: int = 0
+    # decode windows that may follow one in flight through this node (node/windows.py; 0: one at a time)
+    windows_ahead: int = 3
 
     @property
     def shard_memory_limit(self) -> int | None:
@@ -203,6 +205,7 @@ async def run_node(
                 hang_timeout=opts.hang_timeout,
                 prefix_cache_bytes=prefix_cache,
                 limits=limits,
+                max_ahead=opts.windows_ahead,
             )
             node = Node(
                 engine,

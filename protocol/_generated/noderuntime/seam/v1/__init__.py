@@ -146,6 +146,14 @@ class Activations(betterproto2.Message):
     the tail checks its draws against. Every frame of a chunked step carries the same.
     """
 
+    follows: "bool" = betterproto2.field(4, betterproto2.TYPE_BOOL)
+    """
+    Since 1.7. The window follows the one before it while that one is in flight: its first
+    row's input is the head's guess at that window's last draw, listed first in draft.
+    Every hop runs it while the window before is unanswered there; once answered, only if
+    that window kept every draft and drew the guess (a stale window is not run, nor passed on).
+    """
+
 
 default_message_pool.register_message("noderuntime.seam.v1", "Activations", Activations)
 
@@ -575,6 +583,13 @@ class Tokens(betterproto2.Message):
     drafted: "int" = betterproto2.field(7, betterproto2.TYPE_UINT32)
 
     accepted: "int" = betterproto2.field(8, betterproto2.TYPE_UINT32)
+
+    ahead: "int" = betterproto2.field(9, betterproto2.TYPE_UINT32)
+    """
+    Since 1.7. How many windows may follow one in flight (Activations.follows), as far as
+    the hops below take them: set and lowered as window is; 0 (or a hop that does not know
+    the field) means one window at a time.
+    """
 
 
 default_message_pool.register_message("noderuntime.seam.v1", "Tokens", Tokens)
