@@ -21,6 +21,11 @@ every seam of a route, the client's to the head included, is ``d`` ms long. Then
 Workloads: *grounded*, where the reply is mostly in the prompt (edit a given function,
 reformat a given JSON document, answer by quoting a given passage), and *free chat*.
 
+With ``--ahead`` it measures windows in flight instead: each model's 3-shard route twice,
+its head sending one window at a time (``up --windows-ahead 0``) and then windows behind one
+in flight (the default), every workload at d = 0, 20 and 50 ms (0 and 20 quick) plain against
+speculative in each, and sixteen clients at d = 0; written to ``speculative-ahead.json``.
+
 With ``--draft MODEL[,MODEL...]`` it measures draft models instead: the 3-shard route of the
 first model, its head drafting by prompt lookup and then with ``up --draft MODEL`` for each
 (a catalogue name, a GGUF file of the same vocabulary, or ``first:N``: the model's own first
@@ -171,10 +176,11 @@ async def _route_lanes(
     delays: Sequence[int],
     args: Any,
     head_extra: Sequence[str] = (),
+    crowd: bool | None = None,
 ) -> dict[str, Any]:
-    """Every workload at every delay, plain then with windows; and 16 clients at d = 0 (up to
-    2 shards, and on a route drafting with a model). ``head_extra``: flags for the head node
-    alone (``--draft MODEL``)."""
+    """Every workload at every delay, plain then with windows; and 16 clients at d = 0 (``crowd``;
+    by default up to 2 shards, and on a route whose head has ``head_extra``: flags for the head
+    node alone, ``--draft MODEL``)."""
     from noderuntime.seams.dialer import open_dialer
     from noderuntime.testing.clusters import running_cluster
     from noderuntime.testing.linkproxy import LinkProxy
@@ -214,7 +220,7 @@ async def _route_lanes(
                     out["delays"][str(delay)] = lane
                 for proxy in proxies:
                     proxy.delay = 0.0
-                if shards <= 2 or head_extra:
+                if crowd or (crowd is None and (shards <= 2 or head_extra)):
                     out["clients"] = await _crowd(cluster, dialer, hops, list(prompts.values()), args.tokens)
                     print(f"  {name} {shards}-shard {CLIENTS} clients: {out['clients']}", flush=True)
         finally:
@@ -364,6 +370,12 @@ def main(argv: list[str] | None = None) -> int:
         "lookup, then with MODEL (a catalogue name, a GGUF file of the same vocabulary, or first:N for the "
         "model's own first N layers and its head)",
     )
+    p.add_argument(
+        "--ahead",
+        action="store_true",
+        help="measure windows in flight instead: each model's 3-shard route with its head sending one window "
+        "at a time (--windows-ahead 0), then windows behind one in flight (the default)",
+    )
     args = p.parse_args(argv)
     args.tokens = args.tokens or (40 if args.quick else 96)
     names = args.models.split(",") if args.models else (["smollm2-135m"] if args.quick else list(MODELS))
@@ -374,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.draft is not None:
         return _main_draft(args, names[0], QUICK_DELAYS_MS if args.quick else DRAFT_DELAYS_MS, workloads)
+    if args.ahead:
+        return _main_ahead(args, names, QUICK_DELAYS_MS if args.quick else DRAFT_DELAYS_MS, workloads)
 
     for name in names:
         model = catalogue.pull(name, progress=False)
@@ -429,6 +443,108 @@ def early_exit(model: Path, n_layer: int, out: Path) -> Path:
     return out
 
 
+def _head_lanes(
+    args: Any,
+    name: str,
+    model: Path,
+    prompts: dict[str, list[int]],
+    delays: Sequence[int],
+    heads: dict[str, tuple[str, ...]],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The 3-shard route once for each of ``heads`` (its head's extra flags): every workload at
+    every delay and 16 clients at d = 0, plain against speculative; the lanes, and a summary
+    by head, delay and kind of workload."""
+    cuts = MODELS[name][3]
+    lanes_by_head: dict[str, Any] = {}
+    for label, head_extra in heads.items():
+        print(f"{name} 3-shard route, head {label}", flush=True)
+        lanes_by_head[label] = trio.run(_route_lanes, model, name, 3, cuts, prompts, delays, args, head_extra, True)
+    summary: dict[str, Any] = {}
+    identical = total = 0
+    for label, lanes in lanes_by_head.items():
+        for delay, lane in lanes["delays"].items():
+            for kind in ("grounded", "free"):
+                pairs = [pair for w, pair in lane.items() if WORKLOADS[w][0] == kind]
+                speedups = [pair["speedup"] for pair in pairs if pair["speedup"]]
+                kept = sum(pair["accepted"] for pair in pairs)
+                sent = sum(pair["drafted"] for pair in pairs)
+                summary[f"{label} d={delay} {kind}"] = {
+                    "speedup": round(statistics.geometric_mean(speedups), 3) if speedups else None,
+                    "acceptance": round(kept / sent, 3) if sent else None,
+                    "drafted": sent,
+                }
+            for pair in lane.values():
+                total += 1
+                identical += pair["identical"]
+        if "clients" in lanes:
+            total += 1
+            identical += lanes["clients"]["identical"]
+            summary[f"{label} {CLIENTS} clients d=0"] = {
+                "speedup": lanes["clients"]["ratio"],
+                "acceptance": None,
+                "drafted": lanes["clients"]["speculative"]["drafted"],
+            }
+    summary["byte_identical"] = f"{identical}/{total}"
+    return lanes_by_head, summary
+
+
+def _main_ahead(args: Any, names: Sequence[str], delays: Sequence[int], workloads: Sequence[str]) -> int:
+    """``--ahead``: each model's 3-shard route, one window at a time and then windows in flight."""
+    from noderuntime.models import catalogue
+
+    heads: dict[str, tuple[str, ...]] = {"one at a time": ("--windows-ahead", "0"), "ahead": ()}
+    figures: dict[str, Any] = {}
+    rows = []
+    series: dict[str, tuple[Sequence[float], Sequence[float]]] = {}
+    for name in names:
+        model = catalogue.pull(name, progress=False)
+        prompts = _prompts(model, workloads)
+        lanes, summary = _head_lanes(args, name, model, prompts, delays, heads)
+        # windows in flight against one at a time: each lane's speculative speed, over the workloads
+        over: dict[str, float] = {}
+        for delay in delays:
+            for kind in ("grounded", "free"):
+                ratios = [
+                    pair["speculative_tok_s"] / lanes["one at a time"]["delays"][str(delay)][w]["speculative_tok_s"]
+                    for w, pair in lanes["ahead"]["delays"][str(delay)].items()
+                    if WORKLOADS[w][0] == kind
+                ]
+                over[f"d={delay} {kind}"] = round(statistics.geometric_mean(ratios), 3)
+        summary["ahead_over_one_at_a_time"] = over
+        figures[name] = {"prompt_tokens": {w: len(p) for w, p in prompts.items()}, "heads": lanes, "summary": summary}
+        for key, value in summary.items():
+            if isinstance(value, dict) and "speedup" in value:
+                rows.append([name, key, value["speedup"], value["acceptance"], value["drafted"]])
+        for key, value in over.items():
+            rows.append([name, f"ahead / one at a time {key}", value, None, None])
+        for label in heads:
+            for kind in ("grounded", "free"):
+                series[f"{name} {label} {kind}"] = (
+                    [float(d) for d in delays],
+                    [summary[f"{label} d={d} {kind}"]["speedup"] or 1.0 for d in delays],
+                )
+    recipe = {
+        "models": list(names),
+        "cuts": {name: MODELS[name][3] for name in names},
+        "window": WINDOW,
+        "heads": {label: " ".join(extra) or "(defaults: --windows-ahead 3)" for label, extra in heads.items()},
+        "delays_ms_each_way": list(delays),
+        "tokens": args.tokens,
+        "workloads": {w: WORKLOADS[w][0] for w in workloads},
+        "sampling": "greedy",
+        "nodes": "one process per range, 2 threads each, on this machine's cores; every seam through a link "
+        "proxy that holds each piece d ms each way",
+    }
+    path = args.out if args.out is not None else _common.RESULTS / f"{NAME}-ahead{'.quick' if args.quick else ''}.json"
+    _common.write(path, NAME, args, recipe, figures)
+    title = "3-shard routes: speculative / plain, one window at a time and windows in flight"
+    _common.plot(path.with_suffix(".png"), title, "seam delay each way (ms)", "speculative / plain (x)", series)
+    print(_common.table(["model", "lane", "speedup", "acceptance", "drafted"], rows))
+    print("byte-identical: " + ", ".join(f"{n} {figures[n]['summary']['byte_identical']}" for n in names))
+    print(f"wrote {path}")
+    return 0
+
+
 def _main_draft(args: Any, name: str, delays: Sequence[int], workloads: Sequence[str]) -> int:
     """``--draft``: one route, drafting by prompt lookup and then with the draft model."""
     from noderuntime.models import catalogue
@@ -445,39 +561,10 @@ def _main_draft(args: Any, name: str, delays: Sequence[int], workloads: Sequence
             drafts[spec] = Path(spec)
     prompts = _prompts(model, workloads)
     cuts = MODELS[name][3]
-    figures: dict[str, Any] = {"prompt_tokens": {w: len(p) for w, p in prompts.items()}, "drafters": {}}
+    figures: dict[str, Any] = {"prompt_tokens": {w: len(p) for w, p in prompts.items()}}
     drafters: dict[str, tuple[str, ...]] = {"lookup": ()}
     drafters.update({spec: ("--draft", str(path)) for spec, path in drafts.items()})
-    for drafter, head_extra in drafters.items():
-        print(f"{name} 3-shard route, drafting with {drafter}", flush=True)
-        lanes = trio.run(_route_lanes, model, name, 3, cuts, prompts, delays, args, head_extra)
-        figures["drafters"][drafter] = lanes
-    summary: dict[str, Any] = {}
-    identical = total = 0
-    for drafter, lanes in figures["drafters"].items():
-        for delay, lane in lanes["delays"].items():
-            for kind in ("grounded", "free"):
-                pairs = [pair for w, pair in lane.items() if WORKLOADS[w][0] == kind]
-                speedups = [pair["speedup"] for pair in pairs if pair["speedup"]]
-                kept = sum(pair["accepted"] for pair in pairs)
-                sent = sum(pair["drafted"] for pair in pairs)
-                summary[f"{drafter} d={delay} {kind}"] = {
-                    "speedup": round(statistics.geometric_mean(speedups), 3) if speedups else None,
-                    "acceptance": round(kept / sent, 3) if sent else None,
-                    "drafted": sent,
-                }
-            for pair in lane.values():
-                total += 1
-                identical += pair["identical"]
-        if "clients" in lanes:
-            total += 1
-            identical += lanes["clients"]["identical"]
-            summary[f"{drafter} {CLIENTS} clients d=0"] = {
-                "speedup": lanes["clients"]["ratio"],
-                "acceptance": None,
-                "drafted": lanes["clients"]["speculative"]["drafted"],
-            }
-    summary["byte_identical"] = f"{identical}/{total}"
+    figures["drafters"], summary = _head_lanes(args, name, model, prompts, delays, drafters)
     figures["summary"] = summary
     recipe = {
         "model": name,

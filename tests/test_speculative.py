@@ -336,6 +336,7 @@ def test_a_window_follows_one_in_flight_where_the_round_trip_is_long_and_chains_
         drafts.policy.timed(9, step + 8 * row)
         for _ in range(10):
             drafts.policy.judged(8, 8)  # its windows were kept whole
+            drafts.policy.chain_judged(True)  # and drew what the drafter guessed after them
         return drafts
 
     far = head(0.120, 0.002)  # 3 seams at 20 ms, rows of a small model
@@ -348,11 +349,22 @@ def test_a_window_follows_one_in_flight_where_the_round_trip_is_long_and_chains_
     # the answer keeps the first whole and draws the guess: the second stays in flight
     far.answered(passage[6:15], 0.13)
     assert [sent.step.start for sent in far.flight] == [209]
-    # the next answer is cut short: nothing in flight is live
-    far.answered([*passage[15:17], 1], 0.14)
-    assert not far.flight
-    near = head(0.010, 0.002)  # the same on one machine: a round trip costs little more than rows
+    # the next answer is cut short: nothing in flight is live; it came 110 ms after the one
+    # before, nearly a whole step: the route computes more than it waits, and none pays now
+    far.answered([*passage[15:17], 1], 0.24)
+    assert not far.flight and far.policy.fixed is not None and far.policy.fixed > 0.09
+    far.sending(218, trio.run(far.draft, 8, 8), 0.0)
+    assert far.ahead(9, 9, 3) == ()
+    # on one machine a round trip is all computing: one window that follows goes, and its answer,
+    # a whole step after the one before, stops the next
+    near = head(0.020, 0.005)
     near.sending(200, trio.run(near.draft, 8, 8), 0.0)
+    tried = near.ahead(9, 9, 3)
+    assert tried == tuple(passage[14:23])
+    near.sending(209, tried, 0.0, follows=True)
+    near.answered(passage[6:15], 0.06)
+    near.answered(passage[15:24], 0.06 + 0.020 + 9 * 0.005)
+    near.sending(227, trio.run(near.draft, 8, 8), 0.13)
     assert near.ahead(9, 9, 3) == ()
     broken = head(0.120, 0.002)
     for _ in range(30):

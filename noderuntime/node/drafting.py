@@ -121,6 +121,9 @@ class WindowPolicy:
     draft: float = 0.0  # seconds the head takes to draft a token (a draft model's steps; smoothed)
     chained: float = 0.0  # steps kept whole whose next draw was the drafter's guess, decayed
     chains: float = 0.0  # steps judged so, decayed
+    # seconds a window that follows one in flight adds besides its rows, from the answer before
+    # its own to its own (smoothed): what a step costs the route but for the seams' delay
+    fixed: float | None = None
     drafted_total: int = 0
     accepted_total: int = 0
 
@@ -132,8 +135,10 @@ class WindowPolicy:
     @property
     def chain(self) -> float:
         """The chance a step is kept whole and draws what the drafter guessed after it: that a
-        window following it is live (a prior of one third)."""
-        return (self.chained + 1.0) / (self.chains + 3.0)
+        window following it is live. Its prior, worth two steps, is what the acceptance says of
+        a whole window and a guess, as if each draft were kept alike."""
+        prior = self.acceptance ** (self.max_window + 1)
+        return (self.chained + 2.0 * prior) / (self.chains + 2.0)
 
     def size(self, offered: int, budget: int, *, drafted: bool = False) -> int:
         """Drafts to send, of the ``offered`` the drafter has, within ``budget`` rows (``drafted``:
@@ -162,9 +167,11 @@ class WindowPolicy:
 
         It is live with the chance every step in flight chains into the next; then its first row
         brings a token, and each further one another while its drafts are kept. It needs no round
-        trip of its own, but every row of it costs the route ``row`` seconds, live or not: time
-        in which the session's own steps would have brought ``rate() * row`` tokens. A row goes
-        while what it is expected to bring beats that.
+        trip of its own, but it holds the route for ``fixed + rows * row`` seconds, live or not:
+        time in which the session's own steps would have brought ``rate()`` tokens a second.
+        The rows that bring the most beyond that go, if any do. Where the route spends its
+        round trip computing rather than waiting on its seams (one machine), ``fixed`` is
+        most of a step, and none pays.
         """
         cap = min(offered, budget, self.max_window + 1)
         if cap <= 0 or self.step is None or depth <= 0:
@@ -172,11 +179,22 @@ class WindowPolicy:
         if self.eager:
             return cap
         row = self.row if self.row is not None else 0.5 * self.step
-        live, a, forgone = self.chain**depth, self.acceptance, self.rate() * row
-        rows = 0
-        while rows < cap and live * a**rows > forgone:
-            rows += 1
+        # before a window that follows was measured, a guess that lets one go where chains hold
+        # and the seams' delay is most of a step (the window then measures it)
+        fixed = self.fixed if self.fixed is not None else 0.25 * self.step
+        live, a, rate = self.chain**depth, self.acceptance, self.rate()
+        best, rows, expected = 0.0, 0, 0.0
+        for r in range(1, cap + 1):
+            expected += a ** (r - 1)
+            surplus = live * expected - rate * (fixed + r * row)
+            if surplus > best:
+                best, rows = surplus, r
         return rows
+
+    def followed(self, rows: int, seconds: float) -> None:
+        """A window of ``rows`` rows that followed one in flight was answered ``seconds`` after it."""
+        extra = max(0.0, seconds - rows * (self.row or 0.0))
+        self.fixed = extra if self.fixed is None else 0.8 * self.fixed + 0.2 * extra
 
     def rate(self) -> float:
         """Tokens a second the session's own windows bring (a plain step's where none pays)."""
@@ -263,6 +281,7 @@ class HeadDrafts:
         self.sent: tuple[int, ...] = ()  # the drafts of the next step, once drafted
         self._shadow: int | None = None  # the draft that step could have carried and did not
         self.flight: deque[_Sent] = deque()  # steps sent, oldest first
+        self._answered_at: float | None = None  # when the last answer came
 
     def answered(self, tokens: Sequence[int], now: float) -> InFlight | None:
         """The tokens that came back for the oldest step in flight (none: the prompt's); that step.
@@ -276,6 +295,8 @@ class HeadDrafts:
             step = sent.step
             if sent.sent_at is not None:
                 self.policy.timed(step.rows, now - sent.sent_at)
+            elif step.follows and self._answered_at is not None:  # live: the one before it chained into it
+                self.policy.followed(step.rows, now - self._answered_at)
             if step.drafts:
                 self.policy.judged(len(step.drafts), len(tokens) - 1)
             elif sent.shadow is not None:
@@ -286,6 +307,7 @@ class HeadDrafts:
                 self.flight.clear()  # stale: every hop drops them
         if self.lookup is not None:
             self.lookup.extend(tokens)
+        self._answered_at = now
         return None if sent is None else sent.step
 
     async def draft(self, room: int, budget: int) -> tuple[int, ...]:
