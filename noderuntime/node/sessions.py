@@ -442,7 +442,8 @@ class RouteSession:
             if isinstance(event, Credit):
                 continue
             self._touch()
-            self._awaiting_downstream = False
+            # until every step sent on is answered (windows in flight may be behind this one)
+            self._awaiting_downstream = isinstance(event, Tokens) and bool(self.windows.flight)
             if isinstance(event, Tokens):
                 try:
                     self.windows.answer(event.token_ids, event.header.positions, finished=event.finished)
