@@ -488,6 +488,22 @@ def _head_lanes(
     return lanes_by_head, summary
 
 
+def _lanes_recipe(
+    args: Any, delays: Sequence[int], workloads: Sequence[str], nodes: str = "", **which: Any
+) -> dict[str, Any]:
+    """The recipe of a run of :func:`_head_lanes`: ``which`` models and heads, then what every lane shares."""
+    return {
+        **which,
+        "window": WINDOW,
+        "delays_ms_each_way": list(delays),
+        "tokens": args.tokens,
+        "workloads": {w: WORKLOADS[w][0] for w in workloads},
+        "sampling": "greedy",
+        "nodes": "one process per range, 2 threads each, on this machine's cores; every seam through a link "
+        "proxy that holds each piece d ms each way" + nodes,
+    }
+
+
 def ahead_over_one(lanes: dict[str, Any], delays: Sequence[int]) -> dict[str, float]:
     """Windows in flight against one at a time, by delay and kind of workload: the geometric mean
     of each workload's speedup over plain in one lane over its speedup in the other. Each lane's
@@ -531,18 +547,14 @@ def _main_ahead(args: Any, names: Sequence[str], delays: Sequence[int], workload
                     [float(d) for d in delays],
                     [summary[f"{label} d={d} {kind}"]["speedup"] or 1.0 for d in delays],
                 )
-    recipe = {
-        "models": list(names),
-        "cuts": {name: MODELS[name][3] for name in names},
-        "window": WINDOW,
-        "heads": {label: " ".join(extra) or "(defaults: --windows-ahead 3)" for label, extra in heads.items()},
-        "delays_ms_each_way": list(delays),
-        "tokens": args.tokens,
-        "workloads": {w: WORKLOADS[w][0] for w in workloads},
-        "sampling": "greedy",
-        "nodes": "one process per range, 2 threads each, on this machine's cores; every seam through a link "
-        "proxy that holds each piece d ms each way",
-    }
+    recipe = _lanes_recipe(
+        args,
+        delays,
+        workloads,
+        models=list(names),
+        cuts={name: MODELS[name][3] for name in names},
+        heads={label: " ".join(extra) or "(defaults: --windows-ahead 3)" for label, extra in heads.items()},
+    )
     path = args.out if args.out is not None else _common.RESULTS / f"{NAME}-ahead{'.quick' if args.quick else ''}.json"
     _common.write(path, NAME, args, recipe, figures)
     title = "3-shard routes: speculative / plain, one window at a time and windows in flight"
@@ -574,18 +586,15 @@ def _main_draft(args: Any, name: str, delays: Sequence[int], workloads: Sequence
     drafters.update({spec: ("--draft", str(path)) for spec, path in drafts.items()})
     figures["drafters"], summary = _head_lanes(args, name, model, prompts, delays, drafters)
     figures["summary"] = summary
-    recipe = {
-        "model": name,
-        "drafts": {spec: path.name for spec, path in drafts.items()},
-        "cuts": cuts,
-        "window": WINDOW,
-        "delays_ms_each_way": list(delays),
-        "tokens": args.tokens,
-        "workloads": {w: WORKLOADS[w][0] for w in workloads},
-        "sampling": "greedy",
-        "nodes": "one process per range, 2 threads each, on this machine's cores; every seam through a link "
-        "proxy that holds each piece d ms each way; the head started with --draft MODEL in a draft's lanes",
-    }
+    recipe = _lanes_recipe(
+        args,
+        delays,
+        workloads,
+        "; the head started with --draft MODEL in a draft's lanes",
+        model=name,
+        drafts={spec: path.name for spec, path in drafts.items()},
+        cuts=cuts,
+    )
     path = args.out if args.out is not None else _common.RESULTS / f"{NAME}-draft{'.quick' if args.quick else ''}.json"
     _common.write(path, NAME, args, recipe, figures)
     series: dict[str, tuple[Sequence[float], Sequence[float]]] = {

@@ -159,6 +159,18 @@ def test_the_gateways_line_bounds_are_counts(flag: str, value: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("value", "message"),
+    [("-1", "expected an integer >= 0"), ("9", "at most 8 windows may follow one in flight"), ("1e9", "expected")],
+)
+def test_windows_ahead_are_a_count_within_the_protocols_bound(value: str, message: str) -> None:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
+        main(["up", "--model", "m.gguf", "--windows-ahead", value])
+    assert exited.value.code == 2
+    assert f"--windows-ahead: {message}" in err.getvalue().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
     "argv",
     [("tracker", "--route-burst"), ("gateway", "--model", "m.gguf", "--tracker", "http://t", "--running-per-key")],
     ids=["route-burst", "running-per-key"],

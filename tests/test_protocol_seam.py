@@ -287,11 +287,16 @@ def test_windows_in_flight_agree_at_both_ends_whichever_way_the_tokens_cross_the
     assert tail.receive(head.send(back)) is back
 
 
-def test_a_window_that_follows_makes_nothing_final_until_its_tokens() -> None:
+def _both_in_flight() -> tuple[SeamEndpoint, SeamEndpoint]:
     head, tail = pair()
     _decoding(head, tail)
     for window in _windows_in_flight(head):
         tail.receive(window)
+    return head, tail
+
+
+def test_a_window_that_follows_makes_nothing_final_until_its_tokens() -> None:
+    head, tail = _both_in_flight()
     assert head.final == tail.final == 6  # the first window's first row
     all_kept = Tokens(tail.header(Phase.DECODE, Span(6, 9)), (1, 2, 3), drafted=2, accepted=2)
     head.receive(tail.send(all_kept))
@@ -304,10 +309,7 @@ def test_a_window_that_follows_makes_nothing_final_until_its_tokens() -> None:
 
 
 def test_a_step_may_not_go_back_past_what_is_final_nor_skip_ahead() -> None:
-    head, tail = pair()
-    _decoding(head, tail)
-    for window in _windows_in_flight(head):
-        tail.receive(window)
+    head, tail = _both_in_flight()
     for span in (Span(5, 6), Span(11, 12)):  # before the first window's first row; beyond the KV
         forged = Activations(attrs.evolve(head.header(Phase.DECODE, span), cache_expectation=span.start),
                              h.activations().tensors)  # fmt: skip
