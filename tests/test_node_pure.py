@@ -157,7 +157,7 @@ def test_windows_that_follow_live_while_each_before_them_is_kept_whole() -> None
     assert [step.start for step in kept.flight] == [13] and kept.kept_end == 13
     kept.answer((5, 6), Span(14, 16), finished=False)  # the guess ran first: its drafts are 5
     assert not kept.flight and (kept.kept_end, kept.last) == (15, 6)
-    assert kept.live(15, (6,)) and not kept.live(15, (2,)) and not kept.live(16, (6,))
+    assert kept.live(15, (6,)) and kept.live(15, [6]) and not kept.live(15, (2,)) and not kept.live(16, (6,))
     for tokens, span in [((7, 1), Span(11, 13)), ((7, 8, 9), Span(11, 14))]:
         stale = two_in_flight()
         stale.answer(tokens, span, finished=False)

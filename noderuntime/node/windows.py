@@ -101,7 +101,7 @@ class HopWindows:
         the token drawn last)."""
         if self.flight:
             return start == self.engine_end
-        return start == self.kept_end == self.engine_end and self.last is not None and inputs[:1] == (self.last,)
+        return start == self.kept_end == self.engine_end and self.last is not None and tuple(inputs[:1]) == (self.last,)
 
     def check_step(self, start: int, *, decode: bool, follows: bool) -> None:
         """A step from the previous hop about to run (a window that follows another: once found
