@@ -280,7 +280,10 @@ class HeadDrafts:
         self._plain = 0  # plain steps since the draft model last drafted
         self.sent: tuple[int, ...] = ()  # the drafts of the next step, once drafted
         self._shadow: int | None = None  # the draft that step could have carried and did not
-        self.flight: deque[_Sent] = deque()  # steps sent, oldest first
+        # steps sent, oldest first: the driver's own view, answer by answer. The hop's
+        # (HopWindows.flight) is not it: the loop from downstream updates that one as answers
+        # arrive, ahead of the driver by the answers queued for it
+        self.flight: deque[_Sent] = deque()
         self._answered_at: float | None = None  # when the last answer came
 
     def answered(self, tokens: Sequence[int], now: float) -> InFlight | None:
