@@ -145,6 +145,7 @@ class BatcherStatistics:
     waiting: int
     running: bool
     last_batch_rows: int
+    largest_batch_rows: int  # the most rows one batch held: what the engine's buffers were paged in for
     last_tick_seconds: float
     recent_tick_seconds: float
     busy_seconds: float
@@ -191,6 +192,7 @@ class Batcher:
         self._tick = 0
         self._rows = self._decode_rows = 0
         self._last_rows = 0
+        self._largest_rows = 0
         self._last_seconds = 0.0
         self._recent = 0.0
         self._busy = 0.0
@@ -291,6 +293,7 @@ class Batcher:
             waiting=len(self._waiting),
             running=self._running,
             last_batch_rows=self._last_rows,
+            largest_batch_rows=self._largest_rows,
             last_tick_seconds=self._last_seconds,
             recent_tick_seconds=self._recent,
             busy_seconds=self._busy,
@@ -438,6 +441,7 @@ class Batcher:
         self._rows += len(rows)
         self._decode_rows += plan.n_decode
         self._last_rows = len(rows)
+        self._largest_rows = max(self._largest_rows, len(rows))
         self._last_seconds = elapsed
         # a smoothed step time, for the tracker's route costs
         self._recent = elapsed if self._tick == 1 else 0.8 * self._recent + 0.2 * elapsed
