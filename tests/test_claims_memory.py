@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
@@ -22,7 +22,7 @@ from noderuntime.engine.thread import EngineThread
 from noderuntime.node.batcher import Batcher, StepFailed, StepOutput, StepRequest
 from noderuntime.node.context import SessionContext, deadline_from_unix_ms
 from noderuntime.node.core import Node, NodeConfig
-from noderuntime.node.ending import EndReason
+from noderuntime.node.ending import Blame, EndReason
 from noderuntime.node.leases import LeaseManager
 from noderuntime.node.sessions import RouteSession
 from noderuntime.seams.client import (
@@ -741,10 +741,12 @@ async def test_each_probe_the_tracker_sends_is_answered_once(
 # --- a session's idle watchdog
 
 
-async def test_a_next_hop_that_sends_only_credits_does_not_keep_a_session_alive(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """sessions._downstream_loop: a Credit, which no hop sends, is passed over and is not progress."""
+async def _a_head_before(
+    next_hop: Callable[[SeamConnection, SeamEndpoint], Awaitable[None]], *, client_reads: bool = False
+) -> tuple[RouteSession, float]:
+    """A head session of 4 tokens after the prompt (1, 2, 3) whose next hop, the tail, ``next_hop``
+    plays once the seam is open; the client sends nothing after its OpenRoute and reads what
+    comes up where ``client_reads``. The session as it ended, and how long it ran."""
     ours, theirs = memory_stream_pair()
     down_ours, down_theirs = memory_stream_pair()
     first, second = Span(0, 2), Span(2, 4)
@@ -759,13 +761,45 @@ async def test_a_next_hop_that_sends_only_credits_does_not_keep_a_session_alive(
         async def connect(self, hop: Hop, open_route: OpenRoute) -> Any:
             return down_ours
 
-    async def next_hop() -> None:
+    async def tail() -> None:
         conn = SeamConnection(down_theirs)
         opening = await conn.receive()
         assert isinstance(opening, OpenRoute)
         endpoint = SeamEndpoint(opening.header.identity.at(second), Direction.UPSTREAM, peer_shard=first)
         endpoint.receive(opening)
         conn.endpoint = endpoint
+        with contextlib.suppress(TransportError):
+            await next_hop(conn, endpoint)
+
+    async def read(conn: SeamConnection) -> None:
+        with contextlib.suppress(TransportError):
+            while True:
+                await conn.receive()
+
+    client = SeamConnection(ours, SeamEndpoint(_identity(), Direction.DOWNSTREAM, peer_shard=first))
+    assert client.endpoint is not None
+    await client.send(OpenRoute(client.endpoint.header(Phase.PREFILL), hops, Sampling(), (1, 2, 3), 4))
+    upstream, opening = await _as_the_first_hop(theirs, first)
+    lease = LeaseManager(2, 64).acquire(7)
+    assert lease is not None
+    session = RouteSession(Head().context(), opening, 0, upstream, lease, object(), trio.current_time() + 600)
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tail)
+        if client_reads:
+            nursery.start_soon(read, client)
+        await session.run()
+        nursery.cancel_scope.cancel()
+    assert session.end is not None
+    return session, trio.current_time() - started
+
+
+async def test_a_next_hop_that_sends_only_credits_does_not_keep_a_session_alive(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """sessions._downstream_loop: a Credit, which no hop sends, is passed over and is not progress."""
+
+    async def credits_only(conn: SeamConnection, endpoint: SeamEndpoint) -> None:
         async with trio.open_nursery() as inner:
 
             async def drain() -> None:
@@ -774,23 +808,41 @@ async def test_a_next_hop_that_sends_only_credits_does_not_keep_a_session_alive(
                         await conn.receive()
 
             inner.start_soon(drain)
-            with contextlib.suppress(TransportError):
-                while True:  # "flow control" every second, and never a token
-                    await trio.sleep(1.0)
-                    await conn.send(Credit(endpoint.header(Phase.DECODE), 4))
+            while True:  # "flow control" every second, and never a token
+                await trio.sleep(1.0)
+                await conn.send(Credit(endpoint.header(Phase.DECODE), 4))
 
-    client = SeamConnection(ours, SeamEndpoint(_identity(), Direction.DOWNSTREAM, peer_shard=first))
-    assert client.endpoint is not None
-    await client.send(OpenRoute(client.endpoint.header(Phase.PREFILL), hops, Sampling(), (1, 2, 3), 4))
-    upstream, opening = await _as_the_first_hop(theirs, first)
-    node = Head()
-    lease = LeaseManager(2, 64).acquire(7)
-    assert lease is not None
-    session = RouteSession(node.context(), opening, 0, upstream, lease, object(), trio.current_time() + 600)
-    started = trio.current_time()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(next_hop)
-        await session.run()
-        nursery.cancel_scope.cancel()
+    session, took = await _a_head_before(credits_only)
     assert session.end is not None and session.end.reason is EndReason.IDLE, session.end
-    assert trio.current_time() - started <= 30.0 * 1.5  # the idle timeout, not the 600 s deadline
+    assert took <= 30.0 * 1.5  # the idle timeout, not the 600 s deadline
+
+
+async def test_a_client_that_never_releases_blames_nobody_downstream_once_every_step_is_answered(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """sessions._downstream_loop: a head whose next hop answered every step it sent, and whose
+    client then neither releases nor asks more, ends idle blaming nobody. It used to read its
+    steps in flight before the answer took its step off them, so it still took itself for
+    waiting on the next hop, and its Error named that honest hop as the one to avoid."""
+
+    async def answers_each_step(conn: SeamConnection, endpoint: SeamEndpoint) -> None:
+        drawn = 0
+        while drawn < 4:
+            step = await conn.receive()
+            if not isinstance(step, Activations):
+                continue
+            span = step.header.positions
+            at = span.end if step.header.phase is Phase.PREFILL else span.start + 1
+            if step.header.phase is Phase.PREFILL and span.end < 3:
+                continue  # a prompt chunk before the last
+            drawn += 1
+            # tokens the prompt does not hold: nothing for prompt lookup to draft from
+            await conn.send(Tokens(endpoint.header(Phase.DECODE, Span(at, at + 1)), (100 + drawn,), drawn == 4))
+        while True:  # alive, as a tail waiting for the Release is: a heartbeat now and then
+            await trio.sleep(0.5)
+            await conn.send(Credit(endpoint.header(Phase.DECODE), 4))
+
+    session, took = await _a_head_before(answers_each_step, client_reads=True)
+    assert session.end is not None and session.end.reason is EndReason.IDLE, session.end
+    assert session.end.code is StatusCode.DEADLINE_EXCEEDED and session.end.blame is Blame.NONE, session.end
+    assert took <= 30.0 * 1.5

@@ -442,14 +442,15 @@ class RouteSession:
             if isinstance(event, Credit):
                 continue
             self._touch()
-            # until every step sent on is answered (windows in flight may be behind this one)
-            self._awaiting_downstream = isinstance(event, Tokens) and bool(self.windows.flight)
             if isinstance(event, Tokens):
                 try:
                     self.windows.answer(event.token_ids, event.header.positions, finished=event.finished)
                 except RemoteProtocolError as exc:
                     await self._protocol_failure_down(exc)
                     return
+                # until every step sent on is answered (windows in flight may be behind this one);
+                # read after the answer took its own step off them
+                self._awaiting_downstream = bool(self.windows.flight)
                 self._seen += event.token_ids
                 if event.finished:
                     self.context.last_step(self.lease.seq_id)
