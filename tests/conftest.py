@@ -367,7 +367,7 @@ def _by_module(items: list[pytest.Item], parts: int) -> list[list[pytest.Item]]:
     cuts = [0]
     for k in range(1, parts):
         i = max(cuts[-1], round(len(items) * k / parts))
-        while 0 < i < len(items) and items[i].parent is items[i - 1].parent:
+        while 0 < i < len(items) and getattr(items[i], "module", None) is getattr(items[i - 1], "module", None):
             i += 1
         cuts.append(i)
     cuts.append(len(items))
