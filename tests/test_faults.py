@@ -188,19 +188,29 @@ class Rig:
             assert time.monotonic() - started < within, states
             time.sleep(0.1)
 
-    def wait_prefilling(self, name: str, before: dict[str, Any], streams: Sequence[Stream], within: float) -> None:
-        """Wait until every stream has a session on the node that ran its first prompt step
-        since the ``before`` status, or has ended."""
+    def wait_opened(self, name: str, before: dict[str, Any], streams: Sequence[Stream], within: float) -> None:
+        """Wait until the node opened a session for every stream since the ``before`` status, or they ended."""
         deadline = time.monotonic() + within
         while True:
-            now = self.status(name)
-            opened = now["sessions_opened"] - before["sessions_opened"]
-            rows = now["batcher"]["prefill_rows"] - before["batcher"]["prefill_rows"]
+            opened = self.status(name)["sessions_opened"] - before["sessions_opened"]
             ended = sum(not s.is_alive() for s in streams)
-            if ended == len(streams) or (opened >= len(streams) and rows >= opened * PREFILL_CHUNK):
+            if ended == len(streams) or opened >= len(streams):
                 return
-            assert time.monotonic() < deadline, f"{name}: {opened} sessions, {rows} prefill rows, {ended} ended"
+            assert time.monotonic() < deadline, f"{name}: {opened} sessions, {ended} ended"
             time.sleep(0.02)
+
+    def wait_counted_free(self, names: Sequence[str], within: float) -> None:
+        """Wait until the tracker counts every slot of the named nodes free: it takes a slot off
+        for each route it grants and gives it back at the node's next heartbeat, so requests
+        sent sooner wait in the gateway's line, or are refused, for slots that are free."""
+        ids = {expect(self.infos[n], NodeReady).node_id for n in names}
+        deadline = time.monotonic() + within
+        while True:
+            records = [r for r in _get(self.tracker_url + "/v1/nodes")["nodes"] if r["node_id"] in ids]
+            if len(records) == len(ids) and all(r["free_slots"] == r["slots"] for r in records):
+                return
+            assert time.monotonic() < deadline, records
+            time.sleep(0.05)
 
     def wait_routable(self, within: float = 30.0) -> None:
         deadline = time.monotonic() + within
@@ -402,16 +412,24 @@ def test_a_link_that_stalls_then_trickles(rig: Rig) -> None:
         freed = rig.wait_idle(["a", "b"], within=IDLE + SLACK)
         _note("link_stalls", error_after_s=took, deadline_s=HANG + SLACK, nodes_idle_after_s=freed)
 
-        # a peer that stops reading holds the sender back: long prompts into the stalled
-        # link do not pile up in the head's memory. Warm-up waves size llama.cpp's buffers
-        # and the allocator's arenas for long batches; after them, two more waves must
-        # not grow the head. The faults benchmark runs more waves, to show that nothing
-        # creeps up over many. Each wave's link stops once its sessions have their seams to
-        # b and the head has run their prompts' first rows: a head opens its seam (the
-        # sealed handshake) before it computes a row, so sessions opened over a link that
-        # had already stopped sent none (each waited out the handshake's bound, then 10 s).
+        # a peer that stops reading: long prompts sent into it do not pile up in the
+        # head's memory. Warm-up waves size llama.cpp's buffers and the allocator's arenas
+        # for long batches; after them, two more waves must not grow the head. The faults
+        # benchmark runs more waves, to show that nothing creeps up over many. In each
+        # wave b stops reading once it has opened the sessions (a head opens its seam, the
+        # sealed handshake, before it computes a row: sessions opened over a link that had
+        # already stopped sent none), and goes on writing, so its answers to the opening
+        # and its heartbeats reach the head, which then computes the prompts and sends
+        # them into a peer that reads nothing. (Stopped both ways once the head had run
+        # the prompts' first rows, the waves met no stopped link here: four long prompts
+        # at once kept both nodes busy for seconds on these cores, and their sessions
+        # ended on the 3 s idle limit before the link stopped.) Each seam has a connection
+        # of its own, whose socket buffers take most of a prompt here: that the sender is
+        # then held back is the transports' check; this one is that nothing it sent stays
+        # in the head.
         long_prompt = [{"role": "user", "content": "Summarise: " + "the quick brown fox jumps over it. " * 90}]
-        rss = []
+        rss: list[int] = []
+        wave_rows: list[int] = []  # the prompt rows the head ran in each wave
         waves_run = int(os.environ.get("NODERUNTIME_FAULTS_WAVES", "4"))
         rows_before = rig.status("a")["batcher"]["prefill_rows"]
 
@@ -421,14 +439,18 @@ def test_a_link_that_stalls_then_trickles(rig: Rig) -> None:
             # sessions the head gave up on, and fill its slots with them
             proxy.drop()
             proxy.mode = "pass"
-            before = rig.status("a")
+            rig.wait_counted_free(["a", "b"], within=10)
+            before, head_before = rig.status("b"), rig.status("a")
             waves = [Stream(rig.gateway_url, max_tokens=4, messages=long_prompt) for _ in range(4)]
-            rig.wait_prefilling("a", before, waves, within=30)
-            proxy.mode = "stall"
+            rig.wait_opened("b", before, waves, within=30)
+            proxy.mode = "deaf"
+            ended = [one.status for one in waves if not one.is_alive()]
+            assert not ended, f"requests ended before b stopped reading: {ended}"
             for one in waves:
                 one.join(4 * IDLE + 20)
                 assert one.error is not None or one.status != 200
             rig.wait_idle(["a"], within=IDLE + SLACK)
+            wave_rows.append(rig.status("a")["batcher"]["prefill_rows"] - head_before["batcher"]["prefill_rows"])
             rss.append(_rss_kib(rig.processes["a"].pid))
 
         # Two warm-up waves, and more until the head has run a batch of a whole ubatch (two
@@ -456,6 +478,7 @@ def test_a_link_that_stalls_then_trickles(rig: Rig) -> None:
             requests=4 * len(rss),
             warm_up_waves=warm,
             head_prompt_rows=rows_run,
+            head_prompt_rows_a_wave=wave_rows,
             head_rss_mib=[round(r / 1024, 1) for r in rss],
             grown_mib=grown_mib,
             grown_over_last_half_mib=(rss[-1] - rss[len(rss) // 2]) / 1024,

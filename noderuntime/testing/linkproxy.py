@@ -7,6 +7,8 @@ any time:
 - ``pass``: forward everything, each piece ``delay`` seconds after it arrived (each way,
   in order: a link ``delay`` long, with a round trip of twice it; 0 by default);
 - ``stall``: stop reading either side (the sender's window fills, as on a dead link);
+- ``deaf``: stop reading what the connecting side sends, and forward all the other way (a
+  target that stops reading its input but still writes: its heartbeats arrive);
 - ``trickle``: forward ``rate`` bytes per second in small pieces.
 
 :meth:`LinkProxy.cut` goes further, for good: open links stall and new connections are
@@ -22,7 +24,7 @@ from typing import Literal
 
 import trio
 
-Mode = Literal["pass", "stall", "trickle"]
+Mode = Literal["pass", "stall", "deaf", "trickle"]
 PIECE = 64
 IN_FLIGHT = 1024  # pieces a delayed direction holds before it stops reading (as a full window would)
 
@@ -154,12 +156,13 @@ class LinkProxy:
             async with send:
                 try:
                     while True:
-                        await self._hold_while_dark()
+                        await self._hold_while_dark(up=index is not None)
                         size = PIECE if self.mode == "trickle" else 65536
                         data = await src.receive_some(size)
                         if not data:
                             break
-                        await self._hold_while_dark()  # it went dark while we waited: what came stays here
+                        # it went dark while we waited: what came stays here
+                        await self._hold_while_dark(up=index is not None)
                         if index is not None:
                             self.bytes_up[index] += len(data)  # counted before the target can see it
                         if self.record:
@@ -185,7 +188,7 @@ class LinkProxy:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             done.cancel()  # the far end is gone: so is the link
 
-    async def _hold_while_dark(self) -> None:
+    async def _hold_while_dark(self, *, up: bool) -> None:
         # the mode is switched from another thread: a poll, not an event of this trio run
-        while self.mode == "stall":  # noqa: ASYNC110
+        while self.mode == "stall" or (up and self.mode == "deaf"):  # noqa: ASYNC110
             await trio.sleep(0.05)
