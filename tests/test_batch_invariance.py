@@ -3,8 +3,10 @@
 Sessions with random prefill chunks and decode steps, at KV lengths into the hundreds,
 run concurrently through one :class:`Batcher` over a real middle shard; every step's
 hidden rows must equal, bit for bit, the same session's steps run alone on a second
-engine. (Batching a prefill chunk with other sequences' steps breaks this: llama.cpp
-computes it in other ubatch shapes, and about one step in ten differs; chunks of one
+engine. (The scheduler never batches a prefill chunk with decode steps: llama.cpp computes
+it in other ubatch shapes, and before patches 0008 and 0009 about one step in ten then
+differed. With them, such batches were measured exact on the CPU too, 9-13 mixed ticks in
+each case here with the scheduler swapped for one that mixes, at 1a500ca. Chunks of one
 length batched together keep their shapes and must stay exact.) How a prompt is cut into
 prefill chunks changes nothing either, with flash attention on or off.
 """
@@ -38,9 +40,11 @@ async def test_batched_steps_equal_the_same_steps_alone(
     flash_attn: FlashAttn, smollm2: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # on: past 512 KV cells llama.cpp split a lone decode row's attention across threads (a
-    # batch of several rows never), which patch 0008 stops; off: as nodes on a GPU run
+    # batch of several rows never), which patch 0008 stops; off: as nodes on a GPU run.
+    # Four middle layers: each computes its rows with the same kernels, so a step that
+    # differs differs from the first layer on (ten took 25 s a case, four 10 s)
     recipe = attrs.evolve(RECIPE, flash_attn=flash_attn)
-    await _check_batch_invariance(smollm2, LayerRange(10, 20), 576, monkeypatch, recipe)
+    await _check_batch_invariance(smollm2, LayerRange(10, 14), 576, monkeypatch, recipe)
 
 
 @pytest.mark.parametrize("flash_attn", ["on", "off"])

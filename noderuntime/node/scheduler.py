@@ -10,7 +10,9 @@ batch that mixes sequences into ubatches holding the same number of tokens of ea
 a chunk batched with other steps is computed in other shapes than alone, and its
 results differ in the last bits (measured: about one step in ten once the KV passes a
 few hundred cells) — enough to flip a greedy choice, so a session's output would
-depend on who else was served. Decode steps are one token each, never split: batched,
+depend on who else was served. (On the CPU, patches 0008 and 0009 since made those
+shapes compute alike, and mixed batches were measured exact there too; a device's
+kernels need not be.) Decode steps are one token each, never split: batched,
 each computes exactly what it would alone. Chunks of the same length are not split
 either (each sequence keeps all its tokens in one ubatch, as alone), so they run
 together while they fit one ubatch: a burst of same-length prompts (or the full-size
