@@ -31,7 +31,7 @@ def _recipe() -> Any:
     return Recipe(n_threads=2, n_ctx_per_seq=1024, n_seq_max=16, n_batch=512, n_ubatch=512)
 
 
-def _lane(model: str, cuts: list[int], prefill_tokens: int, decode_steps: int) -> dict[str, float]:
+def _lane(model: str, cuts: list[int], prefill_tokens: int, decode_steps: int, decode_prompt: int) -> dict[str, float]:
     from noderuntime.engine.llama import Rows, ShardEngine
     from noderuntime.models.artifacts import LayerRange
 
@@ -72,9 +72,9 @@ def _lane(model: str, cuts: list[int], prefill_tokens: int, decode_steps: int) -
     run(Rows(np.zeros(prefill_tokens, np.int32), np.arange(prefill_tokens, dtype=np.int32), outputs, tokens=tokens))
     figures["prefill_tok_s"] = prefill_tokens / (time.perf_counter() - started)
     clear()
-    # decode: B sequences with a 32-token prompt each, then steps of B rows
+    # decode: B sequences with a short prompt each, then steps of B rows
     for batch in BATCHES:
-        prompt = 32
+        prompt = decode_prompt
         seq = np.repeat(np.arange(batch, dtype=np.int32), prompt)
         pos = np.tile(np.arange(prompt, dtype=np.int32), batch)
         out = np.zeros(len(seq), bool)
@@ -100,14 +100,19 @@ def main(argv: list[str] | None = None) -> int:
 
     model = models.pull(models.DEMO_MODEL, progress=False)
     info = artifacts.inspect(model)
+    # the quick form (make test's) only shows that the lanes run and the JSON is whole: with
+    # 128, 16 and 32 it took 23 s there, most of it prompt rows of the decode lanes
     repeats = 1 if args.quick else 3
-    prefill_tokens = 128 if args.quick else 512
-    decode_steps = 16 if args.quick else 64
+    prefill_tokens = 64 if args.quick else 512
+    decode_steps = 8 if args.quick else 64
+    decode_prompt = 8 if args.quick else 32
     lanes = {"whole": [0, info.n_layer], "chain_2": [0, info.n_layer // 2, info.n_layer]}
     runs: dict[str, list[dict[str, float]]] = {lane: [] for lane in lanes}
     for _ in range(repeats):
         for lane, cuts in lanes.items():  # alternate lanes: both see the same machine state
-            runs[lane].append(_common.in_fresh_process(_lane, str(model), cuts, prefill_tokens, decode_steps))
+            runs[lane].append(
+                _common.in_fresh_process(_lane, str(model), cuts, prefill_tokens, decode_steps, decode_prompt)
+            )
     figures: dict[str, Any] = {}
     for lane, results in runs.items():
         figures[lane] = {key: statistics.median(r[key] for r in results) for key in results[0]}
@@ -126,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         settings={
             "prefill_tokens": prefill_tokens,
             "decode_steps": decode_steps,
+            "decode_prompt_tokens": decode_prompt,
             "repeats": repeats,
             "cuts": lanes,
             "raw": runs,
