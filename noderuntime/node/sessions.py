@@ -10,7 +10,7 @@ neighbours that still listen, and closes its seams.
 Roles follow from the hop's place in the route plan:
 
 - head (layer 0): takes the prompt tokens, runs chunked prefill and the decode steps,
-  feeding each token the tail sends back into the next step;
+  feeding each token the tail sends back into the next step (:mod:`noderuntime.node.head`);
 - tail (last layer): samples the last position with a per-session llama.cpp sampler
   chain and sends the token upstream, ending on a stop token or max tokens;
 - every hop: runs the Activations it receives and passes them on; passes Tokens and
@@ -41,8 +41,8 @@ from noderuntime.control.ledger import UsageBody
 from noderuntime.engine.base import EngineError
 from noderuntime.node.batcher import StepFailed, StepOutput, StepRequest
 from noderuntime.node.context import SessionContext, SessionKey, SessionUsage
-from noderuntime.node.drafting import HeadDrafts
 from noderuntime.node.ending import Blame, EndReason, SessionEnd, ending, idle_blame, seam_lost
+from noderuntime.node.head import HeadDriver
 from noderuntime.node.leases import Lease
 from noderuntime.node.prefix import BLOCK
 from noderuntime.node.tail import Draws, TailDraws
@@ -137,7 +137,7 @@ class RouteSession:
         self._my_offer = min(self._offer_in, self._cached)
         self._agreed: int | None = None if self._offer_in else 0
         self._settled = trio.Event()
-        self._seen: list[int] = []  # tokens generated so far, as they passed this node
+        self.seen: list[int] = []  # tokens generated so far, as they passed this node
         self.windows = HopWindows.open(
             open_route.speculate,
             context.max_window,
@@ -249,7 +249,7 @@ class RouteSession:
     async def _keep_prefix(self) -> None:
         """Save this finished session's KV and tokens in the node's prefix cache (between batches)."""
         cache, save = self.context.prefix_cache, self.context.save_state
-        tokens = (*self.open_route.prompt_tokens, *self._seen)[: self.kv_length]
+        tokens = (*self.open_route.prompt_tokens, *self.seen)[: self.kv_length]
         if cache is None or save is None or cache.budget == 0 or len(tokens) < BLOCK:
             return
         try:
@@ -418,7 +418,7 @@ class RouteSession:
                 if isinstance(event, Tokens):
                     self._check_tokens(event)
             except RemoteProtocolError as exc:
-                await self._protocol_failure_down(exc)
+                await self.protocol_failure_down(exc)
                 return
             except TransportError as exc:
                 self._finish(seam_lost(False, exc.code, str(exc)))
@@ -433,7 +433,7 @@ class RouteSession:
                 if isinstance(event, Prefix):
                     continue
             elif isinstance(event, Prefix):  # after this node gave up waiting and settled on none
-                await self._protocol_failure_down(
+                await self.protocol_failure_down(
                     RemoteProtocolError(
                         "a Prefix after the session's prefix was settled", StatusCode.FAILED_PRECONDITION
                     )
@@ -446,12 +446,12 @@ class RouteSession:
                 try:
                     self.windows.answer(event.token_ids, event.header.positions, finished=event.finished)
                 except RemoteProtocolError as exc:
-                    await self._protocol_failure_down(exc)
+                    await self.protocol_failure_down(exc)
                     return
                 # until every step sent on is answered (windows in flight may be behind this one);
                 # read after the answer took its own step off them
                 self._awaiting_downstream = bool(self.windows.flight)
-                self._seen += event.token_ids
+                self.seen += event.token_ids
                 if event.finished:
                     self.context.last_step(self.lease.seq_id)
                 if self._decode_sent_at is not None:
@@ -483,120 +483,14 @@ class RouteSession:
 
     async def _drive_head(self, tokens_in: trio.MemoryReceiveChannel[Tokens] | None) -> None:
         try:
-            with self._driver_scope:
-                if tokens_in is None:
-                    await self._drive(None)
-                else:
-                    with tokens_in:  # closed on exit: late tokens from downstream are then dropped
-                        await self._drive(tokens_in)
+            # the tail's answers are closed on exit: late tokens from downstream are then dropped
+            answers = contextlib.nullcontext() if tokens_in is None else tokens_in
+            with self._driver_scope, answers:
+                await self._settled.wait()
+                # from the positions every hop restored from its prefix cache
+                await HeadDriver(self, self._agreed or 0).run(tokens_in)
         finally:
             self._driver_done.set()
-
-    async def _drive(self, tokens_in: trio.MemoryReceiveChannel[Tokens] | None) -> None:
-        """The head: chunked prefill of the prompt, then one decode step per token (or window) sent back."""
-        prompt = np.asarray(self.open_route.prompt_tokens, dtype=np.int32)
-        chunk = self.context.prefill_chunk
-        await self._settled.wait()
-        position = self._agreed or 0  # what every hop restored from its prefix cache
-        output: StepOutput | None = None
-        for start in range(position, len(prompt), chunk):
-            piece = prompt[start : start + chunk]
-            sample = self.tail.rows_to_sample(start, len(piece)) if self.is_tail else 0
-            output = await self._step(position, tokens=piece, sample=sample, decode=False)
-            if output is None:
-                return
-            if self.open_route.audit and self.is_tail:
-                if position + len(piece) == len(prompt) and await self._emit(self.tail.take_audit()):
-                    return
-                output = None
-            position += len(piece)
-        drafts = HeadDrafts(
-            self.open_route.prompt_tokens,
-            self.open_route.speculate,
-            eager=self.context.eager_windows,
-            model=self.context.draft_model,
-            seq_id=self.lease.seq_id,
-        )
-        if tokens_in is not None:
-            arrived = tokens_in  # the first tokens from the tail wait there
-            await drafts.prepare(self.context.draft_rows(), lambda: arrived.statistics().current_buffer_used > 0)
-        if self.is_tail:
-            assert output is not None
-            await self._drive_alone(drafts, output, position)
-        else:
-            assert tokens_in is not None
-            await self._drive_route(drafts, tokens_in, position)
-
-    async def _drive_alone(self, drafts: HeadDrafts, output: StepOutput, first: int) -> None:
-        """The head that is its route's tail: each step's draws, then the next step (or window)."""
-        sent: tuple[int, ...] = ()  # the drafts of the step that drew ``output``
-        while True:
-            draws = self.tail.take(output, first, len(sent))
-            if await self._emit(draws):
-                return
-            # the step's round trip and its drafts judged; the next step: the last token, at its position
-            drafts.answered(draws.tokens, time.perf_counter())
-            position = first + len(draws.tokens) - 1  # the tail's own draws stop at the reservation
-            room = self.windows.room(position, left=self._left(), reserved=self.lease.tokens)
-            sent = await drafts.draft(room, self.context.draft_rows())
-            rows = np.array([draws.tokens[-1], *sent], np.int32)
-            drafts.sending(position, sent, time.perf_counter())
-            stepped = await self._step(position, tokens=rows, sample=len(rows), decode=True, draft=sent)
-            if stepped is None:
-                return
-            output, first = stepped, position + 1
-
-    async def _drive_route(self, drafts: HeadDrafts, tokens_in: trio.MemoryReceiveChannel[Tokens], first: int) -> None:
-        """The head of a longer route: a step (or window) for each answer from the tail, and
-        behind the steps in flight the windows that follow them, where they pay."""
-        while True:
-            received = await tokens_in.receive()
-            if received.finished or not received.token_ids:
-                return  # wait for Release from the client in the upstream loop
-            tokens = received.token_ids
-            self.windows.answered(received.window, received.ahead)
-            # the step's round trip and its drafts judged; the windows behind it live or stale
-            answered = drafts.answered(tokens, time.perf_counter())
-            position = (first if answered is None else answered.start + 1) + len(tokens) - 1
-            if await self._past_reservation(position):
-                return
-            if not drafts.flight:  # none in flight still live: the next step, the last token at its position
-                room = self.windows.room(position, left=self._left(), reserved=self.lease.tokens)
-                sent = await drafts.draft(room, self.context.draft_rows())
-                rows = np.array([tokens[-1], *sent], np.int32)
-                drafts.sending(position, sent, time.perf_counter())
-                if await self._step(position, tokens=rows, sample=0, decode=True, draft=sent) is None:
-                    return
-            while drafts.flight:
-                start = drafts.flight[-1].step.end
-                # every row of the steps in flight kept would bring the tokens up to ``start``
-                left = self._left() - (start - position)
-                most = min(self.windows.window, left, self.lease.tokens - start)
-                inputs = drafts.ahead(most, self.context.draft_rows(), self.windows.ahead)
-                if not inputs:
-                    break
-                drafts.sending(start, inputs, time.perf_counter(), follows=True)
-                self.context.windows_ahead("sent")
-                rows = np.array(inputs, np.int32)
-                if await self._step(start, tokens=rows, sample=0, decode=True, draft=inputs, follows=True) is None:
-                    return
-
-    def _left(self) -> int:
-        """Tokens the session may still generate."""
-        return self.open_route.max_tokens - len(self.open_route.generated) - len(self._seen)
-
-    async def _past_reservation(self, position: int) -> bool:
-        """Whether the tail sent a token for ``position``, past the session's reservation (it should
-        have finished the generation): then the next hop broke the protocol."""
-        if position < self.lease.tokens:
-            return False
-        await self._protocol_failure_down(
-            RemoteProtocolError(
-                f"a token for position {position}, past the {self.lease.tokens} this session reserved",
-                StatusCode.OUT_OF_RANGE,
-            )
-        )
-        return True
 
     async def _run_activations(self, event: Activations) -> bool:
         """A non-head hop: run the rows, pass them on (or sample, on the tail)."""
@@ -622,7 +516,7 @@ class RouteSession:
             return False
         self.windows.commit(into.add_rows, positions.start, hidden, window, follows=follows)
         sample = len(positions) if window else self.tail.rows_to_sample(positions.start, len(positions))
-        output = await self._step(
+        output = await self.step(
             positions.start,
             hidden=hidden,
             sample=sample if self.is_tail else 0,
@@ -635,11 +529,11 @@ class RouteSession:
         if self.is_tail and sample:
             if self.open_route.audit:
                 if positions.end == len(self.open_route.prompt_tokens):
-                    await self._emit(self.tail.take_audit())
+                    await self.emit(self.tail.take_audit())
                 return True
             # a window's draws begin at its first row; a plain step's is its last row's
             first = positions.start + 1 if window else positions.end
-            await self._emit(self.tail.take(output, first, len(draft), guessed=follows))
+            await self.emit(self.tail.take(output, first, len(draft), guessed=follows))
         return True
 
     def _checked_rows(self, event: Activations) -> tuple[np.ndarray, Commitment]:
@@ -664,7 +558,7 @@ class RouteSession:
             raise RemoteProtocolError("Activations before the route agreed on its prefix")
         return hidden, self._in_commit
 
-    async def _step(
+    async def step(
         self,
         start: int,
         *,
@@ -730,9 +624,9 @@ class RouteSession:
                 self._decode_sent_at = time.perf_counter()
         return output
 
-    async def _emit(self, draws: Draws) -> bool:
+    async def emit(self, draws: Draws) -> bool:
         """The tail: send ``draws`` upstream, in the commitments first; whether the generation is finished."""
-        self._seen += draws.tokens
+        self.seen += draws.tokens
         assert self._out_commit is not None
         self._out_commit.add_tokens(draws.first - 1, draws.tokens)
         self.windows.keep(draws.span.end - 1, draws.tokens[-1] if draws.tokens else None)
@@ -837,7 +731,7 @@ class RouteSession:
     # Both failures end the session before telling the peer: the notice is sent shielded,
     # and meanwhile no other task of the session may send on a seam that is closing.
 
-    async def _protocol_failure_down(self, error: ProtocolError) -> None:
+    async def protocol_failure_down(self, error: ProtocolError) -> None:
         assert self.downstream is not None
         self._finish(ending(EndReason.DOWNSTREAM_PROTOCOL_ERROR, f"the next hop broke the protocol: {error.message}"))
         await self.downstream.fail(error, self.context.node_id)
