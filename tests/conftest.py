@@ -287,6 +287,7 @@ TIERS = {
     "memory": (  # trio tasks over memory streams, fakes in place of the engine, often the autojump clock
         "test_api_properties",
         "test_batcher",
+        "test_claims_links",
         "test_claims_memory",
         "test_enginethread",
         "test_line",
@@ -337,8 +338,10 @@ TIERS = {
         "test_queueing",
         "test_rebalancing",
         "test_relay_e2e",
+        "test_relay_links",
         "test_repair",
         "test_structured_output",
+        "test_sybil_votes",
         "test_timeline",
         "test_tools",
         "test_torchengine",

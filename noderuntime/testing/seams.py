@@ -11,11 +11,12 @@ import trio
 
 from noderuntime.access.identity import Identity, channel_keys
 from noderuntime.access.tickets import TicketVerifier, issue
+from noderuntime.seams.connection import SeamConnection
 from noderuntime.transport import FrameStream, memory_stream_pair
 from noderuntime.transport.grpc import AsyncioThread, GrpcConnector, GrpcServer
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from noderuntime.transport.sealed import seal_acceptor, seal_dialer
-from protocol import Hop, Span
+from protocol import Direction, Hop, OpenRoute, SeamEndpoint, Span
 from protocol.channel import Binding, sealed_size
 from relay.server import Relay, serve
 
@@ -86,3 +87,15 @@ async def seam(kind: str) -> AsyncIterator[tuple[FrameStream, FrameStream]]:
             # cancelled together, the close would wait out its second
             listener.stop()
         nursery.cancel_scope.cancel()
+
+
+async def first_hop_seam(stream: FrameStream, shard: Span) -> tuple[SeamConnection, OpenRoute]:
+    """The seam a route's first hop (serving ``shard``) serves on ``stream``, once the client's
+    OpenRoute came in on it: the seam, and that OpenRoute."""
+    conn = SeamConnection(stream)
+    opening = await conn.receive()
+    assert isinstance(opening, OpenRoute), opening
+    endpoint = SeamEndpoint(opening.header.identity.at(shard), Direction.UPSTREAM, peer_shard=Span())
+    endpoint.receive(opening)
+    conn.endpoint = endpoint
+    return conn, opening
