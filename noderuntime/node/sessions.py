@@ -732,6 +732,7 @@ class RouteSession:
     # and meanwhile no other task of the session may send on a seam that is closing.
 
     async def protocol_failure_down(self, error: ProtocolError) -> None:
+        """End the session on the next hop's breach of the protocol, and tell it why."""
         assert self.downstream is not None
         self._finish(ending(EndReason.DOWNSTREAM_PROTOCOL_ERROR, f"the next hop broke the protocol: {error.message}"))
         await self.downstream.fail(error, self.context.node_id)
