@@ -43,16 +43,6 @@ def cache_dir(name: str) -> Path:
     return Path(platformdirs.user_cache_dir("noderuntime")) / "benchmarks" / name
 
 
-def threads(most: int = 2) -> int:
-    """The threads an engine of a benchmark computes with: ``most``, or one per core this process
-    may run on where that is fewer. A test worker pinned to one core runs the quick forms, and two
-    threads on one core wait for each other at every barrier (Gate A's quick form took 59 s so on
-    one core, 53 s with one thread)."""
-    from noderuntime.engine.cores import machine_cores
-
-    return max(1, min(most, len(machine_cores())))
-
-
 def machine() -> dict[str, Any]:
     """The machine the figures were measured on."""
     cpu = platform.processor() or "unknown"

@@ -151,18 +151,19 @@ class LinkProxy:
         down_of: int | None = None,
     ) -> None:
         send, pending = trio.open_memory_channel[tuple[float, bytes]](IN_FLIGHT)
+        up = index is not None  # what the connecting side sends (a deaf target stops reading it)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._deliver, pending, dst, done)
             async with send:
                 try:
                     while True:
-                        await self._hold_while_dark(up=index is not None)
+                        await self._hold_while_dark(up=up)
                         size = PIECE if self.mode == "trickle" else 65536
                         data = await src.receive_some(size)
                         if not data:
                             break
                         # it went dark while we waited: what came stays here
-                        await self._hold_while_dark(up=index is not None)
+                        await self._hold_while_dark(up=up)
                         if index is not None:
                             self.bytes_up[index] += len(data)  # counted before the target can see it
                         if self.record:
