@@ -6,7 +6,10 @@ than its recipe for the sessions it serves:
 - ``quant=PATH``: the same weights in another quantization (``PATH``), while it registers
   the model it was given (say Q4_0 for a Q8_0);
 - ``skip``: its range but the last layer (a head that runs 0:1 of 0:2 passes on layer 0's output);
-- ``noise``: 1e-3 of noise added to the output of one step in a hundred;
+- ``noise``: 1e-3 of noise added to the output of one decode step in a hundred, the tenth
+  first. Decode steps alone: an audit this node runs for others is a prefill, and a rare
+  cheat spent on one (it is outvoted there, not caught) left the next for a hundred steps
+  later, which a cheater that routes seldom choose may not reach in the test's requests;
 - ``replay``: a prefill chunk's output taken from an earlier session's chunk of the same
   length at the same positions, in place of its own;
 - ``share=R``: 1e-3 of noise on every output of a share ``R`` of its sessions, decided when
@@ -39,7 +42,7 @@ class CheatingEngine:
         self._honest = honest
         self._cheat = cheat
         self._how = how
-        self._steps = 0
+        self._decode_steps = 0  # steps of one row a session (``noise``)
         self._noise = np.random.default_rng(7)
         self._chunks: dict[tuple[int, int], np.ndarray] = {}  # (rows, first position) -> an output seen
         self._share = float(how.partition("=")[2]) if how.startswith("share=") else 0.0
@@ -54,7 +57,6 @@ class CheatingEngine:
         """One batch, computed the cheater's way."""
         engine = self._cheat if self._cheat is not None else self._honest
         result = engine.run(rows, **kwargs)
-        self._steps += 1
         if result.hidden is None:
             return result
         if self._share:
@@ -68,7 +70,10 @@ class CheatingEngine:
                 noise = self._noise.standard_normal(result.hidden.shape).astype(np.float32) * 1e-3
                 return attrs.evolve(result, hidden=result.hidden + noise * mask[:, None])
             return result
-        if self._how == "noise" and self._steps % 100 == 50:
+        if self._how == "noise" and len(np.unique(rows.seq_ids)) == len(rows):
+            self._decode_steps += 1
+            if self._decode_steps % 100 != 10:
+                return result
             noise = self._noise.standard_normal(result.hidden.shape).astype(np.float32) * 1e-3
             return attrs.evolve(result, hidden=result.hidden + noise)
         if self._how == "replay" and len(set(rows.seq_ids.tolist())) == 1 and len(rows) > 1:
