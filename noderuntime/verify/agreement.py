@@ -141,12 +141,22 @@ def check_agreement(
 
 
 def perplexity(logits: np.ndarray, tokens: np.ndarray) -> float:
-    """exp of the mean negative log-likelihood of ``tokens[1:]`` under ``logits[:-1]``."""
+    """exp of the mean negative log-likelihood of ``tokens[1:]`` under ``logits[:-1]``.
+
+    A row's negative log-likelihood is its log-sum-exp less the next token's logit: the
+    exponentials in the logits' float32, summed in float64, with no float64 copy of the row
+    (768 positions of a 262k vocabulary: 0.32-0.35 s against 0.70-0.97 s for the float64
+    log-softmax of every entry, on one core; the two perplexities agree to 5e-9 relative).
+    """
     n = len(logits) - 1
     nll = np.empty(n, np.float64)
     for first in range(0, n, _ROWS):
         rows = np.arange(first, min(n, first + _ROWS))
-        nll[rows] = -log_softmax(logits[rows])[np.arange(len(rows)), tokens[rows + 1]]
+        block = logits[rows]
+        top = block.max(axis=1, keepdims=True)
+        total = np.exp(block - top).sum(axis=1, dtype=np.float64)
+        chosen = block[np.arange(len(rows)), tokens[rows + 1]].astype(np.float64)
+        nll[rows] = np.log(total) + top[:, 0].astype(np.float64) - chosen
     return float(np.exp(nll.mean()))
 
 
