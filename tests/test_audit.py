@@ -4,7 +4,7 @@ A real swarm of a tiny random Qwen3 (4 layers, two ranges): a tracker, a gateway
 audits every session (``--audit-rate 1``), two honest nodes for the first range and three
 for the second; the first honest node is the tracker's referee. Each test starts one cheater
 for the first range (``tests/cheating_node.py``: another quantization, a skipped layer, noise
-on one step in a hundred, another session's activations replayed), sends requests until the
+on one decode step in a hundred, another session's activations replayed), sends requests until the
 tracker has excluded it (two auditors and the referee agreeing), and checks what everyone
 says: the tracker's reason, the gateway's ledger (the cheater's records of the audited
 request disputed), and that no honest node was ever judged against.
