@@ -98,22 +98,11 @@ def _beat(me: Any) -> dict[str, Any]:
 
 def _usage(me: Any, node_id: bytes, session: str, *, audit: bool, output: str) -> dict[str, Any]:
     """A usage record for layers 0:10 of ``session`` that says ``node_id`` gave out ``output``, signed by ``me``."""
-    from noderuntime.testing.usage import signed_usage
-    from noderuntime.tracker.messages import RecordJSON
+    from noderuntime.testing.usage import reported_usage
 
-    record = signed_usage(
-        me,
-        node_id=node_id,
-        layers=(0, 10),
-        session=session,
-        artifact="00" * 32,
-        audit=audit,
-        input_rows=5,
-        input_digest="11" * 32,
-        output_rows=5,
-        output_digest=output,
+    return reported_usage(
+        me, node_id=node_id, layers=(0, 10), session=session, artifact="00" * 32, audit=audit, output=output
     )
-    return RecordJSON.of(record).model_dump()
 
 
 class _Attack:

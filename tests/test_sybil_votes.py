@@ -19,12 +19,11 @@ from noderuntime.control.admission import (
     ProbeAnswer,
     ProbeReferences,
 )
-from noderuntime.testing.usage import signed_usage
+from noderuntime.testing.usage import reported_usage
 from noderuntime.tracker.audits import (
     auditor_weight,
     network_prefix,
 )
-from noderuntime.tracker.messages import RecordJSON
 from noderuntime.tracker.records import NodeRecord
 from noderuntime.tracker.registry import TrackerState
 from tests.adversary_swarm import ARTIFACT, RECIPE, Swarm, beat, open_swarm, shaped_artifact
@@ -179,21 +178,9 @@ async def test_a_client_cannot_steer_its_audits_to_auditors_of_its_choosing() ->
         assert (await audit(ticket, [])).status_code == 503  # every other node has audited it
 
 
-def usage(me: Identity, session: str, *, audit: bool, output: str) -> dict[str, str]:
-    """A usage record signed by ``me`` for layers 0:30 of ``session`` (hex): it took in the same rows as
-    every other record here, and gave out ``output`` (a digest)."""
-    record = signed_usage(
-        me,
-        layers=(0, 30),
-        session=session,
-        artifact=ARTIFACT,
-        audit=audit,
-        input_rows=5,
-        input_digest="11" * 32,
-        output_rows=5,
-        output_digest=output,
-    )
-    return RecordJSON.of(record).model_dump()
+def usage(me: Identity, session: str, *, audit: bool, output: str) -> dict[str, Any]:
+    """A usage record signed by ``me`` for layers 0:30 of ``session`` (hex) that gave out ``output``."""
+    return reported_usage(me, layers=(0, 30), session=session, artifact=ARTIFACT, audit=audit, output=output)
 
 
 HONEST_ROWS, FORGED_ROWS = "22" * 32, "33" * 32

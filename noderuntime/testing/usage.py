@@ -7,6 +7,7 @@ from typing import Any
 
 from noderuntime.access.identity import Identity
 from noderuntime.control.ledger import USAGE_DOMAIN, UsageBody
+from noderuntime.tracker.messages import RecordJSON
 from protocol import UsageRecord
 
 
@@ -42,3 +43,30 @@ def signed_usage(
         **commitments,
     ).encode()
     return UsageRecord(body, node, signer.sign(USAGE_DOMAIN, body))
+
+
+def reported_usage(
+    signer: Identity,
+    *,
+    layers: tuple[int, int],
+    session: str,
+    artifact: str,
+    audit: bool,
+    output: str,
+    node_id: bytes | None = None,
+) -> dict[str, Any]:
+    """A record as an audit report carries it (JSON): it took in the rows every such record takes in
+    and gave out ``output`` (a digest); signed as :func:`signed_usage` signs."""
+    record = signed_usage(
+        signer,
+        layers=layers,
+        session=session,
+        artifact=artifact,
+        audit=audit,
+        node_id=node_id,
+        input_rows=5,
+        input_digest="11" * 32,
+        output_rows=5,
+        output_digest=output,
+    )
+    return RecordJSON.of(record).model_dump()
