@@ -9,7 +9,7 @@ than its recipe for the sessions it serves:
 - ``noise``: 1e-3 of noise added to the output of one decode step in a hundred, the tenth
   first. Decode steps alone: an audit this node runs for others is a prefill, and a rare
   cheat spent on one (it is outvoted there, not caught) left the next for a hundred steps
-  later, which a cheater that routes seldom choose may not reach in the test's requests;
+  later, which a cheater that routes seldom take may not reach in the test's requests;
 - ``replay``: a prefill chunk's output taken from an earlier session's chunk of the same
   length at the same positions, in place of its own;
 - ``share=R``: 1e-3 of noise on every output of a share ``R`` of its sessions, decided when

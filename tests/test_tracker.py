@@ -339,7 +339,8 @@ async def test_a_node_the_tracker_counts_full_heartbeats_as_soon_as_a_slot_frees
         with trio.fail_after(10):
             while link.heartbeats < 2:
                 await trio.sleep(0.01)
-        assert link.early_heartbeats == 1 and tracker.state.nodes[me.node_id].free_slots == 2
+        assert link.early_heartbeats == 1 and link.heartbeats == 2
+        assert tracker.state.nodes[me.node_id].free_slots == 2
         nursery.cancel_scope.cancel()
 
 
