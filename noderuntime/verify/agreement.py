@@ -49,14 +49,8 @@ def route_logits(
     recipe = Recipe(
         n_threads=_team(threads), n_ctx_per_seq=context, n_seq_max=1, n_batch=_CHUNK, n_ubatch=_CHUNK, kv_type=kv_type
     )
-    out = []
     with ProcessChain(model, ranges_from_cuts(cuts), recipe) as chain:
-        for first in range(0, n, _CHUNK):
-            rows = np.arange(first, min(n, first + _CHUNK), dtype=np.int32)
-            result = chain.step(np.zeros(len(rows), np.int32), rows, np.ones(len(rows), bool), tokens[rows])
-            assert result.logits is not None  # the tail of a chain always returns logits
-            out.append(result.logits)
-    return np.concatenate(out)
+        return chain.teacher_forced(tokens, _CHUNK)
 
 
 _ROWS = 16  # positions a block: float64 temporaries of a 262k vocabulary stay near 34 MB each

@@ -40,17 +40,6 @@ def recipe_for(n_tokens: int, *, threads: int = 2, device: str = "cpu") -> Recip
     return Recipe(n_threads=threads, n_ctx_per_seq=context, n_seq_max=1, n_batch=512, n_ubatch=512, device=device)
 
 
-def teacher_forced(chain: ProcessChain, tokens: np.ndarray) -> np.ndarray:
-    """The logits of every position of ``tokens`` (sequence 0, from position 0) through ``chain``."""
-    out = []
-    for first in range(0, len(tokens), CHUNK):
-        rows = np.arange(first, min(len(tokens), first + CHUNK), dtype=np.int32)
-        result = chain.step(np.zeros(len(rows), np.int32), rows, np.ones(len(rows), bool), tokens[rows])
-        assert result.logits is not None  # the tail of a chain always returns logits
-        out.append(result.logits)
-    return np.concatenate(out)
-
-
 def greedy_decode(chain: ProcessChain, start: int, token: int, steps: int) -> dict[str, Any]:
     """``steps`` greedy decode steps of sequence 0 from position ``start``: tokens, and tok/s per shard and route."""
     before = list(chain.seconds)
@@ -103,11 +92,11 @@ def check_mixed_route(
     # differs by device, and the GPU recipe certified must be the one `up` runs there
     recipes = [recipe_for(cells, threads=threads, device=device) for device in devices]
     with ProcessChain(model, [LayerRange(0, info.n_layer)], cpu) as whole:
-        reference = teacher_forced(whole, ids)
+        reference = whole.teacher_forced(ids, CHUNK)
         whole_decode = greedy_decode(whole, len(ids), int(np.argmax(reference[-1])), decode_steps)
         cpu_fingerprint = whole.info[0]["fingerprint"]
     with ProcessChain(model, ranges, cpu, recipes=recipes, runtimes=runtimes) as chain:
-        ours = teacher_forced(chain, ids)
+        ours = chain.teacher_forced(ids, CHUNK)
         route_decode = greedy_decode(chain, len(ids), int(np.argmax(ours[-1])), decode_steps)
         shards = [
             {
@@ -126,7 +115,7 @@ def check_mixed_route(
         index = next(i for i, device in enumerate(devices) if device != "cpu")
         recipe = recipes[index]
         with ProcessChain(model, [LayerRange(0, info.n_layer)], recipe, runtime=runtimes[index]) as alone:
-            whole_device = {"device": devices[index], **compare_logits(reference, teacher_forced(alone, ids))}
+            whole_device = {"device": devices[index], **compare_logits(reference, alone.teacher_forced(ids, CHUNK))}
     gpu = sorted({s["fingerprint"] for s in shards if s["device"] != "cpu"})
     if any(s["fingerprint"] != cpu_fingerprint for s in shards if s["device"] == "cpu") or len(gpu) != 1:
         raise ValueError(f"expected CPU shards of recipe {cpu_fingerprint} and one GPU recipe, got {shards}")
@@ -150,4 +139,4 @@ def check_mixed_route(
     }
 
 
-__all__ = ["check_mixed_route", "greedy_decode", "recipe_for", "teacher_forced"]
+__all__ = ["check_mixed_route", "greedy_decode", "recipe_for"]
