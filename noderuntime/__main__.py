@@ -12,6 +12,10 @@ import sys
 
 def run() -> int:
     """Run the command named in ``sys.argv``."""
+    # httpx imports its own command-line client (rich, click, pygments) wherever they are
+    # installed: 40-70 ms of CPU at every start, for a client no command runs. An import
+    # that finds None here fails, and httpx falls back to a stub for that case
+    sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
     argv = sys.argv[1:]
     words = [a for a in argv if a not in ("-v", "--verbose")]
     if words[:1] == ["tracker"] and not {"-h", "--help"} & set(argv):
