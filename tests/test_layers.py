@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import functools
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,10 @@ def _imports(name: str, path: Path) -> set[str]:
     return out
 
 
-GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+@functools.cache
+def _graph() -> dict[str, set[str]]:
+    """Each module's imports, parsed at first use: not again in every worker that collects the suite (1 s)."""
+    return {name: _imports(name, path) for name, path in MODULES.items()}
 
 
 def _cycles() -> list[list[str]]:
@@ -64,10 +68,10 @@ def _cycles() -> list[list[str]]:
     stack: list[str] = []
     on_stack: set[str] = set()
     found: list[list[str]] = []
-    for start in GRAPH:
+    for start in _graph():
         if start in index:
             continue
-        work = [(start, iter(sorted(GRAPH[start] & GRAPH.keys())))]
+        work = [(start, iter(sorted(_graph()[start] & _graph().keys())))]
         index[start] = low[start] = len(index)
         stack.append(start)
         on_stack.add(start)
@@ -79,7 +83,7 @@ def _cycles() -> list[list[str]]:
                     index[child] = low[child] = len(index)
                     stack.append(child)
                     on_stack.add(child)
-                    work.append((child, iter(sorted(GRAPH[child] & GRAPH.keys()))))
+                    work.append((child, iter(sorted(_graph()[child] & _graph().keys()))))
                 elif child in on_stack:
                     low[node] = min(low[node], index[child])
                 continue
@@ -105,7 +109,7 @@ def test_no_import_cycle_among_the_projects_modules() -> None:
 
 def test_packages_import_one_way() -> None:
     packages: dict[str, set[str]] = collections.defaultdict(set)
-    for name, imported in GRAPH.items():
+    for name, imported in _graph().items():
         packages[name.split(".")[0]] |= {i.split(".")[0] for i in imported}
     assert packages["protocol"].isdisjoint({"noderuntime", "benchmarks", "trio", "grpclib", "llama_cpp", "asyncio"})
     assert "benchmarks" not in packages["noderuntime"] and "tests" not in packages["noderuntime"]
@@ -121,10 +125,10 @@ def test_the_relay_imports_protocol_and_transport_pieces_never_the_engine_node_o
         if name in reached:
             continue
         reached.add(name)
-        todo += [i for i in GRAPH[name] if i in MODULES]
+        todo += [i for i in _graph()[name] if i in MODULES]
     project = {name for name in reached if name in MODULES}
     assert all(name.startswith(allowed) for name in project), sorted(n for n in project if not n.startswith(allowed))
-    foreign = {i for name in project for i in GRAPH[name] if i not in MODULES}
+    foreign = {i for name in project for i in _graph()[name] if i not in MODULES}
     assert foreign.isdisjoint({"llama_cpp", "torch", "transformers", "noderuntime"}), sorted(foreign)
     # and nothing grpc: the relay speaks websockets only
     assert not any(name.startswith("noderuntime.transport.grpc") for name in project)
@@ -143,7 +147,7 @@ GRPC = "noderuntime.transport.grpc"
 )
 def test_one_module_or_package_imports_each_foreign_runtime(library: str, owner: str) -> None:
     """Only ``owner``, a module or the modules of a package, imports ``library`` in noderuntime."""
-    importers = {name for name, imported in GRAPH.items() if library in imported and name.startswith("noderuntime")}
+    importers = {name for name, imported in _graph().items() if library in imported and name.startswith("noderuntime")}
     owned = {name for name in MODULES if name == owner or name.startswith(owner + ".")}
     assert importers and importers <= owned, sorted(importers - owned)
 
@@ -157,7 +161,7 @@ def _package(module: str) -> str:
 def test_packages_of_the_runtime_import_one_way() -> None:
     """No two of noderuntime's packages import each other, at any distance: a layer cake."""
     edges: dict[str, set[str]] = collections.defaultdict(set)
-    for name, imported in GRAPH.items():
+    for name, imported in _graph().items():
         edges[_package(name)] |= {_package(i) for i in imported if i in MODULES and _package(i) != _package(name)}
 
     def reaches(start: str, goal: str) -> bool:
