@@ -6,9 +6,13 @@ import json
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from noderuntime.engine.llama import Recipe
+from noderuntime.models.artifacts import LayerRange
 from noderuntime.verify.parity import check_parity
+from noderuntime.verify.procchain import ChainError, ProcessChain
 
 pytestmark = pytest.mark.slow
 
@@ -70,3 +74,31 @@ def test_check_parity_cli_rejects_bad_cuts(tiny_model: Path, python: str, cli_en
         )
         assert done.returncode == status, done.stderr
         assert said in done.stderr
+
+
+def test_a_teacher_forced_pass_is_the_steps_logits_and_a_failed_write_is_the_drivers_error(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The tail writes a pass's logits into a file at each step's offset, and they are what
+    the same steps return through the pipe; a tail that cannot write answers an error, and
+    the chain serves on."""
+    recipe = Recipe(n_threads=1, n_ctx_per_seq=256, n_seq_max=1, n_batch=64, n_ubatch=64)
+    tokens = np.random.default_rng(3).integers(1, 200, 19).astype(np.int32)
+    with ProcessChain(tiny_model, [LayerRange(0, 1), LayerRange(1, 4)], recipe) as chain:
+        piped = []
+        for first in range(0, len(tokens), 8):
+            rows = np.arange(first, min(len(tokens), first + 8), dtype=np.int32)
+            output = chain.step(np.zeros(len(rows), np.int32), rows, np.ones(len(rows), bool), tokens[rows])
+            assert output.logits is not None
+            piped.append(output.logits)
+        chain.remove_sequence(0)
+        written = chain.teacher_forced(tokens, 8)
+        chain.remove_sequence(0)
+        rows = np.arange(4, dtype=np.int32)
+        with pytest.raises(ChainError, match="cannot write the logits"):
+            gone = (str(tmp_path / "gone" / "logits"), 0)
+            chain.step(np.zeros(4, np.int32), rows, np.ones(4, bool), tokens[rows], into=gone)
+        chain.remove_sequence(0)
+        again = chain.teacher_forced(tokens, 8)
+    assert written.shape == (len(tokens), chain.info[-1]["n_vocab"])
+    assert np.array_equal(written, np.concatenate(piped)) and np.array_equal(again, written)

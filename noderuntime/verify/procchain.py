@@ -100,9 +100,13 @@ def _worker(
             logits = result.logits
             if into is not None and logits is not None:
                 path, offset = into
-                with open(path, "r+b") as file:
-                    file.seek(offset)
-                    np.ascontiguousarray(logits).tofile(file)
+                try:
+                    with open(path, "r+b") as file:
+                        file.seek(offset)
+                        np.ascontiguousarray(logits).tofile(file)
+                except OSError as exc:  # a full disk, say: the driver's error, not this process's end
+                    conn.send(("error", f"cannot write the logits to {path}: {exc}"))
+                    continue
                 logits = None
             conn.send(("ok", ShardOutput(result.hidden, logits, result.seconds)))
 
