@@ -206,7 +206,7 @@ class ProcessChain:
         return result
 
     def teacher_forced(self, tokens: np.ndarray, chunk: int) -> np.ndarray:
-        """The logits of every position of ``tokens`` (sequence 0, from position 0), ``chunk`` rows a step.
+        """The logits of every position of ``tokens`` (sequence 0, from position 0), ``chunk`` rows a step, read-only.
 
         The tail writes them into a file, in memory where the system has room for them
         there, and the driver maps it once at the end: 768 positions of a 262k vocabulary
