@@ -68,10 +68,11 @@ def _cycles() -> list[list[str]]:
     stack: list[str] = []
     on_stack: set[str] = set()
     found: list[list[str]] = []
-    for start in _graph():
+    graph = _graph()
+    for start in graph:
         if start in index:
             continue
-        work = [(start, iter(sorted(_graph()[start] & _graph().keys())))]
+        work = [(start, iter(sorted(graph[start] & graph.keys())))]
         index[start] = low[start] = len(index)
         stack.append(start)
         on_stack.add(start)
@@ -83,7 +84,7 @@ def _cycles() -> list[list[str]]:
                     index[child] = low[child] = len(index)
                     stack.append(child)
                     on_stack.add(child)
-                    work.append((child, iter(sorted(_graph()[child] & _graph().keys()))))
+                    work.append((child, iter(sorted(graph[child] & graph.keys()))))
                 elif child in on_stack:
                     low[node] = min(low[node], index[child])
                 continue

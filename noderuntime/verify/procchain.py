@@ -216,14 +216,15 @@ class ProcessChain:
         n = len(tokens)
         if n == 0:
             raise ValueError("no tokens to run")
-        size = n * int(self.info[-1]["n_vocab"]) * np.dtype(np.float32).itemsize
-        with tempfile.TemporaryDirectory(prefix="procchain-", dir=_shared_dir(size)) as tmp:
+        width = int(self.info[-1]["n_vocab"])
+        row_bytes = width * np.dtype(np.float32).itemsize
+        with tempfile.TemporaryDirectory(prefix="procchain-", dir=_shared_dir(n * row_bytes)) as tmp:
             path = os.path.join(tmp, "logits")
             open(path, "wb").close()
             for first in range(0, n, chunk):
                 rows = np.arange(first, min(n, first + chunk), dtype=np.int32)
                 seq_ids, outputs = np.zeros(len(rows), np.int32), np.ones(len(rows), bool)
-                self.step(seq_ids, rows, outputs, tokens[rows], into=(path, os.path.getsize(path)))
+                self.step(seq_ids, rows, outputs, tokens[rows], into=(path, first * row_bytes))
             with open(path, "rb") as file:
                 # the page table filled in one call, not a fault a page later; the mapping
                 # outlives the file's name. (Read into an array of the driver's own instead,
@@ -231,7 +232,7 @@ class ProcessChain:
                 flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
                 pages = mmap.mmap(file.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
         logits: np.ndarray = np.frombuffer(pages, dtype=np.float32)
-        return logits.reshape(n, -1)
+        return logits.reshape(n, width)
 
     def remove_sequence(self, seq_id: int) -> None:
         """Drop a sequence's KV on every shard."""
