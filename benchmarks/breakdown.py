@@ -13,9 +13,11 @@ monotonic clock), then:
   head's admission, each node's prefill ticks, the first token's way back, the SSE chunk;
 - **each token after**: at 1 and 8 clients, the node's ticks (engine time; the rest of the
   tick: the hop to the engine thread and back, and with co-located nodes the wait for the
-  turn on the cores; time between ticks) and CPU seconds per token of every
-  process; with ``--profile DIR``, a py-spy flame graph (SVG) and a table of the hottest
-  frames of each process at 8 clients.
+  turn on the cores; time between ticks) and CPU seconds per token of every process and
+  of each of its threads, user and system time apart (Python and the engine count as
+  user time; syscalls, the socket writes and the wake-ups they cause as system time);
+  with ``--profile DIR``, a py-spy flame graph (SVG) and a table of the hottest frames of
+  each process at 8 clients.
 
 Medians, in milliseconds. The JSON holds the stage table, the tick split and the frames.
 """
@@ -170,6 +172,54 @@ def _hottest(raw: Path, top: int = 25) -> list[dict[str, Any]]:
     ]
 
 
+def thread_cpu(pids: dict[str, int]) -> dict[str, dict[str, tuple[str, float, float]]]:
+    """Each process's live threads: by thread id, its name and its CPU seconds so far, user and system.
+
+    The process's first thread is named ``main`` (trio's, in every process of the project);
+    the others go by the names the kernel knows them by
+    (:mod:`noderuntime.operations.threadnames`): ``grpc-asyncio``, ``engine`` with its OpenMP
+    team, trio's worker threads all as ``trio workers``.
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, dict[str, tuple[str, float, float]]] = {}
+    for name, pid in pids.items():
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue  # the process has ended
+        threads = out[name] = {}
+        for tid in tids:
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue  # the thread ended while listed
+            # "tid (comm) state ...": the name may hold spaces and parentheses, the fields after it not
+            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            label = "main" if tid == str(pid) else "trio workers" if comm.startswith("Trio thread") else comm
+            threads[tid] = (label, int(fields[11]) / tick, int(fields[12]) / tick)  # utime, stime: fields 14, 15
+    return out
+
+
+def _per_token(
+    before: dict[str, dict[str, tuple[str, float, float]]],
+    after: dict[str, dict[str, tuple[str, float, float]]],
+    tokens: int,
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Milliseconds of user and system CPU a token, per process and thread name, between two
+    :func:`thread_cpu` readings: of the threads alive at the second (a thread that ended between
+    them is missing, which the process's own total, :func:`benchmarks.serving.cpu_seconds`, holds)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name, threads in after.items():
+        for tid, (label, user, system) in threads.items():
+            _, user_was, system_was = before.get(name, {}).get(tid, (label, 0.0, 0.0))
+            if user - user_was or system - system_was:
+                split = out.setdefault(name, {}).setdefault(label, {"user_ms": 0.0, "system_ms": 0.0})
+                split["user_ms"] += (user - user_was) / tokens * 1e3
+                split["system_ms"] += (system - system_was) / tokens * 1e3
+    return out
+
+
 def _profile(pids: dict[str, int], seconds: float, directory: Path) -> list[subprocess.Popen[bytes]]:
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     procs = []
@@ -216,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     model = models.pull(models.DEMO_MODEL, progress=False)
     info = artifacts.inspect(model)
     singles = 5 if args.quick else 12
+    # requests per client: one client's tokens are few, and a thread's CPU is counted in 10 ms ticks
+    requests = {1: 1 if args.quick else 8, 8: 1 if args.quick else 2}
     max_tokens = 24 if args.quick else 64
     figures: dict[str, Any] = {"lane": args.lane}
     with tempfile.TemporaryDirectory() as tmp:
@@ -243,22 +295,22 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(singles):
                 singles_done.append(trio.run(serving.stream_chat, url, model_id, PROMPTS[i % len(PROMPTS)], max_tokens))
             cpu: dict[str, Any] = {}
+            by_thread: dict[str, Any] = {}
             for clients in (1, 8):
-                before = cpu_seconds(pids)
+                before, threads_before = cpu_seconds(pids), thread_cpu(pids)
                 spies = []
                 if args.profile is not None and clients == 8:
                     args.profile.mkdir(parents=True, exist_ok=True)
                     spies = _profile(pids, 10 if args.quick else 20, args.profile)
                 start = time.perf_counter_ns()
-                done = trio.run(serving.run_clients, url, model_id, clients, 1 if args.quick else 2, max_tokens)[
-                    "results"
-                ]
+                done = trio.run(serving.run_clients, url, model_id, clients, requests[clients], max_tokens)["results"]
                 windows[str(clients)] = (start, time.perf_counter_ns())
-                after = cpu_seconds(pids)
+                after, threads_after = cpu_seconds(pids), thread_cpu(pids)
                 for spy in spies:
                     spy.wait(120)
                 tokens = max(1, sum(len(r["arrivals"]) for r in done))
                 cpu[str(clients)] = {name: (after[name] - before[name]) / tokens * 1e3 for name in pids}
+                by_thread[str(clients)] = _per_token(threads_before, threads_after, tokens)
         finally:
             system.stop()
         read = timeline.read(records)
@@ -269,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         generations = [(_ns(r["started"]), _ns(r["arrivals"][-1])) for r in singles_done if r["arrivals"]]
         figures["decode_token_path"] = tokenpath.token_stages(read, "grpc", generations)
     figures["cpu_ms_per_token"] = cpu
+    figures["cpu_ms_per_token_by_thread"] = by_thread
     figures["ticks"] = {
         clients: {node: tick_split(kinds[node], *window) for node in sorted(kinds) if node.startswith("node")}
         for clients, window in windows.items()
@@ -284,7 +337,13 @@ def main(argv: list[str] | None = None) -> int:
         args,
         Recipe(n_threads=2, n_ctx_per_seq=1024).describe(info.quant),
         figures,
-        settings={"lane": args.lane, "single_requests": singles, "max_tokens": max_tokens, "slots": 16},
+        settings={
+            "lane": args.lane,
+            "single_requests": singles,
+            "requests_per_client": requests,
+            "max_tokens": max_tokens,
+            "slots": 16,
+        },
     )
     print(_common.table(["stage", "ms (p50)"], list(figures["first_token"]["stages_ms"].items())))
     print(f"TTFT p50 {figures['first_token']['ttft_ms']:.1f} ms over {figures['first_token']['requests']} requests")
@@ -297,6 +356,12 @@ def main(argv: list[str] | None = None) -> int:
         for node, split in nodes.items():
             print(f"{clients} clients, {node}: {split}")
         print(f"{clients} clients, CPU ms per token: {cpu[clients]}")
+        rows = [
+            [clients, name, label, split["user_ms"], split["system_ms"]]
+            for name, threads in by_thread[clients].items()
+            for label, split in sorted(threads.items())
+        ]
+        print(_common.table(["clients", "process", "thread", "user ms/token", "system ms/token"], rows))
     print(f"\nwrote {path}")
     return 0
 

@@ -1,16 +1,20 @@
-"""The opt-in timeline: what it records in one process, and a decode token followed round a real route."""
+"""The opt-in timeline: what it records in one process, and a decode token followed round a real route;
+and a process's CPU split by thread, as the kernel names and counts them (both read by ``benchmarks.breakdown``)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from benchmarks.breakdown import _per_token, thread_cpu
 from benchmarks.tokenpath import token_stages
 from noderuntime.operations import timeline
+from noderuntime.operations.threadnames import name_this_thread
 from noderuntime.seams.client import GenerationRequest
 from noderuntime.seams.dialer import open_dialer
 from noderuntime.testing.clusters import running_cluster
@@ -80,3 +84,42 @@ async def test_every_decode_token_is_followed_round_a_two_process_route(
         assert set(stages["grpclib_send_us"]) == {"head", "tail"}
     else:
         assert stages["grpclib_send_us"] == {}
+
+
+def test_a_named_threads_cpu_is_counted_under_its_name_and_the_main_threads_apart() -> None:
+    started, stop = threading.Event(), threading.Event()
+
+    def burn() -> None:
+        name_this_thread("burner-thread-with-a-long-name")
+        started.set()
+        while not stop.is_set():
+            sum(range(1000))  # user time
+
+    pids = {"me": os.getpid()}
+    before = thread_cpu(pids)
+    worker = threading.Thread(target=burn)
+    worker.start()
+    try:
+        assert started.wait(5)
+        with open(f"/proc/self/task/{worker.native_id}/comm") as comm:
+            assert comm.read().strip() == "burner-thread-w"  # the kernel keeps 15 bytes
+        time.sleep(0.3)
+        during = thread_cpu(pids)
+    finally:
+        stop.set()
+        worker.join()
+    label, user, system = during["me"][str(worker.native_id)]
+    assert label == "burner-thread-w" and user >= 0.1  # it ran for 0.3 s, in user time
+    assert during["me"][str(os.getpid())][0] == "main"
+    split = _per_token(before, during, tokens=10)["me"]["burner-thread-w"]
+    assert split == {"user_ms": user * 100, "system_ms": system * 100}
+    # a thread that ended between two readings counts for nothing, not less than nothing
+    after = thread_cpu(pids)
+    assert str(worker.native_id) not in after["me"]
+    assert "burner-thread-w" not in _per_token(during, after, tokens=10).get("me", {})
+
+
+def test_a_process_that_ended_is_left_out() -> None:
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    assert thread_cpu({"ended": ended.pid}) == {}

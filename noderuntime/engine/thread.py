@@ -33,6 +33,7 @@ import outcome
 import trio
 
 from noderuntime.engine.cores import CoreTurns
+from noderuntime.operations.threadnames import name_this_thread
 
 _T = TypeVar("_T")
 
@@ -95,6 +96,7 @@ class EngineThread:
             self._jobs.put(None)
 
     def _serve(self) -> None:
+        name_this_thread(self.name)  # before the engine's first call starts its OpenMP team, which inherits it
         try:
             while True:
                 job = self._jobs.get()

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from noderuntime.operations.threadnames import name_this_thread
 from noderuntime.transport.base import StreamClosed, TransportError
 
 PIPE_CAPACITY = 8  # frames a pipe holds before its producer waits
@@ -41,6 +42,7 @@ class AsyncioThread:
             return found
 
     def _run(self) -> None:
+        name_this_thread("grpc-asyncio")
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
