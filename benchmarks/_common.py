@@ -36,11 +36,12 @@ def out_path(name: str, args: argparse.Namespace) -> Path:
 
 
 def cache_dir(name: str) -> Path:
-    """Where benchmark ``name`` keeps what it makes once (large model files): the user cache
-    directory's ``noderuntime/benchmarks/NAME``, outside the clone, as the pulled models are."""
-    import platformdirs
+    """Where benchmark ``name`` keeps what it makes once (large model files): ``benchmarks/NAME``
+    beside the pulled models' directory, outside the clone (the user cache directory's
+    ``noderuntime/``, or the parent of ``$NODERUNTIME_MODELS`` where that is set, as Gate A's lanes)."""
+    from noderuntime.models.catalogue import models_dir
 
-    return Path(platformdirs.user_cache_dir("noderuntime")) / "benchmarks" / name
+    return models_dir().parent / "benchmarks" / name
 
 
 def machine() -> dict[str, Any]:

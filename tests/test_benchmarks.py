@@ -190,3 +190,15 @@ def test_a_results_command_names_every_option_the_run_was_given() -> None:
     args = argparse.Namespace(quick=True, out="x.json", lanes="one_node,grpc_route", levels=None, tag="a b")
     expected = "python -m benchmarks.serving --quick --lanes one_node,grpc_route --tag 'a b'"
     assert _common.command("serving", args) == expected
+
+
+def test_what_a_benchmark_keeps_lies_beside_the_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import platformdirs
+
+    from benchmarks import _common
+
+    monkeypatch.delenv("NODERUNTIME_MODELS", raising=False)
+    assert _common.cache_dir("fit") == Path(platformdirs.user_cache_dir("noderuntime")) / "benchmarks" / "fit"
+    # a disk of its own for models takes the benchmarks' large files too, as it takes Gate A's lanes
+    monkeypatch.setenv("NODERUNTIME_MODELS", str(tmp_path / "models"))
+    assert _common.cache_dir("fit") == tmp_path / "benchmarks" / "fit"
