@@ -118,7 +118,11 @@ def test_every_process_exports_prometheus_metrics(client: OpenAI, system: locals
             assert _sample(_text(_process(system, name).http + "/metrics"), gauge) == 0, gauge
         assert _sample(node, "noderuntime_node_probes_total") >= 1  # the tracker probed it before routing to it
         # the head sends activations into the tail's relay seam; the tail receives them there
-        assert _sample(node, "noderuntime_seam_bytes_total", transport=seam, direction="in") > 0
+        frames = _sample(node, "noderuntime_seam_frames_total", transport=seam, direction="in")
+        assert frames > 0
+        # a frame is a header and more: its bytes outnumber its frames, each pair counted apart
+        assert _sample(node, "noderuntime_seam_bytes_total", transport=seam, direction="in") > 10 * frames
+        assert _sample(node, "noderuntime_seam_frames_total", transport=seam, direction="out") > 0
     head = _text(_process(system, "node0").http + "/metrics")
     assert _sample(head, "noderuntime_seam_round_trip_seconds_count", transport="relay") > 0
 
