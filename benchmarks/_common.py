@@ -78,6 +78,17 @@ def peak_rss(pid: int) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
+def stat_cpu(stat_file: str | Path) -> tuple[str, float, float]:
+    """A process's or thread's name and its CPU seconds so far, user and system, from its
+    ``/proc/.../stat`` file (raises ``OSError`` once it has ended)."""
+    stat = Path(stat_file).read_text()
+    # "pid (name) state ...": the name may hold spaces and parentheses, the fields after it not
+    name = stat[stat.index("(") + 1 : stat.rindex(")")]
+    fields = stat[stat.rindex(")") + 2 :].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return name, int(fields[11]) / tick, int(fields[12]) / tick  # utime and stime: the 14th and 15th fields
+
+
 def git_commit() -> str:
     """The project commit the benchmark ran on (with a ``-dirty`` mark).
 

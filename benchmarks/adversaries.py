@@ -164,8 +164,8 @@ def _rss(pid: int) -> int:
 
 def _cpu_s(pid: int) -> float:
     """User and system CPU seconds of process ``pid``."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    _, user, system = _common.stat_cpu(f"/proc/{pid}/stat")
+    return user + system
 
 
 def _honest_placement(tracker: str, artifact: str, n_layer: int) -> dict[str, Any]:

@@ -180,7 +180,6 @@ def thread_cpu(pids: dict[str, int]) -> dict[str, dict[str, tuple[str, float, fl
     (:mod:`noderuntime.operations.threadnames`): ``grpc-asyncio``, ``engine`` with its OpenMP
     team, trio's worker threads all as ``trio workers``.
     """
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, dict[str, tuple[str, float, float]]] = {}
     for name, pid in pids.items():
         try:
@@ -190,18 +189,15 @@ def thread_cpu(pids: dict[str, int]) -> dict[str, dict[str, tuple[str, float, fl
         threads = out[name] = {}
         for tid in tids:
             try:
-                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                comm, user, system = _common.stat_cpu(f"/proc/{pid}/task/{tid}/stat")
             except OSError:
                 continue  # the thread ended while listed
-            # "tid (comm) state ...": the name may hold spaces and parentheses, the fields after it not
-            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-            fields = stat[stat.rindex(")") + 2 :].split()
             label = "main" if tid == str(pid) else "trio workers" if comm.startswith("Trio thread") else comm
-            threads[tid] = (label, int(fields[11]) / tick, int(fields[12]) / tick)  # utime, stime: fields 14, 15
+            threads[tid] = (label, user, system)
     return out
 
 
-def _per_token(
+def per_token(
     before: dict[str, dict[str, tuple[str, float, float]]],
     after: dict[str, dict[str, tuple[str, float, float]]],
     tokens: int,
@@ -310,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                     spy.wait(120)
                 tokens = max(1, sum(len(r["arrivals"]) for r in done))
                 cpu[str(clients)] = {name: (after[name] - before[name]) / tokens * 1e3 for name in pids}
-                by_thread[str(clients)] = _per_token(threads_before, threads_after, tokens)
+                by_thread[str(clients)] = per_token(threads_before, threads_after, tokens)
         finally:
             system.stop()
         read = timeline.read(records)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.breakdown import _per_token, thread_cpu
+from benchmarks.breakdown import per_token, thread_cpu
 from benchmarks.tokenpath import token_stages
 from noderuntime.operations import timeline
 from noderuntime.operations.threadnames import name_this_thread
@@ -115,14 +115,14 @@ def test_a_named_threads_cpu_is_counted_under_its_name_and_the_main_threads_apar
         worker.join()
     assert label == "burner-thread-w" and user >= 0.1  # its loop runs in user time
     assert during["me"][str(os.getpid())][0] == "main"
-    split = _per_token(before, during, tokens=10)["me"]["burner-thread-w"]
+    split = per_token(before, during, tokens=10)["me"]["burner-thread-w"]
     assert split == {"user_ms": pytest.approx(user * 100), "system_ms": pytest.approx(system * 100)}
 
     # of two threads of one name, one ended between the readings: the other's CPU counts, and
     # the ended one's counts for nothing, not less than nothing
     before_two = {"p": {"1": ("main", 1.0, 0.0), "2": ("trio workers", 5.0, 0.5), "3": ("trio workers", 1.0, 0.0)}}
     after_one = {"p": {"1": ("main", 2.0, 0.0), "3": ("trio workers", 1.5, 0.25)}}
-    assert _per_token(before_two, after_one, tokens=1000) == {
+    assert per_token(before_two, after_one, tokens=1000) == {
         "p": {"main": {"user_ms": 1.0, "system_ms": 0.0}, "trio workers": {"user_ms": 0.5, "system_ms": 0.25}}
     }
 
