@@ -1,6 +1,7 @@
 """Serving: the whole stack against llama.cpp's own server, side by side, on this machine.
 
     python -m benchmarks.serving [--quick] [--out PATH]
+    python -m benchmarks.serving --table RESULT.json   # its ratios as the docs' table
 
 Lanes, all started at once on the same machine and measured one at a time, the same
 model (SmolLM2-135M Q4_1) and the same client (streaming chat, greedy, the same prompts,
@@ -308,7 +309,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--workloads", default=",".join(WORKLOADS), help="unique (no prefix to reuse), shared (one system message)"
     )
+    p.add_argument(
+        "--table", metavar="JSON", default=None, help="print a result's ratios as the docs' Markdown table; run nothing"
+    )
     args = p.parse_args(argv)
+    if args.table:
+        try:
+            result = json.loads(Path(args.table).read_text())
+            print(ratio_table(result))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            p.error(f"{args.table} is not a serving result with ratios: {exc!r}")
+        return 0
     from noderuntime.engine.llama import Recipe
     from noderuntime.models import artifacts
     from noderuntime.models import catalogue as models
@@ -417,6 +428,36 @@ def measure_levels(
                     for name in pids:
                         spent[name] += after[name] - before[name]
     return {key: summarize(runs[key], cpu[key]) for key in runs}
+
+
+# the docs' columns, in their order: what a user would run instead of llama-server
+TABLE_COLUMNS = {
+    "one_node": "one node + gateway",
+    "local_system": "local system (2 shards, relay)",
+    "grpc_route": "2 shards over gRPC",
+    "llama_cpp_python": "llama-cpp-python's server",
+}
+
+
+def ratio_table(result: dict[str, Any]) -> str:
+    """A serving result's tok/s over llama-server's as the Markdown table ``docs/performance.md`` shows.
+
+    Rows by workload, then clients; a column for each lane the run measured, two decimals.
+    The docs' tables are this function's output for the JSON they link, and a test holds them to it.
+    """
+    figures = result["figures"]["ratios_over_llama_server"]
+    levels = result["settings"]["levels"]
+    workloads = [w for w in WORKLOADS if w in figures]
+    lanes = [lane for lane in TABLE_COLUMNS if all(lane in figures[w] for w in workloads)]
+    lines = [
+        "| clients | workload | " + " | ".join(TABLE_COLUMNS[lane] for lane in lanes) + " |",
+        "| ---: | --- | " + " | ".join("---:" for _ in lanes) + " |",
+    ]
+    for workload in workloads:
+        for n in levels:
+            cells = [f"{figures[workload][lane][str(n)]['tokens_per_s']:.2f}" for lane in lanes]
+            lines.append(f"| {n} | {workload} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def ratios(figures: dict[str, Any], lanes: list[str], levels: list[int]) -> dict[str, Any]:

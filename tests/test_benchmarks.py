@@ -202,3 +202,17 @@ def test_what_a_benchmark_keeps_lies_beside_the_models(tmp_path: Path, monkeypat
     # a disk of its own for models takes the benchmarks' large files too, as it takes Gate A's lanes
     monkeypatch.setenv("NODERUNTIME_MODELS", str(tmp_path / "models"))
     assert _common.cache_dir("fit") == tmp_path / "benchmarks" / "fit"
+
+
+# the serving results whose ratios docs/performance.md shows as a table
+SERVING_TABLES = ("serving.json", "serving-epyc.json")
+
+
+@pytest.mark.parametrize("result", SERVING_TABLES)
+def test_the_docs_serving_tables_are_their_results_ratios(result: str) -> None:
+    from benchmarks.serving import ratio_table
+
+    doc = json.loads((ROOT / "benchmarks" / "results" / result).read_text())
+    docs = (ROOT / "docs" / "performance.md").read_text()
+    assert f"(../benchmarks/results/{result})" in docs, f"docs/performance.md links no {result}"
+    assert ratio_table(doc) in docs, f"the table from {result} is not in docs/performance.md as generated"
