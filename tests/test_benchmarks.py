@@ -216,3 +216,12 @@ def test_the_docs_serving_tables_are_their_results_ratios(result: str) -> None:
     docs = (ROOT / "docs" / "performance.md").read_text()
     assert f"(../benchmarks/results/{result})" in docs, f"docs/performance.md links no {result}"
     assert ratio_table(doc) in docs, f"the table from {result} is not in docs/performance.md as generated"
+
+
+def test_the_readmes_serving_figures_are_the_epyc_runs_range() -> None:
+    doc = json.loads((ROOT / "benchmarks" / "results" / "serving-epyc.json").read_text())
+    ratios = doc["figures"]["ratios_over_llama_server"]
+    readme = (ROOT / "README.md").read_text()
+    for lane, said in (("one_node", "one node"), ("local_system", "the 2-shard local system")):
+        shares = [ratios[w][lane][str(n)]["tokens_per_s"] for w in ratios for n in doc["settings"]["levels"]]
+        assert f"{said} {min(shares):.2f}–{max(shares):.2f}×" in readme, lane
