@@ -316,9 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         try:
             result = json.loads(Path(args.table).read_text())
-            print(ratio_table(result))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            p.error(f"{args.table} is not a serving result with ratios: {exc!r}")
+        except (OSError, ValueError) as exc:
+            p.error(f"cannot read {args.table}: {exc}")
+        if not _has_workload_ratios(result):
+            p.error(f"{args.table} is not a serving result with ratios by workload (one since both workloads ran)")
+        print(ratio_table(result))
         return 0
     from noderuntime.engine.llama import Recipe
     from noderuntime.models import artifacts
@@ -437,6 +439,27 @@ TABLE_COLUMNS = {
     "grpc_route": "2 shards over gRPC",
     "llama_cpp_python": "llama-cpp-python's server",
 }
+
+
+def _has_workload_ratios(result: Any) -> bool:
+    """Whether ``result`` is a serving result whose ratios are keyed by workload, lane and level."""
+    if not isinstance(result, dict) or result.get("benchmark") != NAME:
+        return False
+    figures, settings = result.get("figures"), result.get("settings")
+    if not isinstance(figures, dict) or not isinstance(settings, dict):
+        return False
+    ratios, levels = figures.get("ratios_over_llama_server"), settings.get("levels")
+    if not isinstance(ratios, dict) or not ratios or not set(ratios) <= set(WORKLOADS) or not isinstance(levels, list):
+        return False
+
+    def share(by_level: Any, n: Any) -> bool:
+        one = by_level.get(str(n)) if isinstance(by_level, dict) else None
+        return isinstance(one, dict) and isinstance(one.get("tokens_per_s"), (int, float))
+
+    return all(
+        isinstance(by_lane, dict) and all(share(by_level, n) for by_level in by_lane.values() for n in levels)
+        for by_lane in ratios.values()
+    )
 
 
 def ratio_table(result: dict[str, Any]) -> str:

@@ -225,3 +225,22 @@ def test_the_readmes_serving_figures_are_the_epyc_runs_range() -> None:
     for lane, said in (("one_node", "one node"), ("local_system", "the 2-shard local system")):
         shares = [ratios[w][lane][str(n)]["tokens_per_s"] for w in ratios for n in doc["settings"]["levels"]]
         assert f"{said} {min(shares):.2f}–{max(shares):.2f}×" in readme, lane
+
+
+def test_a_table_asked_of_a_file_that_is_no_serving_result_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks.serving import main
+
+    assert main(["--table", str(ROOT / "benchmarks" / "results" / "serving-epyc.json")]) == 0
+    assert capsys.readouterr().out.startswith("| clients | workload | one node + gateway |")
+    junk = tmp_path / "junk.json"
+    for text in ("not json", "[]", '{"benchmark": "serving", "figures": []}'):
+        junk.write_text(text)
+        with pytest.raises(SystemExit) as exited:
+            main(["--table", str(junk)])
+        assert exited.value.code == 2, text
+    # an older result, whose ratios are by lane alone (one workload), has no such table
+    with pytest.raises(SystemExit):
+        main(["--table", str(ROOT / "benchmarks" / "results" / "serving-intel.json")])
+    assert "not a serving result with ratios by workload" in capsys.readouterr().err
