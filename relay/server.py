@@ -438,6 +438,22 @@ class Relay:
 ANSWERED_REFUSALS = 64
 
 
+def served_stream(stream: trio.SocketStream, tls: ssl.SSLContext | None) -> trio.abc.Stream:
+    """What a connection is served over: ``stream`` itself, or TLS on it as HTTPS servers speak it.
+
+    HTTPS-compatible TLS (trio-websocket's own server and client use it too) sends no
+    close_notify and takes a peer's EOF without one as the end: its ``aclose`` only closes the
+    socket. That matters because trio-websocket closes a server connection's stream from two
+    tasks when close handshakes cross (its reader on the peer's close frame, and the wrapper
+    around the handler once the handler returns); two overlapping closes that each send a
+    close_notify race, and the loser's ClosedResourceError escapes the reader task and ends
+    the whole relay (seen as a relay exiting 1 at SIGTERM, nodes still closing).
+    """
+    if tls is None:
+        return stream
+    return trio.SSLStream(stream, tls, server_side=True, https_compatible=True)
+
+
 class _AdmittingListener(trio.abc.Listener[trio.abc.Stream]):
     """Passes on only the connections the relay admits; refuses the rest at once."""
 
@@ -457,7 +473,7 @@ class _AdmittingListener(trio.abc.Listener[trio.abc.Stream]):
         self._answering = 0
 
     def _wrap(self, stream: trio.SocketStream) -> trio.abc.Stream:
-        return stream if self._tls is None else trio.SSLStream(stream, self._tls, server_side=True)
+        return served_stream(stream, self._tls)
 
     async def accept(self) -> trio.abc.Stream:
         while True:

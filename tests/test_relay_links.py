@@ -26,7 +26,7 @@ from noderuntime.transport import relay_messages as messages
 from noderuntime.transport.relay_client import RelayDialer, RelayListener
 from protocol import Hop, Limits, Span, StatusCode
 from protocol.channel import MAGIC, Binding, ChannelClosed, ChannelKeys, DialerHandshake
-from relay.server import Relay, RelayLimits, serve
+from relay.server import Relay, RelayLimits, serve, served_stream
 
 UPGRADE = (
     "GET {} HTTP/1.1\r\nHost: relay\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -338,6 +338,34 @@ async def test_a_relay_over_tls_serves_and_answers_connections_over_its_caps(tmp
         assert relay.statistics().refused == {"host_handshakes": 1}
         await silent.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_tls_connection_closed_by_two_tasks_at_once_raises_in_neither(tmp_path: Path) -> None:
+    """trio-websocket closes a server connection's stream from its reader task and from the
+    wrapper around the handler when close handshakes cross: both closes must end quietly, or
+    the loser's error ends the whole relay (it did, now and then, at a relay's SIGTERM)."""
+    files = self_signed(tmp_path / "relay")
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(files.cert, files.key)
+    trusting = ssl.create_default_context(cafile=str(files.cert))
+    trusting.check_hostname = False
+    # each round is a coin toss with TLS that sends close_notify on close (about one in two
+    # rounds raised ClosedResourceError in one of the two closes): forty rounds
+    for _ in range(40):
+        ours, theirs = socket.socketpair()
+        served = served_stream(trio.SocketStream(trio.socket.from_stdlib_socket(ours)), tls)
+        peer_socket = trio.SocketStream(trio.socket.from_stdlib_socket(theirs))
+        peer = trio.SSLStream(peer_socket, trusting, https_compatible=True)
+        async with trio.open_nursery() as nursery:
+            assert isinstance(served, trio.SSLStream)
+            nursery.start_soon(served.do_handshake)
+            nursery.start_soon(peer.do_handshake)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(served.aclose)
+            nursery.start_soon(served.aclose)
+            with trio.fail_after(5):
+                assert await peer.receive_some(64) == b""  # a clean end, as trio-websocket's clients read it
+        await peer.aclose()
 
 
 async def test_connections_that_never_send_their_upgrade_hold_only_their_address_share() -> None:
