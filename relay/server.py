@@ -472,9 +472,6 @@ class _AdmittingListener(trio.abc.Listener[trio.abc.Stream]):
         self._connect_timeout = connect_timeout
         self._answering = 0
 
-    def _wrap(self, stream: trio.SocketStream) -> trio.abc.Stream:
-        return served_stream(stream, self._tls)
-
     async def accept(self) -> trio.abc.Stream:
         while True:
             stream = await self._inner.accept()
@@ -485,12 +482,12 @@ class _AdmittingListener(trio.abc.Listener[trio.abc.Stream]):
                 continue
             refusal = self._relay.admit(address, port, connect_timeout=self._connect_timeout)
             if refusal is None:
-                return self._wrap(stream)
+                return served_stream(stream, self._tls)
             # a client that gets no answer waits out its own connect timeout; a flood gets
             # only this many answers at a time (each within a second), the rest are closed
             if self._answering < ANSWERED_REFUSALS:
                 self._answering += 1
-                self._nursery.start_soon(self._answer, self._wrap(stream), *refusal)
+                self._nursery.start_soon(self._answer, served_stream(stream, self._tls), *refusal)
             else:
                 await trio.aclose_forcefully(stream)
 

@@ -311,14 +311,20 @@ async def _answer_from(address: str, port: int, request: bytes) -> bytes:
     return answer
 
 
-async def test_a_relay_over_tls_serves_and_answers_connections_over_its_caps(tmp_path: Path) -> None:
-    from trio_websocket import ConnectionRejected, open_websocket_url
-
+def _tls_contexts(tmp_path: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A relay's TLS context on a self-signed certificate, and a client's that trusts it."""
     files = self_signed(tmp_path / "relay")
     tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     tls.load_cert_chain(files.cert, files.key)
     trusting = ssl.create_default_context(cafile=str(files.cert))
     trusting.check_hostname = False
+    return tls, trusting
+
+
+async def test_a_relay_over_tls_serves_and_answers_connections_over_its_caps(tmp_path: Path) -> None:
+    from trio_websocket import ConnectionRejected, open_websocket_url
+
+    tls, trusting = _tls_contexts(tmp_path)
     relay = Relay(TicketVerifier([Identity.generate().node_id]), limits=RelayLimits(max_handshakes_per_host=1))
     async with trio.open_nursery() as nursery:
         server = await nursery.start(functools.partial(serve, relay, "127.0.0.1", 0, tls=tls))
@@ -344,11 +350,7 @@ async def test_a_tls_connection_closed_by_two_tasks_at_once_raises_in_neither(tm
     """trio-websocket closes a server connection's stream from its reader task and from the
     wrapper around the handler when close handshakes cross: both closes must end quietly, or
     the loser's error ends the whole relay (it did, now and then, at a relay's SIGTERM)."""
-    files = self_signed(tmp_path / "relay")
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    tls.load_cert_chain(files.cert, files.key)
-    trusting = ssl.create_default_context(cafile=str(files.cert))
-    trusting.check_hostname = False
+    tls, trusting = _tls_contexts(tmp_path)
     # each round is a coin toss with TLS that sends close_notify on close (about one in two
     # rounds raised ClosedResourceError in one of the two closes): forty rounds
     for _ in range(40):
@@ -366,6 +368,36 @@ async def test_a_tls_connection_closed_by_two_tasks_at_once_raises_in_neither(tm
             with trio.fail_after(5):
                 assert await peer.receive_some(64) == b""  # a clean end, as trio-websocket's clients read it
         await peer.aclose()
+
+
+async def test_strangers_whose_closes_cross_the_relays_refusals_leave_it_serving(tmp_path: Path) -> None:
+    """The attack on the race above: strangers over TLS send a control handshake the relay
+    refuses and close from their side at once, so that their close frames cross its own."""
+    tls, trusting = _tls_contexts(tmp_path)
+    relay = Relay(TicketVerifier([Identity.generate().node_id]), limits=RelayLimits(max_handshakes_per_host=64))
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(functools.partial(serve, relay, "127.0.0.1", 0, tls=tls))
+        url = f"wss://127.0.0.1:{server.port}/control"
+
+        async def stranger(k: int) -> None:
+            async with open_websocket_url(url, trusting) as ws:
+                await ws.get_message()
+                await ws.send_message(b"not a hello")
+                await trio.sleep(k % 7 * 0.0003)  # leaving the block closes from this side too
+
+        for _ in range(3):
+            async with trio.open_nursery() as strangers:
+                for k in range(20):
+                    strangers.start_soon(stranger, k)
+        assert relay.statistics().refused.get("control_handshake", 0) >= 1
+        # still serving: the next stranger is refused in words, not by a relay that is gone
+        async with open_websocket_url(url, trusting) as ws:
+            await ws.get_message()
+            await ws.send_message(b"not a hello")
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.get_message()
+        assert closed.value.reason is not None and closed.value.reason.code == messages.CLOSE_POLICY
+        nursery.cancel_scope.cancel()
 
 
 async def test_connections_that_never_send_their_upgrade_hold_only_their_address_share() -> None:
